@@ -1,0 +1,60 @@
+// Shared set-up for the local programs: device/dtype flags and the sampling defaults.
+#pragma once
+
+#include <c10/core/Device.h>
+#include <torch/cuda.h>
+
+#include <iostream>
+#include <string>
+
+#include "bench/flags.h"
+#include "engine/decoding/sampling.h"
+#include "engine/model/gpt.h"
+#include "engine/model/weights.h"
+
+namespace imagegen {
+
+inline LoadOptions LoadOptionsFromFlags(const Flags& f) {
+  LoadOptions o;
+  const std::string& dev = f.Str("device");
+  if (dev == "cuda") {
+    if (!torch::cuda::is_available()) f.Fail("--device cuda: no CUDA device available");
+    o.device = c10::Device(c10::kCUDA, 0);
+  } else if (dev != "cpu") {
+    f.Fail("--device must be cpu or cuda");
+  }
+  const std::string& dt = f.Str("dtype");
+  if (dt == "fp32") o.dtype = at::kFloat;
+  else if (dt == "bf16") o.dtype = at::kBFloat16;
+  else if (dt == "fp16") o.dtype = at::kHalf;
+  else f.Fail("--dtype must be fp32, bf16 or fp16");
+  return o;
+}
+
+// Flags left as "default" take the model's recommended values from config.json.
+inline SamplingParams SamplingFromFlags(const Flags& f, const GptConfig& c) {
+  SamplingParams p;
+  p.cfg_scale = f.Str("cfg") == "default" ? c.default_cfg_scale : f.Num("cfg");
+  p.temperature = f.Str("temperature") == "default" ? c.default_temperature : f.Num("temperature");
+  p.top_k = f.Str("top-k") == "default" ? c.default_top_k : f.Int("top-k");
+  p.top_p = f.Str("top-p") == "default" ? c.default_top_p : f.Num("top-p");
+  return p;
+}
+
+template <typename T>
+T OrDie(StatusOr<T> v) {
+  if (!v.ok()) {
+    std::cerr << "error: " << v.status().ToString() << "\n";
+    std::exit(1);
+  }
+  return std::move(v).value();
+}
+
+inline void OrDie(const Status& s) {
+  if (!s.ok()) {
+    std::cerr << "error: " << s.ToString() << "\n";
+    std::exit(1);
+  }
+}
+
+}  // namespace imagegen

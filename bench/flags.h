@@ -1,0 +1,64 @@
+// Tiny --name=value / --name value flag parser for the local programs (no Abseil in bench/,
+// which must build on GPU hosts with only LibTorch).
+#pragma once
+
+#include <cstdlib>
+#include <iostream>
+#include <map>
+#include <string>
+
+namespace imagegen {
+
+class Flags {
+ public:
+  Flags(int argc, char** argv, std::map<std::string, std::string> defaults, std::string usage)
+      : values_(std::move(defaults)), usage_(std::move(usage)) {
+    for (int i = 1; i < argc; ++i) {
+      std::string a = argv[i];
+      if (a == "-h" || a == "--help") Usage(0);
+      if (a.rfind("--", 0) != 0) Fail("unexpected argument '" + a + "'");
+      a = a.substr(2);
+      std::string value;
+      if (auto eq = a.find('='); eq != std::string::npos) {
+        value = a.substr(eq + 1);
+        a = a.substr(0, eq);
+      } else if (i + 1 < argc) {
+        value = argv[++i];
+      } else {
+        Fail("flag --" + a + " needs a value");
+      }
+      if (!values_.count(a)) Fail("unknown flag --" + a);
+      values_[a] = value;
+    }
+  }
+  const std::string& Str(const std::string& k) const { return values_.at(k); }
+  double Num(const std::string& k) const {
+    char* end = nullptr;
+    const std::string& v = values_.at(k);
+    double d = std::strtod(v.c_str(), &end);
+    if (v.empty() || *end != '\0') Fail("--" + k + " must be a number, got '" + v + "'");
+    return d;
+  }
+  int64_t Int(const std::string& k) const {
+    char* end = nullptr;
+    const std::string& v = values_.at(k);
+    long long n = std::strtoll(v.c_str(), &end, 10);
+    if (v.empty() || *end != '\0') Fail("--" + k + " must be an integer, got '" + v + "'");
+    return n;
+  }
+  [[noreturn]] void Fail(const std::string& msg) const {
+    std::cerr << "error: " << msg << "\n";
+    Usage(2);
+  }
+  [[noreturn]] void Usage(int code) const {
+    std::cerr << usage_ << "\nflags (defaults):\n";
+    for (const auto& [k, v] : values_) std::cerr << "  --" << k << " (" << v << ")\n";
+    std::exit(code);
+  }
+
+ private:
+  std::map<std::string, std::string> values_;
+  std::string usage_;
+};
+
+}  // namespace imagegen

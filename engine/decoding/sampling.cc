@@ -1,0 +1,74 @@
+#include "engine/decoding/sampling.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <limits>
+
+namespace imagegen {
+
+Status ValidateSampling(const SamplingParams& p, int64_t vocab_size) {
+  if (!std::isfinite(p.cfg_scale) || p.cfg_scale < 0 || p.cfg_scale > 100) {
+    return InvalidArgument("cfg_scale must be a finite number in [0, 100]");
+  }
+  if (!std::isfinite(p.temperature) || p.temperature < 0 || p.temperature > 100) {
+    return InvalidArgument("temperature must be a finite number in [0, 100]");
+  }
+  if (p.top_k < 0 || p.top_k > vocab_size) {
+    return InvalidArgument("top_k must be in [0, " + std::to_string(vocab_size) + "]");
+  }
+  if (!std::isfinite(p.top_p) || p.top_p <= 0 || p.top_p > 1) {
+    return InvalidArgument("top_p must be in (0, 1]");
+  }
+  return OkStatus();
+}
+
+at::Tensor CfgCombine(const at::Tensor& cond, const at::Tensor& uncond, const at::Tensor& scale) {
+  return uncond + (cond - uncond) * scale.to(cond.device(), cond.scalar_type()).unsqueeze(1);
+}
+
+at::Tensor FinalProbs(const at::Tensor& logits_in, const std::vector<SamplingParams>& params) {
+  const int64_t R = logits_in.size(0), V = logits_in.size(1);
+  std::vector<float> inv_t(R), top_p(R);
+  std::vector<int64_t> k(R);
+  bool any_k = false, any_p = false;
+  for (int64_t r = 0; r < R; ++r) {
+    inv_t[r] = static_cast<float>(1.0 / std::max(params[r].temperature, 1e-5));
+    k[r] = params[r].top_k > 0 ? std::min(params[r].top_k, V) : V;
+    any_k |= k[r] < V;
+    top_p[r] = params[r].top_p < 1.0 ? static_cast<float>(params[r].top_p)
+                                     : std::numeric_limits<float>::infinity();
+    any_p |= params[r].top_p < 1.0;
+  }
+  const auto dev = logits_in.device();
+  at::Tensor logits =
+      logits_in.to(at::kFloat) * at::tensor(inv_t).to(dev).unsqueeze(1);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  if (any_k || any_p) {
+    auto [sorted, order] = logits.sort(-1, /*descending=*/true);
+    if (any_k) {
+      at::Tensor kk = at::tensor(k).to(dev).sub(1).unsqueeze(1);
+      at::Tensor kth = sorted.gather(1, kk);  // the k-th largest; ties with it are kept
+      logits = logits.masked_fill(logits < kth, neg_inf);
+      sorted = sorted.masked_fill(sorted < kth, neg_inf);
+    }
+    if (any_p) {
+      at::Tensor cum = at::softmax(sorted, -1).cumsum(-1);
+      at::Tensor remove = cum > at::tensor(top_p).to(dev).unsqueeze(1);
+      // Shift right so the token that crosses the threshold stays, and the top token always.
+      remove = at::cat({at::zeros({R, 1}, remove.options()), remove.narrow(1, 0, V - 1)}, 1);
+      at::Tensor remove_orig = at::zeros_like(remove).scatter(1, order, remove);
+      logits = logits.masked_fill(remove_orig, neg_inf);
+    }
+  }
+  return at::softmax(logits, -1);
+}
+
+at::Tensor SampleInverseCdf(const at::Tensor& probs, const at::Tensor& uniforms) {
+  at::Tensor cum = probs.to(at::kDouble).cumsum(-1);
+  at::Tensor target = uniforms.to(cum.device(), at::kDouble).unsqueeze(1) * cum.narrow(1, cum.size(1) - 1, 1);
+  at::Tensor idx = at::searchsorted(cum, target, /*out_int32=*/false, /*right=*/true);
+  return idx.squeeze(1).clamp_max(probs.size(1) - 1);
+}
+
+}  // namespace imagegen

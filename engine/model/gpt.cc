@@ -1,0 +1,280 @@
+#include "engine/model/gpt.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+
+namespace imagegen {
+namespace {
+
+int64_t RoundUp(int64_t n, int64_t k) { return n % k == 0 ? n : n + k - n % k; }
+
+// RMSNorm as LlamaGen computes it: normalise in fp32, cast back, then scale.
+at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  at::Tensor xf = x.to(at::kFloat);
+  at::Tensor y = xf * at::rsqrt(xf.pow(2).mean({-1}, /*keepdim=*/true) + eps);
+  return y.to(x.scalar_type()) * weight;
+}
+
+// x [T, H, hd]; table [T, hd/2, 2] float32; interleaved pairs (2j, 2j+1), computed in fp32.
+at::Tensor ApplyRope(const at::Tensor& x, const at::Tensor& table) {
+  const int64_t t = x.size(0), h = x.size(1), hd = x.size(2);
+  at::Tensor xs = x.to(at::kFloat).reshape({t, h, hd / 2, 2});
+  at::Tensor c = table.select(-1, 0).unsqueeze(1);  // [T, 1, hd/2]
+  at::Tensor s = table.select(-1, 1).unsqueeze(1);
+  at::Tensor x0 = xs.select(-1, 0), x1 = xs.select(-1, 1);
+  at::Tensor out = at::stack({x0 * c - x1 * s, x1 * c + x0 * s}, -1);
+  return out.reshape({t, h, hd}).to(x.scalar_type());
+}
+
+}  // namespace
+
+int64_t GptConfig::ffn_hidden() const {
+  int64_t hidden = static_cast<int64_t>(2.0 * 4 * dim / 3);
+  if (ffn_dim_multiplier > 0) hidden = static_cast<int64_t>(ffn_dim_multiplier * hidden);
+  return RoundUp(hidden, multiple_of);
+}
+
+int64_t GptConfig::grid() const {
+  auto g = static_cast<int64_t>(std::llround(std::sqrt(static_cast<double>(block_size))));
+  return g;
+}
+
+StatusOr<GptConfig> ParseGptConfig(const Json& json, const std::string& where) {
+  JsonFields f(json, where);
+  GptConfig c;
+  ASSIGN_OR_RETURN(std::string type, f.String("type", "llamagen-gpt"));
+  if (type != "llamagen-gpt") {
+    return FailedPrecondition(where + ": 'type' is \"" + type + "\", expected \"llamagen-gpt\"");
+  }
+  ASSIGN_OR_RETURN(c.dim, f.Int("dim"));
+  ASSIGN_OR_RETURN(c.n_layer, f.Int("n_layer"));
+  ASSIGN_OR_RETURN(c.n_head, f.Int("n_head"));
+  ASSIGN_OR_RETURN(c.vocab_size, f.Int("vocab_size"));
+  ASSIGN_OR_RETURN(c.num_classes, f.Int("num_classes"));
+  ASSIGN_OR_RETURN(c.block_size, f.Int("block_size"));
+  ASSIGN_OR_RETURN(c.cls_token_num, f.Int("cls_token_num", 1));
+  ASSIGN_OR_RETURN(c.multiple_of, f.Int("multiple_of", 256));
+  ASSIGN_OR_RETURN(c.ffn_dim_multiplier, f.Number("ffn_dim_multiplier", 0));
+  ASSIGN_OR_RETURN(c.rope_base, f.Number("rope_base", 10000));
+  ASSIGN_OR_RETURN(c.norm_eps, f.Number("norm_eps", 1e-5));
+  ASSIGN_OR_RETURN(c.class_dropout_prob, f.Number("class_dropout_prob", 0.1));
+  ASSIGN_OR_RETURN(c.tokenizer, f.String("tokenizer", ""));
+  if (json.Find("class_names")) {
+    ASSIGN_OR_RETURN(c.class_names, f.StringList("class_names"));
+  }
+  if (const Json* d = json.Find("sampling_defaults"); d != nullptr) {
+    JsonFields sd(*d, where + ": sampling_defaults");
+    ASSIGN_OR_RETURN(c.default_cfg_scale, sd.Number("cfg_scale", 1.0));
+    ASSIGN_OR_RETURN(c.default_temperature, sd.Number("temperature", 1.0));
+    ASSIGN_OR_RETURN(c.default_top_k, sd.Int("top_k", 0));
+    ASSIGN_OR_RETURN(c.default_top_p, sd.Number("top_p", 1.0));
+  }
+  ASSIGN_OR_RETURN(int64_t n_kv_head, f.Int("n_kv_head", c.n_head));
+  auto bad = [&](const std::string& what) { return FailedPrecondition(where + ": " + what); };
+  if (c.dim <= 0 || c.n_layer <= 0 || c.n_head <= 0 || c.vocab_size <= 0 ||
+      c.num_classes <= 0 || c.block_size <= 0 || c.cls_token_num != 1 || c.multiple_of <= 0) {
+    return bad("dim, n_layer, n_head, vocab_size, num_classes, block_size, multiple_of must be "
+               "positive and cls_token_num must be 1 (class-conditional models)");
+  }
+  if (n_kv_head != c.n_head) return bad("'n_kv_head' != 'n_head' (GQA) is not supported");
+  if (c.dim % c.n_head != 0 || c.head_dim() % 4 != 0) {
+    return bad("'dim' / 'n_head' must be a multiple of 4 (2D RoPE)");
+  }
+  if (c.grid() * c.grid() != c.block_size) return bad("'block_size' must be a square (grid^2)");
+  if (!c.class_names.empty() && static_cast<int64_t>(c.class_names.size()) != c.num_classes) {
+    return bad("'class_names' has " + std::to_string(c.class_names.size()) +
+               " entries but 'num_classes' is " + std::to_string(c.num_classes));
+  }
+  return c;
+}
+
+at::Tensor RopeTable2d(int64_t grid, int64_t head_dim, double base, int64_t cls_token_num) {
+  const int64_t half = head_dim / 2, quarter = half / 2;
+  at::Tensor table = at::zeros({cls_token_num + grid * grid, half, 2}, at::kDouble);
+  auto acc = table.accessor<double, 3>();
+  for (int64_t r = 0; r < grid; ++r) {
+    for (int64_t c = 0; c < grid; ++c) {
+      const int64_t row = cls_token_num + r * grid + c;
+      for (int64_t i = 0; i < quarter; ++i) {
+        const double f = 1.0 / std::pow(base, static_cast<double>(2 * i) / half);
+        acc[row][i][0] = std::cos(r * f);
+        acc[row][i][1] = std::sin(r * f);
+        acc[row][quarter + i][0] = std::cos(c * f);
+        acc[row][quarter + i][1] = std::sin(c * f);
+      }
+    }
+  }
+  return table.to(at::kFloat);
+}
+
+StatusOr<std::unique_ptr<Gpt>> Gpt::Load(const std::string& dir, const LoadOptions& opts) {
+  ASSIGN_OR_RETURN(Json json, ReadModelConfig(dir));
+  ASSIGN_OR_RETURN(GptConfig cfg, ParseGptConfig(json, dir + "/config.json"));
+  ASSIGN_OR_RETURN(auto store, WeightStore::Open(dir));
+  return FromStore(cfg, *store, opts);
+}
+
+StatusOr<std::unique_ptr<Gpt>> Gpt::FromStore(const GptConfig& cfg, WeightStore& store,
+                                              const LoadOptions& opts) {
+  std::unique_ptr<Gpt> m(new Gpt());
+  m->cfg_ = cfg;
+  m->opts_ = opts;
+  const int64_t d = cfg.dim, h = cfg.ffn_hidden();
+  const int64_t label_rows = cfg.num_classes + (cfg.has_null_class() ? 1 : 0);
+  ASSIGN_OR_RETURN(at::Tensor tok, store.Take("tok_embeddings.weight", {cfg.vocab_size, d}, opts));
+  ASSIGN_OR_RETURN(at::Tensor cls,
+                   store.Take("cls_embedding.embedding_table.weight", {label_rows, d}, opts));
+  m->embed_ = at::cat({tok, cls}, 0).contiguous();
+  for (int64_t l = 0; l < cfg.n_layer; ++l) {
+    const std::string p = "layers." + std::to_string(l) + ".";
+    Layer L;
+    ASSIGN_OR_RETURN(L.attention_norm, store.Take(p + "attention_norm.weight", {d}, opts));
+    ASSIGN_OR_RETURN(L.wqkv, store.Take(p + "attention.wqkv.weight", {3 * d, d}, opts));
+    ASSIGN_OR_RETURN(L.wo, store.Take(p + "attention.wo.weight", {d, d}, opts));
+    ASSIGN_OR_RETURN(L.ffn_norm, store.Take(p + "ffn_norm.weight", {d}, opts));
+    ASSIGN_OR_RETURN(L.w1, store.Take(p + "feed_forward.w1.weight", {h, d}, opts));
+    ASSIGN_OR_RETURN(L.w2, store.Take(p + "feed_forward.w2.weight", {d, h}, opts));
+    ASSIGN_OR_RETURN(L.w3, store.Take(p + "feed_forward.w3.weight", {h, d}, opts));
+    m->layers_.push_back(std::move(L));
+  }
+  ASSIGN_OR_RETURN(m->norm_, store.Take("norm.weight", {d}, opts));
+  ASSIGN_OR_RETURN(m->output_, store.Take("output.weight", {cfg.vocab_size, d}, opts));
+  // freqs_cis is recomputed (models.md 1.4); KV caches are never weights.
+  RETURN_IF_ERROR(store.Finish({"freqs_cis", "*.kv_cache."}));
+  m->rope_ = RopeTable2d(cfg.grid(), cfg.head_dim(), cfg.rope_base, cfg.cls_token_num)
+                 .to(opts.device);
+  return m;
+}
+
+KvCache Gpt::NewCache(int64_t slots, int64_t extra) const {
+  KvCache c;
+  c.slots = slots;
+  c.capacity = cfg_.seq_len() + extra;
+  auto o = at::TensorOptions().dtype(opts_.dtype).device(opts_.device);
+  for (int64_t l = 0; l < cfg_.n_layer; ++l) {
+    c.k.push_back(at::zeros({slots, c.capacity, cfg_.n_head, cfg_.head_dim()}, o));
+    c.v.push_back(at::zeros({slots, c.capacity, cfg_.n_head, cfg_.head_dim()}, o));
+  }
+  return c;
+}
+
+Status Gpt::Validate(const std::vector<BatchRow>& batch, const KvCache& cache) const {
+  if (batch.empty()) return InvalidArgument("forward: empty batch");
+  const int64_t label_rows = cfg_.num_classes + (cfg_.has_null_class() ? 1 : 0);
+  for (size_t r = 0; r < batch.size(); ++r) {
+    const BatchRow& row = batch[r];
+    const std::string where = "forward: row " + std::to_string(r) + ": ";
+    const auto n = static_cast<int64_t>(row.tokens.size());
+    if (n == 0) return InvalidArgument(where + "no tokens");
+    if (static_cast<int64_t>(row.positions.size()) != n) {
+      return InvalidArgument(where + "tokens and positions differ in length");
+    }
+    if (row.slot < 0 || row.slot >= cache.slots) return InvalidArgument(where + "bad slot");
+    if (row.cache_len < 0 || row.cache_len + n > cache.capacity) {
+      return InvalidArgument(where + "cache_len + tokens exceeds the slot capacity");
+    }
+    if (!row.mask.empty() && static_cast<int64_t>(row.mask.size()) != n * n) {
+      return InvalidArgument(where + "mask must be n*n");
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t pos = row.positions[i], tok = row.tokens[i];
+      if (pos < 0 || pos >= cfg_.seq_len()) return InvalidArgument(where + "position out of range");
+      const int64_t limit = pos < cfg_.cls_token_num ? label_rows : cfg_.vocab_size;
+      if (tok < 0 || tok >= limit) return InvalidArgument(where + "token id out of range");
+    }
+    for (size_t q = r + 1; q < batch.size(); ++q) {
+      if (batch[q].slot == row.slot) return InvalidArgument(where + "slot used twice in a batch");
+    }
+  }
+  return OkStatus();
+}
+
+StatusOr<at::Tensor> Gpt::Forward(const std::vector<BatchRow>& batch, KvCache& cache) const {
+  RETURN_IF_ERROR(Validate(batch, cache));
+  const int64_t R = static_cast<int64_t>(batch.size());
+  const int64_t H = cfg_.n_head, hd = cfg_.head_dim(), D = cfg_.dim;
+  int64_t T = 0, nmax = 0, kv_max = 0;
+  bool consecutive = true;
+  for (int64_t r = 0; r < R; ++r) {
+    const auto n = static_cast<int64_t>(batch[r].tokens.size());
+    T += n;
+    nmax = std::max(nmax, n);
+    kv_max = std::max(kv_max, batch[r].cache_len + n);
+    consecutive &= batch[r].slot == batch[0].slot + r;
+  }
+
+  // Host-side index tensors, built once per step and moved to the device together.
+  at::Tensor ids = at::empty({T}, at::kLong), pos = at::empty({T}, at::kLong);
+  at::Tensor dst = at::empty({T}, at::kLong);    // flat cache index slot * capacity + i
+  at::Tensor src = at::empty({T}, at::kLong);    // flat padded index r * nmax + i
+  at::Tensor slots = at::empty({R}, at::kLong);
+  at::Tensor allow = at::zeros({R, nmax, kv_max}, at::kBool);
+  {
+    auto pi = ids.accessor<int64_t, 1>(), pp = pos.accessor<int64_t, 1>();
+    auto pd = dst.accessor<int64_t, 1>(), ps = src.accessor<int64_t, 1>();
+    auto sl = slots.accessor<int64_t, 1>();
+    auto am = allow.accessor<bool, 3>();
+    int64_t t = 0;
+    for (int64_t r = 0; r < R; ++r) {
+      const BatchRow& row = batch[r];
+      const auto n = static_cast<int64_t>(row.tokens.size());
+      sl[r] = row.slot;
+      for (int64_t i = 0; i < n; ++i, ++t) {
+        const bool is_class = row.positions[i] < cfg_.cls_token_num;
+        pi[t] = is_class ? cfg_.vocab_size + row.tokens[i] : row.tokens[i];
+        pp[t] = row.positions[i];
+        pd[t] = row.slot * cache.capacity + row.cache_len + i;
+        ps[t] = r * nmax + i;
+        for (int64_t j = 0; j < row.cache_len; ++j) am[r][i][j] = true;
+        for (int64_t j = 0; j < n; ++j) {
+          am[r][i][row.cache_len + j] = row.mask.empty() ? j <= i : row.mask[i * n + j] != 0;
+        }
+      }
+      // Padding queries attend to one key so softmax stays finite; their output is dropped.
+      for (int64_t i = n; i < nmax; ++i) am[r][i][0] = true;
+    }
+  }
+  const auto dev = opts_.device;
+  ids = ids.to(dev);
+  pos = pos.to(dev);
+  dst = dst.to(dev);
+  src = src.to(dev);
+  slots = slots.to(dev);
+  allow = allow.to(dev).unsqueeze(1);  // [R, 1, nmax, kv_max]
+  at::Tensor rope = rope_.index_select(0, pos);
+
+  at::Tensor x = embed_.index_select(0, ids);  // [T, D]
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const Layer& L = layers_[l];
+    at::Tensor qkv = at::linear(RmsNorm(x, L.attention_norm, cfg_.norm_eps), L.wqkv);
+    auto parts = qkv.split(D, -1);
+    at::Tensor q = ApplyRope(parts[0].reshape({T, H, hd}), rope);
+    at::Tensor k = ApplyRope(parts[1].reshape({T, H, hd}), rope);
+    at::Tensor v = parts[2].reshape({T, H, hd});
+    at::Tensor& ck = cache.k[l];
+    at::Tensor& cv = cache.v[l];
+    ck.view({-1, H, hd}).index_copy_(0, dst, k);
+    cv.view({-1, H, hd}).index_copy_(0, dst, v);
+
+    at::Tensor keys, vals;  // [R, kv_max, H, hd]
+    if (consecutive) {
+      keys = ck.narrow(0, batch[0].slot, R).narrow(1, 0, kv_max);
+      vals = cv.narrow(0, batch[0].slot, R).narrow(1, 0, kv_max);
+    } else {
+      keys = ck.index_select(0, slots).narrow(1, 0, kv_max);
+      vals = cv.index_select(0, slots).narrow(1, 0, kv_max);
+    }
+    at::Tensor qp = at::zeros({R * nmax, H, hd}, q.options()).index_copy_(0, src, q);
+    qp = qp.view({R, nmax, H, hd}).transpose(1, 2);
+    at::Tensor o = at::scaled_dot_product_attention(qp, keys.transpose(1, 2),
+                                                    vals.transpose(1, 2), allow);
+    o = o.transpose(1, 2).reshape({R * nmax, D}).index_select(0, src);
+    x = x + at::linear(o, L.wo);
+    at::Tensor hn = RmsNorm(x, L.ffn_norm, cfg_.norm_eps);
+    x = x + at::linear(at::silu(at::linear(hn, L.w1)) * at::linear(hn, L.w3), L.w2);
+  }
+  return at::linear(RmsNorm(x, norm_, cfg_.norm_eps), output_).to(at::kFloat);
+}
+
+}  // namespace imagegen

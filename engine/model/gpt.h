@@ -1,0 +1,101 @@
+// The LlamaGen class-conditional GPT (shared/docs/models.md section 1), with a forward pass
+// over a ragged batch: many rows, each with its own KV-cache slot, committed length, new tokens
+// at given positions and an optional mask among the new tokens.
+//
+// A Gpt is immutable after Load and may be shared; Forward mutates only the KvCache it is
+// given, so concurrent Forward calls need distinct caches.
+#pragma once
+
+#include <ATen/Tensor.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/model/weights.h"
+#include "engine/util/status.h"
+
+namespace imagegen {
+
+struct GptConfig {
+  int64_t dim = 768, n_layer = 12, n_head = 12;
+  int64_t vocab_size = 16384, num_classes = 1000;
+  int64_t block_size = 256;      // image tokens = grid^2
+  int64_t cls_token_num = 1;
+  int64_t multiple_of = 256;
+  double ffn_dim_multiplier = 0;  // 0: unused (LlamaGen's None)
+  double rope_base = 10000, norm_eps = 1e-5;
+  double class_dropout_prob = 0.1;
+  std::string tokenizer;          // name of the VQ model directory beside this one
+  std::vector<std::string> class_names;
+  // Sampling defaults recommended for this model (config.json "sampling_defaults").
+  double default_cfg_scale = 1.0, default_temperature = 1.0, default_top_p = 1.0;
+  int64_t default_top_k = 0;
+
+  int64_t head_dim() const { return dim / n_head; }
+  int64_t ffn_hidden() const;
+  int64_t grid() const;
+  // Label of the null (unconditional) class; exists only if class_dropout_prob > 0.
+  int64_t null_class() const { return num_classes; }
+  bool has_null_class() const { return class_dropout_prob > 0; }
+  // Sequence length: class token(s) + image tokens (the last image token is never fed).
+  int64_t seq_len() const { return cls_token_num + block_size; }
+};
+
+StatusOr<GptConfig> ParseGptConfig(const Json& json, const std::string& where);
+
+// Per-slot key/value storage for every layer: [slots, capacity, heads, head_dim].
+struct KvCache {
+  std::vector<at::Tensor> k, v;
+  int64_t slots = 0, capacity = 0;
+};
+
+// One row of a ragged batch. New token i is written to cache index cache_len + i and sits at
+// sequence position positions[i] (the RoPE index; position < cls_token_num means the token
+// is a class label, with null_class() for the unconditional row).
+struct BatchRow {
+  int64_t slot = 0;
+  int64_t cache_len = 0;                // committed entries every new token attends to
+  std::vector<int64_t> tokens;
+  std::vector<int64_t> positions;
+  // Optional n x n row-major: mask[i * n + j] != 0 lets new token i attend new token j.
+  // Empty means causal among the new tokens (j <= i).
+  std::vector<uint8_t> mask;
+};
+
+class Gpt {
+ public:
+  static StatusOr<std::unique_ptr<Gpt>> Load(const std::string& dir, const LoadOptions& opts);
+  // A model from already-shaped weights (tests); names as in LlamaGen's state_dict.
+  static StatusOr<std::unique_ptr<Gpt>> FromStore(const GptConfig& cfg, WeightStore& store,
+                                                  const LoadOptions& opts);
+
+  const GptConfig& config() const { return cfg_; }
+  const LoadOptions& options() const { return opts_; }
+
+  // A cache with `slots` slots of seq_len() + extra entries each, zero-filled.
+  KvCache NewCache(int64_t slots, int64_t extra = 0) const;
+
+  // Logits [total new tokens, vocab] in float32, rows in batch order. Throws c10::Error only
+  // on internal errors; inputs are validated and reported as a Status.
+  StatusOr<at::Tensor> Forward(const std::vector<BatchRow>& batch, KvCache& cache) const;
+
+ private:
+  struct Layer {
+    at::Tensor attention_norm, wqkv, wo, ffn_norm, w1, w2, w3;
+  };
+  Gpt() = default;
+  Status Validate(const std::vector<BatchRow>& batch, const KvCache& cache) const;
+
+  GptConfig cfg_;
+  LoadOptions opts_;
+  at::Tensor embed_;      // [vocab + classes(+null), dim]: token rows then class rows
+  at::Tensor rope_;       // [seq_len, head_dim / 2, 2] float32 (cos, sin); class rows zero
+  std::vector<Layer> layers_;
+  at::Tensor norm_, output_;
+};
+
+// The 2D RoPE table of models.md 1.4, float32 on CPU.
+at::Tensor RopeTable2d(int64_t grid, int64_t head_dim, double base, int64_t cls_token_num);
+
+}  // namespace imagegen

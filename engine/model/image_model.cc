@@ -1,0 +1,87 @@
+#include "engine/model/image_model.h"
+
+#include <ATen/ATen.h>
+
+#include <cstdlib>
+#include <filesystem>
+
+#include "engine/image/png.h"
+
+#ifndef IMAGEGEN_SOURCE_MODELS_DIR
+#define IMAGEGEN_SOURCE_MODELS_DIR "models"
+#endif
+
+namespace imagegen {
+
+Status ValidateModelName(const std::string& name) {
+  if (name.empty() || name.size() > 128 || name[0] == '.') {
+    return InvalidArgument("model: name must be 1-128 characters and not start with '.'");
+  }
+  for (char c : name) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '.' || c == '_' || c == '-';
+    if (!ok) return InvalidArgument("model: name may hold only letters, digits, '.', '_', '-'");
+  }
+  return OkStatus();
+}
+
+StatusOr<ImageModel> LoadImageModel(const std::string& models_dir, const std::string& name,
+                                    const LoadOptions& opts) {
+  RETURN_IF_ERROR(ValidateModelName(name));
+  const std::string dir = (std::filesystem::path(models_dir) / name).string();
+  if (!std::filesystem::is_directory(dir)) {
+    return NotFound("model '" + name + "' not found in " + models_dir);
+  }
+  ImageModel m;
+  m.name = name;
+  ASSIGN_OR_RETURN(m.gpt, Gpt::Load(dir, opts));
+  const GptConfig& cfg = m.gpt->config();
+  if (cfg.tokenizer.empty()) {
+    return FailedPrecondition(dir + "/config.json: 'tokenizer' must name the VQ model directory");
+  }
+  RETURN_IF_ERROR(ValidateModelName(cfg.tokenizer));
+  ASSIGN_OR_RETURN(m.vq, VqDecoder::Load(
+                             (std::filesystem::path(models_dir) / cfg.tokenizer).string(), opts));
+  const VqConfig& vc = m.vq->config();
+  if (vc.codebook_size != cfg.vocab_size || vc.grid() * vc.grid() != cfg.block_size) {
+    return FailedPrecondition("model '" + name + "': tokenizer '" + cfg.tokenizer + "' has " +
+                              std::to_string(vc.codebook_size) + " codes on a " +
+                              std::to_string(vc.grid()) + "x" + std::to_string(vc.grid()) +
+                              " grid, but the GPT expects vocab_size " +
+                              std::to_string(cfg.vocab_size) + " and block_size " +
+                              std::to_string(cfg.block_size));
+  }
+  return m;
+}
+
+StatusOr<int64_t> ResolveClass(const GptConfig& cfg, const std::string& s) {
+  for (size_t i = 0; i < cfg.class_names.size(); ++i) {
+    if (cfg.class_names[i] == s) return static_cast<int64_t>(i);
+  }
+  if (!s.empty() && s.size() < 10 && s.find_first_not_of("0123456789") == std::string::npos) {
+    const int64_t id = std::stoll(s);
+    if (id < cfg.num_classes) return id;
+  }
+  std::string names;
+  for (size_t i = 0; i < cfg.class_names.size(); ++i) names += (i ? ", " : "") + cfg.class_names[i];
+  return InvalidArgument("class: '" + s + "' is neither an id in [0, " +
+                         std::to_string(cfg.num_classes) + ") nor a class name" +
+                         (names.empty() ? "" : " (" + names + ")"));
+}
+
+StatusOr<std::string> TokensToPng(const VqDecoder& vq, const std::vector<int32_t>& tokens) {
+  at::Tensor ids = at::tensor(tokens).to(at::kLong).unsqueeze(0);
+  ASSIGN_OR_RETURN(at::Tensor img, vq.Decode(ids));
+  at::Tensor px = ImageToUint8(img);  // [1, H, W, C]
+  return EncodePng(px.data_ptr<uint8_t>(), static_cast<int>(px.size(2)),
+                   static_cast<int>(px.size(1)), static_cast<int>(px.size(3)));
+}
+
+std::string DefaultModelsDir() {
+  if (const char* env = std::getenv("IMAGEGEN_MODELS_DIR"); env != nullptr && *env != '\0') {
+    return env;
+  }
+  return IMAGEGEN_SOURCE_MODELS_DIR;
+}
+
+}  // namespace imagegen

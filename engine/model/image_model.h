@@ -1,0 +1,35 @@
+// An image model as served: a GPT directory in a models directory plus the VQ tokenizer its
+// config.json names ("tokenizer"). Models are addressed by name, never by client paths.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/model/gpt.h"
+#include "engine/model/vq_decoder.h"
+
+namespace imagegen {
+
+struct ImageModel {
+  std::string name;
+  std::unique_ptr<Gpt> gpt;
+  std::unique_ptr<VqDecoder> vq;
+};
+
+// Fails with INVALID_ARGUMENT for names that are not plain [A-Za-z0-9._-] (no paths).
+Status ValidateModelName(const std::string& name);
+
+StatusOr<ImageModel> LoadImageModel(const std::string& models_dir, const std::string& name,
+                                    const LoadOptions& opts);
+
+// The class id for a name or a decimal id ("7" or "sneaker"); INVALID_ARGUMENT otherwise.
+StatusOr<int64_t> ResolveClass(const GptConfig& cfg, const std::string& class_or_id);
+
+// Tokens -> PNG bytes (grey or RGB as the tokenizer outputs).
+StatusOr<std::string> TokensToPng(const VqDecoder& vq, const std::vector<int32_t>& tokens);
+
+// The bundled models directory: $IMAGEGEN_MODELS_DIR, else the source tree's models/.
+std::string DefaultModelsDir();
+
+}  // namespace imagegen

@@ -1,0 +1,209 @@
+#include "engine/model/safetensors.h"
+
+#include <ATen/ATen.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "engine/util/json.h"
+
+namespace imagegen {
+namespace {
+
+struct DtypeEntry {
+  const char* name;
+  at::ScalarType type;
+  size_t size;
+};
+
+constexpr DtypeEntry kDtypes[] = {
+    {"F64", at::kDouble, 8}, {"F32", at::kFloat, 4},  {"F16", at::kHalf, 2},
+    {"BF16", at::kBFloat16, 2}, {"I64", at::kLong, 8}, {"I32", at::kInt, 4},
+    {"I16", at::kShort, 2},  {"I8", at::kChar, 1},    {"U8", at::kByte, 1},
+    {"BOOL", at::kBool, 1},
+};
+
+const DtypeEntry* FindDtype(const std::string& name) {
+  for (const auto& e : kDtypes) {
+    if (name == e.name) return &e;
+  }
+  return nullptr;
+}
+
+const DtypeEntry* FindDtype(at::ScalarType t) {
+  for (const auto& e : kDtypes) {
+    if (t == e.type) return &e;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+size_t SafetensorsDtypeSize(const std::string& dtype) {
+  const DtypeEntry* e = FindDtype(dtype);
+  return e ? e->size : 0;
+}
+
+StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
+  std::unique_ptr<SafetensorsFile> f(new SafetensorsFile());
+  f->path_ = path;
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return NotFound(path + ": cannot open: " + std::strerror(errno));
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    ::close(fd);
+    return DataLoss(path + ": cannot stat");
+  }
+  const size_t size = static_cast<size_t>(st.st_size);
+  if (size < 8) {
+    ::close(fd);
+    return DataLoss(path + ": truncated: " + std::to_string(size) +
+                    " bytes, a safetensors file needs at least an 8-byte header length");
+  }
+  void* m = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+  ::close(fd);
+  if (m == MAP_FAILED) return DataLoss(path + ": mmap failed: " + std::strerror(errno));
+  f->map_ = static_cast<const uint8_t*>(m);
+  f->map_size_ = size;
+
+  uint64_t header_len = 0;
+  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | f->map_[i];
+  if (header_len > size - 8) {
+    return DataLoss(path + ": truncated or corrupt: header length " + std::to_string(header_len) +
+                    " exceeds the file size " + std::to_string(size));
+  }
+  f->data_start_ = 8 + header_len;
+  std::string_view header(reinterpret_cast<const char*>(f->map_ + 8), header_len);
+  auto parsed = Json::Parse(header);
+  if (!parsed.ok()) return DataLoss(path + ": bad header: " + parsed.status().message());
+  const Json& root = parsed.value();
+  if (!root.is_object()) return DataLoss(path + ": bad header: not a JSON object");
+
+  const uint64_t data_size = size - f->data_start_;
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;
+  for (const auto& [name, entry] : root.as_object()) {
+    if (name == "__metadata__") {
+      if (!entry.is_object()) return DataLoss(path + ": __metadata__ is not an object");
+      for (const auto& [k, v] : entry.as_object()) {
+        if (!v.is_string()) return DataLoss(path + ": __metadata__ values must be strings");
+        f->metadata_[k] = v.as_string();
+      }
+      continue;
+    }
+    const std::string where = path + ": tensor '" + name + "'";
+    if (!entry.is_object()) return DataLoss(where + ": entry is not an object");
+    const Json* dtype = entry.Find("dtype");
+    const Json* shape = entry.Find("shape");
+    const Json* offsets = entry.Find("data_offsets");
+    if (!dtype || !dtype->is_string()) return DataLoss(where + ": missing dtype");
+    if (!shape || !shape->is_array()) return DataLoss(where + ": missing shape");
+    if (!offsets || !offsets->is_array() || offsets->as_array().size() != 2) {
+      return DataLoss(where + ": data_offsets must be [begin, end]");
+    }
+    TensorInfo info;
+    info.dtype = dtype->as_string();
+    const DtypeEntry* dt = FindDtype(info.dtype);
+    if (dt == nullptr) return DataLoss(where + ": unsupported dtype " + info.dtype);
+    uint64_t numel = 1;
+    for (const Json& d : shape->as_array()) {
+      if (!d.is_integer() || d.as_number() < 0) return DataLoss(where + ": bad shape entry");
+      auto n = static_cast<uint64_t>(d.as_number());
+      if (n != 0 && numel > (uint64_t{1} << 48) / n) return DataLoss(where + ": shape too large");
+      numel *= n;
+      info.shape.push_back(static_cast<int64_t>(n));
+    }
+    for (const Json& o : offsets->as_array()) {
+      if (!o.is_integer() || o.as_number() < 0) return DataLoss(where + ": bad data_offsets");
+    }
+    info.begin = static_cast<uint64_t>(offsets->as_array()[0].as_number());
+    info.end = static_cast<uint64_t>(offsets->as_array()[1].as_number());
+    if (info.end < info.begin) return DataLoss(where + ": data_offsets end before begin");
+    if (info.end - info.begin != numel * dt->size) {
+      return DataLoss(where + ": data_offsets span " + std::to_string(info.end - info.begin) +
+                      " bytes but dtype " + info.dtype + " x shape needs " +
+                      std::to_string(numel * dt->size));
+    }
+    if (info.end > data_size) {
+      return DataLoss(where + ": data ends at byte " + std::to_string(info.end) +
+                      " but the file holds only " + std::to_string(data_size) +
+                      " data bytes (truncated file?)");
+    }
+    ranges.emplace_back(info.begin, info.end);
+    f->tensors_.emplace(name, std::move(info));
+  }
+  std::sort(ranges.begin(), ranges.end());
+  for (size_t i = 1; i < ranges.size(); ++i) {
+    if (ranges[i].first < ranges[i - 1].second) {
+      return DataLoss(path + ": tensors overlap in the data section");
+    }
+  }
+  return f;
+}
+
+SafetensorsFile::~SafetensorsFile() {
+  if (map_ != nullptr) ::munmap(const_cast<uint8_t*>(map_), map_size_);
+}
+
+StatusOr<at::Tensor> SafetensorsFile::Read(const std::string& name) const {
+  auto it = tensors_.find(name);
+  if (it == tensors_.end()) return NotFound(path_ + ": no tensor '" + name + "'");
+  const TensorInfo& info = it->second;
+  const DtypeEntry* dt = FindDtype(info.dtype);
+  at::Tensor t = at::empty(info.shape, at::TensorOptions().dtype(dt->type));
+  if (info.end > info.begin) {
+    std::memcpy(t.data_ptr(), map_ + data_start_ + info.begin, info.end - info.begin);
+  }
+  return t;
+}
+
+Status WriteSafetensors(const std::string& path,
+                        const std::map<std::string, at::Tensor>& tensors) {
+  // Header built by hand: names are escaped for quotes and backslashes only (tools' names).
+  std::ostringstream h;
+  h << "{";
+  uint64_t offset = 0;
+  std::vector<at::Tensor> blobs;
+  bool first = true;
+  for (const auto& [name, tensor] : tensors) {
+    const DtypeEntry* dt = FindDtype(tensor.scalar_type());
+    if (dt == nullptr) return InvalidArgument("WriteSafetensors: unsupported dtype for " + name);
+    at::Tensor c = tensor.detach().to(at::kCPU).contiguous();
+    if (!first) h << ",";
+    first = false;
+    h << '"';
+    for (char ch : name) {
+      if (ch == '"' || ch == '\\') h << '\\';
+      h << ch;
+    }
+    const uint64_t nbytes = c.numel() * dt->size;
+    h << "\":{\"dtype\":\"" << dt->name << "\",\"shape\":[";
+    for (int64_t i = 0; i < c.dim(); ++i) h << (i ? "," : "") << c.size(i);
+    h << "],\"data_offsets\":[" << offset << "," << offset + nbytes << "]}";
+    offset += nbytes;
+    blobs.push_back(c);
+  }
+  h << "}";
+  std::string header = h.str();
+  while ((8 + header.size()) % 8 != 0) header += ' ';
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  if (!out) return NotFound(path + ": cannot create");
+  uint64_t n = header.size();
+  char len[8];
+  for (int i = 0; i < 8; ++i) len[i] = static_cast<char>((n >> (8 * i)) & 0xFF);
+  out.write(len, 8);
+  out.write(header.data(), static_cast<std::streamsize>(header.size()));
+  for (const at::Tensor& b : blobs) {
+    out.write(static_cast<const char*>(b.data_ptr()),
+              static_cast<std::streamsize>(b.numel() * b.element_size()));
+  }
+  if (!out) return Internal(path + ": write failed");
+  return OkStatus();
+}
+
+}  // namespace imagegen

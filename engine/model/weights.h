@@ -1,0 +1,55 @@
+// WeightStore: the tensors of one model directory (all *.safetensors in it), handed out by
+// name with shape checks, converted to the model's device and dtype.
+//
+// Errors name the directory and the tensor: missing tensors, shape mismatches, non-float
+// data where floats are expected, and, at Finish(), tensors the model did not use. Not
+// thread-safe; used only while a model loads.
+#pragma once
+
+#include <ATen/Tensor.h>
+#include <c10/core/Device.h>
+
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "engine/model/safetensors.h"
+#include "engine/util/json.h"
+#include "engine/util/status.h"
+
+namespace imagegen {
+
+struct LoadOptions {
+  c10::Device device = c10::Device(c10::kCPU);
+  // Compute dtype for float weights (fp32 on CPU; bf16/fp16 on CUDA where supported).
+  at::ScalarType dtype = at::kFloat;
+};
+
+// Reads and parses <dir>/config.json.
+StatusOr<Json> ReadModelConfig(const std::string& dir);
+
+class WeightStore {
+ public:
+  static StatusOr<std::unique_ptr<WeightStore>> Open(const std::string& dir);
+
+  // The tensor `name`, checked against `shape`, as a float tensor of `dtype` on `device`.
+  StatusOr<at::Tensor> Take(const std::string& name, const std::vector<int64_t>& shape,
+                            const LoadOptions& opts, bool keep_fp32 = false);
+  bool Has(const std::string& name) const;
+
+  // Fails if a tensor was never taken, unless its name starts with one of `ignored_prefixes`
+  // (an entry "*text" instead ignores names containing text).
+  Status Finish(const std::vector<std::string>& ignored_prefixes) const;
+
+  const std::string& dir() const { return dir_; }
+
+ private:
+  std::string dir_;
+  std::vector<std::unique_ptr<SafetensorsFile>> files_;
+  std::set<std::string> taken_;
+};
+
+std::string ShapeString(const std::vector<int64_t>& shape);
+
+}  // namespace imagegen

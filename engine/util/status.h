@@ -1,0 +1,93 @@
+// Status and StatusOr: errors as values at the engine's boundaries.
+//
+// The engine depends on LibTorch only (it must build on GPU hosts without Abseil), so it has
+// its own small Status type; the server maps Code one-to-one onto gRPC status codes.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <utility>
+#include <variant>
+
+namespace imagegen {
+
+enum class Code {
+  kOk = 0,
+  kInvalidArgument,    // bad request parameter; message names the field
+  kNotFound,           // unknown model or file
+  kDataLoss,           // corrupt or truncated model file
+  kFailedPrecondition, // model files present but inconsistent with the config
+  kResourceExhausted,  // queue full / no KV slot
+  kCancelled,
+  kDeadlineExceeded,
+  kUnavailable,
+  kInternal,
+};
+
+const char* CodeName(Code code);
+
+class [[nodiscard]] Status {
+ public:
+  Status() = default;
+  Status(Code code, std::string message) : code_(code), message_(std::move(message)) {}
+
+  bool ok() const { return code_ == Code::kOk; }
+  Code code() const { return code_; }
+  const std::string& message() const { return message_; }
+  std::string ToString() const;
+
+ private:
+  Code code_ = Code::kOk;
+  std::string message_;
+};
+
+inline Status OkStatus() { return Status(); }
+inline Status InvalidArgument(std::string m) { return {Code::kInvalidArgument, std::move(m)}; }
+inline Status NotFound(std::string m) { return {Code::kNotFound, std::move(m)}; }
+inline Status DataLoss(std::string m) { return {Code::kDataLoss, std::move(m)}; }
+inline Status FailedPrecondition(std::string m) {
+  return {Code::kFailedPrecondition, std::move(m)};
+}
+inline Status Internal(std::string m) { return {Code::kInternal, std::move(m)}; }
+
+template <typename T>
+class [[nodiscard]] StatusOr {
+ public:
+  StatusOr(Status status) : v_(std::move(status)) {}  // NOLINT: implicit by design
+  StatusOr(T value) : v_(std::move(value)) {}         // NOLINT
+
+  bool ok() const { return std::holds_alternative<T>(v_); }
+  const Status& status() const {
+    static const Status kOk;
+    return ok() ? kOk : std::get<Status>(v_);
+  }
+  T& value() & { return std::get<T>(v_); }
+  const T& value() const& { return std::get<T>(v_); }
+  T&& value() && { return std::get<T>(std::move(v_)); }
+  T& operator*() & { return value(); }
+  const T& operator*() const& { return value(); }
+  T* operator->() { return &value(); }
+  const T* operator->() const { return &value(); }
+
+ private:
+  std::variant<Status, T> v_;
+};
+
+#define IMAGEGEN_CONCAT_INNER(a, b) a##b
+#define IMAGEGEN_CONCAT(a, b) IMAGEGEN_CONCAT_INNER(a, b)
+
+#define RETURN_IF_ERROR(expr)            \
+  do {                                   \
+    ::imagegen::Status _st = (expr);     \
+    if (!_st.ok()) return _st;           \
+  } while (0)
+
+#define ASSIGN_OR_RETURN_IMPL(tmp, lhs, expr) \
+  auto tmp = (expr);                          \
+  if (!tmp.ok()) return tmp.status();         \
+  lhs = std::move(tmp).value()
+
+#define ASSIGN_OR_RETURN(lhs, expr) \
+  ASSIGN_OR_RETURN_IMPL(IMAGEGEN_CONCAT(_status_or_, __LINE__), lhs, expr)
+
+}  // namespace imagegen

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Retrains every bundled model from scratch (CPU: about 75 minutes on 2 cores; the logs in
+# models/*/train_log.jsonl record the runs whose weights are committed).
+set -euo pipefail
+cd "$(dirname "$0")"
+PY="${PYTHON:-/opt/imagegen/venv/bin/python}"
+"$PY" train_vq.py
+"$PY" train_classifier.py
+"$PY" train_gpt.py --name fmnist-gpt --preset target
+"$PY" train_gpt.py --name fmnist-draft --preset draft --steps 1000
