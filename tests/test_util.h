@@ -1,0 +1,93 @@
+// Helpers shared by the engine tests: temporary directories and small random models written
+// in the on-disk format (config.json + model.safetensors) so that loading is tested too.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <ftw.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <string>
+
+#include "engine/model/gpt.h"
+#include "engine/model/safetensors.h"
+
+namespace imagegen::testing {
+
+// Removes a directory tree with POSIX nftw. (std::filesystem::remove_all is avoided: the
+// PyTorch wheel's libtorch.so exports its own copy of it, which crashes when interposed.)
+inline void RemoveTree(const std::string& dir) {
+  ::nftw(dir.c_str(),
+         [](const char* path, const struct stat*, int, struct FTW*) { return std::remove(path); },
+         16, FTW_DEPTH | FTW_PHYS);
+}
+
+inline std::string TempDir(const std::string& name) {
+  const std::string dir = (std::filesystem::temp_directory_path() /
+                           ("imagegen_test_" + std::to_string(::getpid()) + "_" + name))
+                              .string();
+  RemoveTree(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+inline void WriteText(const std::string& path, const std::string& text) {
+  std::ofstream(path, std::ios::trunc) << text;
+}
+
+struct TinyGptSpec {
+  int64_t dim = 32, n_layer = 2, n_head = 4, vocab = 24, classes = 3, grid = 4;
+};
+
+inline std::string TinyGptConfigJson(const TinyGptSpec& s) {
+  return "{\"type\": \"llamagen-gpt\", \"dim\": " + std::to_string(s.dim) +
+         ", \"n_layer\": " + std::to_string(s.n_layer) + ", \"n_head\": " +
+         std::to_string(s.n_head) + ", \"vocab_size\": " + std::to_string(s.vocab) +
+         ", \"num_classes\": " + std::to_string(s.classes) +
+         ", \"block_size\": " + std::to_string(s.grid * s.grid) +
+         ", \"multiple_of\": 16, \"class_dropout_prob\": 0.1}";
+}
+
+// Random LlamaGen tensors (std 0.3 so that attention and RoPE matter), by LlamaGen name.
+inline std::map<std::string, at::Tensor> TinyGptTensors(const TinyGptSpec& s, uint64_t seed) {
+  at::manual_seed(seed);
+  GptConfig c;
+  c.dim = s.dim;
+  c.multiple_of = 16;
+  const int64_t h = c.ffn_hidden(), d = s.dim;
+  std::map<std::string, at::Tensor> t;
+  auto rnd = [](std::vector<int64_t> shape, double std) { return at::randn(shape) * std; };
+  t["tok_embeddings.weight"] = rnd({s.vocab, d}, 1.0);
+  t["cls_embedding.embedding_table.weight"] = rnd({s.classes + 1, d}, 1.0);
+  for (int64_t l = 0; l < s.n_layer; ++l) {
+    const std::string p = "layers." + std::to_string(l) + ".";
+    t[p + "attention_norm.weight"] = 1 + rnd({d}, 0.1);
+    t[p + "attention.wqkv.weight"] = rnd({3 * d, d}, 0.3);
+    t[p + "attention.wo.weight"] = rnd({d, d}, 0.3);
+    t[p + "ffn_norm.weight"] = 1 + rnd({d}, 0.1);
+    t[p + "feed_forward.w1.weight"] = rnd({h, d}, 0.3);
+    t[p + "feed_forward.w2.weight"] = rnd({d, h}, 0.3);
+    t[p + "feed_forward.w3.weight"] = rnd({h, d}, 0.3);
+  }
+  t["norm.weight"] = 1 + rnd({d}, 0.1);
+  t["output.weight"] = rnd({s.vocab, d}, 0.3);
+  return t;
+}
+
+inline std::string WriteTinyGpt(const std::string& dir, const TinyGptSpec& s, uint64_t seed) {
+  std::filesystem::create_directories(dir);
+  WriteText(dir + "/config.json", TinyGptConfigJson(s));
+  auto st = WriteSafetensors(dir + "/model.safetensors", TinyGptTensors(s, seed));
+  if (!st.ok()) throw std::runtime_error(st.ToString());
+  return dir;
+}
+
+inline bool Contains(const std::string& haystack, const std::string& needle) {
+  return haystack.find(needle) != std::string::npos;
+}
+
+}  // namespace imagegen::testing
