@@ -32,7 +32,8 @@ if [ "${IMAGEGEN_SKIP_APT:-0}" != "1" ]; then
   if [ "${#missing[@]}" -gt 0 ]; then
     echo "install-deps: apt-get install ${missing[*]}"
     as_root apt-get update -qq
-    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      "${missing[@]}" > /dev/null
   else
     echo "install-deps: Debian packages present"
   fi

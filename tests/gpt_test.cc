@@ -144,6 +144,12 @@ TEST_F(GptTest, BadBatchesAreRejected) {
   BatchRow r2 = r;
   EXPECT_FALSE(gpt_->Forward({r, r2}, c).ok());  // same slot twice
   EXPECT_FALSE(gpt_->Forward({}, c).ok());
+  r.tokens = {1, 5};
+  r.positions = {0, 1};
+  r.mask = {1, 0, 1, 0};  // second token may not see itself: would leave it without keys
+  EXPECT_FALSE(gpt_->Forward({r}, c).ok());
+  r.mask = {1, 0, 1, 1};
+  EXPECT_TRUE(gpt_->Forward({r}, c).ok());
 }
 
 }  // namespace

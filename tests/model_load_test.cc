@@ -5,6 +5,8 @@
 #include <filesystem>
 #include <fstream>
 
+#include <sys/stat.h>
+
 #include "engine/model/gpt.h"
 #include "engine/model/image_model.h"
 #include "engine/model/vq_decoder.h"
@@ -112,6 +114,22 @@ TEST_F(ModelLoadTest, BadConfigValuesAreNamed) {
   j.replace(j.find("\"block_size\": 16"), 16, "\"block_size\": 15");
   testing::WriteText(d + "/config.json", j);
   EXPECT_TRUE(Contains(LoadStatus(d).message(), "square")) << LoadStatus(d).message();
+}
+
+TEST_F(ModelLoadTest, AbsurdSizesAreRejectedBeforeAllocating) {
+  std::string d = Fresh("huge");
+  std::string j = testing::TinyGptConfigJson(spec_);
+  j.replace(j.find("\"block_size\": 16"), 16, "\"block_size\": 4503599627370496");
+  testing::WriteText(d + "/config.json", j);
+  EXPECT_TRUE(Contains(LoadStatus(d).message(), "out of range")) << LoadStatus(d).message();
+}
+
+TEST_F(ModelLoadTest, NonRegularWeightFilesAreSkippedOrRejected) {
+  std::string d = Fresh("fifo");
+  ASSERT_EQ(::mkfifo((d + "/extra.safetensors").c_str(), 0600), 0);
+  EXPECT_TRUE(LoadStatus(d).ok());  // the FIFO is not a weight file; nothing blocks
+  auto f = SafetensorsFile::Open(d + "/extra.safetensors");
+  EXPECT_EQ(f.status().code(), Code::kDataLoss);
 }
 
 TEST_F(ModelLoadTest, ModelNamesCannotBePaths) {

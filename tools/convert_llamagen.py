@@ -35,20 +35,26 @@ IMAGENET_NOTE = "ImageNet-1k class ids 0..999; 1000 is the null class"
 
 def load_state_dict(path: str) -> dict:
     ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    if isinstance(ckpt, dict):
-        for key in ("model", "module", "state_dict"):
-            if key in ckpt and isinstance(ckpt[key], dict):
-                return ckpt[key]
+    if not isinstance(ckpt, dict):
+        raise SystemExit(f"{path}: not a checkpoint dict")
+    for key in ("model", "module", "state_dict"):
+        if key in ckpt and isinstance(ckpt[key], dict):
+            ckpt = ckpt[key]
+            break
+    bad = [k for k, v in ckpt.items() if not torch.is_tensor(v)]
+    if bad:
+        raise SystemExit(f"{path}: no 'model'/'module'/'state_dict' entry and non-tensor keys "
+                         f"{bad[:5]}: not a LlamaGen checkpoint")
     return ckpt
 
 
 def clean(sd: dict) -> dict:
     out = {}
     for k, v in sd.items():
-        if k == "freqs_cis" or ".kv_cache." in k or k == "quantize.codebook_used":
-            continue
         if k.startswith("module."):
             k = k[len("module."):]
+        if k == "freqs_cis" or ".kv_cache." in k or k == "quantize.codebook_used":
+            continue
         out[k] = v.detach().float().contiguous() if v.is_floating_point() else v.contiguous()
     return out
 
@@ -77,6 +83,8 @@ def main(argv=None):
     ap.add_argument("--cfg-scale", type=float, default=4.0)
     ap.add_argument("--top-k", type=int, default=2000)
     args = ap.parse_args(argv)
+    if args.image_size % args.downsample != 0:
+        raise SystemExit("--image-size must be a multiple of --downsample")
     sd = clean(load_state_dict(args.checkpoint))
     grid = args.image_size // args.downsample
     if args.kind == "gpt":

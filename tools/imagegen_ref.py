@@ -44,7 +44,7 @@ class GPTConfig:
     @property
     def ffn_hidden(self) -> int:
         hidden = int(2 * 4 * self.dim / 3)
-        if self.ffn_dim_multiplier is not None:
+        if self.ffn_dim_multiplier:  # None or 0: unused
             hidden = int(self.ffn_dim_multiplier * hidden)
         return find_multiple(hidden, self.multiple_of)
 
@@ -68,15 +68,14 @@ class RMSNorm(nn.Module):
 
 
 def rope_table_2d(grid: int, head_dim: int, base: float, cls_token_num: int) -> torch.Tensor:
-    """[cls + grid^2, head_dim/2, 2] (cos, sin); class rows are zeros (models.md 1.4)."""
+    """[cls + grid^2, head_dim/2, 2] (cos, sin) in float32 as LlamaGen computes it; class rows
+    are zeros (models.md 1.4)."""
     half = head_dim // 2
-    freqs = 1.0 / (base ** (torch.arange(0, half, 2)[: half // 2].double() / half))
-    t = torch.arange(grid, dtype=torch.float64)
-    ang = torch.outer(t, freqs)  # [g, half/2]
-    rows = ang[:, None, :].expand(grid, grid, -1)
-    cols = ang[None, :, :].expand(grid, grid, -1)
-    full = torch.cat([rows, cols], dim=-1).reshape(grid * grid, half)
-    table = torch.stack([torch.cos(full), torch.sin(full)], dim=-1).float()
+    freqs = 1.0 / (base ** (torch.arange(0, half, 2)[: half // 2].float() / half))
+    ang = torch.outer(torch.arange(grid, dtype=torch.float32), freqs)  # [g, half/2]
+    full = torch.cat([ang[:, None, :].expand(-1, grid, -1), ang[None, :, :].expand(grid, -1, -1)],
+                     dim=-1)
+    table = torch.stack([torch.cos(full), torch.sin(full)], dim=-1).reshape(grid * grid, half, 2)
     return torch.cat([torch.zeros(cls_token_num, half, 2), table], dim=0)
 
 

@@ -29,11 +29,11 @@ at::Tensor CfgCombine(const at::Tensor& cond, const at::Tensor& uncond, const at
 
 at::Tensor FinalProbs(const at::Tensor& logits_in, const std::vector<SamplingParams>& params) {
   const int64_t R = logits_in.size(0), V = logits_in.size(1);
-  std::vector<float> inv_t(R), top_p(R);
+  std::vector<float> temp(R), top_p(R);
   std::vector<int64_t> k(R);
   bool any_k = false, any_p = false;
   for (int64_t r = 0; r < R; ++r) {
-    inv_t[r] = static_cast<float>(1.0 / std::max(params[r].temperature, 1e-5));
+    temp[r] = static_cast<float>(std::max(params[r].temperature, 1e-5));
     k[r] = params[r].top_k > 0 ? std::min(params[r].top_k, V) : V;
     any_k |= k[r] < V;
     top_p[r] = params[r].top_p < 1.0 ? static_cast<float>(params[r].top_p)
@@ -41,8 +41,7 @@ at::Tensor FinalProbs(const at::Tensor& logits_in, const std::vector<SamplingPar
     any_p |= params[r].top_p < 1.0;
   }
   const auto dev = logits_in.device();
-  at::Tensor logits =
-      logits_in.to(at::kFloat) * at::tensor(inv_t).to(dev).unsqueeze(1);
+  at::Tensor logits = logits_in.to(at::kFloat) / at::tensor(temp).to(dev).unsqueeze(1);
   const float neg_inf = -std::numeric_limits<float>::infinity();
   if (any_k || any_p) {
     auto [sorted, order] = logits.sort(-1, /*descending=*/true);

@@ -78,6 +78,18 @@ StatusOr<GptConfig> ParseGptConfig(const Json& json, const std::string& where) {
                "positive and cls_token_num must be 1 (class-conditional models)");
   }
   if (n_kv_head != c.n_head) return bad("'n_kv_head' != 'n_head' (GQA) is not supported");
+  // Bounds that keep a corrupt config from asking for absurd allocations.
+  if (c.dim > 65536 || c.n_layer > 1024 || c.n_head > 1024 || c.vocab_size > (1 << 22) ||
+      c.num_classes > (1 << 22) || c.block_size > 128 * 128 || c.multiple_of > 65536) {
+    return bad("model sizes out of range (dim <= 65536, n_layer/n_head <= 1024, vocab_size "
+               "and num_classes <= 4194304, block_size <= 16384)");
+  }
+  if (c.ffn_dim_multiplier < 0 || c.ffn_dim_multiplier > 64 || !(c.rope_base > 1) ||
+      c.rope_base > 1e12 || !(c.norm_eps >= 0) || c.norm_eps > 1 ||
+      !(c.class_dropout_prob >= 0) || c.class_dropout_prob >= 1) {
+    return bad("ffn_dim_multiplier in [0, 64], rope_base in (1, 1e12], norm_eps in [0, 1] and "
+               "class_dropout_prob in [0, 1) are required");
+  }
   if (c.dim % c.n_head != 0 || c.head_dim() % 4 != 0) {
     return bad("'dim' / 'n_head' must be a multiple of 4 (2D RoPE)");
   }
@@ -90,22 +102,19 @@ StatusOr<GptConfig> ParseGptConfig(const Json& json, const std::string& where) {
 }
 
 at::Tensor RopeTable2d(int64_t grid, int64_t head_dim, double base, int64_t cls_token_num) {
-  const int64_t half = head_dim / 2, quarter = half / 2;
-  at::Tensor table = at::zeros({cls_token_num + grid * grid, half, 2}, at::kDouble);
-  auto acc = table.accessor<double, 3>();
-  for (int64_t r = 0; r < grid; ++r) {
-    for (int64_t c = 0; c < grid; ++c) {
-      const int64_t row = cls_token_num + r * grid + c;
-      for (int64_t i = 0; i < quarter; ++i) {
-        const double f = 1.0 / std::pow(base, static_cast<double>(2 * i) / half);
-        acc[row][i][0] = std::cos(r * f);
-        acc[row][i][1] = std::sin(r * f);
-        acc[row][quarter + i][0] = std::cos(c * f);
-        acc[row][quarter + i][1] = std::sin(c * f);
-      }
-    }
-  }
-  return table.to(at::kFloat);
+  // float32 throughout, op for op as LlamaGen's precompute_freqs_cis_2d, so converted official
+  // checkpoints see the same table.
+  const int64_t half = head_dim / 2;
+  at::Tensor freqs =
+      1.0 / at::pow(base, at::arange(0, half, 2, at::kLong).narrow(0, 0, half / 2).to(at::kFloat) /
+                              static_cast<double>(half));
+  at::Tensor ang = at::outer(at::arange(grid, at::kFloat), freqs);  // [g, half/2]
+  at::Tensor grid_ang = at::cat({ang.unsqueeze(1).expand({grid, grid, half / 2}),
+                                 ang.unsqueeze(0).expand({grid, grid, half / 2})},
+                                -1);  // [g, g, half]: row angles then column angles
+  at::Tensor table = at::stack({at::cos(grid_ang), at::sin(grid_ang)}, -1)
+                         .reshape({grid * grid, half, 2});
+  return at::cat({at::zeros({cls_token_num, half, 2}, at::kFloat), table}, 0);
 }
 
 StatusOr<std::unique_ptr<Gpt>> Gpt::Load(const std::string& dir, const LoadOptions& opts) {
@@ -117,6 +126,16 @@ StatusOr<std::unique_ptr<Gpt>> Gpt::Load(const std::string& dir, const LoadOptio
 
 StatusOr<std::unique_ptr<Gpt>> Gpt::FromStore(const GptConfig& cfg, WeightStore& store,
                                               const LoadOptions& opts) {
+  try {
+    return FromStoreImpl(cfg, store, opts);
+  } catch (const c10::Error& e) {
+    return ResourceExhausted(store.dir() + ": loading failed in LibTorch (out of memory?): " +
+                             e.what_without_backtrace());
+  }
+}
+
+StatusOr<std::unique_ptr<Gpt>> Gpt::FromStoreImpl(const GptConfig& cfg, WeightStore& store,
+                                                  const LoadOptions& opts) {
   std::unique_ptr<Gpt> m(new Gpt());
   m->cfg_ = cfg;
   m->opts_ = opts;
@@ -174,8 +193,14 @@ Status Gpt::Validate(const std::vector<BatchRow>& batch, const KvCache& cache) c
     if (row.cache_len < 0 || row.cache_len + n > cache.capacity) {
       return InvalidArgument(where + "cache_len + tokens exceeds the slot capacity");
     }
-    if (!row.mask.empty() && static_cast<int64_t>(row.mask.size()) != n * n) {
-      return InvalidArgument(where + "mask must be n*n");
+    if (!row.mask.empty()) {
+      if (static_cast<int64_t>(row.mask.size()) != n * n) {
+        return InvalidArgument(where + "mask must be n*n");
+      }
+      // Every token attends to itself, so no query is left without keys (NaN softmax).
+      for (int64_t i = 0; i < n; ++i) {
+        if (row.mask[i * n + i] == 0) return InvalidArgument(where + "mask diagonal must be set");
+      }
     }
     for (int64_t i = 0; i < n; ++i) {
       const int64_t pos = row.positions[i], tok = row.tokens[i];
@@ -192,6 +217,14 @@ Status Gpt::Validate(const std::vector<BatchRow>& batch, const KvCache& cache) c
 
 StatusOr<at::Tensor> Gpt::Forward(const std::vector<BatchRow>& batch, KvCache& cache) const {
   RETURN_IF_ERROR(Validate(batch, cache));
+  try {
+    return ForwardImpl(batch, cache);
+  } catch (const c10::Error& e) {
+    return Internal(std::string("forward failed in LibTorch: ") + e.what_without_backtrace());
+  }
+}
+
+at::Tensor Gpt::ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache) const {
   const int64_t R = static_cast<int64_t>(batch.size());
   const int64_t H = cfg_.n_head, hd = cfg_.head_dim(), D = cfg_.dim;
   int64_t T = 0, nmax = 0, kv_max = 0;

@@ -73,7 +73,8 @@ class Gpt {
   const GptConfig& config() const { return cfg_; }
   const LoadOptions& options() const { return opts_; }
 
-  // A cache with `slots` slots of seq_len() + extra entries each, zero-filled.
+  // A cache with `slots` slots of seq_len() + extra entries each, zero-filled. Throws
+  // c10::Error if the device is out of memory (callers size it from a memory budget).
   KvCache NewCache(int64_t slots, int64_t extra = 0) const;
 
   // Logits [total new tokens, vocab] in float32, rows in batch order. Throws c10::Error only
@@ -85,6 +86,9 @@ class Gpt {
     at::Tensor attention_norm, wqkv, wo, ffn_norm, w1, w2, w3;
   };
   Gpt() = default;
+  static StatusOr<std::unique_ptr<Gpt>> FromStoreImpl(const GptConfig& cfg, WeightStore& store,
+                                                      const LoadOptions& opts);
+  at::Tensor ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache) const;
   Status Validate(const std::vector<BatchRow>& batch, const KvCache& cache) const;
 
   GptConfig cfg_;

@@ -53,12 +53,16 @@ size_t SafetensorsDtypeSize(const std::string& dtype) {
 StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
   std::unique_ptr<SafetensorsFile> f(new SafetensorsFile());
   f->path_ = path;
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) return NotFound(path + ": cannot open: " + std::strerror(errno));
   struct stat st {};
   if (::fstat(fd, &st) != 0) {
     ::close(fd);
     return DataLoss(path + ": cannot stat");
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return DataLoss(path + ": not a regular file");
   }
   const size_t size = static_cast<size_t>(st.st_size);
   if (size < 8) {
@@ -77,6 +81,10 @@ StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::stri
   if (header_len > size - 8) {
     return DataLoss(path + ": truncated or corrupt: header length " + std::to_string(header_len) +
                     " exceeds the file size " + std::to_string(size));
+  }
+  if (header_len > (uint64_t{100} << 20)) {
+    return DataLoss(path + ": header length " + std::to_string(header_len) +
+                    " exceeds the 100 MiB limit");
   }
   f->data_start_ = 8 + header_len;
   std::string_view header(reinterpret_cast<const char*>(f->map_ + 8), header_len);

@@ -3,8 +3,10 @@
 // the tensor data. The file is memory-mapped; tensors are copied out on request.
 //
 // Every inconsistency is reported as DATA_LOSS naming the file and the tensor: a file shorter
-// than its header says, a header that is not JSON, unknown dtypes, offsets that overlap, leave
-// gaps, or disagree with dtype x shape. Thread-safe after Open (read-only).
+// than its header says, a header that is not JSON or is over 100 MiB, unknown dtypes, offsets
+// that overlap or disagree with dtype x shape. (Gaps between tensors are tolerated, as the
+// format's own reader does.) The file must not be truncated while open: the map would fault.
+// Thread-safe after Open (read-only).
 #pragma once
 
 #include <ATen/Tensor.h>

@@ -26,8 +26,12 @@ StatusOr<VqConfig> ParseVqConfig(const Json& json, const std::string& where) {
       c.num_res_blocks < 0 || c.out_channels <= 0 || c.num_groups <= 0 || c.ch_mult.empty()) {
     return bad("VQ sizes must be positive and 'ch_mult' non-empty");
   }
+  if (c.codebook_size > (1 << 22) || c.codebook_embed_dim > 4096 || c.z_channels > 65536 ||
+      c.ch > 65536 || c.num_res_blocks > 64 || c.out_channels > 4 || c.image_size > 8192) {
+    return bad("VQ sizes out of range");
+  }
   for (int64_t m : c.ch_mult) {
-    if (m <= 0 || (c.ch * m) % c.num_groups != 0) {
+    if (m <= 0 || m > 64 || (c.ch * m) % c.num_groups != 0) {
       return bad("every ch * ch_mult entry must be a positive multiple of 'num_groups'");
     }
   }
@@ -40,6 +44,16 @@ StatusOr<VqConfig> ParseVqConfig(const Json& json, const std::string& where) {
 
 StatusOr<std::unique_ptr<VqDecoder>> VqDecoder::Load(const std::string& dir,
                                                      const LoadOptions& load_opts) {
+  try {
+    return LoadImpl(dir, load_opts);
+  } catch (const c10::Error& e) {
+    return ResourceExhausted(dir + ": loading failed in LibTorch (out of memory?): " +
+                             e.what_without_backtrace());
+  }
+}
+
+StatusOr<std::unique_ptr<VqDecoder>> VqDecoder::LoadImpl(const std::string& dir,
+                                                         const LoadOptions& load_opts) {
   ASSIGN_OR_RETURN(Json json, ReadModelConfig(dir));
   ASSIGN_OR_RETURN(VqConfig cfg, ParseVqConfig(json, dir + "/config.json"));
   ASSIGN_OR_RETURN(auto store, WeightStore::Open(dir));
@@ -139,6 +153,14 @@ at::Tensor VqDecoder::AttnForward(const at::Tensor& x, const Attn& a) const {
 }
 
 StatusOr<at::Tensor> VqDecoder::Decode(const at::Tensor& ids_in) const {
+  try {
+    return DecodeImpl(ids_in);
+  } catch (const c10::Error& e) {
+    return Internal(std::string("VQ decode failed in LibTorch: ") + e.what_without_backtrace());
+  }
+}
+
+StatusOr<at::Tensor> VqDecoder::DecodeImpl(const at::Tensor& ids_in) const {
   const int64_t g = cfg_.grid();
   if (ids_in.dim() != 2 || ids_in.size(1) != g * g) {
     return InvalidArgument("VQ decode: ids must be [batch, " + std::to_string(g * g) + "]");

@@ -59,6 +59,9 @@ class VqDecoder {
     Conv upsample;  // defined except at the last (highest-resolution) level
   };
   VqDecoder() = default;
+  static StatusOr<std::unique_ptr<VqDecoder>> LoadImpl(const std::string& dir,
+                                                       const LoadOptions& opts);
+  StatusOr<at::Tensor> DecodeImpl(const at::Tensor& ids) const;
   at::Tensor GroupNorm(const at::Tensor& x, const Norm& n) const;
   at::Tensor ResForward(const at::Tensor& x, const Res& r) const;
   at::Tensor AttnForward(const at::Tensor& x, const Attn& a) const;

@@ -19,8 +19,13 @@ std::string ShapeString(const std::vector<int64_t>& shape) {
 
 StatusOr<Json> ReadModelConfig(const std::string& dir) {
   const std::string path = (fs::path(dir) / "config.json").string();
+  std::error_code ec;
+  if (!fs::is_regular_file(path, ec)) {
+    return NotFound(path + ": not found (a model directory holds config.json)");
+  }
+  if (fs::file_size(path, ec) > (1u << 20)) return FailedPrecondition(path + ": larger than 1 MiB");
   std::ifstream in(path);
-  if (!in) return NotFound(path + ": not found (a model directory holds config.json)");
+  if (!in) return NotFound(path + ": cannot open");
   std::stringstream ss;
   ss << in.rdbuf();
   auto parsed = Json::Parse(ss.str());
@@ -33,9 +38,13 @@ StatusOr<std::unique_ptr<WeightStore>> WeightStore::Open(const std::string& dir)
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) return NotFound(dir + ": model directory not found");
   std::vector<std::string> paths;
-  for (const auto& entry : fs::directory_iterator(dir, ec)) {
-    if (entry.path().extension() == ".safetensors") paths.push_back(entry.path().string());
+  fs::directory_iterator it(dir, ec), end;
+  for (; !ec && it != end; it.increment(ec)) {
+    if (it->path().extension() == ".safetensors" && fs::is_regular_file(it->path(), ec)) {
+      paths.push_back(it->path().string());
+    }
   }
+  if (ec) return NotFound(dir + ": cannot list: " + ec.message());
   std::sort(paths.begin(), paths.end());
   if (paths.empty()) return NotFound(dir + ": no *.safetensors files");
   auto store = std::unique_ptr<WeightStore>(new WeightStore());

@@ -49,6 +49,9 @@ inline Status FailedPrecondition(std::string m) {
   return {Code::kFailedPrecondition, std::move(m)};
 }
 inline Status Internal(std::string m) { return {Code::kInternal, std::move(m)}; }
+inline Status ResourceExhausted(std::string m) {
+  return {Code::kResourceExhausted, std::move(m)};
+}
 
 template <typename T>
 class [[nodiscard]] StatusOr {
