@@ -84,7 +84,7 @@ def main():
     log(final=True, test_nll_per_token=round(test_nll, 4))
     config = {"type": "llamagen-gpt", **asdict(cfg), "tokenizer": "fmnist-vq",
               "class_names": CLASS_NAMES,
-              "sampling_defaults": {"cfg_scale": 3.0, "temperature": 1.0, "top_k": 0,
+              "sampling_defaults": {"cfg_scale": 2.0, "temperature": 1.0, "top_k": 0,
                                     "top_p": 1.0},
               "trained_on": f"fashion-mnist train, tools/train/train_gpt.py --preset {args.preset}",
               "test_nll_per_token": round(test_nll, 4)}
