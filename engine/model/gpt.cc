@@ -295,8 +295,8 @@ at::Tensor Gpt::ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache) 
       keys = ck.narrow(0, batch[0].slot, R).narrow(1, 0, kv_max);
       vals = cv.narrow(0, batch[0].slot, R).narrow(1, 0, kv_max);
     } else {
-      keys = ck.index_select(0, slots).narrow(1, 0, kv_max);
-      vals = cv.index_select(0, slots).narrow(1, 0, kv_max);
+      keys = ck.narrow(1, 0, kv_max).index_select(0, slots);
+      vals = cv.narrow(1, 0, kv_max).index_select(0, slots);
     }
     at::Tensor qp = at::zeros({R * nmax, H, hd}, q.options()).index_copy_(0, src, q);
     qp = qp.view({R, nmax, H, hd}).transpose(1, 2);
