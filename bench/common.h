@@ -1,6 +1,7 @@
 // Shared set-up for the local programs: device/dtype flags and the sampling defaults.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <c10/core/Device.h>
 #include <torch/cuda.h>
 
@@ -9,6 +10,7 @@
 
 #include "bench/flags.h"
 #include "engine/decoding/sampling.h"
+#include "engine/image/png.h"
 #include "engine/model/gpt.h"
 #include "engine/model/weights.h"
 
@@ -39,6 +41,23 @@ inline SamplingParams SamplingFromFlags(const Flags& f, const GptConfig& c) {
   p.top_k = f.Str("top-k") == "default" ? c.default_top_k : f.Int("top-k");
   p.top_p = f.Str("top-p") == "default" ? c.default_top_p : f.Num("top-p");
   return p;
+}
+
+template <typename T>
+T OrDie(StatusOr<T> v);
+inline void OrDie(const Status& s);
+
+// Tiles uint8 images [N, H, W, C] row-major, `per_row` to a row, and writes one PNG.
+inline void WriteGridPng(const at::Tensor& images, int64_t per_row, const std::string& path) {
+  const int64_t n = images.size(0), h = images.size(1), w = images.size(2), c = images.size(3);
+  const int64_t rows = (n + per_row - 1) / per_row;
+  at::Tensor canvas = at::zeros({rows * h, per_row * w, c}, at::kByte);
+  for (int64_t i = 0; i < n; ++i) {
+    canvas.narrow(0, (i / per_row) * h, h).narrow(1, (i % per_row) * w, w).copy_(images[i]);
+  }
+  OrDie(WriteFile(path, OrDie(EncodePng(canvas.data_ptr<uint8_t>(),
+                                        static_cast<int>(canvas.size(1)),
+                                        static_cast<int>(canvas.size(0)), static_cast<int>(c)))));
 }
 
 template <typename T>

@@ -10,7 +10,6 @@
 
 #include "bench/common.h"
 #include "engine/decoding/ar_generator.h"
-#include "engine/image/png.h"
 #include "engine/model/classifier.h"
 #include "engine/model/image_model.h"
 
@@ -86,18 +85,12 @@ int main(int argc, char** argv) {
               all.size() * cfg.block_size / secs);
 
   if (!f.Str("grid-out").empty()) {  // up to 10 images of every class, one class per row
-    at::Tensor img = at::cat(images);
-    const int64_t cols = std::min<int64_t>(per_class, 10), h = img.size(1), w = img.size(2);
-    at::Tensor canvas = at::zeros({cfg.num_classes * h, cols * w, img.size(3)}, at::kByte);
+    const int64_t cols = std::min<int64_t>(per_class, 10);
+    std::vector<int64_t> pick;
     for (int64_t c = 0; c < cfg.num_classes; ++c) {
-      for (int64_t i = 0; i < cols; ++i) {
-        canvas.narrow(0, c * h, h).narrow(1, i * w, w).copy_(img[c * per_class + i]);
-      }
+      for (int64_t i = 0; i < cols; ++i) pick.push_back(c * per_class + i);
     }
-    OrDie(WriteFile(f.Str("grid-out"),
-                    OrDie(EncodePng(canvas.data_ptr<uint8_t>(), static_cast<int>(canvas.size(1)),
-                                    static_cast<int>(canvas.size(0)),
-                                    static_cast<int>(canvas.size(2))))));
+    WriteGridPng(at::cat(images).index_select(0, at::tensor(pick)), cols, f.Str("grid-out"));
   }
   bool ok = true;
   if (acc < f.Num("min-accuracy")) {

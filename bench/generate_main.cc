@@ -11,7 +11,6 @@
 
 #include "bench/common.h"
 #include "engine/decoding/ar_generator.h"
-#include "engine/image/png.h"
 #include "engine/model/image_model.h"
 
 using namespace imagegen;
@@ -45,16 +44,7 @@ int main(int argc, char** argv) {
   std::vector<at::Tensor> ids;
   for (const auto& r : results) ids.push_back(at::tensor(r.tokens).to(at::kLong));
   at::Tensor img = ImageToUint8(OrDie(model.vq->Decode(at::stack(ids))));  // [N, H, W, C]
-  const int64_t per_row = std::min<int64_t>(count, 16);
-  const int64_t grid_rows = (count + per_row - 1) / per_row;
-  const int64_t h = img.size(1), w = img.size(2), c = img.size(3);
-  at::Tensor canvas = at::zeros({grid_rows * h, per_row * w, c}, at::kByte);
-  for (int64_t i = 0; i < count; ++i) {
-    canvas.narrow(0, (i / per_row) * h, h).narrow(1, (i % per_row) * w, w).copy_(img[i]);
-  }
-  std::string png = OrDie(EncodePng(canvas.data_ptr<uint8_t>(), static_cast<int>(canvas.size(1)),
-                                    static_cast<int>(canvas.size(0)), static_cast<int>(c)));
-  OrDie(WriteFile(f.Str("out"), png));
+  WriteGridPng(img, std::min<int64_t>(count, 16), f.Str("out"));
 
   const SamplingParams& sp = reqs[0].sampling;
   const int64_t tokens = count * cfg.block_size;

@@ -10,16 +10,13 @@ parity tests (tests/parity_test.cc):
 usage: parity.py --out DIR [--models models/]
 """
 import argparse
-import json
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from imagegen_ref import (GPT, GPTConfig, VQConfig, VQModel, gpt_from_dir, save_model_dir,  # noqa
-                          vq_from_dir)
-from dataclasses import asdict
+from imagegen_ref import GPT, GPTConfig, VQConfig, VQModel, gpt_from_dir, vq_from_dir  # noqa
 from safetensors.torch import save_file
 import convert_llamagen  # noqa: E402
 
