@@ -53,6 +53,6 @@ if [ "${have_torch%%+*}" != "$TORCH_VERSION" ]; then
   as_root "$VENV/bin/python" -m pip install -q --upgrade pip
   as_root "$VENV/bin/python" -m pip install -q "torch==$TORCH_VERSION"
 fi
-as_root "$VENV/bin/python" -m pip install -q numpy safetensors
+as_root "$VENV/bin/python" -m pip install -q numpy safetensors matplotlib
 
 echo "install-deps: done. Torch CMake prefix: $("$VENV/bin/python" -c 'import torch; print(torch.utils.cmake_prefix_path)')"

@@ -178,9 +178,11 @@ KvCache Gpt::NewCache(int64_t slots, int64_t extra) const {
   return c;
 }
 
-Status Gpt::Validate(const std::vector<BatchRow>& batch, const KvCache& cache) const {
+Status Gpt::Validate(const std::vector<BatchRow>& batch, const KvCache& cache,
+                     bool check_tokens) const {
   if (batch.empty()) return InvalidArgument("forward: empty batch");
   const int64_t label_rows = cfg_.num_classes + (cfg_.has_null_class() ? 1 : 0);
+  std::vector<bool> seen(static_cast<size_t>(cache.slots), false);
   for (size_t r = 0; r < batch.size(); ++r) {
     const BatchRow& row = batch[r];
     const std::string where = "forward: row " + std::to_string(r) + ": ";
@@ -205,26 +207,38 @@ Status Gpt::Validate(const std::vector<BatchRow>& batch, const KvCache& cache) c
     for (int64_t i = 0; i < n; ++i) {
       const int64_t pos = row.positions[i], tok = row.tokens[i];
       if (pos < 0 || pos >= cfg_.seq_len()) return InvalidArgument(where + "position out of range");
+      if (!check_tokens) {
+        if (pos < cfg_.cls_token_num) return InvalidArgument(where + "device tokens at a class position");
+        continue;
+      }
       const int64_t limit = pos < cfg_.cls_token_num ? label_rows : cfg_.vocab_size;
       if (tok < 0 || tok >= limit) return InvalidArgument(where + "token id out of range");
     }
-    for (size_t q = r + 1; q < batch.size(); ++q) {
-      if (batch[q].slot == row.slot) return InvalidArgument(where + "slot used twice in a batch");
-    }
+    if (seen[static_cast<size_t>(row.slot)]) return InvalidArgument(where + "slot used twice in a batch");
+    seen[static_cast<size_t>(row.slot)] = true;
   }
   return OkStatus();
 }
 
-StatusOr<at::Tensor> Gpt::Forward(const std::vector<BatchRow>& batch, KvCache& cache) const {
-  RETURN_IF_ERROR(Validate(batch, cache));
+StatusOr<at::Tensor> Gpt::Forward(const std::vector<BatchRow>& batch, KvCache& cache,
+                                  const at::Tensor& device_tokens) const {
+  RETURN_IF_ERROR(Validate(batch, cache, !device_tokens.defined()));
+  if (device_tokens.defined()) {
+    int64_t total = 0;
+    for (const auto& r : batch) total += static_cast<int64_t>(r.tokens.size());
+    if (device_tokens.numel() != total) {
+      return InvalidArgument("forward: device_tokens must hold one id per new token");
+    }
+  }
   try {
-    return ForwardImpl(batch, cache);
+    return ForwardImpl(batch, cache, device_tokens);
   } catch (const c10::Error& e) {
     return Internal(std::string("forward failed in LibTorch: ") + e.what_without_backtrace());
   }
 }
 
-at::Tensor Gpt::ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache) const {
+at::Tensor Gpt::ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache,
+                            const at::Tensor& device_tokens) const {
   const int64_t R = static_cast<int64_t>(batch.size());
   const int64_t H = cfg_.n_head, hd = cfg_.head_dim(), D = cfg_.dim;
   int64_t T = 0, nmax = 0, kv_max = 0;
@@ -255,7 +269,9 @@ at::Tensor Gpt::ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache) 
       sl[r] = row.slot;
       for (int64_t i = 0; i < n; ++i, ++t) {
         const bool is_class = row.positions[i] < cfg_.cls_token_num;
-        pi[t] = is_class ? cfg_.vocab_size + row.tokens[i] : row.tokens[i];
+        pi[t] = device_tokens.defined() ? 0
+                : is_class               ? cfg_.vocab_size + row.tokens[i]
+                                         : row.tokens[i];
         pp[t] = row.positions[i];
         pd[t] = row.slot * cache.capacity + row.cache_len + i;
         ps[t] = r * nmax + i;
@@ -269,7 +285,7 @@ at::Tensor Gpt::ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache) 
     }
   }
   const auto dev = opts_.device;
-  ids = ids.to(dev);
+  ids = device_tokens.defined() ? device_tokens.to(dev, at::kLong).reshape({T}) : ids.to(dev);
   pos = pos.to(dev);
   dst = dst.to(dev);
   src = src.to(dev);
@@ -308,6 +324,18 @@ at::Tensor Gpt::ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache) 
     x = x + at::linear(at::silu(at::linear(hn, L.w1)) * at::linear(hn, L.w3), L.w2);
   }
   return at::linear(RmsNorm(x, norm_, cfg_.norm_eps), output_).to(at::kFloat);
+}
+
+void MoveCacheEntries(KvCache& cache, int64_t slot, const std::vector<int64_t>& from, int64_t to) {
+  if (from.empty()) return;
+  const auto n = static_cast<int64_t>(from.size());
+  at::Tensor idx = at::tensor(from, at::kLong).to(cache.k[0].device());
+  for (size_t l = 0; l < cache.k.size(); ++l) {
+    for (at::Tensor* t : {&cache.k[l], &cache.v[l]}) {
+      at::Tensor s = (*t)[slot];
+      s.narrow(0, to, n).copy_(s.index_select(0, idx));
+    }
+  }
 }
 
 }  // namespace imagegen

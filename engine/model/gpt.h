@@ -79,7 +79,15 @@ class Gpt {
 
   // Logits [total new tokens, vocab] in float32, rows in batch order. Throws c10::Error only
   // on internal errors; inputs are validated and reported as a Status.
-  StatusOr<at::Tensor> Forward(const std::vector<BatchRow>& batch, KvCache& cache) const;
+  // `device_tokens`, when defined, is an int64 tensor [total new tokens] on the model's device
+  // that replaces the rows' token ids (image tokens only, not validated): drafts sampled on the
+  // device are fed back without a host round trip. The rows' token vectors then only give the
+  // lengths.
+  StatusOr<at::Tensor> Forward(const std::vector<BatchRow>& batch, KvCache& cache,
+                               const at::Tensor& device_tokens = at::Tensor()) const;
+
+  // The token-embedding rows [vocab, dim] (GSD measures distances between them).
+  at::Tensor token_embeddings() const { return embed_.narrow(0, 0, cfg_.vocab_size); }
 
  private:
   struct Layer {
@@ -88,8 +96,10 @@ class Gpt {
   Gpt() = default;
   static StatusOr<std::unique_ptr<Gpt>> FromStoreImpl(const GptConfig& cfg, WeightStore& store,
                                                       const LoadOptions& opts);
-  at::Tensor ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache) const;
-  Status Validate(const std::vector<BatchRow>& batch, const KvCache& cache) const;
+  at::Tensor ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache,
+                         const at::Tensor& device_tokens) const;
+  Status Validate(const std::vector<BatchRow>& batch, const KvCache& cache,
+                  bool check_tokens) const;
 
   GptConfig cfg_;
   LoadOptions opts_;
@@ -98,6 +108,10 @@ class Gpt {
   std::vector<Layer> layers_;
   at::Tensor norm_, output_;
 };
+
+// Copies the cache entries at indices `from` of `slot` (every layer, keys and values) to
+// indices to, to + 1, ...: after a tree step the accepted path is made contiguous.
+void MoveCacheEntries(KvCache& cache, int64_t slot, const std::vector<int64_t>& from, int64_t to);
 
 // The 2D RoPE table of models.md 1.4, float32 on CPU.
 at::Tensor RopeTable2d(int64_t grid, int64_t head_dim, double base, int64_t cls_token_num);

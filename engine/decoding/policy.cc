@@ -1,0 +1,151 @@
+#include "engine/decoding/policy.h"
+
+#include <cmath>
+#include <sstream>
+
+namespace imagegen {
+
+const std::vector<std::string>& PresetNames() {
+  static const std::vector<std::string> names = {"ar",  "sjd",     "scd-mc",     "scd-gs",
+                                                 "sjd-pac", "pac-gumbel", "gsd", "cool-sjd",
+                                                 "sd",  "cool-sd"};
+  return names;
+}
+
+StatusOr<DecodingPolicy> PolicyFromPreset(const std::string& name, int64_t window) {
+  DecodingPolicy p;
+  p.preset = name;
+  if (name == "ar") {
+    p.window = 1;
+  } else if (name == "sjd") {  // seed 001 Alg. 1; authors' code L = 16
+    p.draft = DraftSource::kJacobi;
+    p.window = 16;
+  } else if (name == "scd-mc") {  // seed 001 Alg. 5
+    p.draft = DraftSource::kJacobi;
+    p.coupling = Coupling::kMaximal;
+    p.window = 32;
+  } else if (name == "scd-gs") {  // seed 001 Alg. 6
+    p.draft = DraftSource::kJacobi;
+    p.coupling = Coupling::kGumbel;
+    p.window = 32;
+  } else if (name == "sjd-pac") {  // seed 002 Alg. 1: AC + PD, K=4, D=3, L=64, uniform q
+    p.draft = DraftSource::kJacobi;
+    p.coupling = Coupling::kMaximal;
+    p.tree_branches = 4;
+    p.tree_depth = 3;
+    p.window = 64;
+    p.uniform_init_q = true;
+  } else if (name == "pac-gumbel") {  // not in any paper: PD tree drawn by Gumbel top-K
+    p.draft = DraftSource::kJacobi;
+    p.coupling = Coupling::kGumbel;
+    p.tree_branches = 4;
+    p.tree_depth = 3;
+    p.window = 64;
+  } else if (name == "gsd") {  // seed 004: SJD with grouped acceptance, L = 16
+    p.draft = DraftSource::kJacobi;
+    p.acceptance = Acceptance::kGrouped;
+    p.window = 16;
+  } else if (name == "cool-sjd") {  // not in any paper: COOL-SD acceptance on Jacobi drafts
+    p.draft = DraftSource::kJacobi;
+    p.acceptance = Acceptance::kRelaxed;
+    p.window = 16;
+  } else if (name == "sd") {  // seed 003 Alg. 1, vanilla rule
+    p.draft = DraftSource::kDraftModel;
+    p.window = 5;
+  } else if (name == "cool-sd") {  // seed 003: delta 1.1, nu 0.7 on a draft model
+    p.draft = DraftSource::kDraftModel;
+    p.acceptance = Acceptance::kRelaxed;
+    p.window = 5;
+  } else {
+    std::string all;
+    for (const auto& n : PresetNames()) all += (all.empty() ? "" : ", ") + n;
+    return InvalidArgument("method: unknown preset \"" + name + "\" (one of: " + all + ")");
+  }
+  if (window > 0) p.window = window;
+  return p;
+}
+
+Status ValidatePolicy(const DecodingPolicy& p, int64_t max_window, bool has_draft_model) {
+  if (p.window < 1 || p.window > max_window) {
+    return InvalidArgument("window: must be in [1, " + std::to_string(max_window) + "], got " +
+                           std::to_string(p.window));
+  }
+  if (p.draft == DraftSource::kNone && p.window != 1) {
+    return InvalidArgument("window: must be 1 without a draft source (ar)");
+  }
+  if (p.draft != DraftSource::kNone && p.window < 2) {
+    return InvalidArgument("window: speculative methods need window >= 2");
+  }
+  if (p.draft == DraftSource::kDraftModel && !has_draft_model) {
+    return InvalidArgument("method: draft_model drafting needs a draft model, none is loaded");
+  }
+  if (p.tree_branches < 1 || p.tree_branches > 16) {
+    return InvalidArgument("tree_branches: must be in [1, 16]");
+  }
+  if (p.tree_depth < 1 || p.tree_depth > 8) return InvalidArgument("tree_depth: must be in [1, 8]");
+  if (p.has_tree()) {
+    if (p.draft != DraftSource::kJacobi) {
+      return InvalidArgument("tree_branches: proactive trees need Jacobi drafts");
+    }
+    if (p.acceptance != Acceptance::kExact) {
+      return InvalidArgument("tree_branches: trees are verified with the exact rule only");
+    }
+    int64_t nodes = 1, level = 1;
+    for (int64_t d = 1; d < p.tree_depth; ++d) nodes += (level *= p.tree_branches);
+    if (nodes > p.window) {
+      return InvalidArgument("tree_depth: a tree of " + std::to_string(nodes) +
+                             " nodes does not fit the window of " + std::to_string(p.window));
+    }
+  }
+  if (p.draft == DraftSource::kDraftModel && p.coupling != Coupling::kIndependent) {
+    return InvalidArgument("coupling: draft-model drafts are redrawn every step; use independent");
+  }
+  if (p.acceptance == Acceptance::kGrouped) {
+    if (p.gsd_group < 1) return InvalidArgument("gsd_group: must be >= 1");
+    if (!(p.gsd_delta >= 0) || !(p.gsd_distance >= 0)) {
+      return InvalidArgument("gsd_delta/gsd_distance: must be >= 0");
+    }
+  }
+  if (p.acceptance == Acceptance::kRelaxed) {
+    if (!(p.cool_delta > 0) || !std::isfinite(p.cool_delta)) {
+      return InvalidArgument("cool_delta: must be a positive number");
+    }
+    if (!(p.cool_nu >= 0) || !std::isfinite(p.cool_nu)) {
+      return InvalidArgument("cool_nu: must be >= 0");
+    }
+  }
+  return OkStatus();
+}
+
+std::vector<double> CoolWeights(double delta, double nu, int64_t gamma) {
+  // w_i = delta * gamma * e^{-nu i} / sum_j e^{-nu j}: the mean weight is delta.
+  std::vector<double> w(static_cast<size_t>(std::max<int64_t>(gamma, 0)));
+  double sum = 0;
+  for (int64_t i = 1; i <= gamma; ++i) sum += std::exp(-nu * static_cast<double>(i));
+  for (int64_t i = 1; i <= gamma; ++i) {
+    w[i - 1] = delta * static_cast<double>(gamma) * std::exp(-nu * static_cast<double>(i)) / sum;
+  }
+  return w;
+}
+
+std::string DescribePolicy(const DecodingPolicy& p) {
+  std::ostringstream s;
+  static const char* kDraft[] = {"none", "jacobi", "draft_model"};
+  static const char* kCoupling[] = {"independent", "maximal", "gumbel"};
+  static const char* kAcc[] = {"exact", "grouped", "relaxed"};
+  s << p.preset << " (draft=" << kDraft[static_cast<int>(p.draft)]
+    << " coupling=" << kCoupling[static_cast<int>(p.coupling)] << " L=" << p.window;
+  if (p.has_tree()) s << " tree=" << p.tree_branches << "x" << p.tree_depth;
+  s << " q0=" << (p.uniform_init_q ? "uniform" : "onehot")
+    << " accept=" << kAcc[static_cast<int>(p.acceptance)];
+  if (p.acceptance == Acceptance::kGrouped) {
+    s << "{G=" << p.gsd_group << " delta=" << p.gsd_delta << " d=" << p.gsd_distance << "}";
+  }
+  if (p.acceptance == Acceptance::kRelaxed) {
+    s << "{delta=" << p.cool_delta << " nu=" << p.cool_nu << "}";
+  }
+  s << ")";
+  return s.str();
+}
+
+}  // namespace imagegen

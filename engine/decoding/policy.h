@@ -1,0 +1,67 @@
+// The decoding policy: every method of the seed papers is a setting of these parts
+// (DESIGN.md, "Decoding"). Presets name the papers' settings; any combination that the
+// validator accepts may be requested. Plain data; thread-safe.
+//
+//   draft source   jacobi (the window's own stale distributions), draft_model, none (AR)
+//   coupling       independent (fresh redraw from the stale p after the first rejection),
+//                  maximal (keep-or-resample every later position: SCD-MC, which is the same
+//                  operation as SJD-PAC's adaptive continuation), gumbel (redraws are
+//                  argmax(log p + g) with g keyed by (seed, absolute position, token): SCD-GS)
+//   tree           off, or K candidates per level for tree_depth - 1 levels after the first
+//                  rejection (SJD-PAC proactive drafting; depth counts the root, as the
+//                  authors' code does), then a chain; all within the window of L nodes
+//   acceptance     exact min(1, p/q) (lossless), grouped (GSD), relaxed (COOL-SD)
+//   window         L: tokens fed per step, root included
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "engine/util/status.h"
+
+namespace imagegen {
+
+enum class DraftSource { kNone, kJacobi, kDraftModel };
+enum class Coupling { kIndependent, kMaximal, kGumbel };
+enum class Acceptance { kExact, kGrouped, kRelaxed };
+
+struct DecodingPolicy {
+  std::string preset = "ar";  // the name it was built from ("custom" when edited)
+  DraftSource draft = DraftSource::kNone;
+  Coupling coupling = Coupling::kIndependent;
+  int64_t window = 1;              // L
+  bool uniform_init_q = false;     // random Jacobi drafts: q uniform (PAC) or one-hot (SJD)
+  int64_t tree_branches = 1;       // K; 1 = no tree
+  int64_t tree_depth = 1;          // D, counting the root; 1 = no tree
+  Acceptance acceptance = Acceptance::kExact;
+  // grouped (GSD, seed 004): cluster of G ids around the draft in p-sorted order, kept if
+  // |p(j) - p(x)| < gsd_delta and squared embedding distance < gsd_distance.
+  int64_t gsd_group = 14;
+  double gsd_delta = 0.15, gsd_distance = 0.5;
+  // relaxed (COOL-SD, seed 003): f_i = min(1, w_i p/q), w_i = delta * exp(-nu i - mu), with mu
+  // such that sum_{i=1..gamma} exp(-nu i - mu) = gamma (gamma = drafts in the window).
+  double cool_delta = 1.1, cool_nu = 0.7;
+
+  bool lossless() const { return acceptance == Acceptance::kExact; }
+  bool has_tree() const { return tree_branches > 1 && tree_depth > 1; }
+};
+
+// Names of the presets, in the order the benchmark reports them.
+const std::vector<std::string>& PresetNames();
+
+// ar, sjd, scd-mc, scd-gs, sjd-pac, gsd, cool-sd, sd, and the combinations pac-gumbel
+// (proactive tree with Gumbel-coupled redraws) and cool-sjd (COOL-SD on Jacobi drafts).
+// `window` <= 0 keeps the preset's default L.
+StatusOr<DecodingPolicy> PolicyFromPreset(const std::string& name, int64_t window = 0);
+
+// Range and consistency checks; messages name the field ("window", "tree_branches", ...).
+// `max_window` is the image's token count; `has_draft_model` says whether one is loaded.
+Status ValidatePolicy(const DecodingPolicy& p, int64_t max_window, bool has_draft_model);
+
+// COOL-SD weights w_1..w_gamma for a window with gamma drafts.
+std::vector<double> CoolWeights(double delta, double nu, int64_t gamma);
+
+std::string DescribePolicy(const DecodingPolicy& p);
+
+}  // namespace imagegen
