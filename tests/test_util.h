@@ -43,13 +43,14 @@ struct TinyGptSpec {
   int64_t dim = 32, n_layer = 2, n_head = 4, vocab = 24, classes = 3, grid = 4;
 };
 
-inline std::string TinyGptConfigJson(const TinyGptSpec& s) {
+// `extra`: more JSON members, starting with ", ".
+inline std::string TinyGptConfigJson(const TinyGptSpec& s, const std::string& extra = "") {
   return "{\"type\": \"llamagen-gpt\", \"dim\": " + std::to_string(s.dim) +
          ", \"n_layer\": " + std::to_string(s.n_layer) + ", \"n_head\": " +
          std::to_string(s.n_head) + ", \"vocab_size\": " + std::to_string(s.vocab) +
          ", \"num_classes\": " + std::to_string(s.classes) +
          ", \"block_size\": " + std::to_string(s.grid * s.grid) +
-         ", \"multiple_of\": 16, \"class_dropout_prob\": 0.1}";
+         ", \"multiple_of\": 16, \"class_dropout_prob\": 0.1" + extra + "}";
 }
 
 // Random LlamaGen tensors (std 0.3 so that attention and RoPE matter), by LlamaGen name.
@@ -78,12 +79,32 @@ inline std::map<std::string, at::Tensor> TinyGptTensors(const TinyGptSpec& s, ui
   return t;
 }
 
-inline std::string WriteTinyGpt(const std::string& dir, const TinyGptSpec& s, uint64_t seed) {
+inline std::string WriteTinyGpt(const std::string& dir, const TinyGptSpec& s, uint64_t seed,
+                                const std::string& extra_config = "") {
   std::filesystem::create_directories(dir);
-  WriteText(dir + "/config.json", TinyGptConfigJson(s));
+  WriteText(dir + "/config.json", TinyGptConfigJson(s, extra_config));
   auto st = WriteSafetensors(dir + "/model.safetensors", TinyGptTensors(s, seed));
   if (!st.ok()) throw std::runtime_error(st.ToString());
   return dir;
+}
+
+// A VQ tokenizer for `vocab` codes on a grid x grid token grid: the bundled fmnist-vq decoder
+// (fully convolutional, so any grid works) with its first `vocab` codebook rows.
+inline void WriteTinyVq(const std::string& dir, int64_t vocab, int64_t grid) {
+  const std::string src = std::string(IMAGEGEN_TEST_MODELS_DIR) + "/fmnist-vq";
+  auto f = SafetensorsFile::Open(src + "/model.safetensors");
+  if (!f.ok()) throw std::runtime_error(f.status().ToString());
+  std::map<std::string, at::Tensor> t;
+  for (const auto& [name, info] : (*f)->tensors()) t[name] = *(*f)->Read(name);
+  t["quantize.embedding.weight"] = t["quantize.embedding.weight"].narrow(0, 0, vocab).clone();
+  std::filesystem::create_directories(dir);
+  WriteText(dir + "/config.json",
+            "{\"type\": \"llamagen-vq\", \"codebook_size\": " + std::to_string(vocab) +
+                ", \"codebook_embed_dim\": 8, \"z_channels\": 32, \"ch\": 16, \"ch_mult\": [1, 2], "
+                "\"num_res_blocks\": 1, \"out_channels\": 1, \"num_groups\": 8, \"image_size\": " +
+                std::to_string(2 * grid) + "}");
+  auto st = WriteSafetensors(dir + "/model.safetensors", t);
+  if (!st.ok()) throw std::runtime_error(st.ToString());
 }
 
 inline bool Contains(const std::string& haystack, const std::string& needle) {

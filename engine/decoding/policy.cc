@@ -59,7 +59,7 @@ StatusOr<DecodingPolicy> PolicyFromPreset(const std::string& name, int64_t windo
   } else {
     std::string all;
     for (const auto& n : PresetNames()) all += (all.empty() ? "" : ", ") + n;
-    return InvalidArgument("method: unknown preset \"" + name + "\" (one of: " + all + ")");
+    return FieldError("method", "unknown preset \"" + name + "\" (one of: " + all + ")");
   }
   if (window > 0) p.window = window;
   return p;
@@ -67,51 +67,52 @@ StatusOr<DecodingPolicy> PolicyFromPreset(const std::string& name, int64_t windo
 
 Status ValidatePolicy(const DecodingPolicy& p, int64_t max_window, bool has_draft_model) {
   if (p.window < 1 || p.window > max_window) {
-    return InvalidArgument("window: must be in [1, " + std::to_string(max_window) + "], got " +
+    return FieldError("window", "must be in [1, " + std::to_string(max_window) + "], got " +
                            std::to_string(p.window));
   }
   if (p.draft == DraftSource::kNone && p.window != 1) {
-    return InvalidArgument("window: must be 1 without a draft source (ar)");
+    return FieldError("window", "must be 1 without a draft source (ar)");
   }
   if (p.draft != DraftSource::kNone && p.window < 2) {
-    return InvalidArgument("window: speculative methods need window >= 2");
+    return FieldError("window", "speculative methods need window >= 2");
   }
   if (p.draft == DraftSource::kDraftModel && !has_draft_model) {
-    return InvalidArgument("method: draft_model drafting needs a draft model, none is loaded");
+    return FieldError("method", "draft_model drafting needs a draft model, none is loaded");
   }
   if (p.tree_branches < 1 || p.tree_branches > 16) {
-    return InvalidArgument("tree_branches: must be in [1, 16]");
+    return FieldError("tree_branches", "must be in [1, 16]");
   }
-  if (p.tree_depth < 1 || p.tree_depth > 8) return InvalidArgument("tree_depth: must be in [1, 8]");
+  if (p.tree_depth < 1 || p.tree_depth > 8) return FieldError("tree_depth", "must be in [1, 8]");
   if (p.has_tree()) {
     if (p.draft != DraftSource::kJacobi) {
-      return InvalidArgument("tree_branches: proactive trees need Jacobi drafts");
+      return FieldError("tree_branches", "proactive trees need Jacobi drafts");
     }
     if (p.acceptance != Acceptance::kExact) {
-      return InvalidArgument("tree_branches: trees are verified with the exact rule only");
+      return FieldError("tree_branches", "trees are verified with the exact rule only");
     }
     int64_t nodes = 1, level = 1;
     for (int64_t d = 1; d < p.tree_depth; ++d) nodes += (level *= p.tree_branches);
     if (nodes > p.window) {
-      return InvalidArgument("tree_depth: a tree of " + std::to_string(nodes) +
+      return FieldError("tree_depth", "a tree of " + std::to_string(nodes) +
                              " nodes does not fit the window of " + std::to_string(p.window));
     }
   }
   if (p.draft == DraftSource::kDraftModel && p.coupling != Coupling::kIndependent) {
-    return InvalidArgument("coupling: draft-model drafts are redrawn every step; use independent");
+    return FieldError("coupling", "draft-model drafts are redrawn every step; use independent");
   }
   if (p.acceptance == Acceptance::kGrouped) {
-    if (p.gsd_group < 1) return InvalidArgument("gsd_group: must be >= 1");
-    if (!(p.gsd_delta >= 0) || !(p.gsd_distance >= 0)) {
-      return InvalidArgument("gsd_delta/gsd_distance: must be >= 0");
+    if (p.gsd_group < 1 || p.gsd_group > 1024) return FieldError("gsd_group", "must be in [1, 1024]");
+    if (!(p.gsd_delta >= 0) || !std::isfinite(p.gsd_delta)) {
+      return FieldError("gsd_delta", "must be a finite number >= 0");
     }
+    if (!(p.gsd_distance >= 0)) return FieldError("gsd_distance", "must be >= 0");
   }
   if (p.acceptance == Acceptance::kRelaxed) {
     if (!(p.cool_delta > 0) || !std::isfinite(p.cool_delta)) {
-      return InvalidArgument("cool_delta: must be a positive number");
+      return FieldError("cool_delta", "must be a positive number");
     }
     if (!(p.cool_nu >= 0) || !std::isfinite(p.cool_nu)) {
-      return InvalidArgument("cool_nu: must be >= 0");
+      return FieldError("cool_nu", "must be >= 0");
     }
   }
   return OkStatus();

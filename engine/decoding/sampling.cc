@@ -9,16 +9,16 @@ namespace imagegen {
 
 Status ValidateSampling(const SamplingParams& p, int64_t vocab_size) {
   if (!std::isfinite(p.cfg_scale) || p.cfg_scale < 0 || p.cfg_scale > 100) {
-    return InvalidArgument("cfg_scale must be a finite number in [0, 100]");
+    return FieldError("cfg_scale", "must be a finite number in [0, 100]");
   }
   if (!std::isfinite(p.temperature) || p.temperature < 0 || p.temperature > 100) {
-    return InvalidArgument("temperature must be a finite number in [0, 100]");
+    return FieldError("temperature", "must be a finite number in [0, 100]");
   }
   if (p.top_k < 0 || p.top_k > vocab_size) {
-    return InvalidArgument("top_k must be in [0, " + std::to_string(vocab_size) + "]");
+    return FieldError("top_k", "must be in [0, " + std::to_string(vocab_size) + "]");
   }
   if (!std::isfinite(p.top_p) || p.top_p <= 0 || p.top_p > 1) {
-    return InvalidArgument("top_p must be in (0, 1]");
+    return FieldError("top_p", "must be in (0, 1]");
   }
   return OkStatus();
 }

@@ -10,21 +10,10 @@
 #include <string>
 #include <vector>
 
+#include "engine/decoding/sampling_params.h"
 #include "engine/util/status.h"
 
 namespace imagegen {
-
-struct SamplingParams {
-  double cfg_scale = 1.0;    // > 1 enables guidance (an unconditional row per request)
-  double temperature = 1.0;  // divides logits by max(temperature, 1e-5)
-  int64_t top_k = 0;         // 0 = off
-  double top_p = 1.0;        // 1 = off
-
-  bool uses_cfg() const { return cfg_scale > 1.0; }
-};
-
-// Checks ranges; the message names the field ("cfg_scale", "temperature", "top_k", "top_p").
-Status ValidateSampling(const SamplingParams& p, int64_t vocab_size);
 
 // logits of the unconditional row u and conditional row c -> u + (c - u) * scale; scale [R].
 at::Tensor CfgCombine(const at::Tensor& cond, const at::Tensor& uncond, const at::Tensor& scale);

@@ -40,6 +40,7 @@ struct Req {
   uint32_t iter = 0;
   int64_t draft_valid = 0;  // valid entries in the draft model's cache
   int64_t gamma = 0;        // drafts made by the draft model this step
+  int64_t window_cap = 0;   // scheduler's cap on the window (0: none)
   std::vector<double> cool_w;
   SpecStats stats;
   // Per-step scratch.
@@ -50,6 +51,9 @@ struct Req {
 
   bool finished(int64_t N) const { return static_cast<int64_t>(committed.size()) == N; }
   int64_t n() const { return static_cast<int64_t>(committed.size()); }
+  int64_t window() const {
+    return window_cap > 0 ? std::min(window_cap, r.policy.window) : r.policy.window;
+  }
 };
 
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
@@ -88,6 +92,7 @@ struct SpecBatch::Impl {
 
   const GptConfig& cfg() const { return target.config(); }
   at::Device dev() const { return target.options().device; }
+  ForwardOptions fwd() const { return {opts.batch_invariant}; }
 
   Status DraftPhase(std::vector<Req*>& sd, at::Tensor* draft_q);
   void Plan(Req& q);
@@ -98,19 +103,23 @@ SpecBatch::SpecBatch(const Gpt& target, const Gpt* draft, int64_t slots, SpecOpt
     : impl_(std::make_unique<Impl>(target, draft, slots, opts)) {}
 SpecBatch::~SpecBatch() = default;
 
-Status SpecBatch::ValidateRequest(const SpecRequest& r) const {
-  const GptConfig& c = impl_->cfg();
+Status ValidateSpecRequest(const SpecRequest& r, const Gpt& target, const Gpt* draft) {
+  const GptConfig& c = target.config();
   RETURN_IF_ERROR(imagegen::ValidateRequest(r.image, c));
-  RETURN_IF_ERROR(ValidatePolicy(r.policy, c.block_size, impl_->draft != nullptr));
+  RETURN_IF_ERROR(ValidatePolicy(r.policy, c.block_size, draft != nullptr));
   if (r.policy.draft == DraftSource::kDraftModel) {
-    const GptConfig& d = impl_->draft->config();
+    const GptConfig& d = draft->config();
     if (d.vocab_size != c.vocab_size || d.block_size != c.block_size ||
         d.num_classes != c.num_classes || (r.image.sampling.uses_cfg() && !d.has_null_class())) {
-      return InvalidArgument("method: the draft model does not match the target's vocabulary, "
-                             "grid or classes");
+      return FieldError("method", "the draft model does not match the target's vocabulary, "
+                                  "grid or classes");
     }
   }
   return OkStatus();
+}
+
+Status SpecBatch::ValidateRequest(const SpecRequest& r) const {
+  return ValidateSpecRequest(r, impl_->target, impl_->draft);
 }
 
 StatusOr<int64_t> SpecBatch::Add(const SpecRequest& request) {
@@ -155,6 +164,36 @@ SpecResult SpecBatch::Take(int64_t handle) {
   return out;
 }
 
+bool SpecBatch::has(int64_t handle) const { return impl_->reqs.count(handle) > 0; }
+
+void SpecBatch::SetWindowCap(int64_t handle, int64_t cap) {
+  auto it = impl_->reqs.find(handle);
+  if (it != impl_->reqs.end()) it->second.window_cap = std::max<int64_t>(cap, 0);
+}
+
+int64_t SpecBatch::WantedNodes(int64_t handle) const {
+  const Req& q = impl_->reqs.at(handle);
+  const int64_t left = impl_->cfg().block_size - q.n();
+  if (left <= 0) return 0;
+  return q.r.policy.draft == DraftSource::kNone ? 1 : std::min(q.r.policy.window, left);
+}
+
+int64_t SpecBatch::RowsPerNode(int64_t handle) const {
+  return impl_->reqs.at(handle).slot_u >= 0 ? 2 : 1;
+}
+
+const std::vector<int64_t>& SpecBatch::tokens(int64_t handle) const {
+  return impl_->reqs.at(handle).committed;
+}
+
+const SpecStats& SpecBatch::stats(int64_t handle) const { return impl_->reqs.at(handle).stats; }
+
+std::vector<int64_t> SpecBatch::drafts(int64_t handle) const {
+  std::vector<int64_t> out;
+  for (const Column& c : impl_->reqs.at(handle).cols) out.push_back(c.cand[0]);
+  return out;
+}
+
 void SpecBatch::Remove(int64_t handle) {
   auto it = impl_->reqs.find(handle);
   if (it == impl_->reqs.end()) return;
@@ -174,7 +213,7 @@ Status SpecBatch::Impl::DraftPhase(std::vector<Req*>& sd, at::Tensor* draft_q) {
   int64_t gmax = 0;
   for (Req* q : sd) {
     q->cols.clear();
-    q->gamma = std::min(q->r.policy.window - 1, N - 1 - q->n());
+    q->gamma = std::min(q->window() - 1, N - 1 - q->n());
     gmax = std::max(gmax, q->gamma);
   }
   std::vector<at::Tensor> qparts;  // per forward j: [requests drafting at j, V]
@@ -196,6 +235,7 @@ Status SpecBatch::Impl::DraftPhase(std::vector<Req*>& sd, at::Tensor* draft_q) {
       const int64_t n = q->n();
       BatchRow row;
       row.slot = q->slot_c;
+      row.group = static_cast<int64_t>(rows.size());
       if (j == 0) {
         row.cache_len = q->draft_valid;
         for (int64_t p = q->draft_valid; p <= n; ++p) {
@@ -230,7 +270,7 @@ Status SpecBatch::Impl::DraftPhase(std::vector<Req*>& sd, at::Tensor* draft_q) {
     }
     at::Tensor dev_tokens;
     if (j > 0) dev_tokens = prev_tokens.index_select(0, at::tensor(tok_src, at::kLong).to(dev()));
-    ASSIGN_OR_RETURN(at::Tensor logits, draft->Forward(rows, dcache, dev_tokens));
+    ASSIGN_OR_RETURN(at::Tensor logits, draft->Forward(rows, dcache, dev_tokens, fwd()));
     at::Tensor c = logits.index_select(0, at::tensor(last_c, at::kLong).to(dev()));
     at::Tensor u = logits.index_select(0, at::tensor(last_u, at::kLong).to(dev()));
     at::Tensor probs = FinalProbs(CfgCombine(c, u, at::tensor(scale).to(dev())), sp).to(at::kDouble);
@@ -271,7 +311,7 @@ void SpecBatch::Impl::Plan(Req& q) {
   const GptConfig& c = cfg();
   const int64_t N = c.block_size, V = c.vocab_size, n = q.n();
   const DecodingPolicy& p = q.r.policy;
-  const int64_t avail = N - n, budget = std::min(p.window, avail), maxcols = avail - 1;
+  const int64_t avail = N - n, budget = std::min(q.window(), avail), maxcols = avail - 1;
   int64_t T = 0, tree_nodes = 0;
   if (p.draft == DraftSource::kNone) {
     q.cols.clear();
@@ -420,6 +460,7 @@ Status SpecBatch::Impl::Step() {
     const int64_t n = q->n(), m = static_cast<int64_t>(q->nodes.size());
     BatchRow row;
     row.slot = q->slot_c;
+    row.group = static_cast<int64_t>(rows.size());
     row.cache_len = n;
     bool chain = true;
     for (int64_t i = 0; i < m; ++i) {
@@ -452,7 +493,7 @@ Status SpecBatch::Impl::Step() {
       scale.push_back(s.uses_cfg() ? static_cast<float>(s.cfg_scale) : 1.0f);
     }
   }
-  ASSIGN_OR_RETURN(at::Tensor logits, target.Forward(rows, cache));
+  ASSIGN_OR_RETURN(at::Tensor logits, target.Forward(rows, cache, at::Tensor(), fwd()));
   at::Tensor g = CfgCombine(logits.index_select(0, at::tensor(cidx, at::kLong).to(dev())),
                             logits.index_select(0, at::tensor(uidx, at::kLong).to(dev())),
                             at::tensor(scale).to(dev()));
@@ -631,8 +672,16 @@ Status SpecBatch::Impl::Step() {
       const int64_t ga = off0 + a;
       const auto nk = static_cast<int64_t>(nd.kids.size());
       int64_t kstar = -1;
+      const auto depth = static_cast<size_t>(path.size());  // 0-based draft depth of the kids
+      if (!frontier && nk > 0 && q->stats.verified_at_depth.size() <= depth) {
+        q->stats.verified_at_depth.resize(depth + 1, 0);
+        q->stats.accepted_at_depth.resize(depth + 1, 0);
+      }
       for (int64_t k = 0; k < nk; ++k) {
-        if (!frontier) q->stats.drafts_verified += 1;
+        if (!frontier) {
+          q->stats.drafts_verified += 1;
+          q->stats.verified_at_depth[depth] += 1;
+        }
         if (h[ga][k] > 0.5) {
           kstar = k;
           break;
@@ -641,6 +690,7 @@ Status SpecBatch::Impl::Step() {
       if (!frontier) {
         if (kstar >= 0) {
           q->stats.drafts_accepted += 1;
+          q->stats.accepted_at_depth[depth] += 1;
           a = nd.kids[kstar];
           commit(q->nodes[a].token, ga);
           path.push_back(a);

@@ -49,6 +49,9 @@ struct SpecStats {
   int64_t drafts_accepted = 0;
   std::vector<int32_t> step_tokens;  // tokens committed by each step
   std::vector<int32_t> token_step;   // per image token, the step that committed it
+  // Per draft depth d (index d - 1: the d-th draft of a step's accepted path), drafts tested
+  // there before the step's first rejection (tree siblings each count) and drafts accepted.
+  std::vector<int64_t> verified_at_depth, accepted_at_depth;
   double entropy_sum = 0;            // entropy (nats) of p at each committed token,
   int64_t entropy_count = 0;         // when SpecOptions::collect_entropy
 
@@ -64,11 +67,19 @@ struct SpecResult {
 
 struct SpecOptions {
   bool collect_entropy = false;
+  // Batch-invariant forwards (ForwardOptions): a request's tokens do not depend on the other
+  // requests in the batch. Costs one attention call per request; the serving engine turns it
+  // on, offline sampling of thousands of rows at once leaves it off.
+  bool batch_invariant = false;
   // Test hooks for the power of the exact-distribution tests (both break losslessness):
   bool broken_accept_always = false;   // every draft accepted
   bool broken_mc_keeps_old_q = false;  // maximal coupling stores the old q for kept drafts
                                        // (the Lumina/Janus SCD-MC code, algorithms.md 3a)
 };
+
+// Checks a request against the models: sampling, class, policy; errors name the field.
+// Thread-safe (reads only the models' configs).
+Status ValidateSpecRequest(const SpecRequest& r, const Gpt& target, const Gpt* draft);
 
 // One batch of in-flight requests over fixed KV slots. Requests are added while slots last.
 class SpecBatch {
@@ -92,10 +103,25 @@ class SpecBatch {
   int64_t active() const;
   int64_t free_slots() const;
   bool done(int64_t handle) const;
+
+  // Caps the window a request feeds from the next step on (the scheduler's token budget);
+  // 0 lifts the cap. Any cap keeps a lossless method lossless; it changes which sample a seed
+  // gives, since the drafts change.
+  void SetWindowCap(int64_t handle, int64_t cap);
+  // Nodes the request would feed the target in its next step without a cap (its window,
+  // clipped to the tokens left; 1 for AR), and the forward rows per node (2 with CFG).
+  int64_t WantedNodes(int64_t handle) const;
+  int64_t RowsPerNode(int64_t handle) const;
+  // The request's committed tokens, counters, and the first-candidate drafts it will verify
+  // next (Jacobi drafts; empty for AR and draft-model requests, which draft within a step).
+  const std::vector<int64_t>& tokens(int64_t handle) const;
+  const SpecStats& stats(int64_t handle) const;
+  std::vector<int64_t> drafts(int64_t handle) const;
   // The result of a finished request; frees its slots.
   SpecResult Take(int64_t handle);
   // Drops a request (finished or not) and frees its slots.
   void Remove(int64_t handle);
+  bool has(int64_t handle) const;
 
  private:
   struct Impl;

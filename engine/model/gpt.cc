@@ -27,6 +27,14 @@ at::Tensor ApplyRope(const at::Tensor& x, const at::Tensor& table) {
   return out.reshape({t, h, hd}).to(x.scalar_type());
 }
 
+at::Tensor Linear(const at::Tensor& x, const at::Tensor& w, bool invariant) {
+  const int64_t m = x.size(0);
+  if (!invariant || m >= kInvariantMinRows) return at::linear(x, w);
+  at::Tensor xp = at::zeros({kInvariantMinRows, x.size(1)}, x.options());
+  xp.narrow(0, 0, m).copy_(x);
+  return at::linear(xp, w).narrow(0, 0, m);
+}
+
 }  // namespace
 
 int64_t GptConfig::ffn_hidden() const {
@@ -60,6 +68,7 @@ StatusOr<GptConfig> ParseGptConfig(const Json& json, const std::string& where) {
   ASSIGN_OR_RETURN(c.norm_eps, f.Number("norm_eps", 1e-5));
   ASSIGN_OR_RETURN(c.class_dropout_prob, f.Number("class_dropout_prob", 0.1));
   ASSIGN_OR_RETURN(c.tokenizer, f.String("tokenizer", ""));
+  ASSIGN_OR_RETURN(c.draft_model, f.String("draft_model", ""));
   if (json.Find("class_names")) {
     ASSIGN_OR_RETURN(c.class_names, f.StringList("class_names"));
   }
@@ -221,8 +230,17 @@ Status Gpt::Validate(const std::vector<BatchRow>& batch, const KvCache& cache,
 }
 
 StatusOr<at::Tensor> Gpt::Forward(const std::vector<BatchRow>& batch, KvCache& cache,
-                                  const at::Tensor& device_tokens) const {
+                                  const at::Tensor& device_tokens, ForwardOptions fopts) const {
   RETURN_IF_ERROR(Validate(batch, cache, !device_tokens.defined()));
+  if (fopts.batch_invariant) {
+    for (size_t r = 1; r < batch.size(); ++r) {
+      const BatchRow &a = batch[r - 1], &b = batch[r];
+      if (a.group >= 0 && a.group == b.group &&
+          (a.tokens.size() != b.tokens.size() || a.cache_len != b.cache_len || a.mask != b.mask)) {
+        return InvalidArgument("forward: rows of one group differ in length or mask");
+      }
+    }
+  }
   if (device_tokens.defined()) {
     int64_t total = 0;
     for (const auto& r : batch) total += static_cast<int64_t>(r.tokens.size());
@@ -231,14 +249,14 @@ StatusOr<at::Tensor> Gpt::Forward(const std::vector<BatchRow>& batch, KvCache& c
     }
   }
   try {
-    return ForwardImpl(batch, cache, device_tokens);
+    return ForwardImpl(batch, cache, device_tokens, fopts.batch_invariant);
   } catch (const c10::Error& e) {
     return Internal(std::string("forward failed in LibTorch: ") + e.what_without_backtrace());
   }
 }
 
 at::Tensor Gpt::ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache,
-                            const at::Tensor& device_tokens) const {
+                            const at::Tensor& device_tokens, bool invariant) const {
   const int64_t R = static_cast<int64_t>(batch.size());
   const int64_t H = cfg_.n_head, hd = cfg_.head_dim(), D = cfg_.dim;
   int64_t T = 0, nmax = 0, kv_max = 0;
@@ -250,18 +268,73 @@ at::Tensor Gpt::ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache,
     kv_max = std::max(kv_max, batch[r].cache_len + n);
     consecutive &= batch[r].slot == batch[0].slot + r;
   }
+  // Attention calls: the whole batch padded to nmax x kv_max, or (batch-invariant) one call per
+  // row group with exactly its own lengths.
+  struct Call {
+    int64_t r0 = 0, rows = 0, t0 = 0, n = 0, kv = 0, mask_off = 0;
+  };
+  std::vector<Call> calls;
+  if (invariant) {
+    int64_t t = 0, mask_off = 0;
+    for (int64_t r = 0; r < R; ++r) {
+      const BatchRow& row = batch[r];
+      const auto n = static_cast<int64_t>(row.tokens.size());
+      if (r > 0 && row.group >= 0 && row.group == batch[r - 1].group) {
+        calls.back().rows += 1;
+      } else {
+        calls.push_back({r, 1, t, n, row.cache_len + n, 0});
+      }
+      t += n;
+    }
+    for (Call& c : calls) {
+      c.mask_off = mask_off;
+      mask_off += c.rows * c.n * c.kv;
+    }
+  }
 
   // Host-side index tensors, built once per step and moved to the device together.
   at::Tensor ids = at::empty({T}, at::kLong), pos = at::empty({T}, at::kLong);
   at::Tensor dst = at::empty({T}, at::kLong);    // flat cache index slot * capacity + i
   at::Tensor src = at::empty({T}, at::kLong);    // flat padded index r * nmax + i
   at::Tensor slots = at::empty({R}, at::kLong);
-  at::Tensor allow = at::zeros({R, nmax, kv_max}, at::kBool);
+  at::Tensor allow;
+  if (invariant) {
+    const Call& last = calls.back();
+    allow = at::zeros({last.mask_off + last.rows * last.n * last.kv}, at::kBool);
+    auto am = allow.accessor<bool, 1>();
+    for (const Call& c : calls) {
+      for (int64_t g = 0; g < c.rows; ++g) {
+        const BatchRow& row = batch[c.r0 + g];
+        const int64_t base = c.mask_off + g * c.n * c.kv;
+        for (int64_t i = 0; i < c.n; ++i) {
+          for (int64_t j = 0; j < row.cache_len; ++j) am[base + i * c.kv + j] = true;
+          for (int64_t j = 0; j < c.n; ++j) {
+            am[base + i * c.kv + row.cache_len + j] =
+                row.mask.empty() ? j <= i : row.mask[i * c.n + j] != 0;
+          }
+        }
+      }
+    }
+  } else {
+    allow = at::zeros({R, nmax, kv_max}, at::kBool);
+    auto am = allow.accessor<bool, 3>();
+    for (int64_t r = 0; r < R; ++r) {
+      const BatchRow& row = batch[r];
+      const auto n = static_cast<int64_t>(row.tokens.size());
+      for (int64_t i = 0; i < n; ++i) {
+        for (int64_t j = 0; j < row.cache_len; ++j) am[r][i][j] = true;
+        for (int64_t j = 0; j < n; ++j) {
+          am[r][i][row.cache_len + j] = row.mask.empty() ? j <= i : row.mask[i * n + j] != 0;
+        }
+      }
+      // Padding queries attend to one key so softmax stays finite; their output is dropped.
+      for (int64_t i = n; i < nmax; ++i) am[r][i][0] = true;
+    }
+  }
   {
     auto pi = ids.accessor<int64_t, 1>(), pp = pos.accessor<int64_t, 1>();
     auto pd = dst.accessor<int64_t, 1>(), ps = src.accessor<int64_t, 1>();
     auto sl = slots.accessor<int64_t, 1>();
-    auto am = allow.accessor<bool, 3>();
     int64_t t = 0;
     for (int64_t r = 0; r < R; ++r) {
       const BatchRow& row = batch[r];
@@ -275,13 +348,7 @@ at::Tensor Gpt::ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache,
         pp[t] = row.positions[i];
         pd[t] = row.slot * cache.capacity + row.cache_len + i;
         ps[t] = r * nmax + i;
-        for (int64_t j = 0; j < row.cache_len; ++j) am[r][i][j] = true;
-        for (int64_t j = 0; j < n; ++j) {
-          am[r][i][row.cache_len + j] = row.mask.empty() ? j <= i : row.mask[i * n + j] != 0;
-        }
       }
-      // Padding queries attend to one key so softmax stays finite; their output is dropped.
-      for (int64_t i = n; i < nmax; ++i) am[r][i][0] = true;
     }
   }
   const auto dev = opts_.device;
@@ -290,13 +357,14 @@ at::Tensor Gpt::ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache,
   dst = dst.to(dev);
   src = src.to(dev);
   slots = slots.to(dev);
-  allow = allow.to(dev).unsqueeze(1);  // [R, 1, nmax, kv_max]
+  allow = allow.to(dev);
+  if (!invariant) allow = allow.unsqueeze(1);  // [R, 1, nmax, kv_max]
   at::Tensor rope = rope_.index_select(0, pos);
 
   at::Tensor x = embed_.index_select(0, ids);  // [T, D]
   for (size_t l = 0; l < layers_.size(); ++l) {
     const Layer& L = layers_[l];
-    at::Tensor qkv = at::linear(RmsNorm(x, L.attention_norm, cfg_.norm_eps), L.wqkv);
+    at::Tensor qkv = Linear(RmsNorm(x, L.attention_norm, cfg_.norm_eps), L.wqkv, invariant);
     auto parts = qkv.split(D, -1);
     at::Tensor q = ApplyRope(parts[0].reshape({T, H, hd}), rope);
     at::Tensor k = ApplyRope(parts[1].reshape({T, H, hd}), rope);
@@ -306,24 +374,45 @@ at::Tensor Gpt::ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache,
     ck.view({-1, H, hd}).index_copy_(0, dst, k);
     cv.view({-1, H, hd}).index_copy_(0, dst, v);
 
-    at::Tensor keys, vals;  // [R, kv_max, H, hd]
-    if (consecutive) {
-      keys = ck.narrow(0, batch[0].slot, R).narrow(1, 0, kv_max);
-      vals = cv.narrow(0, batch[0].slot, R).narrow(1, 0, kv_max);
+    at::Tensor o;
+    if (invariant) {
+      // Fresh operands per call (index_select and contiguous allocate): identical inputs
+      // (values, shapes, strides, alignment) whatever the batch, hence identical outputs.
+      std::vector<at::Tensor> outs;
+      outs.reserve(calls.size());
+      for (const Call& c : calls) {
+        at::Tensor qc = q.narrow(0, c.t0, c.rows * c.n).view({c.rows, c.n, H, hd})
+                            .transpose(1, 2).contiguous();
+        at::Tensor sc = slots.narrow(0, c.r0, c.rows);
+        at::Tensor kc = ck.narrow(1, 0, c.kv).index_select(0, sc).transpose(1, 2);
+        at::Tensor vc = cv.narrow(1, 0, c.kv).index_select(0, sc).transpose(1, 2);
+        at::Tensor mc = allow.narrow(0, c.mask_off, c.rows * c.n * c.kv)
+                            .view({c.rows, 1, c.n, c.kv}).clone();
+        at::Tensor oc = at::scaled_dot_product_attention(qc, kc, vc, mc);
+        outs.push_back(oc.transpose(1, 2).reshape({c.rows * c.n, D}));
+      }
+      o = outs.size() == 1 ? outs[0] : at::cat(outs);
     } else {
-      keys = ck.narrow(1, 0, kv_max).index_select(0, slots);
-      vals = cv.narrow(1, 0, kv_max).index_select(0, slots);
+      at::Tensor keys, vals;  // [R, kv_max, H, hd]
+      if (consecutive) {
+        keys = ck.narrow(0, batch[0].slot, R).narrow(1, 0, kv_max);
+        vals = cv.narrow(0, batch[0].slot, R).narrow(1, 0, kv_max);
+      } else {
+        keys = ck.narrow(1, 0, kv_max).index_select(0, slots);
+        vals = cv.narrow(1, 0, kv_max).index_select(0, slots);
+      }
+      at::Tensor qp = at::zeros({R * nmax, H, hd}, q.options()).index_copy_(0, src, q);
+      qp = qp.view({R, nmax, H, hd}).transpose(1, 2);
+      o = at::scaled_dot_product_attention(qp, keys.transpose(1, 2), vals.transpose(1, 2),
+                                           allow);
+      o = o.transpose(1, 2).reshape({R * nmax, D}).index_select(0, src);
     }
-    at::Tensor qp = at::zeros({R * nmax, H, hd}, q.options()).index_copy_(0, src, q);
-    qp = qp.view({R, nmax, H, hd}).transpose(1, 2);
-    at::Tensor o = at::scaled_dot_product_attention(qp, keys.transpose(1, 2),
-                                                    vals.transpose(1, 2), allow);
-    o = o.transpose(1, 2).reshape({R * nmax, D}).index_select(0, src);
-    x = x + at::linear(o, L.wo);
+    x = x + Linear(o, L.wo, invariant);
     at::Tensor hn = RmsNorm(x, L.ffn_norm, cfg_.norm_eps);
-    x = x + at::linear(at::silu(at::linear(hn, L.w1)) * at::linear(hn, L.w3), L.w2);
+    x = x + Linear(at::silu(Linear(hn, L.w1, invariant)) * Linear(hn, L.w3, invariant), L.w2,
+                   invariant);
   }
-  return at::linear(RmsNorm(x, norm_, cfg_.norm_eps), output_).to(at::kFloat);
+  return Linear(RmsNorm(x, norm_, cfg_.norm_eps), output_, invariant).to(at::kFloat);
 }
 
 void MoveCacheEntries(KvCache& cache, int64_t slot, const std::vector<int64_t>& from, int64_t to) {

@@ -27,6 +27,7 @@ struct GptConfig {
   double rope_base = 10000, norm_eps = 1e-5;
   double class_dropout_prob = 0.1;
   std::string tokenizer;          // name of the VQ model directory beside this one
+  std::string draft_model;        // optional: a smaller GPT beside this one that drafts for it
   std::vector<std::string> class_names;
   // Sampling defaults recommended for this model (config.json "sampling_defaults").
   double default_cfg_scale = 1.0, default_temperature = 1.0, default_top_p = 1.0;
@@ -61,7 +62,24 @@ struct BatchRow {
   // Optional n x n row-major: mask[i * n + j] != 0 lets new token i attend new token j.
   // Empty means causal among the new tokens (j <= i).
   std::vector<uint8_t> mask;
+  // Batch-invariant forwards only: adjacent rows with the same group >= 0 (a request's
+  // conditional and unconditional rows) share one attention call and must have the same
+  // number of tokens and cache_len; a row with group -1 has a call of its own.
+  int64_t group = -1;
 };
+
+struct ForwardOptions {
+  // Every row's logits are bit-identical whatever else is in the batch (same device and
+  // build), so a request's image does not depend on its neighbours. Linear layers never run
+  // on fewer than kInvariantMinRows rows (BLAS libraries switch to other kernels for tiny
+  // matrices, and those round differently), and attention runs once per row group, so that no
+  // row's queries or keys are padded to another row's length. Off: one attention call for the
+  // whole batch, padded to its longest row (fastest for large uniform batches: evaluation).
+  bool batch_invariant = false;
+};
+
+// Rows below which a batch-invariant forward pads its linear layers (see ForwardOptions).
+inline constexpr int64_t kInvariantMinRows = 16;
 
 class Gpt {
  public:
@@ -84,7 +102,8 @@ class Gpt {
   // device are fed back without a host round trip. The rows' token vectors then only give the
   // lengths.
   StatusOr<at::Tensor> Forward(const std::vector<BatchRow>& batch, KvCache& cache,
-                               const at::Tensor& device_tokens = at::Tensor()) const;
+                               const at::Tensor& device_tokens = at::Tensor(),
+                               ForwardOptions fopts = {}) const;
 
   // The token-embedding rows [vocab, dim] (GSD measures distances between them).
   at::Tensor token_embeddings() const { return embed_.narrow(0, 0, cfg_.vocab_size); }
@@ -97,7 +116,7 @@ class Gpt {
   static StatusOr<std::unique_ptr<Gpt>> FromStoreImpl(const GptConfig& cfg, WeightStore& store,
                                                       const LoadOptions& opts);
   at::Tensor ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache,
-                         const at::Tensor& device_tokens) const;
+                         const at::Tensor& device_tokens, bool invariant) const;
   Status Validate(const std::vector<BatchRow>& batch, const KvCache& cache,
                   bool check_tokens) const;
 

@@ -15,18 +15,18 @@ namespace imagegen {
 
 Status ValidateModelName(const std::string& name) {
   if (name.empty() || name.size() > 128 || name[0] == '.') {
-    return InvalidArgument("model: name must be 1-128 characters and not start with '.'");
+    return FieldError("model", "name must be 1-128 characters and not start with '.'");
   }
   for (char c : name) {
     const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
                     c == '.' || c == '_' || c == '-';
-    if (!ok) return InvalidArgument("model: name may hold only letters, digits, '.', '_', '-'");
+    if (!ok) return FieldError("model", "name may hold only letters, digits, '.', '_', '-'");
   }
   return OkStatus();
 }
 
 StatusOr<ImageModel> LoadImageModel(const std::string& models_dir, const std::string& name,
-                                    const LoadOptions& opts) {
+                                    const LoadOptions& opts, bool with_draft) {
   RETURN_IF_ERROR(ValidateModelName(name));
   const std::string dir = (std::filesystem::path(models_dir) / name).string();
   if (!std::filesystem::is_directory(dir)) {
@@ -51,6 +51,17 @@ StatusOr<ImageModel> LoadImageModel(const std::string& models_dir, const std::st
                               std::to_string(cfg.vocab_size) + " and block_size " +
                               std::to_string(cfg.block_size));
   }
+  if (with_draft && !cfg.draft_model.empty()) {
+    RETURN_IF_ERROR(ValidateModelName(cfg.draft_model));
+    ASSIGN_OR_RETURN(m.draft, Gpt::Load((std::filesystem::path(models_dir) / cfg.draft_model).string(),
+                                        opts));
+    const GptConfig& d = m.draft->config();
+    if (d.vocab_size != cfg.vocab_size || d.block_size != cfg.block_size ||
+        d.num_classes != cfg.num_classes || d.has_null_class() != cfg.has_null_class()) {
+      return FailedPrecondition("model '" + name + "': draft model '" + cfg.draft_model +
+                                "' differs from it in vocabulary, grid, classes or null class");
+    }
+  }
   return m;
 }
 
@@ -64,7 +75,7 @@ StatusOr<int64_t> ResolveClass(const GptConfig& cfg, const std::string& s) {
   }
   std::string names;
   for (size_t i = 0; i < cfg.class_names.size(); ++i) names += (i ? ", " : "") + cfg.class_names[i];
-  return InvalidArgument("class: '" + s + "' is neither an id in [0, " +
+  return FieldError("class", "'" + s + "' is neither an id in [0, " +
                          std::to_string(cfg.num_classes) + ") nor a class name" +
                          (names.empty() ? "" : " (" + names + ")"));
 }

@@ -15,13 +15,16 @@ struct ImageModel {
   std::string name;
   std::unique_ptr<Gpt> gpt;
   std::unique_ptr<VqDecoder> vq;
+  std::unique_ptr<Gpt> draft;  // the config's "draft_model", when it names one
 };
 
 // Fails with INVALID_ARGUMENT for names that are not plain [A-Za-z0-9._-] (no paths).
 Status ValidateModelName(const std::string& name);
 
+// Loads the GPT, its tokenizer and (with `with_draft`) the draft GPT its config names, and
+// checks that they fit together (codes, grid, classes).
 StatusOr<ImageModel> LoadImageModel(const std::string& models_dir, const std::string& name,
-                                    const LoadOptions& opts);
+                                    const LoadOptions& opts, bool with_draft = false);
 
 // The class id for a name or a decimal id ("7" or "sneaker"); INVALID_ARGUMENT otherwise.
 StatusOr<int64_t> ResolveClass(const GptConfig& cfg, const std::string& class_or_id);

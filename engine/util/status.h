@@ -30,19 +30,32 @@ class [[nodiscard]] Status {
  public:
   Status() = default;
   Status(Code code, std::string message) : code_(code), message_(std::move(message)) {}
+  // An INVALID_ARGUMENT about one request field: message "field: text", field() == field.
+  static Status Field(std::string field, const std::string& text) {
+    Status s(Code::kInvalidArgument, field + ": " + text);
+    s.field_ = std::move(field);
+    return s;
+  }
 
   bool ok() const { return code_ == Code::kOk; }
   Code code() const { return code_; }
   const std::string& message() const { return message_; }
+  // The request field an INVALID_ARGUMENT is about (engine names: "cfg_scale", "window",
+  // "class", ...); empty when the error is not about one field.
+  const std::string& field() const { return field_; }
   std::string ToString() const;
 
  private:
   Code code_ = Code::kOk;
   std::string message_;
+  std::string field_;
 };
 
 inline Status OkStatus() { return Status(); }
 inline Status InvalidArgument(std::string m) { return {Code::kInvalidArgument, std::move(m)}; }
+inline Status FieldError(std::string field, const std::string& text) {
+  return Status::Field(std::move(field), text);
+}
 inline Status NotFound(std::string m) { return {Code::kNotFound, std::move(m)}; }
 inline Status DataLoss(std::string m) { return {Code::kDataLoss, std::move(m)}; }
 inline Status FailedPrecondition(std::string m) {
@@ -52,6 +65,9 @@ inline Status Internal(std::string m) { return {Code::kInternal, std::move(m)}; 
 inline Status ResourceExhausted(std::string m) {
   return {Code::kResourceExhausted, std::move(m)};
 }
+inline Status Cancelled(std::string m) { return {Code::kCancelled, std::move(m)}; }
+inline Status DeadlineExceeded(std::string m) { return {Code::kDeadlineExceeded, std::move(m)}; }
+inline Status Unavailable(std::string m) { return {Code::kUnavailable, std::move(m)}; }
 
 template <typename T>
 class [[nodiscard]] StatusOr {

@@ -1,0 +1,308 @@
+#include "engine/scheduler/engine.h"
+
+#include <ATen/ATen.h>
+#include <torch/cuda.h>
+
+#include <condition_variable>
+#include <filesystem>
+#include <mutex>
+#include <random>
+#include <thread>
+#include <unordered_set>
+
+#include "engine/decoding/speculative.h"
+#include "engine/model/image_model.h"
+#include "engine/scheduler/model_runner.h"
+
+namespace imagegen {
+namespace {
+
+StatusOr<LoadOptions> ParseDevice(const EngineOptions& o) {
+  LoadOptions lo;
+  if (o.device == "cpu") {
+    lo.device = c10::Device(c10::kCPU);
+  } else if (o.device.rfind("cuda", 0) == 0) {
+    if (!torch::cuda::is_available()) return InvalidArgument("device: no CUDA device available");
+    int index = 0;
+    if (o.device.size() > 4) {
+      const std::string rest = o.device.substr(4);
+      if (rest.size() < 2 || rest[0] != ':' ||
+          rest.find_first_not_of("0123456789", 1) != std::string::npos || rest.size() > 4) {
+        return InvalidArgument("device: expected cpu, cuda or cuda:N, got '" + o.device + "'");
+      }
+      index = std::stoi(rest.substr(1));
+    }
+    if (index >= static_cast<int>(torch::cuda::device_count())) {
+      return InvalidArgument("device: " + o.device + " does not exist");
+    }
+    lo.device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
+  } else {
+    return InvalidArgument("device: expected cpu, cuda or cuda:N, got '" + o.device + "'");
+  }
+  if (o.dtype == "fp32") {
+    lo.dtype = at::kFloat;
+  } else if (o.dtype == "bf16") {
+    lo.dtype = at::kBFloat16;
+  } else if (o.dtype == "fp16") {
+    lo.dtype = at::kHalf;
+  } else {
+    return InvalidArgument("dtype: expected fp32, bf16 or fp16, got '" + o.dtype + "'");
+  }
+  return lo;
+}
+
+int64_t CacheBytesPerSlot(const Gpt& g) {
+  const GptConfig& c = g.config();
+  return 2 * c.n_layer * c.seq_len() * c.dim *
+         static_cast<int64_t>(c10::elementSize(g.options().dtype));
+}
+
+}  // namespace
+
+uint64_t RandomSeed() {
+  std::random_device rd;
+  const uint64_t hi = rd(), lo = rd();
+  return ((hi << 32) | lo) >> 1;
+}
+
+struct Engine::Impl {
+  EngineOptions opts;
+  EngineListener* listener = nullptr;
+  std::vector<std::unique_ptr<ImageModel>> models;
+  std::vector<ModelInfo> infos;
+  std::vector<std::unique_ptr<ModelRunner>> runners;
+
+  mutable std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::pair<size_t, std::unique_ptr<Job>>> inbox;  // (model index, job)
+  std::unordered_set<int64_t> cancels;
+  std::vector<int64_t> inbox_per_model;
+  EngineStats stats;  // counters, and loads as of the last round
+  bool draining = false;
+  Clock::time_point grace_end = Clock::time_point::max();
+  int64_t next_id = 1;
+  std::thread thread;
+  std::once_flag joined;
+
+  StatusOr<std::unique_ptr<Job>> Resolve(GenerateParams p, size_t* model_index) const;
+  void Run();
+};
+
+Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Engine::~Engine() { Shutdown(std::chrono::milliseconds(0)); }
+
+StatusOr<std::unique_ptr<Engine>> Engine::Start(const EngineOptions& options,
+                                                EngineListener* listener) {
+  auto impl = std::make_unique<Impl>();
+  impl->opts = options;
+  impl->listener = listener;
+  EngineOptions& o = impl->opts;
+  if (o.models.empty()) o.models = {"fmnist-gpt"};
+  if (o.max_queue < 0) return InvalidArgument("max_queue: must be >= 0");
+  if (o.max_slots < 2) return InvalidArgument("max_slots: must be >= 2");
+  if (o.max_tokens_per_step != 0 && o.max_tokens_per_step < 2) {
+    return InvalidArgument("max_tokens_per_step: must be 0 (no budget) or >= 2");
+  }
+  ASSIGN_OR_RETURN(LoadOptions lo, ParseDevice(o));
+  for (const std::string& name : o.models) {
+    for (const auto& m : impl->models) {
+      if (m->name == name) return InvalidArgument("models: '" + name + "' is listed twice");
+    }
+    ASSIGN_OR_RETURN(ImageModel m, LoadImageModel(o.models_dir, name, lo, /*with_draft=*/true));
+    auto model = std::make_unique<ImageModel>(std::move(m));
+    const GptConfig& c = model->gpt->config();
+    int64_t per_slot = CacheBytesPerSlot(*model->gpt);
+    if (model->draft) per_slot += CacheBytesPerSlot(*model->draft);
+    const int64_t slots = std::min(o.max_slots, o.kv_cache_bytes / per_slot);
+    if (slots < 2) {
+      return InvalidArgument("kv_cache_bytes: " + std::to_string(o.kv_cache_bytes) +
+                             " bytes hold fewer than the 2 slots of one CFG request of model '" +
+                             name + "' (" + std::to_string(per_slot) + " bytes per slot)");
+    }
+    try {
+      impl->runners.push_back(std::make_unique<ModelRunner>(*model, slots, impl->opts, listener));
+    } catch (const std::exception& e) {
+      return ResourceExhausted("KV cache of model '" + name + "' (" + std::to_string(slots) +
+                               " slots): " + e.what());
+    }
+    ModelInfo info;
+    info.name = name;
+    info.grid = c.grid();
+    info.vocab_size = c.vocab_size;
+    info.num_classes = c.num_classes;
+    info.class_names = c.class_names;
+    const VqConfig& vc = model->vq->config();
+    info.image_width = info.image_height = vc.image_size;
+    info.channels = vc.out_channels;
+    info.draft_model = model->draft ? c.draft_model : "";
+    for (const std::string& preset : PresetNames()) {
+      StatusOr<DecodingPolicy> p = PolicyFromPreset(preset);
+      if (p.ok() && ValidatePolicy(*p, c.block_size, model->draft != nullptr).ok()) {
+        info.methods.push_back(preset);
+      }
+    }
+    info.sampling_defaults = {c.default_cfg_scale, c.default_temperature, c.default_top_k,
+                              c.default_top_p};
+    info.max_window = c.block_size;
+    info.kv_slots = slots;
+    impl->infos.push_back(info);
+    impl->stats.models.push_back({name, 0, 0, 0, slots});
+    impl->models.push_back(std::move(model));
+  }
+  impl->inbox_per_model.assign(impl->models.size(), 0);
+  Impl* raw = impl.get();
+  impl->thread = std::thread([raw] { raw->Run(); });
+  return std::unique_ptr<Engine>(new Engine(std::move(impl)));
+}
+
+StatusOr<std::unique_ptr<Job>> Engine::Impl::Resolve(GenerateParams p, size_t* model_index) const {
+  size_t mi = 0;
+  if (!p.model.empty()) {
+    mi = models.size();
+    for (size_t i = 0; i < models.size(); ++i) {
+      if (models[i]->name == p.model) mi = i;
+    }
+    if (mi == models.size()) {
+      std::string names;
+      for (const auto& m : models) names += (names.empty() ? "" : ", ") + m->name;
+      return NotFound("model '" + p.model + "' is not loaded (loaded: " + names + ")");
+    }
+  }
+  const ImageModel& m = *models[mi];
+  const GptConfig& c = m.gpt->config();
+  auto job = std::make_unique<Job>();
+  if (p.class_label.empty()) return FieldError("class", "required: a class name or id");
+  ASSIGN_OR_RETURN(job->spec.image.class_id, ResolveClass(c, p.class_label));
+  job->spec.image.seed = p.seed.has_value() ? *p.seed : RandomSeed();
+  SamplingParams& s = job->spec.image.sampling;
+  s.cfg_scale = p.cfg_scale.value_or(c.default_cfg_scale);
+  s.temperature = p.temperature.value_or(c.default_temperature);
+  s.top_k = p.top_k.value_or(c.default_top_k);
+  s.top_p = p.top_p.value_or(c.default_top_p);
+  job->spec.policy = p.policy;
+  if (p.preview_every < 0) return FieldError("preview_every", "must be >= 0");
+  RETURN_IF_ERROR(ValidateSpecRequest(job->spec, *m.gpt, m.draft.get()));
+  job->params = std::move(p);
+  *model_index = mi;
+  return job;
+}
+
+StatusOr<int64_t> Engine::Submit(GenerateParams params, std::shared_ptr<RequestObserver> observer) {
+  if (!observer) return InvalidArgument("observer: required");
+  size_t mi = 0;
+  ASSIGN_OR_RETURN(std::unique_ptr<Job> job, impl_->Resolve(std::move(params), &mi));
+  job->observer = std::move(observer);
+  job->submitted = Clock::now();
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  EngineStats& st = impl_->stats;
+  if (impl_->draining) {
+    st.rejected += 1;
+    return Unavailable("the engine is shutting down");
+  }
+  const int64_t queued = st.models[mi].queued + impl_->inbox_per_model[mi];
+  if (queued >= impl_->opts.max_queue) {
+    st.rejected += 1;
+    return ResourceExhausted("queue full: " + std::to_string(queued) +
+                             " requests are waiting for model '" + st.models[mi].model + "'");
+  }
+  const int64_t id = impl_->next_id++;
+  job->id = id;
+  st.submitted += 1;
+  impl_->inbox_per_model[mi] += 1;
+  impl_->inbox.emplace_back(mi, std::move(job));
+  impl_->cv.notify_one();
+  return id;
+}
+
+void Engine::Cancel(int64_t id) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->cancels.insert(id);
+  impl_->cv.notify_one();
+}
+
+EngineStats Engine::Stats() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  EngineStats s = impl_->stats;
+  for (size_t i = 0; i < s.models.size(); ++i) s.models[i].queued += impl_->inbox_per_model[i];
+  return s;
+}
+
+const std::vector<ModelInfo>& Engine::Models() const { return impl_->infos; }
+
+void Engine::Shutdown(std::chrono::milliseconds grace) {
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    if (!impl_->draining) {
+      impl_->draining = true;
+      impl_->grace_end = Clock::now() + grace;
+    } else {
+      impl_->grace_end = std::min(impl_->grace_end, Clock::now() + grace);
+    }
+    impl_->stats.draining = true;
+    impl_->cv.notify_one();
+  }
+  std::call_once(impl_->joined, [this] {
+    if (impl_->thread.joinable()) impl_->thread.join();
+  });
+}
+
+void Engine::Impl::Run() {
+  std::vector<std::pair<size_t, std::unique_ptr<Job>>> arrived;
+  std::unordered_set<int64_t> cancelled;
+  while (true) {
+    bool draining_now = false, out_of_time = false;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      arrived.swap(inbox);
+      cancelled.swap(cancels);
+      std::fill(inbox_per_model.begin(), inbox_per_model.end(), 0);
+      draining_now = draining;
+      out_of_time = draining && Clock::now() >= grace_end;
+    }
+    for (auto& [mi, job] : arrived) runners[mi]->Enqueue(std::move(job));
+    arrived.clear();
+    // A round: each model ends its cancelled and expired requests, admits, and steps.
+    Outcomes out;
+    bool stepped = false;
+    const auto now = Clock::now();
+    for (auto& r : runners) stepped |= r->Tick(cancelled, now, out);
+    cancelled.clear();  // ids not found had already finished
+    if (out_of_time) {
+      for (auto& r : runners) r->EndAll(Unavailable("the server shut down before the request "
+                                                    "finished"), out);
+    }
+    bool idle = true;
+    Clock::time_point wake = Clock::time_point::max();
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      stats.steps += stepped ? 1 : 0;
+      stats.completed += out.completed;
+      stats.cancelled += out.cancelled;
+      stats.expired += out.expired;
+      stats.failed += out.failed;
+      for (size_t i = 0; i < runners.size(); ++i) {
+        ModelLoad& l = stats.models[i];
+        l.queued = runners[i]->queued();
+        l.active = runners[i]->active();
+        l.slots_used = runners[i]->slots_used();
+        idle &= runners[i]->idle();
+        wake = std::min(wake, runners[i]->next_deadline());
+      }
+    }
+    if (draining_now && idle) break;
+    if (stepped) continue;
+    // Nothing to step: sleep until a request, a cancellation, a deadline or the end of the
+    // grace period.
+    std::unique_lock<std::mutex> lock(mu);
+    if (draining) wake = std::min(wake, grace_end);
+    auto ready = [&] { return !inbox.empty() || !cancels.empty() || (draining && !draining_now); };
+    if (wake == Clock::time_point::max()) {
+      cv.wait(lock, ready);
+    } else {
+      cv.wait_until(lock, wake, ready);
+    }
+  }
+}
+
+}  // namespace imagegen

@@ -1,0 +1,108 @@
+// The serving engine: loaded models, and one engine thread that runs iteration-level
+// continuous batching over them (DESIGN.md, "Scheduler"). Each step packs every active
+// request's window (AR token, Jacobi window, proactive tree, draft-model chain), whatever its
+// method, into one ragged target forward per model, verifies each request, and reports
+// committed tokens to the request's observer.
+//
+// Thread-safe: Submit, Cancel, Stats, Models and Shutdown may be called from any thread.
+// Observers and the listener are called on the engine thread. No LibTorch in this header.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/scheduler/request.h"
+#include "engine/util/status.h"
+
+namespace imagegen {
+
+struct EngineOptions {
+  std::string models_dir;           // holds one directory per model
+  std::vector<std::string> models;  // GPT models to serve; empty: {"fmnist-gpt"}
+  std::string device = "cpu";       // "cpu", "cuda" or "cuda:N"
+  std::string dtype = "fp32";       // "fp32", "bf16", "fp16"
+  // KV-cache memory per model (target and draft caches together); it sets the slot count,
+  // capped by max_slots. A request takes one slot, two with CFG.
+  int64_t kv_cache_bytes = int64_t{256} << 20;
+  int64_t max_slots = 64;
+  int64_t max_queue = 256;  // waiting requests per model; beyond: RESOURCE_EXHAUSTED
+  // Target-forward tokens per step and model (a CFG request's token counts twice). Windows
+  // shrink toward one token when the active requests want more; requests are admitted only
+  // while every active one can still feed one token. 0: no budget.
+  int64_t max_tokens_per_step = 2048;
+  // A request's image does not depend on what else runs (ForwardOptions::batch_invariant).
+  bool batch_invariant = true;
+};
+
+// One step of one model, for metrics.
+struct StepSample {
+  std::string model;
+  double seconds = 0;          // the whole step: drafting, forward, verification, events
+  int64_t requests = 0;        // requests in the step
+  int64_t tokens = 0;          // target-forward tokens (CFG rows included)
+  int64_t committed = 0;       // image tokens committed by the step
+  bool budget_limited = false; // some window was shrunk by the token budget
+};
+
+class EngineListener {
+ public:
+  virtual ~EngineListener() = default;
+  virtual void OnStep(const StepSample& sample) = 0;
+};
+
+struct ModelLoad {
+  std::string model;
+  int64_t queued = 0;       // waiting for a slot
+  int64_t active = 0;       // holding slots
+  int64_t slots_used = 0, slots_total = 0;
+};
+
+struct EngineStats {
+  std::vector<ModelLoad> models;
+  int64_t steps = 0;
+  int64_t submitted = 0, completed = 0, cancelled = 0, expired = 0, failed = 0, rejected = 0;
+  bool draining = false;
+};
+
+class Engine {
+ public:
+  // Loads the models (each GPT, its VQ tokenizer, and the draft GPT its config.json names
+  // under "draft_model") and starts the engine thread. `listener` may be null; it must
+  // outlive the engine.
+  static StatusOr<std::unique_ptr<Engine>> Start(const EngineOptions& options,
+                                                 EngineListener* listener = nullptr);
+  ~Engine();  // Shutdown(0) if still running
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Validates the request (INVALID_ARGUMENT naming the field; NOT_FOUND for an unknown model),
+  // queues it and returns its id at once. RESOURCE_EXHAUSTED when the model's queue is full,
+  // UNAVAILABLE once Shutdown has begun. On success the observer will get exactly one
+  // OnComplete or OnError; on failure it gets nothing.
+  StatusOr<int64_t> Submit(GenerateParams params, std::shared_ptr<RequestObserver> observer);
+
+  // The request ends with CANCELLED at the next step boundary and frees its slots. Unknown
+  // or finished ids are ignored.
+  void Cancel(int64_t id);
+
+  EngineStats Stats() const;
+  const std::vector<ModelInfo>& Models() const;
+
+  // Refuses new requests, lets queued and running ones finish for up to `grace`, then ends
+  // what is left with UNAVAILABLE and stops the engine thread. Idempotent; returns when the
+  // thread has stopped.
+  void Shutdown(std::chrono::milliseconds grace);
+
+ private:
+  struct Impl;
+  explicit Engine(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// The seed an engine draws for a request without one: 63 random bits.
+uint64_t RandomSeed();
+
+}  // namespace imagegen

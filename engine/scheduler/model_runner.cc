@@ -1,0 +1,290 @@
+#include "engine/scheduler/model_runner.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <exception>
+
+#include "engine/image/png.h"
+#include "engine/scheduler/window_budget.h"
+
+namespace imagegen {
+namespace {
+
+double Seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+SpecOptions BatchOptions(const EngineOptions& o) {
+  SpecOptions s;
+  s.batch_invariant = o.batch_invariant;
+  return s;
+}
+
+void AddDeltas(const std::vector<int64_t>& now, std::vector<int64_t>& seen,
+               std::vector<int64_t>& delta) {
+  delta.assign(now.size(), 0);
+  seen.resize(now.size(), 0);
+  for (size_t i = 0; i < now.size(); ++i) {
+    delta[i] = now[i] - seen[i];
+    seen[i] = now[i];
+  }
+}
+
+}  // namespace
+
+ModelRunner::ModelRunner(const ImageModel& model, int64_t slots, const EngineOptions& opts,
+                         EngineListener* listener)
+    : model_(model),
+      opts_(opts),
+      listener_(listener),
+      slots_(slots),
+      batch_(*model.gpt, model.draft.get(), slots, BatchOptions(opts)) {}
+
+void ModelRunner::Enqueue(std::unique_ptr<Job> job) { waiting_.push_back(std::move(job)); }
+
+Clock::time_point ModelRunner::next_deadline() const {
+  Clock::time_point t = Clock::time_point::max();
+  for (const auto& j : waiting_) t = std::min(t, j->params.deadline);
+  for (const auto& j : active_) t = std::min(t, j->params.deadline);
+  return t;
+}
+
+void ModelRunner::End(Job& job, const Status& status) {
+  if (job.handle >= 0) {
+    batch_.Remove(job.handle);
+    job.handle = -1;
+  }
+  job.observer->OnError(status);
+}
+
+void ModelRunner::EndAll(const Status& status, Outcomes& out) {
+  for (auto& j : active_) End(*j, status);
+  for (auto& j : waiting_) End(*j, status);
+  out.failed += static_cast<int64_t>(active_.size() + waiting_.size());
+  active_.clear();
+  waiting_.clear();
+}
+
+bool ModelRunner::Tick(const std::unordered_set<int64_t>& cancelled, Clock::time_point now,
+                       Outcomes& out) {
+  // Cancellations and deadlines take effect here, between steps, and free the slots at once.
+  auto ended = [&](Job& j) {
+    if (cancelled.count(j.id) > 0) {
+      End(j, Cancelled("request " + std::to_string(j.id) + " cancelled"));
+      out.cancelled += 1;
+      return true;
+    }
+    if (now >= j.params.deadline) {
+      End(j, DeadlineExceeded("deadline exceeded after " +
+                              std::to_string(j.handle >= 0 ? batch_.stats(j.handle).nfe : 0) +
+                              " steps"));
+      out.expired += 1;
+      return true;
+    }
+    return false;
+  };
+  std::erase_if(waiting_, [&](const std::unique_ptr<Job>& j) { return ended(*j); });
+  std::erase_if(active_, [&](const std::unique_ptr<Job>& j) { return ended(*j); });
+  Admit();
+  if (active_.empty()) return false;
+  Step(out);
+  return true;
+}
+
+// FIFO: the oldest request is admitted first, and nothing overtakes it (no starvation). A
+// request needs its KV slots and room in the token budget for one token of every active
+// request plus its own.
+void ModelRunner::Admit() {
+  int64_t rows = 0;
+  for (const auto& j : active_) rows += batch_.RowsPerNode(j->handle);
+  const auto now = Clock::now();
+  while (!waiting_.empty()) {
+    Job& j = *waiting_.front();
+    const int64_t need = j.spec.image.sampling.uses_cfg() ? 2 : 1;
+    if (batch_.free_slots() < need) break;
+    if (opts_.max_tokens_per_step > 0 && rows + need > opts_.max_tokens_per_step) break;
+    StatusOr<int64_t> h = batch_.Add(j.spec);
+    if (!h.ok()) {  // validated at submission; only a model-level surprise gets here
+      j.observer->OnError(h.status());
+      waiting_.pop_front();
+      continue;
+    }
+    j.handle = *h;
+    j.started = now;
+    rows += need;
+    active_.push_back(std::move(waiting_.front()));
+    waiting_.pop_front();
+  }
+}
+
+void ModelRunner::Step(Outcomes& out) {
+  const auto t0 = Clock::now();
+  std::vector<WindowDemand> demand;
+  for (const auto& j : active_) {
+    demand.push_back({batch_.WantedNodes(j->handle), batch_.RowsPerNode(j->handle)});
+  }
+  const std::vector<int64_t> windows = AllocateWindows(demand, opts_.max_tokens_per_step);
+  StepSample sample;
+  sample.model = model_.name;
+  sample.requests = static_cast<int64_t>(active_.size());
+  for (size_t i = 0; i < active_.size(); ++i) {
+    Job& j = *active_[i];
+    j.window = windows[i];
+    sample.budget_limited |= windows[i] < demand[i].wanted;
+    sample.tokens += windows[i] * demand[i].rows;
+    // A cap equal to what the request wants is no cap: keep it unset so that a request's
+    // draws are those it makes alone whenever the budget is not binding.
+    batch_.SetWindowCap(j.handle, windows[i] < demand[i].wanted ? windows[i] : 0);
+  }
+  Status st;
+  try {
+    st = batch_.Step();
+  } catch (const std::exception& e) {
+    st = Internal(std::string("step failed: ") + e.what());
+  }
+  if (!st.ok()) {
+    // The batch is as it was before the step; the requests in it cannot go on (a failing
+    // forward would fail again), so they end with the error and the engine serves the rest.
+    for (auto& j : active_) End(*j, Internal("generation failed: " + st.message()));
+    out.failed += static_cast<int64_t>(active_.size());
+    active_.clear();
+    return;
+  }
+  const auto t1 = Clock::now();
+  for (auto& j : active_) {
+    if (j->first_token == Clock::time_point()) j->first_token = t1;
+    sample.committed += static_cast<int64_t>(batch_.tokens(j->handle).size() - j->reported);
+    Emit(*j);
+  }
+  std::erase_if(active_, [&](std::unique_ptr<Job>& j) {
+    if (!batch_.done(j->handle)) return false;
+    Finish(*j, out);
+    return true;
+  });
+  sample.seconds = Seconds(t0, Clock::now());
+  if (listener_ != nullptr) listener_->OnStep(sample);
+}
+
+void ModelRunner::Emit(Job& j) {
+  const std::vector<int64_t>& toks = batch_.tokens(j.handle);
+  const SpecStats& s = batch_.stats(j.handle);
+  StepEvent ev;
+  ev.request_id = j.id;
+  ev.step = s.nfe;
+  ev.window = j.window;
+  for (size_t i = j.reported; i < toks.size(); ++i) {
+    ev.positions.push_back(static_cast<int32_t>(i));
+    ev.tokens.push_back(static_cast<int32_t>(toks[i]));
+  }
+  j.reported = toks.size();
+  ev.verified = s.drafts_verified - j.verified;
+  ev.accepted = s.drafts_accepted - j.accepted;
+  j.verified = s.drafts_verified;
+  j.accepted = s.drafts_accepted;
+  AddDeltas(s.verified_at_depth, j.verified_at_depth, ev.verified_at_depth);
+  AddDeltas(s.accepted_at_depth, j.accepted_at_depth, ev.accepted_at_depth);
+  const bool done = batch_.done(j.handle);
+  if (j.params.stream_drafts && !done) {
+    const std::vector<int64_t> d = batch_.drafts(j.handle);
+    for (size_t i = 0; i < d.size(); ++i) {
+      ev.draft_positions.push_back(static_cast<int32_t>(toks.size() + i));
+      ev.draft_tokens.push_back(static_cast<int32_t>(d[i]));
+    }
+  }
+  ev.totals = {s.nfe, s.draft_forwards, s.drafts_verified, s.drafts_accepted,
+               static_cast<int64_t>(toks.size())};
+  ev.total_tokens = model_.gpt->config().block_size;
+  if (j.params.preview_every > 0 && !done && s.nfe % j.params.preview_every == 0) {
+    ev.preview_png = Preview(j);
+  }
+  j.observer->OnStep(ev);
+}
+
+void ModelRunner::Finish(Job& j, Outcomes& out) {
+  SpecResult r = batch_.Take(j.handle);
+  j.handle = -1;
+  const auto t_end = Clock::now();
+  RequestResult res;
+  res.request_id = j.id;
+  res.model = model_.name;
+  res.class_id = j.spec.image.class_id;
+  res.seed = j.spec.image.seed;
+  res.policy = j.spec.policy;
+  res.sampling = j.spec.image.sampling;
+  res.tokens = r.tokens;
+  res.grid = model_.gpt->config().grid();
+  const VqConfig& vc = model_.vq->config();
+  res.width = res.height = vc.image_size;
+  res.channels = vc.out_channels;
+  if (j.params.encode_png) {
+    StatusOr<std::string> png = Internal("image not decoded");
+    try {
+      png = TokensToPng(*model_.vq, r.tokens);
+    } catch (const std::exception& e) {
+      png = Internal(std::string("image decoding failed: ") + e.what());
+    }
+    if (!png.ok()) {
+      j.observer->OnError(png.status());
+      out.failed += 1;
+      return;
+    }
+    res.png = std::move(png).value();
+  }
+  RequestStats& st = res.stats;
+  st.counters = {r.stats.nfe, r.stats.draft_forwards, r.stats.drafts_verified,
+                 r.stats.drafts_accepted, static_cast<int64_t>(r.tokens.size())};
+  st.acceptance_rate = r.stats.acceptance_rate();
+  st.step_compression =
+      r.stats.nfe > 0 ? static_cast<double>(r.tokens.size()) / static_cast<double>(r.stats.nfe) : 0;
+  st.mean_accepted_length = st.step_compression;
+  for (int32_t k : r.stats.step_tokens) {
+    if (static_cast<int64_t>(st.accepted_length_histogram.size()) <= k) {
+      st.accepted_length_histogram.resize(static_cast<size_t>(k) + 1, 0);
+    }
+    st.accepted_length_histogram[static_cast<size_t>(k)] += 1;
+  }
+  st.verified_at_depth = r.stats.verified_at_depth;
+  st.accepted_at_depth = r.stats.accepted_at_depth;
+  st.queue_seconds = Seconds(j.submitted, j.started);
+  st.generation_seconds = Seconds(j.started, t_end);
+  st.first_token_seconds = Seconds(j.submitted, j.first_token);
+  st.decode_seconds = Seconds(t_end, Clock::now());
+  j.observer->OnComplete(std::move(res));
+  out.completed += 1;
+}
+
+// The grid so far: committed tokens, then the drafts the next step will verify, then code 0;
+// the pixels of tokens not yet committed are faded toward grey.
+std::string ModelRunner::Preview(const Job& j) const {
+  const std::vector<int64_t>& toks = batch_.tokens(j.handle);
+  const std::vector<int64_t> drafts = batch_.drafts(j.handle);
+  const int64_t N = model_.gpt->config().block_size, g = model_.gpt->config().grid();
+  std::vector<int32_t> ids(static_cast<size_t>(N), 0);
+  for (size_t i = 0; i < toks.size(); ++i) ids[i] = static_cast<int32_t>(toks[i]);
+  for (size_t i = 0; i < drafts.size() && toks.size() + i < ids.size(); ++i) {
+    ids[toks.size() + i] = static_cast<int32_t>(drafts[i]);
+  }
+  try {
+    StatusOr<at::Tensor> img = model_.vq->Decode(at::tensor(ids).to(at::kLong).unsqueeze(0));
+    if (!img.ok()) return "";
+    at::Tensor px = ImageToUint8(*img)[0].contiguous();  // [H, W, C]
+    const int64_t H = px.size(0), W = px.size(1), C = px.size(2);
+    auto a = px.accessor<uint8_t, 3>();
+    for (int64_t t = static_cast<int64_t>(toks.size()); t < N; ++t) {
+      const int64_t r = t / g, c = t % g;
+      for (int64_t y = r * H / g; y < (r + 1) * H / g; ++y) {
+        for (int64_t x = c * W / g; x < (c + 1) * W / g; ++x) {
+          for (int64_t ch = 0; ch < C; ++ch) a[y][x][ch] = static_cast<uint8_t>(96 + a[y][x][ch] / 4);
+        }
+      }
+    }
+    StatusOr<std::string> png = EncodePng(px.data_ptr<uint8_t>(), static_cast<int>(W),
+                                          static_cast<int>(H), static_cast<int>(C));
+    return png.ok() ? std::move(png).value() : std::string();
+  } catch (const std::exception&) {
+    return "";
+  }
+}
+
+}  // namespace imagegen

@@ -1,0 +1,113 @@
+// What the serving engine takes and gives per request: parameters, step events, results, and
+// the observer that receives them. Plain data without LibTorch, so that the server (which must
+// not mix LibTorch and protobuf headers) can use it. Thread-safe as plain values are.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "engine/decoding/policy.h"
+#include "engine/decoding/sampling_params.h"
+#include "engine/util/status.h"
+
+namespace imagegen {
+
+using Clock = std::chrono::steady_clock;
+
+struct GenerateParams {
+  std::string model;        // a loaded model's name; empty: the engine's first model
+  std::string class_label;  // a class name ("sneaker") or a decimal id ("7")
+  std::optional<uint64_t> seed;  // absent: the engine draws one and reports it
+  // Absent: the model's recommended values (config.json "sampling_defaults").
+  std::optional<double> cfg_scale, temperature, top_p;
+  std::optional<int64_t> top_k;
+  DecodingPolicy policy;  // PolicyFromPreset(...) plus any explicit parts
+  Clock::time_point deadline = Clock::time_point::max();
+  bool stream_drafts = false;  // step events carry the drafts the next step will verify
+  int64_t preview_every = 0;   // a preview PNG in every k-th step event; 0: none
+  bool encode_png = true;      // the result carries the final PNG
+};
+
+// Counters of one request so far.
+struct RequestCounters {
+  int64_t nfe = 0;             // target forwards (a CFG pair once; the first forward counts)
+  int64_t draft_forwards = 0;  // draft-model forwards (counted apart from NFE)
+  int64_t drafts_verified = 0;
+  int64_t drafts_accepted = 0;
+  int64_t tokens = 0;          // committed image tokens
+};
+
+// One engine step of one request.
+struct StepEvent {
+  int64_t request_id = 0;
+  int64_t step = 0;    // 1-based: this request's target forwards so far
+  int64_t window = 0;  // tokens the request fed this step, after the token budget
+  std::vector<int32_t> positions, tokens;  // committed this step (raster positions, ids)
+  // This step alone: drafts tested before the first rejection and accepted, and for each
+  // draft depth d (index d - 1) whether it was tested / accepted (for per-position metrics).
+  int64_t verified = 0, accepted = 0;
+  std::vector<int64_t> verified_at_depth, accepted_at_depth;
+  std::vector<int32_t> draft_positions, draft_tokens;  // when stream_drafts
+  RequestCounters totals;
+  int64_t total_tokens = 0;  // tokens in the image
+  std::string preview_png;   // when due: the grid so far (undecided tokens dimmed)
+};
+
+struct RequestStats {
+  RequestCounters counters;
+  double acceptance_rate = 0;    // drafts accepted / drafts verified
+  double step_compression = 0;   // image tokens / NFE
+  double mean_accepted_length = 0;  // tokens committed per step
+  // [k] = steps that committed k tokens (k >= 1).
+  std::vector<int64_t> accepted_length_histogram;
+  std::vector<int64_t> verified_at_depth, accepted_at_depth;
+  double queue_seconds = 0;       // submission to the first step
+  double generation_seconds = 0;  // first step to the last token
+  double first_token_seconds = 0;  // submission to the first committed token
+  double decode_seconds = 0;      // VQ decoding and PNG encoding
+};
+
+struct RequestResult {
+  int64_t request_id = 0;
+  std::string model;
+  int64_t class_id = 0;
+  uint64_t seed = 0;
+  DecodingPolicy policy;
+  SamplingParams sampling;
+  std::vector<int32_t> tokens;  // grid x grid ids, raster order
+  int64_t grid = 0;
+  std::string png;              // when encode_png
+  int64_t width = 0, height = 0, channels = 0;
+  RequestStats stats;
+};
+
+// Receives one request's events on the engine thread, in order: OnStep for every step, then
+// exactly one of OnComplete / OnError. Implementations must return quickly (copy and hand
+// off) and may call Engine::Cancel, but not Submit or Shutdown.
+class RequestObserver {
+ public:
+  virtual ~RequestObserver() = default;
+  virtual void OnStep(const StepEvent& event) {}
+  virtual void OnComplete(RequestResult result) = 0;
+  virtual void OnError(const Status& status) = 0;
+};
+
+// What a client can ask of a loaded model.
+struct ModelInfo {
+  std::string name;
+  int64_t grid = 0;  // tokens per side
+  int64_t vocab_size = 0, num_classes = 0;
+  std::vector<std::string> class_names;
+  int64_t image_width = 0, image_height = 0, channels = 0;
+  std::string draft_model;           // empty: none (draft-model methods unavailable)
+  std::vector<std::string> methods;  // presets this model can run
+  SamplingParams sampling_defaults;
+  int64_t max_window = 0;            // image tokens
+  int64_t kv_slots = 0;              // KV-cache slots (a CFG request takes two)
+};
+
+}  // namespace imagegen

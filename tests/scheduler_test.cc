@@ -1,0 +1,429 @@
+// The continuous-batching engine on the bundled model: mixed methods in one step loop, streamed
+// grids, cancellation, deadlines, a bounded queue, the token budget, shutdown, and batch
+// invariance (a request's image does not depend on what runs beside it).
+#include "engine/scheduler/engine.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <thread>
+
+#include "engine/model/image_model.h"
+#include "engine/scheduler/window_budget.h"
+#include "tests/engine_client.h"
+
+namespace imagegen {
+namespace {
+
+using testing::PngSize;
+using testing::Recorder;
+
+TEST(WindowBudgetTest, EverythingFitsOrNoBudget) {
+  std::vector<WindowDemand> d = {{16, 2}, {1, 2}, {64, 1}};
+  EXPECT_EQ(AllocateWindows(d, 0), (std::vector<int64_t>{16, 1, 64}));
+  EXPECT_EQ(AllocateWindows(d, 98), (std::vector<int64_t>{16, 1, 64}));
+}
+
+TEST(WindowBudgetTest, WindowsShrinkEvenlyAndTheOldestGetTheRemainder) {
+  // Costs at cap W: 2W + 2 + W = 3W + 2 (W <= 16); budget 40 -> W = 12, 2 tokens left -> the
+  // oldest request above the cap gets one more.
+  std::vector<WindowDemand> d = {{16, 2}, {1, 2}, {64, 1}};
+  EXPECT_EQ(AllocateWindows(d, 40), (std::vector<int64_t>{13, 1, 12}));
+  // Never below one token each, even past the budget.
+  EXPECT_EQ(AllocateWindows(d, 3), (std::vector<int64_t>{1, 1, 1}));
+  // The budget is spent exactly when the windows allow it.
+  std::vector<WindowDemand> e(5, {32, 2});
+  const auto w = AllocateWindows(e, 100);
+  int64_t cost = 0;
+  for (int64_t x : w) cost += 2 * x;
+  EXPECT_EQ(cost, 100);
+  EXPECT_EQ(*std::max_element(w.begin(), w.end()) - *std::min_element(w.begin(), w.end()), 0);
+}
+
+EngineOptions BundledOptions() {
+  EngineOptions o;
+  o.models_dir = IMAGEGEN_TEST_MODELS_DIR;
+  return o;
+}
+
+std::unique_ptr<Engine> StartOrDie(const EngineOptions& o, EngineListener* l = nullptr) {
+  auto e = Engine::Start(o, l);
+  if (!e.ok()) throw std::runtime_error(e.status().ToString());
+  return std::move(e).value();
+}
+
+GenerateParams Params(const std::string& method, int64_t cls, uint64_t seed) {
+  GenerateParams p;
+  p.class_label = std::to_string(cls);
+  p.seed = seed;
+  auto pol = PolicyFromPreset(method);
+  if (!pol.ok()) throw std::runtime_error(pol.status().ToString());
+  p.policy = *pol;
+  return p;
+}
+
+// Waits until the engine has no request queued or active.
+void WaitIdle(Engine& e) {
+  for (int i = 0; i < 3000; ++i) {
+    EngineStats s = e.Stats();
+    if (s.models[0].queued == 0 && s.models[0].active == 0) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  FAIL() << "engine never went idle";
+}
+
+class StepLog : public EngineListener {
+ public:
+  void OnStep(const StepSample& s) override {
+    std::lock_guard<std::mutex> l(mu);
+    samples.push_back(s);
+  }
+  std::mutex mu;
+  std::vector<StepSample> samples;
+};
+
+TEST(EngineTest, MixedMethodsRunTogetherAndTheStreamReassemblesTheGrid) {
+  StepLog log;
+  auto engine = StartOrDie(BundledOptions(), &log);
+  ASSERT_EQ(engine->Models().size(), 1u);
+  const ModelInfo& info = engine->Models()[0];
+  EXPECT_EQ(info.name, "fmnist-gpt");
+  EXPECT_EQ(info.grid, 14);
+  EXPECT_EQ(info.draft_model, "fmnist-draft");
+  EXPECT_EQ(info.methods, PresetNames());  // every preset, sd and cool-sd included
+  std::vector<std::shared_ptr<Recorder>> rec;
+  const auto& methods = PresetNames();
+  for (int i = 0; i < 12; ++i) {
+    GenerateParams p = Params(methods[i % methods.size()], i % 10, 500 + i);
+    p.stream_drafts = i % 2 == 0;
+    p.preview_every = i == 1 ? 10 : 0;
+    rec.push_back(std::make_shared<Recorder>());
+    ASSERT_TRUE(engine->Submit(p, rec.back()).ok());
+  }
+  for (size_t i = 0; i < rec.size(); ++i) {
+    Recorder& r = *rec[i];
+    ASSERT_TRUE(r.Wait());
+    ASSERT_TRUE(r.result.has_value()) << methods[i % methods.size()] << ": "
+                                      << (r.error ? r.error->ToString() : "");
+    EXPECT_EQ(r.terminal_calls, 1);
+    const RequestResult& res = *r.result;
+    ASSERT_EQ(res.tokens.size(), 196u);
+    EXPECT_EQ(res.policy.preset, methods[i % methods.size()]);
+    EXPECT_EQ(PngSize(res.png), std::make_pair(28, 28));
+    // The deltas reassemble into exactly the final grid, in order, with nothing repeated.
+    std::vector<int32_t> grid;
+    int64_t verified = 0, accepted = 0;
+    for (size_t k = 0; k < r.events.size(); ++k) {
+      const StepEvent& e = r.events[k];
+      EXPECT_EQ(e.step, static_cast<int64_t>(k) + 1);
+      ASSERT_FALSE(e.positions.empty()) << "every step commits at least one token";
+      for (size_t t = 0; t < e.positions.size(); ++t) {
+        ASSERT_EQ(e.positions[t], static_cast<int32_t>(grid.size()));
+        grid.push_back(e.tokens[t]);
+      }
+      EXPECT_EQ(e.totals.tokens, static_cast<int64_t>(grid.size()));
+      verified += e.verified;
+      accepted += e.accepted;
+      if (!e.draft_positions.empty()) {
+        EXPECT_EQ(i % 2, 0u) << "drafts only when asked for";
+        EXPECT_EQ(e.draft_positions[0], static_cast<int32_t>(grid.size()));
+      }
+      if (i == 1 && e.step % 10 == 0 && grid.size() < 196) {
+        EXPECT_EQ(PngSize(e.preview_png), std::make_pair(28, 28));
+      }
+    }
+    EXPECT_EQ(grid, res.tokens);
+    const RequestStats& st = res.stats;
+    EXPECT_EQ(st.counters.nfe, static_cast<int64_t>(r.events.size()));
+    EXPECT_EQ(st.counters.drafts_verified, verified);
+    EXPECT_EQ(st.counters.drafts_accepted, accepted);
+    EXPECT_NEAR(st.step_compression, 196.0 / st.counters.nfe, 1e-12);
+    int64_t steps = 0, tokens = 0;
+    for (size_t k = 0; k < st.accepted_length_histogram.size(); ++k) {
+      steps += st.accepted_length_histogram[k];
+      tokens += static_cast<int64_t>(k) * st.accepted_length_histogram[k];
+    }
+    EXPECT_EQ(steps, st.counters.nfe);
+    EXPECT_EQ(tokens, 196);
+    if (res.policy.draft == DraftSource::kNone) {
+      EXPECT_EQ(st.counters.nfe, 196);
+    } else {
+      EXPECT_LT(st.counters.nfe, 196) << res.policy.preset;
+    }
+    EXPECT_EQ(res.policy.draft == DraftSource::kDraftModel, st.counters.draft_forwards > 0);
+    EXPECT_GE(st.first_token_seconds, st.queue_seconds);
+  }
+  // Requests of different methods shared steps.
+  std::lock_guard<std::mutex> l(log.mu);
+  int64_t max_requests = 0;
+  for (const auto& s : log.samples) max_requests = std::max(max_requests, s.requests);
+  EXPECT_GE(max_requests, 10);
+  EngineStats s = engine->Stats();
+  EXPECT_EQ(s.completed, 12);
+  EXPECT_EQ(s.models[0].slots_used, 0);
+}
+
+// The same request (params + seed) gives the same grid alone and beside 15 others of every
+// method, with the default options (batch-invariant forwards, a budget that does not bind).
+TEST(EngineTest, BatchInvarianceAloneVersusFifteenMixedNeighbours) {
+  StepLog log;
+  auto engine = StartOrDie(BundledOptions(), &log);
+  const auto& methods = PresetNames();
+  std::vector<GenerateParams> ps;
+  for (int i = 0; i < 16; ++i) ps.push_back(Params(methods[i % methods.size()], (i * 3) % 10, 9000 + i));
+  std::vector<std::shared_ptr<Recorder>> together;
+  for (const auto& p : ps) {
+    together.push_back(std::make_shared<Recorder>());
+    ASSERT_TRUE(engine->Submit(p, together.back()).ok());
+  }
+  for (auto& r : together) ASSERT_TRUE(r->Wait() && r->result.has_value());
+  for (size_t i = 0; i < ps.size(); ++i) {
+    auto alone = std::make_shared<Recorder>();
+    ASSERT_TRUE(engine->Submit(ps[i], alone).ok());
+    ASSERT_TRUE(alone->Wait() && alone->result.has_value());
+    EXPECT_EQ(alone->result->tokens, together[i]->result->tokens) << ps[i].policy.preset;
+    EXPECT_EQ(alone->result->stats.counters.nfe, together[i]->result->stats.counters.nfe);
+  }
+  std::lock_guard<std::mutex> l(log.mu);
+  int64_t max_requests = 0;
+  for (const auto& s : log.samples) {
+    EXPECT_FALSE(s.budget_limited);  // the precondition: no window was shrunk
+    max_requests = std::max(max_requests, s.requests);
+  }
+  EXPECT_EQ(max_requests, 16);
+}
+
+// The forward itself: one row's logits alone and inside a ragged batch of other rows.
+TEST(EngineTest, BatchInvariantForwardGivesBitIdenticalLogits) {
+  auto m = LoadImageModel(IMAGEGEN_TEST_MODELS_DIR, "fmnist-gpt", {});
+  ASSERT_TRUE(m.ok());
+  std::vector<BatchRow> rows;
+  for (int i = 0; i < 12; ++i) {
+    BatchRow r;
+    r.slot = i;
+    r.group = i / 2;
+    const int n = 1 + (i / 2) * 7;
+    for (int k = 0; k < n; ++k) {
+      r.tokens.push_back(k == 0 ? (i % 2 ? 10 : i / 2) : (k * 37 + i / 2) % 512);
+      r.positions.push_back(k);
+    }
+    rows.push_back(r);
+  }
+  for (bool invariant : {true, false}) {
+    ForwardOptions fo{invariant};
+    KvCache all = m->gpt->NewCache(12), one = m->gpt->NewCache(2);
+    at::Tensor big = *m->gpt->Forward(rows, all, at::Tensor(), fo);
+    std::vector<BatchRow> pair = {rows[6], rows[7]};
+    pair[0].slot = 0;
+    pair[1].slot = 1;
+    at::Tensor small = *m->gpt->Forward(pair, one, at::Tensor(), fo);
+    int64_t off = 0;
+    for (int i = 0; i < 6; ++i) off += static_cast<int64_t>(rows[i].tokens.size());
+    at::Tensor same = big.narrow(0, off, small.size(0));
+    const double diff = (same - small).abs().max().item<double>();
+    std::printf("batch_invariant=%d: max |logit difference| alone vs batched %.3g\n", invariant, diff);
+    if (invariant) {
+      EXPECT_TRUE(at::equal(same, small));
+    }
+  }
+}
+
+TEST(EngineTest, CancelMidGenerationEndsTheRequestAndFreesItsSlots) {
+  auto engine = StartOrDie(BundledOptions());
+  auto r = std::make_shared<Recorder>(engine.get(), /*cancel_after_steps=*/5);
+  ASSERT_TRUE(engine->Submit(Params("ar", 3, 1), r).ok());
+  ASSERT_TRUE(r->Wait());
+  ASSERT_TRUE(r->error.has_value());
+  EXPECT_EQ(r->error->code(), Code::kCancelled);
+  EXPECT_EQ(r->terminal_calls, 1);
+  EXPECT_LE(r->events.size(), 6u);  // takes effect at the next step
+  // Cancel from another thread, and cancel a request still waiting for a slot.
+  EngineOptions o = BundledOptions();
+  o.max_slots = 2;  // one CFG request at a time
+  auto small = StartOrDie(o);
+  auto running = std::make_shared<Recorder>(), waiting = std::make_shared<Recorder>();
+  auto id1 = small->Submit(Params("sjd", 1, 2), running);
+  auto id2 = small->Submit(Params("sjd", 2, 3), waiting);
+  ASSERT_TRUE(id1.ok() && id2.ok());
+  small->Cancel(*id2);
+  small->Cancel(*id1);
+  small->Cancel(12345);  // unknown ids are ignored
+  ASSERT_TRUE(running->Wait() && waiting->Wait());
+  EXPECT_EQ(waiting->error->code(), Code::kCancelled);
+  EXPECT_TRUE(waiting->events.empty());
+  EXPECT_EQ(running->error->code(), Code::kCancelled);
+  WaitIdle(*small);
+  EngineStats s = small->Stats();
+  EXPECT_EQ(s.models[0].slots_used, 0);
+  EXPECT_EQ(s.cancelled, 2);
+  // The engine goes on serving.
+  auto after = std::make_shared<Recorder>();
+  ASSERT_TRUE(small->Submit(Params("scd-mc", 4, 4), after).ok());
+  ASSERT_TRUE(after->Wait() && after->result.has_value());
+}
+
+TEST(EngineTest, DeadlinesEndRunningAndWaitingRequests) {
+  EngineOptions o = BundledOptions();
+  o.max_slots = 2;
+  auto engine = StartOrDie(o);
+  GenerateParams p = Params("ar", 0, 5);
+  p.deadline = Clock::now() + std::chrono::milliseconds(150);
+  GenerateParams q = Params("ar", 1, 6);
+  q.deadline = Clock::now() + std::chrono::milliseconds(50);  // expires while queued
+  auto rp = std::make_shared<Recorder>(), rq = std::make_shared<Recorder>();
+  ASSERT_TRUE(engine->Submit(p, rp).ok());
+  ASSERT_TRUE(engine->Submit(q, rq).ok());
+  ASSERT_TRUE(rp->Wait() && rq->Wait());
+  ASSERT_TRUE(rp->error && rq->error);
+  EXPECT_EQ(rp->error->code(), Code::kDeadlineExceeded);
+  EXPECT_EQ(rq->error->code(), Code::kDeadlineExceeded);
+  EXPECT_GT(rp->events.size(), 0u);
+  EXPECT_LT(rp->events.size(), 196u);
+  EXPECT_TRUE(rq->events.empty());
+  WaitIdle(*engine);
+  EXPECT_EQ(engine->Stats().expired, 2);
+  EXPECT_EQ(engine->Stats().models[0].slots_used, 0);
+}
+
+TEST(EngineTest, FullQueueIsRejectedAsResourceExhausted) {
+  EngineOptions o = BundledOptions();
+  o.max_slots = 2;
+  o.max_queue = 2;
+  auto engine = StartOrDie(o);
+  std::vector<std::shared_ptr<Recorder>> ok;
+  int rejected = 0;
+  for (int i = 0; i < 8; ++i) {
+    auto r = std::make_shared<Recorder>();
+    auto id = engine->Submit(Params("scd-mc", i % 10, 100 + i), r);
+    if (id.ok()) {
+      ok.push_back(r);
+    } else {
+      EXPECT_EQ(id.status().code(), Code::kResourceExhausted) << id.status().ToString();
+      EXPECT_NE(id.status().message().find("queue full"), std::string::npos);
+      EXPECT_EQ(r->terminal_calls, 0);
+      ++rejected;
+    }
+  }
+  EXPECT_GE(rejected, 8 - 3);  // at most 1 running + 2 waiting
+  EXPECT_LE(rejected, 8 - 2);
+  for (auto& r : ok) ASSERT_TRUE(r->Wait() && r->result.has_value());
+  EXPECT_EQ(engine->Stats().rejected, rejected);
+}
+
+TEST(EngineTest, InvalidRequestsNameTheFieldAndReachNoObserver) {
+  auto engine = StartOrDie(BundledOptions());
+  auto r = std::make_shared<Recorder>();
+  auto field = [&](GenerateParams p) {
+    auto id = engine->Submit(p, r);
+    EXPECT_FALSE(id.ok());
+    return id.ok() ? std::string("(accepted)") : id.status().field();
+  };
+  GenerateParams p = Params("sjd", 0, 1);
+  p.class_label = "";
+  EXPECT_EQ(field(p), "class");
+  p.class_label = "unicorn";
+  EXPECT_EQ(field(p), "class");
+  p.class_label = "10";
+  EXPECT_EQ(field(p), "class");
+  p = Params("sjd", 0, 1);
+  p.cfg_scale = std::nan("");
+  EXPECT_EQ(field(p), "cfg_scale");
+  p = Params("sjd", 0, 1);
+  p.temperature = -1;
+  EXPECT_EQ(field(p), "temperature");
+  p = Params("sjd", 0, 1);
+  p.top_k = -1;
+  EXPECT_EQ(field(p), "top_k");
+  p = Params("sjd", 0, 1);
+  p.top_p = 0;
+  EXPECT_EQ(field(p), "top_p");
+  p = Params("sjd", 0, 1);
+  p.policy.window = 197;
+  EXPECT_EQ(field(p), "window");
+  p = Params("sjd-pac", 0, 1);
+  p.policy.tree_depth = 5;  // 1 + 4 + 16 + 64 + 256 nodes > 64
+  EXPECT_EQ(field(p), "tree_depth");
+  p = Params("cool-sd", 0, 1);
+  p.policy.cool_delta = std::nan("");
+  EXPECT_EQ(field(p), "cool_delta");
+  p = Params("sjd", 0, 1);
+  p.preview_every = -2;
+  EXPECT_EQ(field(p), "preview_every");
+  p = Params("sjd", 0, 1);
+  p.model = "no-such-model";
+  auto nf = engine->Submit(p, r);
+  ASSERT_FALSE(nf.ok());
+  EXPECT_EQ(nf.status().code(), Code::kNotFound);
+  EXPECT_EQ(r->terminal_calls, 0);
+  EXPECT_TRUE(r->events.empty());
+  EXPECT_EQ(engine->Stats().submitted, 0);
+}
+
+TEST(EngineTest, TokenBudgetShrinksWindowsAndBoundsAdmission) {
+  EngineOptions o = BundledOptions();
+  o.max_tokens_per_step = 12;  // 6 CFG tokens: at most 6 requests feed one token each
+  StepLog log;
+  auto engine = StartOrDie(o, &log);
+  std::vector<std::shared_ptr<Recorder>> rec;
+  for (int i = 0; i < 8; ++i) {
+    rec.push_back(std::make_shared<Recorder>());
+    ASSERT_TRUE(engine->Submit(Params(i % 2 ? "sjd" : "scd-mc", i, 40 + i), rec.back()).ok());
+  }
+  for (auto& r : rec) ASSERT_TRUE(r->Wait() && r->result.has_value());
+  std::lock_guard<std::mutex> l(log.mu);
+  bool limited = false;
+  for (const auto& s : log.samples) {
+    EXPECT_LE(s.tokens, 12);
+    EXPECT_LE(s.requests, 6);
+    limited |= s.budget_limited;
+  }
+  EXPECT_TRUE(limited);
+  int64_t widest = 0;
+  for (auto& r : rec) {
+    for (const auto& e : r->events) widest = std::max(widest, e.window);
+    EXPECT_EQ(r->result->tokens.size(), 196u);
+  }
+  EXPECT_LE(widest, 6);
+  EXPECT_GE(widest, 2);  // alone at the end, a request gets more than one token
+}
+
+TEST(EngineTest, ShutdownDrainsRunningRequestsThenRefusesNewOnes) {
+  auto engine = StartOrDie(BundledOptions());
+  auto a = std::make_shared<Recorder>(), b = std::make_shared<Recorder>();
+  ASSERT_TRUE(engine->Submit(Params("scd-mc", 1, 1), a).ok());
+  ASSERT_TRUE(engine->Submit(Params("ar", 2, 2), b).ok());
+  engine->Shutdown(std::chrono::seconds(120));
+  EXPECT_TRUE(a->result.has_value());
+  EXPECT_TRUE(b->result.has_value());
+  auto late = engine->Submit(Params("ar", 3, 3), std::make_shared<Recorder>());
+  ASSERT_FALSE(late.ok());
+  EXPECT_EQ(late.status().code(), Code::kUnavailable);
+  // A grace period that runs out ends what is left with UNAVAILABLE.
+  auto engine2 = StartOrDie(BundledOptions());
+  auto c = std::make_shared<Recorder>();
+  ASSERT_TRUE(engine2->Submit(Params("ar", 4, 4), c).ok());
+  while (c->steps() < 2) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  engine2->Shutdown(std::chrono::milliseconds(0));
+  ASSERT_TRUE(c->error.has_value());
+  EXPECT_EQ(c->error->code(), Code::kUnavailable);
+  EXPECT_EQ(c->terminal_calls, 1);
+}
+
+TEST(EngineTest, BadEngineOptionsAreRejected) {
+  EngineOptions o = BundledOptions();
+  o.models = {"missing-model"};
+  EXPECT_EQ(Engine::Start(o).status().code(), Code::kNotFound);
+  o = BundledOptions();
+  o.kv_cache_bytes = 1000;
+  EXPECT_NE(Engine::Start(o).status().message().find("kv_cache_bytes"), std::string::npos);
+  o = BundledOptions();
+  o.device = "tpu";
+  EXPECT_NE(Engine::Start(o).status().message().find("device"), std::string::npos);
+  o = BundledOptions();
+  o.max_tokens_per_step = 1;
+  EXPECT_NE(Engine::Start(o).status().message().find("max_tokens_per_step"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace imagegen
