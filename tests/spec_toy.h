@@ -23,7 +23,7 @@ constexpr int64_t kV = 3, kGrid = 3, kN = 9, kClasses = 2;
 constexpr int64_t kSeqs = 19683;  // 3^9
 constexpr int64_t kPerClass = 50000, kChunk = 12500;
 
-int64_t Pow(int64_t b, int64_t e) {
+inline int64_t Pow(int64_t b, int64_t e) {
   int64_t r = 1;
   while (e-- > 0) r *= b;
   return r;
