@@ -1,10 +1,12 @@
 #include "engine/scheduler/engine.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/cuda.h>
 
 #include <condition_variable>
 #include <filesystem>
+#include <future>
 #include <mutex>
 #include <random>
 #include <thread>
@@ -85,6 +87,7 @@ struct Engine::Impl {
   std::once_flag joined;
 
   StatusOr<std::unique_ptr<Job>> Resolve(GenerateParams p, size_t* model_index) const;
+  Status Load();
   void Run();
 };
 
@@ -104,9 +107,35 @@ StatusOr<std::unique_ptr<Engine>> Engine::Start(const EngineOptions& options,
   if (o.max_tokens_per_step != 0 && o.max_tokens_per_step < 2) {
     return InvalidArgument("max_tokens_per_step: must be 0 (no budget) or >= 2");
   }
-  ASSIGN_OR_RETURN(LoadOptions lo, ParseDevice(o));
+  if (o.cpu_threads < 0) return InvalidArgument("cpu_threads: must be >= 0");
+  // Every LibTorch call, loading included, happens on the engine thread (see EngineOptions).
+  std::promise<Status> loaded;
+  Impl* raw = impl.get();
+  impl->thread = std::thread([raw, &loaded] {
+    if (raw->opts.cpu_threads > 0) at::set_num_threads(static_cast<int>(raw->opts.cpu_threads));
+    Status st;
+    try {
+      st = raw->Load();
+    } catch (const std::exception& e) {
+      st = Internal(std::string("loading failed: ") + e.what());
+    }
+    const bool ok = st.ok();
+    loaded.set_value(std::move(st));
+    if (ok) raw->Run();
+  });
+  Status st = loaded.get_future().get();
+  if (!st.ok()) {
+    impl->thread.join();
+    return st;
+  }
+  return std::unique_ptr<Engine>(new Engine(std::move(impl)));
+}
+
+Status Engine::Impl::Load() {
+  ASSIGN_OR_RETURN(LoadOptions lo, ParseDevice(opts));
+  const EngineOptions& o = opts;
   for (const std::string& name : o.models) {
-    for (const auto& m : impl->models) {
+    for (const auto& m : models) {
       if (m->name == name) return InvalidArgument("models: '" + name + "' is listed twice");
     }
     ASSIGN_OR_RETURN(ImageModel m, LoadImageModel(o.models_dir, name, lo, /*with_draft=*/true));
@@ -121,7 +150,7 @@ StatusOr<std::unique_ptr<Engine>> Engine::Start(const EngineOptions& options,
                              name + "' (" + std::to_string(per_slot) + " bytes per slot)");
     }
     try {
-      impl->runners.push_back(std::make_unique<ModelRunner>(*model, slots, impl->opts, listener));
+      runners.push_back(std::make_unique<ModelRunner>(*model, slots, opts, listener));
     } catch (const std::exception& e) {
       return ResourceExhausted("KV cache of model '" + name + "' (" + std::to_string(slots) +
                                " slots): " + e.what());
@@ -146,14 +175,12 @@ StatusOr<std::unique_ptr<Engine>> Engine::Start(const EngineOptions& options,
                               c.default_top_p};
     info.max_window = c.block_size;
     info.kv_slots = slots;
-    impl->infos.push_back(info);
-    impl->stats.models.push_back({name, 0, 0, 0, slots});
-    impl->models.push_back(std::move(model));
+    infos.push_back(info);
+    stats.models.push_back({name, 0, 0, 0, slots});
+    models.push_back(std::move(model));
   }
-  impl->inbox_per_model.assign(impl->models.size(), 0);
-  Impl* raw = impl.get();
-  impl->thread = std::thread([raw] { raw->Run(); });
-  return std::unique_ptr<Engine>(new Engine(std::move(impl)));
+  inbox_per_model.assign(models.size(), 0);
+  return OkStatus();
 }
 
 StatusOr<std::unique_ptr<Job>> Engine::Impl::Resolve(GenerateParams p, size_t* model_index) const {

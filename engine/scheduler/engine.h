@@ -35,6 +35,11 @@ struct EngineOptions {
   int64_t max_tokens_per_step = 2048;
   // A request's image does not depend on what else runs (ForwardOptions::batch_invariant).
   bool batch_invariant = true;
+  // Intra-op threads of the engine thread (at::set_num_threads); 0 keeps LibTorch's default.
+  // All LibTorch work, model loading included, runs on the engine thread: with GNU OpenMP a
+  // second thread that also runs parallel LibTorch ops made every step about twice as slow on
+  // 2 cores (both thread pools stop spinning and sleep between the many small ops of a step).
+  int64_t cpu_threads = 0;
 };
 
 // One step of one model, for metrics.
@@ -69,9 +74,9 @@ struct EngineStats {
 
 class Engine {
  public:
-  // Loads the models (each GPT, its VQ tokenizer, and the draft GPT its config.json names
-  // under "draft_model") and starts the engine thread. `listener` may be null; it must
-  // outlive the engine.
+  // Starts the engine thread, which loads the models (each GPT, its VQ tokenizer, and the
+  // draft GPT its config.json names under "draft_model"); returns once they are loaded.
+  // `listener` may be null; it must outlive the engine.
   static StatusOr<std::unique_ptr<Engine>> Start(const EngineOptions& options,
                                                  EngineListener* listener = nullptr);
   ~Engine();  // Shutdown(0) if still running
