@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "engine/model/gpt.h"
+#include "engine/model/models_dir.h"
 #include "engine/model/vq_decoder.h"
 
 namespace imagegen {
@@ -32,7 +33,5 @@ StatusOr<int64_t> ResolveClass(const GptConfig& cfg, const std::string& class_or
 // Tokens -> PNG bytes (grey or RGB as the tokenizer outputs).
 StatusOr<std::string> TokensToPng(const VqDecoder& vq, const std::vector<int32_t>& tokens);
 
-// The bundled models directory: $IMAGEGEN_MODELS_DIR, else the source tree's models/.
-std::string DefaultModelsDir();
 
 }  // namespace imagegen

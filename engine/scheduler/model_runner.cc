@@ -21,6 +21,14 @@ SpecOptions BatchOptions(const EngineOptions& o) {
   return s;
 }
 
+// uint8 pixels [H, W, C] -> PNG, each pixel repeated `scale` times in both directions.
+StatusOr<std::string> EncodeScaled(at::Tensor px, int64_t scale) {
+  if (scale > 1) px = px.repeat_interleave(scale, 0).repeat_interleave(scale, 1);
+  px = px.contiguous();
+  return EncodePng(px.data_ptr<uint8_t>(), static_cast<int>(px.size(1)),
+                   static_cast<int>(px.size(0)), static_cast<int>(px.size(2)));
+}
+
 void AddDeltas(const std::vector<int64_t>& now, std::vector<int64_t>& seen,
                std::vector<int64_t>& delta) {
   delta.assign(now.size(), 0);
@@ -215,12 +223,14 @@ void ModelRunner::Finish(Job& j, Outcomes& out) {
   res.tokens = r.tokens;
   res.grid = model_.gpt->config().grid();
   const VqConfig& vc = model_.vq->config();
-  res.width = res.height = vc.image_size;
+  const int64_t scale = std::max<int64_t>(j.params.png_scale, 1);
+  res.width = res.height = vc.image_size * scale;
   res.channels = vc.out_channels;
   if (j.params.encode_png) {
     StatusOr<std::string> png = Internal("image not decoded");
     try {
-      png = TokensToPng(*model_.vq, r.tokens);
+      StatusOr<at::Tensor> img = model_.vq->Decode(at::tensor(r.tokens).to(at::kLong).unsqueeze(0));
+      png = img.ok() ? EncodeScaled(ImageToUint8(*img)[0], scale) : StatusOr<std::string>(img.status());
     } catch (const std::exception& e) {
       png = Internal(std::string("image decoding failed: ") + e.what());
     }
@@ -279,8 +289,7 @@ std::string ModelRunner::Preview(const Job& j) const {
         }
       }
     }
-    StatusOr<std::string> png = EncodePng(px.data_ptr<uint8_t>(), static_cast<int>(W),
-                                          static_cast<int>(H), static_cast<int>(C));
+    StatusOr<std::string> png = EncodeScaled(px, std::max<int64_t>(j.params.png_scale, 1));
     return png.ok() ? std::move(png).value() : std::string();
   } catch (const std::exception&) {
     return "";

@@ -30,6 +30,7 @@ struct GenerateParams {
   bool stream_drafts = false;  // step events carry the drafts the next step will verify
   int64_t preview_every = 0;   // a preview PNG in every k-th step event; 0: none
   bool encode_png = true;      // the result carries the final PNG
+  int64_t png_scale = 1;       // nearest-neighbour upscaling of the final and preview PNGs
 };
 
 // Counters of one request so far.
@@ -81,7 +82,7 @@ struct RequestResult {
   std::vector<int32_t> tokens;  // grid x grid ids, raster order
   int64_t grid = 0;
   std::string png;              // when encode_png
-  int64_t width = 0, height = 0, channels = 0;
+  int64_t width = 0, height = 0, channels = 0;  // of the PNG (after png_scale)
   RequestStats stats;
 };
 

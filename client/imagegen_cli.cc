@@ -1,0 +1,410 @@
+// imagegen: the command-line client, built from proto/ only (no engine, no LibTorch).
+//
+//   imagegen models
+//   imagegen generate --class sneaker [--method scd-mc] [--seed 7] --out sneaker.png
+//   imagegen generate --class bag --stream --preview-every 5 --preview-dir frames --out bag.png
+//   imagegen load --concurrency 16 --duration 30 --method scd-mc
+//
+// Connection: --target host:port, --tls-ca (TLS), --tls-cert/--tls-key (mTLS), --token-file.
+#include <grpcpp/grpcpp.h>
+
+#include <absl/flags/flag.h>
+#include <absl/flags/parse.h>
+#include <absl/flags/usage.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include "google/rpc/error_details.pb.h"
+#include "google/rpc/status.pb.h"
+#include "imagegen/v1/imagegen.grpc.pb.h"
+
+ABSL_FLAG(std::string, target, "127.0.0.1:50051", "server address");
+ABSL_FLAG(std::string, tls_ca, "", "PEM CA bundle that signed the server's certificate (enables TLS)");
+ABSL_FLAG(std::string, tls_cert, "", "PEM client certificate (mTLS)");
+ABSL_FLAG(std::string, tls_key, "", "PEM key of --tls-cert");
+ABSL_FLAG(std::string, tls_server_name, "", "expected server name in its certificate");
+ABSL_FLAG(std::string, token_file, "", "file with the bearer token");
+ABSL_FLAG(double, timeout, 0, "deadline of each call in seconds (0: none)");
+ABSL_FLAG(std::string, model, "", "model name (default: the server's first)");
+// --class (a C++ keyword) is accepted and rewritten to --cls before parsing; dashes and
+// underscores in flag names are interchangeable.
+ABSL_FLAG(std::string, cls, "", "--class: class name or id (generate: required; load: default all)");
+ABSL_FLAG(std::string, method, "", "decoding method preset (default: the server's)");
+ABSL_FLAG(int64_t, seed, -1, "seed (-1: the server picks one)");
+ABSL_FLAG(double, cfg, -1, "guidance scale (-1: the model's default)");
+ABSL_FLAG(double, temperature, -1, "temperature (-1: the model's default)");
+ABSL_FLAG(int32_t, top_k, -1, "top-k (-1: the model's default, 0: off)");
+ABSL_FLAG(double, top_p, -1, "top-p (-1: the model's default)");
+ABSL_FLAG(int32_t, window, 0, "window L (0: the preset's)");
+ABSL_FLAG(int32_t, scale, 1, "upscale the PNG this many times (nearest neighbour)");
+ABSL_FLAG(std::string, out, "image.png", "generate: where to write the PNG");
+ABSL_FLAG(bool, stream, false, "generate: stream the grid as it is decided; load: use streams");
+ABSL_FLAG(int32_t, preview_every, 0, "generate --stream: a preview PNG every N steps");
+ABSL_FLAG(std::string, preview_dir, "", "generate --stream: directory for the preview frames");
+ABSL_FLAG(bool, drafts, false, "generate --stream: also show the drafts of every step");
+ABSL_FLAG(int32_t, concurrency, 4, "load: concurrent clients (closed loop)");
+ABSL_FLAG(double, duration, 10, "load: seconds to keep issuing requests");
+
+namespace {
+
+namespace v1 = imagegen::v1;
+using Clock = std::chrono::steady_clock;
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) {
+    std::cerr << "imagegen: cannot read " << path << "\n";
+    std::exit(2);
+  }
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+std::string Trim(std::string s) {
+  const auto b = s.find_first_not_of(" \t\r\n"), e = s.find_last_not_of(" \t\r\n");
+  return b == std::string::npos ? "" : s.substr(b, e - b + 1);
+}
+
+std::shared_ptr<grpc::Channel> Connect() {
+  std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
+  grpc::ChannelArguments args;
+  if (!absl::GetFlag(FLAGS_tls_ca).empty()) {
+    grpc::SslCredentialsOptions o;
+    o.pem_root_certs = ReadFile(absl::GetFlag(FLAGS_tls_ca));
+    if (!absl::GetFlag(FLAGS_tls_cert).empty()) {
+      o.pem_cert_chain = ReadFile(absl::GetFlag(FLAGS_tls_cert));
+      o.pem_private_key = ReadFile(absl::GetFlag(FLAGS_tls_key));
+    }
+    creds = grpc::SslCredentials(o);
+    if (!absl::GetFlag(FLAGS_tls_server_name).empty()) {
+      args.SetSslTargetNameOverride(absl::GetFlag(FLAGS_tls_server_name));
+    }
+  }
+  return grpc::CreateCustomChannel(absl::GetFlag(FLAGS_target), creds, args);
+}
+
+void Prepare(grpc::ClientContext* ctx) {
+  if (!absl::GetFlag(FLAGS_token_file).empty()) {
+    ctx->AddMetadata("authorization", "Bearer " + Trim(ReadFile(absl::GetFlag(FLAGS_token_file))));
+  }
+  if (absl::GetFlag(FLAGS_timeout) > 0) {
+    ctx->set_deadline(std::chrono::system_clock::now() +
+                      std::chrono::milliseconds(static_cast<int64_t>(absl::GetFlag(FLAGS_timeout) * 1000)));
+  }
+}
+
+const char* CodeName(grpc::StatusCode c) {
+  static const char* kNames[] = {"OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT",
+                                 "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
+                                 "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+                                 "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL",
+                                 "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED"};
+  const int i = static_cast<int>(c);
+  return i >= 0 && i < 17 ? kNames[i] : "UNKNOWN";
+}
+
+// The status with its google.rpc details (field violations, retry delay), on one line each.
+std::string Describe(const grpc::Status& s) {
+  std::string out = std::string(CodeName(s.error_code())) + ": " + s.error_message();
+  google::rpc::Status st;
+  if (!s.error_details().empty() && st.ParseFromString(s.error_details())) {
+    for (const auto& d : st.details()) {
+      google::rpc::BadRequest br;
+      google::rpc::RetryInfo ri;
+      if (d.UnpackTo(&br)) {
+        for (const auto& v : br.field_violations()) {
+          out += "\n  field " + v.field() + ": " + v.description();
+        }
+      } else if (d.UnpackTo(&ri)) {
+        out += "\n  retry after " +
+               std::to_string(ri.retry_delay().seconds() + ri.retry_delay().nanos() / 1e9) + " s";
+      }
+    }
+  }
+  return out;
+}
+
+v1::GenerateRequest BuildRequest(bool need_class) {
+  v1::GenerateRequest r;
+  r.set_model(absl::GetFlag(FLAGS_model));
+  const std::string cls = absl::GetFlag(FLAGS_cls);
+  if (!cls.empty()) {
+    if (cls.find_first_not_of("0123456789") == std::string::npos) {
+      r.set_class_id(std::stoi(cls));
+    } else {
+      r.set_class_name(cls);
+    }
+  } else if (need_class) {
+    std::cerr << "imagegen: --class is required (a name from `imagegen models`, or an id)\n";
+    std::exit(2);
+  }
+  if (absl::GetFlag(FLAGS_seed) >= 0) r.set_seed(static_cast<uint64_t>(absl::GetFlag(FLAGS_seed)));
+  if (absl::GetFlag(FLAGS_cfg) >= 0) r.set_cfg_scale(absl::GetFlag(FLAGS_cfg));
+  if (absl::GetFlag(FLAGS_temperature) >= 0) r.set_temperature(absl::GetFlag(FLAGS_temperature));
+  if (absl::GetFlag(FLAGS_top_k) >= 0) r.set_top_k(absl::GetFlag(FLAGS_top_k));
+  if (absl::GetFlag(FLAGS_top_p) >= 0) r.set_top_p(absl::GetFlag(FLAGS_top_p));
+  if (absl::GetFlag(FLAGS_window) > 0) r.set_window(absl::GetFlag(FLAGS_window));
+  r.set_method(absl::GetFlag(FLAGS_method));
+  r.mutable_output()->set_scale(absl::GetFlag(FLAGS_scale));
+  return r;
+}
+
+void PrintStats(const v1::GenerateResponse& r, const std::string& out) {
+  const v1::GenerationStats& s = r.stats();
+  std::printf("model %s class %d seed %llu method %s\n", s.model().c_str(), s.class_id(),
+              static_cast<unsigned long long>(s.seed()), s.method().c_str());
+  std::printf("%d tokens in %lld steps (NFE): step compression %.2fx, acceptance %.2f, "
+              "%lld draft-model forwards\n",
+              r.grid() * r.grid(), static_cast<long long>(s.nfe()), s.step_compression(),
+              s.acceptance_rate(), static_cast<long long>(s.draft_forwards()));
+  std::printf("queue %.3f s, first token %.3f s, generation %.3f s, total %.3f s",
+              s.queue_seconds(), s.first_token_seconds(), s.generation_seconds(), s.total_seconds());
+  if (!out.empty()) std::printf(" -> %s (%dx%d)", out.c_str(), r.width(), r.height());
+  std::printf("\n");
+}
+
+void WriteOrDie(const std::string& path, const std::string& bytes) {
+  std::ofstream f(path, std::ios::binary);
+  f << bytes;
+  if (!f) {
+    std::cerr << "imagegen: cannot write " << path << "\n";
+    std::exit(1);
+  }
+}
+
+int Models() {
+  auto stub = v1::ImageGeneration::NewStub(Connect());
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  v1::ListModelsResponse resp;
+  grpc::Status st = stub->ListModels(&ctx, v1::ListModelsRequest(), &resp);
+  if (!st.ok()) {
+    std::cerr << "imagegen: " << Describe(st) << "\n";
+    return 1;
+  }
+  for (const auto& m : resp.models()) {
+    std::printf("%s: %dx%d tokens (vocabulary %d) -> %dx%dx%d images, %d KV slots%s\n",
+                m.name().c_str(), m.grid(), m.grid(), m.vocab_size(), m.image_width(),
+                m.image_height(), m.channels(), m.kv_slots(),
+                m.draft_model().empty() ? "" : (", draft model " + m.draft_model()).c_str());
+    std::printf("  classes:");
+    for (const auto& c : m.classes()) std::printf(" %d=%s", c.id(), c.name().c_str());
+    std::printf("\n  methods:");
+    for (const auto& x : m.methods()) {
+      std::printf(" %s%s", x.c_str(), x == resp.default_method() ? " (default)" : "");
+    }
+    const auto& d = m.sampling_defaults();
+    std::printf("\n  defaults: cfg %.2f, temperature %.2f, top-k %d, top-p %.2f; max window %d\n",
+                d.cfg_scale(), d.temperature(), d.top_k(), d.top_p(), m.max_window());
+  }
+  return 0;
+}
+
+int Generate() {
+  auto stub = v1::ImageGeneration::NewStub(Connect());
+  v1::GenerateRequest req = BuildRequest(true);
+  const std::string out = absl::GetFlag(FLAGS_out);
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  if (!absl::GetFlag(FLAGS_stream)) {
+    v1::GenerateResponse resp;
+    grpc::Status st = stub->Generate(&ctx, req, &resp);
+    if (!st.ok()) {
+      std::cerr << "imagegen: " << Describe(st) << "\n";
+      return 1;
+    }
+    WriteOrDie(out, resp.image_png());
+    PrintStats(resp, out);
+    return 0;
+  }
+  req.set_preview_every(absl::GetFlag(FLAGS_preview_every));
+  req.set_stream_drafts(absl::GetFlag(FLAGS_drafts));
+  const std::string dir = absl::GetFlag(FLAGS_preview_dir);
+  if (!dir.empty() && std::system(("mkdir -p '" + dir + "'").c_str()) != 0) {
+    std::cerr << "imagegen: cannot create " << dir << "\n";
+    return 2;
+  }
+  auto reader = stub->GenerateStream(&ctx, req);
+  v1::GenerateStreamResponse msg;
+  int frames = 0;
+  bool final_seen = false;
+  while (reader->Read(&msg)) {
+    if (msg.has_step()) {
+      const v1::StepUpdate& s = msg.step();
+      const double acc = s.drafts_verified() > 0
+                             ? static_cast<double>(s.drafts_accepted()) / s.drafts_verified() : 0;
+      std::printf("step %3d  +%-3d tokens  %3d/%d  NFE %lld  window %d  acceptance %.2f",
+                  s.step(), s.positions_size(), s.committed(), s.total(),
+                  static_cast<long long>(s.nfe()), s.window(), acc);
+      if (absl::GetFlag(FLAGS_drafts) && s.draft_tokens_size() > 0) {
+        std::printf("  drafts@%d:", s.draft_positions(0));
+        for (int i = 0; i < std::min(s.draft_tokens_size(), 8); ++i) std::printf(" %d", s.draft_tokens(i));
+        if (s.draft_tokens_size() > 8) std::printf(" ...");
+      }
+      if (!s.preview_png().empty() && !dir.empty()) {
+        char name[64];
+        std::snprintf(name, sizeof(name), "/step_%04d.png", s.step());
+        WriteOrDie(dir + name, s.preview_png());
+        std::printf("  preview %s%s", dir.c_str(), name);
+        ++frames;
+      }
+      std::printf("\n");
+      std::fflush(stdout);
+    } else if (msg.has_final()) {
+      final_seen = true;
+      WriteOrDie(out, msg.final().image_png());
+      PrintStats(msg.final(), out);
+    }
+  }
+  grpc::Status st = reader->Finish();
+  if (!st.ok()) {
+    std::cerr << "imagegen: " << Describe(st) << "\n";
+    return 1;
+  }
+  if (!final_seen) {
+    std::cerr << "imagegen: the stream ended without a final image\n";
+    return 1;
+  }
+  if (frames > 0) std::printf("%d preview frames in %s\n", frames, dir.c_str());
+  return 0;
+}
+
+double Percentile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const double pos = q * static_cast<double>(v.size() - 1);
+  const auto i = static_cast<size_t>(pos);
+  const double f = pos - static_cast<double>(i);
+  return i + 1 < v.size() ? v[i] * (1 - f) + v[i + 1] * f : v[i];
+}
+
+// Closed loop: --concurrency clients each send a request, wait for the image, and send the
+// next, for --duration seconds; classes cycle through the model's classes unless --class.
+int Load() {
+  auto channel = Connect();
+  auto stub = v1::ImageGeneration::NewStub(channel);
+  int classes = 1;
+  {
+    grpc::ClientContext ctx;
+    Prepare(&ctx);
+    v1::ListModelsResponse resp;
+    grpc::Status st = stub->ListModels(&ctx, v1::ListModelsRequest(), &resp);
+    if (!st.ok()) {
+      std::cerr << "imagegen: " << Describe(st) << "\n";
+      return 1;
+    }
+    for (const auto& m : resp.models()) {
+      if (absl::GetFlag(FLAGS_model).empty() || m.name() == absl::GetFlag(FLAGS_model)) {
+        classes = std::max(1, m.classes_size());
+        break;
+      }
+    }
+  }
+  const int c = absl::GetFlag(FLAGS_concurrency);
+  const bool stream = absl::GetFlag(FLAGS_stream);
+  const auto t0 = Clock::now();
+  const auto stop = t0 + std::chrono::milliseconds(static_cast<int64_t>(absl::GetFlag(FLAGS_duration) * 1000));
+  std::mutex mu;
+  std::vector<double> latency, first;
+  std::map<std::string, int64_t> errors;
+  int64_t nfe = 0;
+  std::atomic<int64_t> counter{0};
+  Clock::time_point last = t0;
+  std::vector<std::thread> threads;
+  for (int k = 0; k < c; ++k) {
+    threads.emplace_back([&] {
+      while (Clock::now() < stop) {
+        v1::GenerateRequest req = BuildRequest(false);
+        const int64_t i = counter.fetch_add(1);
+        if (absl::GetFlag(FLAGS_cls).empty()) req.set_class_id(static_cast<int32_t>(i % classes));
+        grpc::ClientContext ctx;
+        Prepare(&ctx);
+        const auto s0 = Clock::now();
+        double ttft = -1;
+        grpc::Status st;
+        v1::GenerationStats stats;
+        if (stream) {
+          auto reader = stub->GenerateStream(&ctx, req);
+          v1::GenerateStreamResponse m;
+          while (reader->Read(&m)) {
+            if (m.has_step() && ttft < 0) ttft = std::chrono::duration<double>(Clock::now() - s0).count();
+            if (m.has_final()) stats = m.final().stats();
+          }
+          st = reader->Finish();
+        } else {
+          v1::GenerateResponse resp;
+          st = stub->Generate(&ctx, req, &resp);
+          stats = resp.stats();
+        }
+        const auto s1 = Clock::now();
+        std::lock_guard<std::mutex> l(mu);
+        if (!st.ok()) {
+          errors[CodeName(st.error_code())] += 1;
+          if (st.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(100));
+          }
+          continue;
+        }
+        latency.push_back(std::chrono::duration<double>(s1 - s0).count());
+        if (ttft >= 0) first.push_back(ttft);
+        nfe += stats.nfe();
+        last = std::max(last, s1);
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  const double secs = std::chrono::duration<double>(last - t0).count();
+  const auto n = static_cast<double>(latency.size());
+  std::printf("load: %d clients (%s), %zu images in %.1f s: %.2f images/s\n", c,
+              stream ? "GenerateStream" : "Generate", latency.size(), secs, n / std::max(secs, 1e-9));
+  std::printf("latency s: p50 %.3f  p90 %.3f  p99 %.3f  max %.3f", Percentile(latency, 0.5),
+              Percentile(latency, 0.9), Percentile(latency, 0.99), Percentile(latency, 1.0));
+  if (!first.empty()) {
+    std::printf("  | first step s: p50 %.3f  p99 %.3f", Percentile(first, 0.5), Percentile(first, 0.99));
+  }
+  std::printf("\nmean NFE per image %.1f\n", n > 0 ? static_cast<double>(nfe) / n : 0.0);
+  for (const auto& [code, count] : errors) {
+    std::printf("errors %s: %lld\n", code.c_str(), static_cast<long long>(count));
+  }
+  return latency.empty() ? 1 : 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "imagegen models | generate --class NAME [--stream] [--out FILE] | load [--concurrency N] "
+      "[--duration S]\n  (flags: --target, --method, --seed, --cfg, --window, --token-file, "
+      "--tls-ca, ...; --helpfull lists all)");
+  std::vector<std::string> args(argv, argv + argc);
+  std::vector<char*> argp;
+  for (std::string& a : args) {
+    if (a == "--class" || a.rfind("--class=", 0) == 0) a = "--cls" + a.substr(7);
+    if (a.rfind("--", 0) == 0) {  // --preview-dir and --preview_dir alike
+      const size_t end = std::min(a.find('='), a.size());
+      std::replace(a.begin() + 2, a.begin() + static_cast<std::ptrdiff_t>(end), '-', '_');
+    }
+    argp.push_back(a.data());
+  }
+  std::vector<char*> rest = absl::ParseCommandLine(static_cast<int>(argp.size()), argp.data());
+  if (rest.size() != 2) {
+    std::cerr << "usage: " << absl::ProgramUsageMessage() << "\n";
+    return 2;
+  }
+  const std::string cmd = rest[1];
+  if (cmd == "models") return Models();
+  if (cmd == "generate") return Generate();
+  if (cmd == "load") return Load();
+  std::cerr << "imagegen: unknown command '" << cmd << "' (models, generate, load)\n";
+  return 2;
+}

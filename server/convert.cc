@@ -1,0 +1,273 @@
+#include "server/convert.h"
+
+#include <google/protobuf/any.pb.h>
+
+#include <cmath>
+
+#include "engine/decoding/policy.h"
+#include "google/rpc/error_details.pb.h"
+#include "google/rpc/status.pb.h"
+
+namespace imagegen::server {
+namespace {
+
+grpc::Status WithDetail(grpc::StatusCode code, const std::string& message,
+                        const google::protobuf::Message& detail) {
+  google::rpc::Status st;
+  st.set_code(static_cast<int>(code));
+  st.set_message(message);
+  st.add_details()->PackFrom(detail);
+  return grpc::Status(code, message, st.SerializeAsString());
+}
+
+bool HasPolicyPart(const v1::DecodingPolicy& p, const std::string& name) {
+  if (name == "draft") return p.draft() != v1::DRAFT_SOURCE_UNSPECIFIED;
+  if (name == "coupling") return p.coupling() != v1::COUPLING_UNSPECIFIED;
+  if (name == "acceptance") return p.acceptance() != v1::ACCEPTANCE_UNSPECIFIED;
+  if (name == "tree_branches") return p.has_tree_branches();
+  if (name == "tree_depth") return p.has_tree_depth();
+  if (name == "uniform_init_q") return p.has_uniform_init_q();
+  if (name == "gsd_group") return p.has_gsd_group();
+  if (name == "gsd_delta") return p.has_gsd_delta();
+  if (name == "gsd_distance") return p.has_gsd_distance();
+  if (name == "cool_delta") return p.has_cool_delta();
+  if (name == "cool_nu") return p.has_cool_nu();
+  return false;
+}
+
+bool AnyPolicyPart(const v1::GenerateRequest& req) {
+  if (!req.has_policy()) return false;
+  for (const char* n : {"draft", "coupling", "acceptance", "tree_branches", "tree_depth",
+                        "uniform_init_q", "gsd_group", "gsd_delta", "gsd_distance", "cool_delta",
+                        "cool_nu"}) {
+    if (HasPolicyPart(req.policy(), n)) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+grpc::Status BadField(const std::string& field, const std::string& description) {
+  google::rpc::BadRequest br;
+  auto* v = br.add_field_violations();
+  v->set_field(field);
+  v->set_description(description);
+  return WithDetail(grpc::StatusCode::INVALID_ARGUMENT, field + ": " + description, br);
+}
+
+grpc::Status Overloaded(const std::string& message, double retry_seconds) {
+  google::rpc::RetryInfo ri;
+  const double s = std::max(retry_seconds, 0.0);
+  ri.mutable_retry_delay()->set_seconds(static_cast<int64_t>(s));
+  ri.mutable_retry_delay()->set_nanos(static_cast<int32_t>((s - std::floor(s)) * 1e9));
+  return WithDetail(grpc::StatusCode::RESOURCE_EXHAUSTED, message, ri);
+}
+
+std::string ProtoField(const std::string& f, const v1::GenerateRequest& req) {
+  if (f == "class") {
+    return req.class_case() == v1::GenerateRequest::kClassName ? "class_name" : "class_id";
+  }
+  if (f == "png_scale") return "output.scale";
+  if (req.has_policy() && HasPolicyPart(req.policy(), f)) return "policy." + f;
+  if (f == "tree_branches" || f == "tree_depth" || f == "coupling" || f == "gsd_group" ||
+      f == "gsd_delta" || f == "gsd_distance" || f == "cool_delta" || f == "cool_nu") {
+    // A preset's own part that does not fit: the window the client chose, or the method.
+    return req.has_window() ? "window" : "method";
+  }
+  return f;  // model, seed, cfg_scale, temperature, top_k, top_p, method, window, ...
+}
+
+grpc::Status ToGrpc(const Status& s, const v1::GenerateRequest& req, double retry_seconds) {
+  switch (s.code()) {
+    case Code::kOk:
+      return grpc::Status::OK;
+    case Code::kInvalidArgument:
+      if (!s.field().empty()) {
+        const std::string field = ProtoField(s.field(), req);
+        const std::string& m = s.message();
+        const std::string text = m.rfind(s.field() + ": ", 0) == 0 ? m.substr(s.field().size() + 2) : m;
+        return BadField(field, text);
+      }
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, s.message());
+    case Code::kNotFound:
+      return grpc::Status(grpc::StatusCode::NOT_FOUND, s.message());
+    case Code::kResourceExhausted:
+      return Overloaded(s.message(), retry_seconds);
+    case Code::kCancelled:
+      return grpc::Status(grpc::StatusCode::CANCELLED, s.message());
+    case Code::kDeadlineExceeded:
+      return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, s.message());
+    case Code::kUnavailable:
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE, s.message());
+    case Code::kFailedPrecondition:
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, s.message());
+    case Code::kDataLoss:
+    case Code::kInternal:
+      break;
+  }
+  return grpc::Status(grpc::StatusCode::INTERNAL, s.message());
+}
+
+std::string MethodLabel(const v1::GenerateRequest& req, const std::string& default_method) {
+  if (AnyPolicyPart(req)) return "custom";
+  const std::string& m = req.method().empty() ? default_method : req.method();
+  for (const auto& p : PresetNames()) {
+    if (p == m) return m;
+  }
+  return "unknown";
+}
+
+grpc::Status ToParams(const v1::GenerateRequest& req, const std::string& default_method,
+                      GenerateParams* out) {
+  out->model = req.model();
+  switch (req.class_case()) {
+    case v1::GenerateRequest::kClassId:
+      if (req.class_id() < 0) return BadField("class_id", "must be >= 0");
+      out->class_label = std::to_string(req.class_id());
+      break;
+    case v1::GenerateRequest::kClassName:
+      if (req.class_name().empty()) return BadField("class_name", "must not be empty");
+      out->class_label = req.class_name();
+      break;
+    default:
+      return BadField("class_id", "required: set class_id or class_name");
+  }
+  if (req.has_seed()) out->seed = req.seed();
+  if (req.has_cfg_scale()) out->cfg_scale = req.cfg_scale();
+  if (req.has_temperature()) out->temperature = req.temperature();
+  if (req.has_top_k()) out->top_k = req.top_k();
+  if (req.has_top_p()) out->top_p = req.top_p();
+  if (req.has_window() && req.window() < 1) return BadField("window", "must be >= 1");
+  const std::string method = req.method().empty() ? default_method : req.method();
+  StatusOr<DecodingPolicy> pol = PolicyFromPreset(method, req.has_window() ? req.window() : 0);
+  if (!pol.ok()) return ToGrpc(pol.status(), req, 0);
+  DecodingPolicy& p = *pol;
+  if (req.has_policy()) {
+    const v1::DecodingPolicy& q = req.policy();
+    switch (q.draft()) {
+      case v1::DRAFT_SOURCE_UNSPECIFIED: break;
+      case v1::DRAFT_SOURCE_NONE: p.draft = DraftSource::kNone; break;
+      case v1::DRAFT_SOURCE_JACOBI: p.draft = DraftSource::kJacobi; break;
+      case v1::DRAFT_SOURCE_DRAFT_MODEL: p.draft = DraftSource::kDraftModel; break;
+      default: return BadField("policy.draft", "unknown value " + std::to_string(q.draft()));
+    }
+    switch (q.coupling()) {
+      case v1::COUPLING_UNSPECIFIED: break;
+      case v1::COUPLING_INDEPENDENT: p.coupling = Coupling::kIndependent; break;
+      case v1::COUPLING_MAXIMAL: p.coupling = Coupling::kMaximal; break;
+      case v1::COUPLING_GUMBEL: p.coupling = Coupling::kGumbel; break;
+      default: return BadField("policy.coupling", "unknown value " + std::to_string(q.coupling()));
+    }
+    switch (q.acceptance()) {
+      case v1::ACCEPTANCE_UNSPECIFIED: break;
+      case v1::ACCEPTANCE_EXACT: p.acceptance = Acceptance::kExact; break;
+      case v1::ACCEPTANCE_GROUPED: p.acceptance = Acceptance::kGrouped; break;
+      case v1::ACCEPTANCE_RELAXED: p.acceptance = Acceptance::kRelaxed; break;
+      default:
+        return BadField("policy.acceptance", "unknown value " + std::to_string(q.acceptance()));
+    }
+    if (q.has_tree_branches()) p.tree_branches = q.tree_branches();
+    if (q.has_tree_depth()) p.tree_depth = q.tree_depth();
+    if (q.has_uniform_init_q()) p.uniform_init_q = q.uniform_init_q();
+    if (q.has_gsd_group()) p.gsd_group = q.gsd_group();
+    if (q.has_gsd_delta()) p.gsd_delta = q.gsd_delta();
+    if (q.has_gsd_distance()) p.gsd_distance = q.gsd_distance();
+    if (q.has_cool_delta()) p.cool_delta = q.cool_delta();
+    if (q.has_cool_nu()) p.cool_nu = q.cool_nu();
+    if (AnyPolicyPart(req)) p.preset = "custom";
+  }
+  out->policy = p;
+  if (req.preview_every() < 0 || req.preview_every() > 1000) {
+    return BadField("preview_every", "must be in [0, 1000]");
+  }
+  out->preview_every = req.preview_every();
+  out->stream_drafts = req.stream_drafts();
+  const v1::OutputOptions& o = req.output();
+  if (o.format() != v1::IMAGE_FORMAT_UNSPECIFIED && o.format() != v1::IMAGE_FORMAT_PNG &&
+      o.format() != v1::IMAGE_FORMAT_NONE) {
+    return BadField("output.format", "unknown value " + std::to_string(o.format()));
+  }
+  out->encode_png = o.format() != v1::IMAGE_FORMAT_NONE;
+  if (o.scale() < 0 || o.scale() > 16) return BadField("output.scale", "must be in [0, 16]");
+  out->png_scale = std::max(o.scale(), 1);
+  return grpc::Status::OK;
+}
+
+void FillResponse(const RequestResult& r, bool include_tokens, double total_seconds,
+                  v1::GenerateResponse* resp) {
+  resp->set_image_png(r.png);
+  if (include_tokens) {
+    for (int32_t t : r.tokens) resp->add_tokens(t);
+  }
+  resp->set_grid(static_cast<int32_t>(r.grid));
+  resp->set_width(static_cast<int32_t>(r.width));
+  resp->set_height(static_cast<int32_t>(r.height));
+  resp->set_channels(static_cast<int32_t>(r.channels));
+  v1::GenerationStats* s = resp->mutable_stats();
+  s->set_seed(r.seed);
+  s->set_model(r.model);
+  s->set_class_id(static_cast<int32_t>(r.class_id));
+  s->set_method(r.policy.preset);
+  s->set_policy(DescribePolicy(r.policy));
+  s->set_cfg_scale(r.sampling.cfg_scale);
+  s->set_temperature(r.sampling.temperature);
+  s->set_top_k(static_cast<int32_t>(r.sampling.top_k));
+  s->set_top_p(r.sampling.top_p);
+  const RequestStats& st = r.stats;
+  s->set_nfe(st.counters.nfe);
+  s->set_draft_forwards(st.counters.draft_forwards);
+  s->set_drafts_verified(st.counters.drafts_verified);
+  s->set_drafts_accepted(st.counters.drafts_accepted);
+  s->set_acceptance_rate(st.acceptance_rate);
+  s->set_step_compression(st.step_compression);
+  for (int64_t h : st.accepted_length_histogram) s->add_accepted_length_histogram(h);
+  s->set_queue_seconds(st.queue_seconds);
+  s->set_generation_seconds(st.generation_seconds);
+  s->set_first_token_seconds(st.first_token_seconds);
+  s->set_total_seconds(total_seconds);
+}
+
+void FillStep(const StepEvent& e, v1::StepUpdate* s) {
+  s->set_step(static_cast<int32_t>(e.step));
+  for (int32_t p : e.positions) s->add_positions(p);
+  for (int32_t t : e.tokens) s->add_tokens(t);
+  for (int32_t p : e.draft_positions) s->add_draft_positions(p);
+  for (int32_t t : e.draft_tokens) s->add_draft_tokens(t);
+  s->set_committed(static_cast<int32_t>(e.totals.tokens));
+  s->set_total(static_cast<int32_t>(e.total_tokens));
+  s->set_nfe(e.totals.nfe);
+  s->set_drafts_verified(e.totals.drafts_verified);
+  s->set_drafts_accepted(e.totals.drafts_accepted);
+  s->set_window(static_cast<int32_t>(e.window));
+  if (!e.preview_png.empty()) s->set_preview_png(e.preview_png);
+}
+
+void FillModels(const std::vector<ModelInfo>& models, const std::string& default_method,
+                v1::ListModelsResponse* resp) {
+  resp->set_default_method(default_method);
+  for (const ModelInfo& m : models) {
+    v1::ModelInfo* p = resp->add_models();
+    p->set_name(m.name);
+    p->set_grid(static_cast<int32_t>(m.grid));
+    p->set_vocab_size(static_cast<int32_t>(m.vocab_size));
+    p->set_image_width(static_cast<int32_t>(m.image_width));
+    p->set_image_height(static_cast<int32_t>(m.image_height));
+    p->set_channels(static_cast<int32_t>(m.channels));
+    for (int64_t c = 0; c < m.num_classes; ++c) {
+      v1::ClassInfo* ci = p->add_classes();
+      ci->set_id(static_cast<int32_t>(c));
+      if (c < static_cast<int64_t>(m.class_names.size())) ci->set_name(m.class_names[c]);
+    }
+    for (const auto& meth : m.methods) p->add_methods(meth);
+    p->set_draft_model(m.draft_model);
+    v1::SamplingDefaults* d = p->mutable_sampling_defaults();
+    d->set_cfg_scale(m.sampling_defaults.cfg_scale);
+    d->set_temperature(m.sampling_defaults.temperature);
+    d->set_top_k(static_cast<int32_t>(m.sampling_defaults.top_k));
+    d->set_top_p(m.sampling_defaults.top_p);
+    p->set_max_window(static_cast<int32_t>(m.max_window));
+    p->set_kv_slots(static_cast<int32_t>(m.kv_slots));
+  }
+}
+
+}  // namespace imagegen::server

@@ -1,0 +1,43 @@
+// Between the wire contract and the engine: GenerateRequest -> GenerateParams (with the proto
+// field named in every error), engine results -> responses, engine errors -> gRPC statuses
+// carrying google.rpc details (BadRequest, RetryInfo). Pure functions; thread-safe.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <string>
+
+#include "engine/scheduler/request.h"
+#include "imagegen/v1/imagegen.pb.h"
+
+namespace imagegen::server {
+
+// INVALID_ARGUMENT with a google.rpc.BadRequest naming `field`.
+grpc::Status BadField(const std::string& field, const std::string& description);
+
+// RESOURCE_EXHAUSTED with a google.rpc.RetryInfo asking the client to wait `retry_seconds`.
+grpc::Status Overloaded(const std::string& message, double retry_seconds);
+
+// Fills `out` (everything but the deadline) from `req`; `default_method` when req.method is
+// empty. Errors name the proto field ("top_p", "policy.tree_depth", "class_name", ...).
+grpc::Status ToParams(const v1::GenerateRequest& req, const std::string& default_method,
+                      GenerateParams* out);
+
+// The proto field an engine error is about, as the request spelled it.
+std::string ProtoField(const std::string& engine_field, const v1::GenerateRequest& req);
+
+// An engine error as a gRPC status (codes map one to one; INVALID_ARGUMENT gains a BadRequest,
+// RESOURCE_EXHAUSTED a RetryInfo of `retry_seconds`).
+grpc::Status ToGrpc(const Status& s, const v1::GenerateRequest& req, double retry_seconds);
+
+// The label value of a request's method for metrics: a preset name, or "custom" when explicit
+// policy parts were given (bounded, whatever clients send).
+std::string MethodLabel(const v1::GenerateRequest& req, const std::string& default_method);
+
+void FillResponse(const RequestResult& r, bool include_tokens, double total_seconds,
+                  v1::GenerateResponse* resp);
+void FillStep(const StepEvent& e, v1::StepUpdate* s);
+void FillModels(const std::vector<ModelInfo>& models, const std::string& default_method,
+                v1::ListModelsResponse* resp);
+
+}  // namespace imagegen::server

@@ -1,0 +1,277 @@
+#include "server/metrics.h"
+
+#include <prometheus/metric_family.h>
+
+namespace imagegen::server {
+namespace {
+
+using prometheus::BuildCounter;
+using prometheus::BuildGauge;
+using prometheus::BuildHistogram;
+using prometheus::Histogram;
+
+const Histogram::BucketBoundaries kLatency = {0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300};
+const Histogram::BucketBoundaries kQueue = {0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60};
+const Histogram::BucketBoundaries kFirstToken = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
+                                                 5, 10, 30};
+const Histogram::BucketBoundaries kStep = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
+                                           0.05,   0.1,   0.25,   0.5,   1};
+const Histogram::BucketBoundaries kStepTokens = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096};
+const Histogram::BucketBoundaries kStepRequests = {1, 2, 4, 8, 16, 32, 64, 128};
+const Histogram::BucketBoundaries kAccepted = {1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64};
+const Histogram::BucketBoundaries kNfe = {8, 16, 32, 48, 64, 96, 128, 160, 196, 256, 384, 512, 1024};
+const Histogram::BucketBoundaries kCompression = {1, 1.25, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 8, 12};
+
+// The engine's load, read when Prometheus scrapes.
+class EngineGauges : public prometheus::Collectable {
+ public:
+  void Set(const Engine* e) { engine_.store(e); }
+  void SetDraining() { draining_.store(true); }
+
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    using prometheus::ClientMetric;
+    using prometheus::MetricFamily;
+    using prometheus::MetricType;
+    const Engine* e = engine_.load();
+    MetricFamily ready{"imagegen_ready",
+                       "1 when the models are loaded and the server accepts requests",
+                       MetricType::Gauge, {}};
+    ClientMetric r;
+    r.gauge.value = e != nullptr && !draining_.load() ? 1 : 0;
+    ready.metric.push_back(r);
+    std::vector<MetricFamily> out = {ready};
+    if (e == nullptr) return out;
+    MetricFamily queued{"imagegen_queue_depth", "Requests waiting for a KV-cache slot",
+                        MetricType::Gauge, {}};
+    MetricFamily active{"imagegen_active_requests", "Requests holding KV-cache slots",
+                        MetricType::Gauge, {}};
+    MetricFamily used{"imagegen_kv_cache_slots_in_use",
+                      "KV-cache slots taken (a request with guidance takes two)",
+                      MetricType::Gauge, {}};
+    MetricFamily total{"imagegen_kv_cache_slots", "KV-cache slots allocated", MetricType::Gauge, {}};
+    for (const ModelLoad& l : e->Stats().models) {
+      auto add = [&](MetricFamily& f, double v) {
+        ClientMetric m;
+        m.label.push_back({"model", l.model});
+        m.gauge.value = v;
+        f.metric.push_back(m);
+      };
+      add(queued, static_cast<double>(l.queued));
+      add(active, static_cast<double>(l.active));
+      add(used, static_cast<double>(l.slots_used));
+      add(total, static_cast<double>(l.slots_total));
+    }
+    out.push_back(queued);
+    out.push_back(active);
+    out.push_back(used);
+    out.push_back(total);
+    return out;
+  }
+
+ private:
+  std::atomic<const Engine*> engine_{nullptr};
+  std::atomic<bool> draining_{false};
+};
+
+}  // namespace
+
+std::string PositionLabel(int64_t d) {
+  if (d <= 8) return std::to_string(d);
+  if (d <= 16) return "9-16";
+  if (d <= 32) return "17-32";
+  if (d <= 64) return "33-64";
+  if (d <= 128) return "65-128";
+  return "129+";
+}
+
+Metrics::Metrics()
+    : registry_(std::make_shared<prometheus::Registry>()),
+      gauges_(std::make_shared<EngineGauges>()),
+      requests_(BuildCounter()
+                    .Name("imagegen_requests_total")
+                    .Help("Generate calls by outcome (ok, invalid_argument, not_found, "
+                          "resource_exhausted, unavailable, cancelled, deadline_exceeded, "
+                          "unauthenticated, internal)")
+                    .Register(*registry_)),
+      drafted_(BuildCounter()
+                   .Name("imagegen_draft_tokens_total")
+                   .Help("Draft tokens verified against the target (before each step's first "
+                         "rejection); acceptance rate = accepted / draft")
+                   .Register(*registry_)),
+      accepted_(BuildCounter()
+                    .Name("imagegen_accepted_tokens_total")
+                    .Help("Draft tokens accepted")
+                    .Register(*registry_)),
+      drafted_pos_(BuildCounter()
+                       .Name("imagegen_draft_tokens_by_position_total")
+                       .Help("Draft tokens verified, by position in the step's accepted path "
+                             "(1 = the first draft after the last committed token)")
+                       .Register(*registry_)),
+      accepted_pos_(BuildCounter()
+                        .Name("imagegen_accepted_tokens_by_position_total")
+                        .Help("Draft tokens accepted, by position in the step's accepted path")
+                        .Register(*registry_)),
+      nfe_(BuildCounter()
+               .Name("imagegen_target_forwards_total")
+               .Help("Target-model forward passes (NFE; a CFG pair counts once); NFE per image "
+                     "= this / imagegen_images_total")
+               .Register(*registry_)),
+      draft_forwards_(BuildCounter()
+                          .Name("imagegen_draft_model_forwards_total")
+                          .Help("Draft-model forward passes (not included in NFE)")
+                          .Register(*registry_)),
+      images_(BuildCounter()
+                  .Name("imagegen_images_total")
+                  .Help("Images generated")
+                  .Register(*registry_)),
+      steps_(BuildCounter()
+                 .Name("imagegen_engine_steps_total")
+                 .Help("Engine steps (one target forward for all active requests of a model)")
+                 .Register(*registry_)),
+      accepted_length_(BuildHistogram()
+                           .Name("imagegen_accepted_length_tokens")
+                           .Help("Tokens a request committed in one step (accepted drafts + 1)")
+                           .Register(*registry_)),
+      nfe_per_image_(BuildHistogram()
+                         .Name("imagegen_nfe_per_image")
+                         .Help("Target-model forward passes per image")
+                         .Register(*registry_)),
+      compression_(BuildHistogram()
+                       .Name("imagegen_step_compression_ratio")
+                       .Help("Image tokens / NFE per image (1 for autoregressive decoding)")
+                       .Register(*registry_)),
+      first_token_(BuildHistogram()
+                       .Name("imagegen_time_to_first_token_seconds")
+                       .Help("Arrival to the first committed token")
+                       .Register(*registry_)),
+      latency_(BuildHistogram()
+                   .Name("imagegen_request_duration_seconds")
+                   .Help("Arrival to the final response, successful calls")
+                   .Register(*registry_)),
+      queue_time_(BuildHistogram()
+                      .Name("imagegen_request_queue_seconds")
+                      .Help("Time waiting for a KV-cache slot")
+                      .Register(*registry_)),
+      generation_(BuildHistogram()
+                      .Name("imagegen_request_generation_seconds")
+                      .Help("First engine step to the last token")
+                      .Register(*registry_)),
+      step_duration_(BuildHistogram()
+                         .Name("imagegen_step_duration_seconds")
+                         .Help("One engine step: drafting, target forward, verification, events")
+                         .Register(*registry_)),
+      step_tokens_(BuildHistogram()
+                       .Name("imagegen_step_tokens")
+                       .Help("Tokens fed to the target model in one step (CFG rows included)")
+                       .Register(*registry_)),
+      step_requests_(BuildHistogram()
+                         .Name("imagegen_step_requests")
+                         .Help("Requests sharing one step")
+                         .Register(*registry_)),
+      info_(BuildGauge()
+                .Name("imagegen_build_info")
+                .Help("Always 1; the version in a label")
+                .Register(*registry_)) {
+  info_.Add({{"version", "0.1.0"}}).Set(1);
+}
+
+void Metrics::SetEngine(const Engine* engine) {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    for (const ModelInfo& m : engine->Models()) models_.push_back(m.name);
+  }
+  static_cast<EngineGauges*>(gauges_.get())->Set(engine);
+}
+
+void Metrics::SetDraining() { static_cast<EngineGauges*>(gauges_.get())->SetDraining(); }
+
+std::string Metrics::ModelLabel(const std::string& model) const {
+  std::lock_guard<std::mutex> l(mu_);
+  if (model.empty()) return models_.empty() ? "unknown" : models_[0];
+  for (const auto& m : models_) {
+    if (m == model) return m;
+  }
+  return "unknown";
+}
+
+Metrics::PerMethod& Metrics::For(const std::string& model, const std::string& method) {
+  std::lock_guard<std::mutex> l(mu_);
+  auto key = std::make_pair(model, method);
+  auto it = per_method_.find(key);
+  if (it != per_method_.end()) return it->second;
+  const prometheus::Labels lb = {{"model", model}, {"method", method}};
+  PerMethod p;
+  p.drafted = &drafted_.Add(lb);
+  p.accepted = &accepted_.Add(lb);
+  p.nfe = &nfe_.Add(lb);
+  p.draft_forwards = &draft_forwards_.Add(lb);
+  p.images = &images_.Add(lb);
+  p.accepted_length = &accepted_length_.Add(lb, kAccepted);
+  p.nfe_per_image = &nfe_per_image_.Add(lb, kNfe);
+  p.compression = &compression_.Add(lb, kCompression);
+  p.first_token = &first_token_.Add(lb, kFirstToken);
+  p.latency = &latency_.Add(lb, kLatency);
+  p.queue_time = &queue_time_.Add(lb, kQueue);
+  p.generation = &generation_.Add(lb, kLatency);
+  return per_method_.emplace(key, std::move(p)).first->second;
+}
+
+void Metrics::OnStep(const StepSample& s) {
+  const prometheus::Labels lb = {{"model", s.model}};
+  steps_.Add(lb).Increment();
+  step_duration_.Add(lb, kStep).Observe(s.seconds);
+  step_tokens_.Add(lb, kStepTokens).Observe(static_cast<double>(s.tokens));
+  step_requests_.Add(lb, kStepRequests).Observe(static_cast<double>(s.requests));
+}
+
+void Metrics::OnRequestStep(const std::string& model, const std::string& method,
+                            const StepEvent& e) {
+  const std::string ml = ModelLabel(model);
+  PerMethod& p = For(ml, method);
+  p.nfe->Increment();
+  p.accepted_length->Observe(static_cast<double>(e.positions.size()));
+  if (e.verified > 0) p.drafted->Increment(static_cast<double>(e.verified));
+  if (e.accepted > 0) p.accepted->Increment(static_cast<double>(e.accepted));
+  for (size_t d = 0; d < e.verified_at_depth.size(); ++d) {
+    const int64_t v = e.verified_at_depth[d];
+    const int64_t a = d < e.accepted_at_depth.size() ? e.accepted_at_depth[d] : 0;
+    if (v == 0 && a == 0) continue;
+    const std::string pos = PositionLabel(static_cast<int64_t>(d) + 1);
+    std::lock_guard<std::mutex> l(mu_);
+    auto it = p.drafted_at.find(pos);
+    if (it == p.drafted_at.end()) {
+      const prometheus::Labels lb = {{"model", ml}, {"method", method}, {"position", pos}};
+      it = p.drafted_at.emplace(pos, &drafted_pos_.Add(lb)).first;
+      p.accepted_at.emplace(pos, &accepted_pos_.Add(lb));
+    }
+    if (v > 0) it->second->Increment(static_cast<double>(v));
+    if (a > 0) p.accepted_at[pos]->Increment(static_cast<double>(a));
+  }
+}
+
+void Metrics::OnRequestEnd(const std::string& model, const std::string& method,
+                           const std::string& outcome, const RequestResult* r,
+                           double total_seconds) {
+  const std::string ml = ModelLabel(model);
+  requests_.Add({{"model", ml}, {"method", method}, {"outcome", outcome}}).Increment();
+  if (r == nullptr) return;
+  PerMethod& p = For(ml, method);
+  const RequestStats& s = r->stats;
+  p.images->Increment();
+  p.draft_forwards->Increment(static_cast<double>(s.counters.draft_forwards));
+  p.nfe_per_image->Observe(static_cast<double>(s.counters.nfe));
+  p.compression->Observe(s.step_compression);
+  p.first_token->Observe(s.first_token_seconds);
+  p.latency->Observe(total_seconds);
+  p.queue_time->Observe(s.queue_seconds);
+  p.generation->Observe(s.generation_seconds);
+  std::lock_guard<std::mutex> l(mu_);
+  recent_generation_ = 0.8 * recent_generation_ + 0.2 * s.generation_seconds;
+}
+
+double Metrics::RecentGenerationSeconds() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return recent_generation_;
+}
+
+}  // namespace imagegen::server

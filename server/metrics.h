@@ -1,0 +1,93 @@
+// Prometheus metrics of the daemon (DESIGN.md "Metrics", docs/serving.md section 2): names
+// prefixed imagegen_, base units, counters ending in _total, labels model and method only,
+// with bounded values (loaded model names; preset names, "custom" or "unknown"; a fixed set of
+// outcomes and window positions). Engine gauges (queue, active requests, KV slots) are read
+// from Engine::Stats() at scrape time. Thread-safe.
+#pragma once
+
+#include <prometheus/collectable.h>
+#include <prometheus/counter.h>
+#include <prometheus/family.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+
+#include <atomic>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "engine/scheduler/engine.h"
+
+namespace imagegen::server {
+
+// The label value for a window position (1-based draft depth): "1".."8", then power-of-two
+// ranges "9-16", "17-32", "33-64", "65-128", "129+".
+std::string PositionLabel(int64_t depth);
+
+class Metrics : public EngineListener {
+ public:
+  Metrics();
+
+  // Served at /metrics: the registry's metrics and the engine gauges.
+  std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
+  std::shared_ptr<prometheus::Collectable> engine_gauges() const { return gauges_; }
+
+  // Starts reporting the engine's gauges (null before the models are loaded).
+  void SetEngine(const Engine* engine);
+  void SetDraining();
+
+  // Engine thread: one model step.
+  void OnStep(const StepSample& sample) override;
+  // Engine thread: one step of one request.
+  void OnRequestStep(const std::string& model, const std::string& method, const StepEvent& e);
+  // A call ended. `outcome`: ok, invalid_argument, not_found, resource_exhausted, unavailable,
+  // cancelled, deadline_exceeded, unauthenticated, internal. `result` is set when outcome is ok.
+  void OnRequestEnd(const std::string& model, const std::string& method,
+                    const std::string& outcome, const RequestResult* result,
+                    double total_seconds);
+
+  // Mean seconds of a recent image's generation (for RetryInfo), 1 s before any.
+  double RecentGenerationSeconds() const;
+
+ private:
+  struct PerMethod {
+    prometheus::Counter *drafted, *accepted, *nfe, *draft_forwards, *images;
+    prometheus::Histogram *accepted_length, *nfe_per_image, *compression, *first_token,
+        *latency, *queue_time, *generation;
+    std::map<std::string, prometheus::Counter*> drafted_at, accepted_at;
+  };
+  PerMethod& For(const std::string& model, const std::string& method);
+  std::string ModelLabel(const std::string& model) const;
+
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::shared_ptr<prometheus::Collectable> gauges_;
+  prometheus::Family<prometheus::Counter>& requests_;
+  prometheus::Family<prometheus::Counter>& drafted_;
+  prometheus::Family<prometheus::Counter>& accepted_;
+  prometheus::Family<prometheus::Counter>& drafted_pos_;
+  prometheus::Family<prometheus::Counter>& accepted_pos_;
+  prometheus::Family<prometheus::Counter>& nfe_;
+  prometheus::Family<prometheus::Counter>& draft_forwards_;
+  prometheus::Family<prometheus::Counter>& images_;
+  prometheus::Family<prometheus::Counter>& steps_;
+  prometheus::Family<prometheus::Histogram>& accepted_length_;
+  prometheus::Family<prometheus::Histogram>& nfe_per_image_;
+  prometheus::Family<prometheus::Histogram>& compression_;
+  prometheus::Family<prometheus::Histogram>& first_token_;
+  prometheus::Family<prometheus::Histogram>& latency_;
+  prometheus::Family<prometheus::Histogram>& queue_time_;
+  prometheus::Family<prometheus::Histogram>& generation_;
+  prometheus::Family<prometheus::Histogram>& step_duration_;
+  prometheus::Family<prometheus::Histogram>& step_tokens_;
+  prometheus::Family<prometheus::Histogram>& step_requests_;
+  prometheus::Family<prometheus::Gauge>& info_;
+
+  mutable std::mutex mu_;
+  std::map<std::pair<std::string, std::string>, PerMethod> per_method_;
+  std::vector<std::string> models_;  // loaded model names (label values)
+  double recent_generation_ = 1.0;
+};
+
+}  // namespace imagegen::server
