@@ -1,0 +1,564 @@
+// End-to-end tests: the real imagegen-server started on loopback, spoken to over gRPC with the
+// generated stubs, the real CLI and the Python example client, and scraped by a real Prometheus
+// server (Debian's) using the scrape config in deploy/.
+#include <gtest/gtest.h>
+#include <grpcpp/grpcpp.h>
+
+#include <cmath>
+#include <filesystem>
+#include <memory>
+#include <regex>
+#include <thread>
+
+#include "engine/util/json.h"
+#include "google/rpc/error_details.pb.h"
+#include "google/rpc/status.pb.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "imagegen/v1/imagegen.grpc.pb.h"
+#include "tests/e2e/classify.h"
+#include "tests/e2e/process.h"
+
+namespace imagegen::testing {
+namespace {
+
+namespace v1 = imagegen::v1;
+using grpc::health::v1::HealthCheckRequest;
+using grpc::health::v1::HealthCheckResponse;
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+
+constexpr char kService[] = "imagegen.v1.ImageGeneration";
+
+std::string TempDir(const std::string& name) {
+  const std::string d = (std::filesystem::temp_directory_path() /
+                         ("imagegen_e2e_" + std::to_string(::getpid()) + "_" + name))
+                            .string();
+  std::filesystem::create_directories(d);
+  return d;
+}
+
+// The daemon on loopback ports chosen by the kernel (reported through --port-file).
+class Daemon {
+ public:
+  explicit Daemon(const std::string& name, std::vector<std::string> flags = {}) : dir_(TempDir(name)) {
+    std::vector<std::string> argv = {IMAGEGEN_SERVER_BINARY, "--listen", "127.0.0.1:0",
+                                     "--metrics-listen", "127.0.0.1:0", "--port-file",
+                                     dir_ + "/ports", "--models-dir", IMAGEGEN_TEST_MODELS_DIR};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    proc_ = std::make_unique<Process>(argv, dir_ + "/server.log");
+    for (int i = 0; i < 600 && port_ == 0; ++i) {
+      std::this_thread::sleep_for(milliseconds(50));
+      std::istringstream in(Slurp(dir_ + "/ports"));
+      in >> port_ >> metrics_port_;
+      if (proc_->Wait(milliseconds(0)) >= 0) break;
+    }
+    if (port_ == 0) throw std::runtime_error("daemon did not start: " + proc_->Log());
+  }
+  std::string target() const { return "127.0.0.1:" + std::to_string(port_); }
+  int metrics_port() const { return metrics_port_; }
+  Process& proc() { return *proc_; }
+  const std::string& dir() const { return dir_; }
+
+  std::shared_ptr<grpc::Channel> Channel() const {
+    return grpc::CreateChannel(target(), grpc::InsecureChannelCredentials());
+  }
+  std::unique_ptr<v1::ImageGeneration::Stub> Stub() const {
+    return v1::ImageGeneration::NewStub(Channel());
+  }
+  HealthCheckResponse::ServingStatus Health(const std::string& service) const {
+    auto stub = grpc::health::v1::Health::NewStub(Channel());
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + seconds(5));
+    HealthCheckRequest req;
+    req.set_service(service);
+    HealthCheckResponse resp;
+    grpc::Status st = stub->Check(&ctx, req, &resp);
+    return st.ok() ? resp.status() : HealthCheckResponse::UNKNOWN;
+  }
+  // Until the models are loaded ("imagegen.v1.ImageGeneration" SERVING).
+  void WaitReady() const {
+    for (int i = 0; i < 600; ++i) {
+      if (Health(kService) == HealthCheckResponse::SERVING) return;
+      std::this_thread::sleep_for(milliseconds(50));
+    }
+    throw std::runtime_error("daemon never became ready: " + proc_->Log());
+  }
+  std::string Metrics() const { return HttpGet(metrics_port_, "/metrics").second; }
+  // Polls /metrics until `series` has `value` (true) or 10 s pass (false).
+  bool WaitMetric(const std::string& series, double value) const {
+    for (int i = 0; i < 200; ++i) {
+      if (MetricValue(Metrics(), series) == value) return true;
+      std::this_thread::sleep_for(milliseconds(50));
+    }
+    return false;
+  }
+
+ private:
+  std::string dir_;
+  std::unique_ptr<Process> proc_;
+  int port_ = 0, metrics_port_ = 0;
+};
+
+v1::GenerateRequest Request(const std::string& cls, uint64_t seed, const std::string& method) {
+  v1::GenerateRequest r;
+  r.set_class_name(cls);
+  r.set_seed(seed);
+  r.set_method(method);
+  return r;
+}
+
+const google::rpc::BadRequest* Violations(const grpc::Status& st, google::rpc::BadRequest* out) {
+  google::rpc::Status s;
+  if (!s.ParseFromString(st.error_details())) return nullptr;
+  for (const auto& d : s.details()) {
+    if (d.UnpackTo(out)) return out;
+  }
+  return nullptr;
+}
+
+std::string Slots(const std::string& model = "fmnist-gpt") {
+  return "imagegen_kv_cache_slots_in_use{model=\"" + model + "\"}";
+}
+
+std::string Requests(const std::string& method, const std::string& outcome) {
+  return "imagegen_requests_total{method=\"" + method + "\",model=\"fmnist-gpt\",outcome=\"" +
+         outcome + "\"}";
+}
+
+TEST(E2eTest, UnaryAndStreamGiveThePngOfTheClassAndTheStreamReassemblesTheGrid) {
+  Daemon d("unary_stream");
+  d.WaitReady();
+  EXPECT_EQ(d.Health(""), HealthCheckResponse::SERVING);
+  auto stub = d.Stub();
+  // Classes the bundled classifier recognises best; the seeds are fixed, so are the images.
+  const std::vector<std::pair<std::string, int>> classes = {{"trouser", 1}, {"sandal", 5}, {"bag", 8}};
+  for (const auto& [name, id] : classes) {
+    v1::GenerateRequest req = Request(name, 21, "scd-mc");
+    req.mutable_output()->set_include_tokens(true);
+    grpc::ClientContext uctx;
+    v1::GenerateResponse unary;
+    ASSERT_TRUE(stub->Generate(&uctx, req, &unary).ok());
+    std::string err;
+    EXPECT_EQ(ClassifyPng(unary.image_png(), &err), id) << name << " " << err;
+    EXPECT_EQ(unary.tokens_size(), 196);
+    EXPECT_EQ(unary.stats().seed(), 21u);
+    EXPECT_EQ(unary.stats().class_id(), id);
+    EXPECT_LT(unary.stats().nfe(), 196);  // it did speculate
+    EXPECT_NEAR(unary.stats().step_compression(), 196.0 / unary.stats().nfe(), 1e-9);
+
+    req.set_preview_every(5);
+    req.set_stream_drafts(true);
+    grpc::ClientContext sctx;
+    auto reader = stub->GenerateStream(&sctx, req);
+    v1::GenerateStreamResponse msg;
+    std::vector<int> grid(196, -1);
+    int committed = 0, steps = 0, previews = 0;
+    std::optional<v1::GenerateResponse> final;
+    while (reader->Read(&msg)) {
+      if (msg.has_step()) {
+        const auto& s = msg.step();
+        EXPECT_EQ(s.step(), ++steps);
+        for (int i = 0; i < s.positions_size(); ++i) {
+          ASSERT_EQ(s.positions(i), committed) << "positions arrive in order, once each";
+          grid[static_cast<size_t>(committed++)] = s.tokens(i);
+        }
+        EXPECT_EQ(s.committed(), committed);
+        if (s.draft_positions_size() > 0) {
+          EXPECT_EQ(s.draft_positions(0), committed);
+        }
+        if (s.step() % 5 == 0 && committed < 196) {
+          EXPECT_FALSE(s.preview_png().empty());
+          ++previews;
+        }
+      } else {
+        ASSERT_TRUE(msg.has_final());
+        final = msg.final();
+      }
+    }
+    ASSERT_TRUE(reader->Finish().ok());
+    ASSERT_TRUE(final.has_value());
+    EXPECT_EQ(committed, 196);
+    EXPECT_EQ(std::vector<int>(final->tokens().begin(), final->tokens().end()), grid);
+    // The same request and seed: the same image whichever RPC carried it.
+    EXPECT_EQ(std::vector<int>(unary.tokens().begin(), unary.tokens().end()), grid);
+    EXPECT_EQ(final->image_png(), unary.image_png());
+    EXPECT_EQ(final->stats().nfe(), steps);
+    EXPECT_GT(previews, 0);
+  }
+  // ListModels describes the bundled model.
+  grpc::ClientContext lctx;
+  v1::ListModelsResponse models;
+  ASSERT_TRUE(stub->ListModels(&lctx, v1::ListModelsRequest(), &models).ok());
+  ASSERT_EQ(models.models_size(), 1);
+  EXPECT_EQ(models.models(0).name(), "fmnist-gpt");
+  EXPECT_EQ(models.models(0).classes(7).name(), "sneaker");
+  EXPECT_EQ(models.default_method(), "scd-mc");
+  EXPECT_EQ(models.models(0).draft_model(), "fmnist-draft");
+}
+
+TEST(E2eTest, CancelMidStreamAndDeadlinesFreeTheSlot) {
+  Daemon d("cancel");
+  d.WaitReady();
+  auto stub = d.Stub();
+  grpc::ClientContext ctx;
+  auto reader = stub->GenerateStream(&ctx, Request("coat", 3, "ar"));
+  v1::GenerateStreamResponse msg;
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(reader->Read(&msg));
+  EXPECT_EQ(MetricValue(d.Metrics(), Slots()), 2);  // one request with guidance: two slots
+  ctx.TryCancel();
+  while (reader->Read(&msg)) {
+  }
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_TRUE(d.WaitMetric(Requests("ar", "cancelled"), 1));
+  EXPECT_TRUE(d.WaitMetric(Slots(), 0));
+
+  grpc::ClientContext dctx;
+  dctx.set_deadline(std::chrono::system_clock::now() + milliseconds(300));
+  v1::GenerateResponse resp;
+  EXPECT_EQ(stub->Generate(&dctx, Request("coat", 4, "ar"), &resp).error_code(),
+            grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_TRUE(d.WaitMetric(Requests("ar", "deadline_exceeded"), 1));
+  EXPECT_TRUE(d.WaitMetric(Slots(), 0));
+  EXPECT_TRUE(d.WaitMetric("imagegen_active_requests{model=\"fmnist-gpt\"}", 0));
+}
+
+TEST(E2eTest, FullQueueIsResourceExhaustedWithRetryInfo) {
+  Daemon d("queue", {"--max-slots", "2", "--max-queue", "1"});
+  d.WaitReady();
+  auto stub = d.Stub();
+  grpc::ClientContext a, b;
+  auto ra = stub->GenerateStream(&a, Request("coat", 5, "ar"));
+  v1::GenerateStreamResponse msg;
+  ASSERT_TRUE(ra->Read(&msg));  // running: holds both slots
+  auto rb = stub->GenerateStream(&b, Request("coat", 6, "ar"));
+  ASSERT_TRUE(d.WaitMetric("imagegen_queue_depth{model=\"fmnist-gpt\"}", 1));
+  grpc::ClientContext c;
+  v1::GenerateResponse resp;
+  grpc::Status st = stub->Generate(&c, Request("coat", 7, "ar"), &resp);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+  google::rpc::Status details;
+  ASSERT_TRUE(details.ParseFromString(st.error_details()));
+  google::rpc::RetryInfo retry;
+  ASSERT_EQ(details.details_size(), 1);
+  ASSERT_TRUE(details.details(0).UnpackTo(&retry));
+  EXPECT_GT(retry.retry_delay().seconds() * 1e9 + retry.retry_delay().nanos(), 0);
+  a.TryCancel();
+  b.TryCancel();
+  while (ra->Read(&msg)) {
+  }
+  while (rb->Read(&msg)) {
+  }
+  ra->Finish();
+  rb->Finish();
+  EXPECT_TRUE(d.WaitMetric(Requests("ar", "resource_exhausted"), 1));
+  EXPECT_TRUE(d.WaitMetric(Slots(), 0));
+}
+
+TEST(E2eTest, EachInvalidFieldIsNamedInBadRequest) {
+  Daemon d("invalid");
+  d.WaitReady();
+  auto stub = d.Stub();
+  struct Case {
+    std::string want;
+    std::function<void(v1::GenerateRequest&)> edit;
+  };
+  const std::vector<Case> cases = {
+      {"class_id", [](v1::GenerateRequest& r) { r.clear_class_name(); }},
+      {"class_name", [](v1::GenerateRequest& r) { r.set_class_name("unicorn"); }},
+      {"class_id", [](v1::GenerateRequest& r) { r.set_class_id(10); }},
+      {"class_id", [](v1::GenerateRequest& r) { r.set_class_id(-1); }},
+      {"cfg_scale", [](v1::GenerateRequest& r) { r.set_cfg_scale(std::nan("")); }},
+      {"cfg_scale", [](v1::GenerateRequest& r) { r.set_cfg_scale(1000); }},
+      {"temperature", [](v1::GenerateRequest& r) { r.set_temperature(-1); }},
+      {"top_k", [](v1::GenerateRequest& r) { r.set_top_k(-1); }},
+      {"top_k", [](v1::GenerateRequest& r) { r.set_top_k(513); }},
+      {"top_p", [](v1::GenerateRequest& r) { r.set_top_p(0); }},
+      {"top_p", [](v1::GenerateRequest& r) { r.set_top_p(1.5); }},
+      {"method", [](v1::GenerateRequest& r) { r.set_method("jacobi-magic"); }},
+      {"window", [](v1::GenerateRequest& r) { r.set_window(0); }},
+      {"window", [](v1::GenerateRequest& r) { r.set_window(197); }},
+      {"window", [](v1::GenerateRequest& r) { r.set_method("sjd-pac"); r.set_window(8); }},
+      {"policy.tree_depth", [](v1::GenerateRequest& r) {
+         r.set_method("sjd-pac");
+         r.mutable_policy()->set_tree_depth(9);
+       }},
+      {"policy.tree_branches", [](v1::GenerateRequest& r) {
+         r.set_method("sjd");
+         r.mutable_policy()->set_tree_branches(40);
+       }},
+      {"policy.cool_delta", [](v1::GenerateRequest& r) {
+         r.set_method("cool-sd");
+         r.mutable_policy()->set_cool_delta(-1);
+       }},
+      {"policy.gsd_group", [](v1::GenerateRequest& r) {
+         r.set_method("gsd");
+         r.mutable_policy()->set_gsd_group(0);
+       }},
+      {"policy.draft", [](v1::GenerateRequest& r) {
+         r.mutable_policy()->set_draft(static_cast<v1::DraftSource>(42));
+       }},
+      {"policy.coupling", [](v1::GenerateRequest& r) {
+         r.set_method("sd");
+         r.mutable_policy()->set_coupling(v1::COUPLING_GUMBEL);
+       }},
+      {"preview_every", [](v1::GenerateRequest& r) { r.set_preview_every(-3); }},
+      {"output.scale", [](v1::GenerateRequest& r) { r.mutable_output()->set_scale(99); }},
+  };
+  for (const Case& c : cases) {
+    v1::GenerateRequest req = Request("dress", 1, "scd-mc");
+    c.edit(req);
+    grpc::ClientContext ctx;
+    v1::GenerateResponse resp;
+    grpc::Status st = stub->Generate(&ctx, req, &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.want;
+    google::rpc::BadRequest br;
+    ASSERT_NE(Violations(st, &br), nullptr) << c.want << ": " << st.error_message();
+    ASSERT_EQ(br.field_violations_size(), 1);
+    EXPECT_EQ(br.field_violations(0).field(), c.want) << st.error_message();
+    EXPECT_FALSE(br.field_violations(0).description().empty());
+  }
+  v1::GenerateRequest req = Request("dress", 1, "scd-mc");
+  req.set_model("no-such-model");
+  grpc::ClientContext ctx;
+  v1::GenerateResponse resp;
+  EXPECT_EQ(stub->Generate(&ctx, req, &resp).error_code(), grpc::StatusCode::NOT_FOUND);
+  const std::string m = d.Metrics();
+  EXPECT_GE(MetricValue(m, Requests("scd-mc", "invalid_argument")), 5);
+  // Labels stay bounded whatever the client sends.
+  EXPECT_EQ(m.find("jacobi-magic"), std::string::npos);
+  EXPECT_EQ(m.find("no-such-model"), std::string::npos);
+}
+
+// A CA, a server certificate for 127.0.0.1 and a client certificate, made with openssl.
+std::string MakeCertificates() {
+  const std::string d = TempDir("pki");
+  const std::string script =
+      "set -e; cd '" + d + "'; "
+      "openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 2 "
+      "-subj /CN=imagegen-test-ca 2>/dev/null; "
+      "for who in server client; do "
+      "openssl req -newkey rsa:2048 -nodes -keyout $who.key -out $who.csr -subj /CN=$who "
+      "2>/dev/null; "
+      "printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\\n' > $who.ext; "
+      "openssl x509 -req -in $who.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out $who.pem "
+      "-days 2 -extfile $who.ext 2>/dev/null; done";
+  std::string out;
+  if (RunCommand({"/bin/bash", "-c", script}, &out, d + "/openssl.log") != 0) {
+    throw std::runtime_error("openssl failed: " + out);
+  }
+  return d;
+}
+
+grpc::StatusCode CallWith(const std::shared_ptr<grpc::Channel>& ch, const std::string& token) {
+  auto stub = v1::ImageGeneration::NewStub(ch);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + seconds(30));
+  if (!token.empty()) ctx.AddMetadata("authorization", "Bearer " + token);
+  v1::GenerateResponse resp;
+  return stub->Generate(&ctx, Request("sneaker", 9, "sjd"), &resp).error_code();
+}
+
+TEST(E2eTest, TlsAndBearerTokenAcceptTheRightTokenOnly) {
+  const std::string pki = MakeCertificates();
+  {
+    std::ofstream(pki + "/token") << "s3cret-token-0123456789\n";
+  }
+  Daemon d("tls", {"--tls-cert", pki + "/server.pem", "--tls-key", pki + "/server.key",
+                   "--token-file", pki + "/token"});
+  grpc::SslCredentialsOptions o;
+  o.pem_root_certs = Slurp(pki + "/ca.pem");
+  auto tls = grpc::CreateChannel(d.target(), grpc::SslCredentials(o));
+  // Health stays open (probes send no token).
+  auto health = grpc::health::v1::Health::NewStub(tls);
+  HealthCheckResponse hr;
+  for (int i = 0; i < 200 && hr.status() != HealthCheckResponse::SERVING; ++i) {
+    grpc::ClientContext ctx;
+    HealthCheckRequest hq;
+    hq.set_service(kService);
+    health->Check(&ctx, hq, &hr);
+    if (hr.status() != HealthCheckResponse::SERVING) std::this_thread::sleep_for(milliseconds(50));
+  }
+  ASSERT_EQ(hr.status(), HealthCheckResponse::SERVING);
+  EXPECT_EQ(CallWith(tls, "s3cret-token-0123456789"), grpc::StatusCode::OK);
+  EXPECT_EQ(CallWith(tls, "s3cret-token-0123456788"), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(CallWith(tls, "s3cret"), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(CallWith(tls, ""), grpc::StatusCode::UNAUTHENTICATED);
+  // Plaintext to a TLS port never reaches the service.
+  auto plain = grpc::CreateChannel(d.target(), grpc::InsecureChannelCredentials());
+  EXPECT_NE(CallWith(plain, "s3cret-token-0123456789"), grpc::StatusCode::OK);
+  EXPECT_TRUE(d.WaitMetric("imagegen_requests_total{method=\"sjd\",model=\"fmnist-gpt\",outcome=\"unauthenticated\"}", 3));
+
+  // Mutual TLS: the client must present a certificate the CA signed.
+  Daemon m("mtls", {"--tls-cert", pki + "/server.pem", "--tls-key", pki + "/server.key",
+                    "--tls-client-ca", pki + "/ca.pem"});
+  auto no_cert = grpc::CreateChannel(m.target(), grpc::SslCredentials(o));
+  grpc::SslCredentialsOptions oc = o;
+  oc.pem_cert_chain = Slurp(pki + "/client.pem");
+  oc.pem_private_key = Slurp(pki + "/client.key");
+  auto with_cert = grpc::CreateChannel(m.target(), grpc::SslCredentials(oc));
+  grpc::StatusCode code = grpc::StatusCode::UNKNOWN;
+  for (int i = 0; i < 200; ++i) {  // until the models are loaded
+    code = CallWith(with_cert, "");
+    if (code != grpc::StatusCode::UNAVAILABLE) break;
+    std::this_thread::sleep_for(milliseconds(50));
+  }
+  EXPECT_EQ(code, grpc::StatusCode::OK);
+  EXPECT_EQ(CallWith(no_cert, ""), grpc::StatusCode::UNAVAILABLE);
+}
+
+TEST(E2eTest, SigtermDrainsInFlightStreamsThenExitsZero) {
+  Daemon d("sigterm", {"--grace-seconds", "60"});
+  d.WaitReady();
+  auto stub = d.Stub();
+  grpc::ClientContext a, b;
+  auto ra = stub->GenerateStream(&a, Request("shirt", 1, "ar"));
+  auto rb = stub->GenerateStream(&b, Request("pullover", 2, "sjd"));
+  v1::GenerateStreamResponse msg;
+  ASSERT_TRUE(ra->Read(&msg));
+  ASSERT_TRUE(rb->Read(&msg));
+  EXPECT_EQ(d.Health(kService), HealthCheckResponse::SERVING);
+  d.proc().Signal(SIGTERM);
+  // Draining: health NOT_SERVING, new calls refused, the streams go on.
+  bool not_serving = false;
+  for (int i = 0; i < 100 && !not_serving; ++i) {
+    not_serving = d.Health(kService) == HealthCheckResponse::NOT_SERVING &&
+                  d.Health("") == HealthCheckResponse::NOT_SERVING;
+    if (!not_serving) std::this_thread::sleep_for(milliseconds(10));
+  }
+  EXPECT_TRUE(not_serving);
+  grpc::ClientContext c;
+  v1::GenerateResponse resp;
+  EXPECT_EQ(stub->Generate(&c, Request("shirt", 3, "ar"), &resp).error_code(),
+            grpc::StatusCode::UNAVAILABLE);
+  for (auto* r : {ra.get(), rb.get()}) {
+    bool final = false;
+    while (r->Read(&msg)) final |= msg.has_final();
+    EXPECT_TRUE(final);
+    EXPECT_TRUE(r->Finish().ok());
+  }
+  EXPECT_EQ(d.proc().Wait(seconds(60)), 0) << d.proc().Log();
+  EXPECT_NE(d.proc().Log().find("stopped: 2 images"), std::string::npos) << d.proc().Log();
+}
+
+// A real Prometheus server scrapes the daemon with deploy/prometheus.yml (target and interval
+// adapted to the test), and its HTTP API gives the acceptance rate and NFE per image.
+TEST(E2eTest, PrometheusScrapesAcceptanceRateAndNfe) {
+  Daemon d("prometheus");
+  d.WaitReady();
+  auto stub = d.Stub();
+  for (const auto& [method, seed] : std::vector<std::pair<std::string, int>>{
+           {"scd-mc", 1}, {"scd-mc", 2}, {"scd-mc", 3}, {"ar", 4}}) {
+    grpc::ClientContext ctx;
+    v1::GenerateResponse resp;
+    ASSERT_TRUE(stub->Generate(&ctx, Request("bag", seed, method), &resp).ok());
+  }
+  // promtool lints the exposition: nothing to report.
+  const std::string dir = d.dir();
+  {
+    std::ofstream(dir + "/metrics.txt") << d.Metrics();
+  }
+  std::string lint;
+  EXPECT_EQ(RunCommand({"/bin/bash", "-c", "promtool check metrics < '" + dir + "/metrics.txt'"}, &lint,
+                dir + "/promtool.log"),
+            0)
+      << lint;
+  EXPECT_EQ(lint, "");
+
+  std::string config = Slurp(std::string(IMAGEGEN_SOURCE_DIR) + "/deploy/prometheus.yml");
+  config = std::regex_replace(config, std::regex("imagegen:9464"),
+                              "127.0.0.1:" + std::to_string(d.metrics_port()));
+  config = std::regex_replace(config, std::regex("scrape_interval: \\w+"), "scrape_interval: 1s");
+  {
+    std::ofstream(dir + "/prometheus.yml") << config;
+  }
+  const int port = FreePort();
+  Process prom({"/usr/bin/prometheus", "--config.file=" + dir + "/prometheus.yml",
+                "--storage.tsdb.path=" + dir + "/tsdb", "--web.listen-address=127.0.0.1:" + std::to_string(port),
+                "--log.level=warn"},
+               dir + "/prometheus.log");
+  auto query = [&](const std::string& q) -> std::map<std::string, double> {
+    auto [code, body] = HttpGet(port, "/api/v1/query?query=" + UrlEncode(q));
+    std::map<std::string, double> out;
+    if (code != 200) return out;
+    auto j = Json::Parse(body);
+    if (!j.ok()) return out;
+    const Json* data = j->Find("data");
+    const Json* result = data ? data->Find("result") : nullptr;
+    if (result == nullptr || !result->is_array()) return out;
+    for (const Json& r : result->as_array()) {
+      const Json* metric = r.Find("metric");
+      const Json* method = metric ? metric->Find("method") : nullptr;
+      const Json* value = r.Find("value");
+      if (method && value && value->is_array() && value->as_array().size() == 2) {
+        out[method->as_string()] = std::stod(value->as_array()[1].as_string());
+      }
+    }
+    return out;
+  };
+  const std::string acceptance =
+      "sum by (method) (imagegen_accepted_tokens_total) / sum by (method) (imagegen_draft_tokens_total)";
+  const std::string nfe =
+      "sum by (method) (imagegen_target_forwards_total) / sum by (method) (imagegen_images_total)";
+  std::map<std::string, double> acc, per_image;
+  for (int i = 0; i < 300 && (acc.count("scd-mc") == 0 || per_image.count("ar") == 0); ++i) {
+    std::this_thread::sleep_for(milliseconds(100));
+    acc = query(acceptance);
+    per_image = query(nfe);
+  }
+  ASSERT_EQ(acc.count("scd-mc"), 1u) << prom.Log();
+  EXPECT_GT(acc["scd-mc"], 0.3);
+  EXPECT_LT(acc["scd-mc"], 1.0);
+  ASSERT_EQ(per_image.count("ar"), 1u);
+  EXPECT_EQ(per_image["ar"], 196.0);
+  EXPECT_GT(per_image["scd-mc"], 20.0);
+  EXPECT_LT(per_image["scd-mc"], 150.0);
+  std::printf("Prometheus: acceptance rate scd-mc %.3f; NFE per image ar %.0f, scd-mc %.1f\n",
+              acc["scd-mc"], per_image["ar"], per_image["scd-mc"]);
+}
+
+TEST(E2eTest, CliAndPythonClientsWork) {
+  Daemon d("clients");
+  d.WaitReady();
+  const std::string dir = d.dir();
+  std::string out;
+  ASSERT_EQ(RunCommand({IMAGEGEN_CLI_BINARY, "models", "--target", d.target()}, &out, dir + "/cli1.log"), 0) << out;
+  EXPECT_NE(out.find("sneaker"), std::string::npos);
+  EXPECT_NE(out.find("scd-mc (default)"), std::string::npos);
+  ASSERT_EQ(RunCommand({IMAGEGEN_CLI_BINARY, "generate", "--target", d.target(), "--class", "sneaker",
+                 "--seed", "21", "--out", dir + "/sneaker.png"},
+                &out, dir + "/cli2.log"),
+            0)
+      << out;
+  std::string err;
+  EXPECT_EQ(ClassifyPng(Slurp(dir + "/sneaker.png"), &err), 7) << err;
+  ASSERT_EQ(RunCommand({IMAGEGEN_CLI_BINARY, "generate", "--target", d.target(), "--class", "bag",
+                 "--stream", "--preview-every", "10", "--preview-dir", dir + "/frames", "--out",
+                 dir + "/bag.png", "--method", "ar"},
+                &out, dir + "/cli3.log"),
+            0)
+      << out;
+  EXPECT_NE(out.find("step 196"), std::string::npos);
+  EXPECT_TRUE(std::filesystem::exists(dir + "/frames/step_0010.png"));
+  EXPECT_EQ(RunCommand({IMAGEGEN_CLI_BINARY, "generate", "--target", d.target(), "--class", "bag",
+                 "--top-p", "0", "--out", dir + "/x.png"},
+                &out, dir + "/cli4.log"),
+            1);
+  EXPECT_NE(out.find("field top_p"), std::string::npos) << out;
+  ASSERT_EQ(RunCommand({IMAGEGEN_CLI_BINARY, "load", "--target", d.target(), "--concurrency", "2",
+                 "--duration", "2", "--method", "sjd"},
+                &out, dir + "/cli5.log"),
+            0)
+      << out;
+  EXPECT_NE(out.find("images/s"), std::string::npos);
+
+  ASSERT_EQ(RunCommand({"/usr/bin/python3", std::string(IMAGEGEN_SOURCE_DIR) + "/client/python/example_client.py",
+                 "--target", d.target(), "--class-name", "trouser", "--seed", "21", "--out",
+                 dir + "/trouser.png"},
+                &out, dir + "/py.log", {"PYTHONPATH=" + std::string(IMAGEGEN_PYTHON_STUBS)}),
+            0)
+      << out;
+  EXPECT_EQ(ClassifyPng(Slurp(dir + "/trouser.png"), &err), 1) << err;
+}
+
+}  // namespace
+}  // namespace imagegen::testing
