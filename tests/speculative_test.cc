@@ -37,8 +37,10 @@ struct RunStats {
 RunStats Sample(const DecodingPolicy& policy, const SpecOptions& opts = {}, int64_t per_class = kPerClass,
              uint64_t seed_base = 0) {
   Toy& toy = TheToy();
-  // IMAGEGEN_TEST_SEED_BASE re-runs the statistical tests on other seeds (default 0).
+  // IMAGEGEN_TEST_SEED_BASE re-runs the statistical tests on other seeds (default 0);
+  // IMAGEGEN_TEST_SCALE multiplies the sample size (more power, for investigations).
   if (const char* e = std::getenv("IMAGEGEN_TEST_SEED_BASE")) seed_base += std::strtoull(e, nullptr, 10);
+  if (const char* e = std::getenv("IMAGEGEN_TEST_SCALE")) per_class *= std::max(1L, std::atol(e));
   RunStats st;
   for (int64_t cls = 0; cls < kClasses; ++cls) {
     for (int64_t first = 0; first < per_class; first += kChunk) {
