@@ -2,8 +2,10 @@
 // concurrency c, c client threads each submit a request, wait for its image, and submit the
 // next, for --seconds; the same load then runs on an engine that serves one request at a time
 // (two KV slots: one CFG request), which is what continuous batching is compared with. A
-// second part sweeps the token budget at one concurrency. Prints one table with the ratios
-// measured in this run and writes results.csv, budget.csv and plots (tools/plot_load_bench.py).
+// second part sweeps the token budget at one concurrency. With --repeat R every cell runs R
+// times, alternating with its counterpart, and the median rate is reported. Prints one table
+// with the ratios measured in this run and writes results.csv, budget.csv and plots
+// (tools/plot_load_bench.py).
 //
 //   imagegen-load-bench --methods ar,sjd,scd-mc,sjd-pac --concurrency 1,2,4,8,16,32 --out-dir out
 #include <algorithm>
@@ -86,6 +88,8 @@ struct Cell {
   int64_t images = 0;
   double seconds = 0, images_per_s = 0, p50 = 0, p99 = 0, mean_latency = 0, nfe = 0;
   double tokens_per_step = 0, requests_per_step = 0, limited_frac = 0, step_ms = 0;
+  std::vector<double> latencies;
+  int repeats = 1;
 };
 
 double Percentile(std::vector<double> v, double q) {
@@ -161,6 +165,7 @@ Cell RunCell(const EngineOptions& base, const std::string& method, const std::st
   cell.concurrency = c;
   cell.budget = budget;
   cell.images = static_cast<int64_t>(latencies.size());
+  cell.latencies = latencies;
   cell.seconds = std::chrono::duration<double>(last_end - t0).count();
   cell.images_per_s = cell.images / cell.seconds;
   cell.p50 = Percentile(latencies, 0.5);
@@ -177,6 +182,42 @@ Cell RunCell(const EngineOptions& base, const std::string& method, const std::st
   cell.limited_frac = totals.limited / steps;
   cell.step_ms = 1000 * totals.seconds / steps;
   return cell;
+}
+
+// Repeats of one cell: images/s is the median of the repeats' rates; latency percentiles come
+// from all their requests together; the rest are means.
+Cell Combine(const std::vector<Cell>& runs) {
+  Cell c = runs[0];
+  c.repeats = static_cast<int>(runs.size());
+  std::vector<double> rates;
+  c.latencies.clear();
+  double nfe = 0, tps = 0, rps = 0, lim = 0, ms = 0;
+  c.images = 0;
+  c.seconds = 0;
+  for (const Cell& r : runs) {
+    rates.push_back(r.images_per_s);
+    c.latencies.insert(c.latencies.end(), r.latencies.begin(), r.latencies.end());
+    c.images += r.images;
+    c.seconds += r.seconds;
+    nfe += r.nfe * static_cast<double>(r.images);
+    tps += r.tokens_per_step;
+    rps += r.requests_per_step;
+    lim += r.limited_frac;
+    ms += r.step_ms;
+  }
+  const double n = static_cast<double>(runs.size());
+  c.images_per_s = Percentile(rates, 0.5);
+  c.p50 = Percentile(c.latencies, 0.5);
+  c.p99 = Percentile(c.latencies, 0.99);
+  double sum = 0;
+  for (double l : c.latencies) sum += l;
+  c.mean_latency = sum / std::max<double>(static_cast<double>(c.latencies.size()), 1);
+  c.nfe = nfe / std::max<double>(static_cast<double>(c.images), 1);
+  c.tokens_per_step = tps / n;
+  c.requests_per_step = rps / n;
+  c.limited_frac = lim / n;
+  c.step_ms = ms / n;
+  return c;
 }
 
 void PrintHeader() {
@@ -211,10 +252,10 @@ int main(int argc, char** argv) {
   Flags f(argc, argv,
           {{"models-dir", DefaultModelsDir()}, {"model", "fmnist-gpt"}, {"device", "cpu"},
            {"dtype", "fp32"}, {"methods", "ar,sjd,scd-mc,sjd-pac"},
-           {"concurrency", "1,2,4,8,16,32"}, {"seconds", "15"}, {"budget", "2048"},
-           {"serial", "1"}, {"sweep-budgets", "0,2048,1024,512,256,128,64"},
-           {"sweep-concurrency", "16"}, {"sweep-methods", "ar,sjd,scd-mc,sjd-pac"},
-           {"batch-invariant", "1"}, {"out-dir", "load-bench"}},
+           {"concurrency", "1,2,4,8,16,32"}, {"seconds", "15"}, {"budget", "-1"},
+           {"serial", "1"}, {"sweep-budgets", "0,2048,512,256,128,64"},
+           {"sweep-concurrency", "16"}, {"sweep-methods", "ar,sjd,scd-mc"},
+           {"batch-invariant", "1"}, {"repeat", "1"}, {"out-dir", "load-bench"}},
           "usage: imagegen-load-bench [--methods LIST] [--concurrency LIST] [--seconds S] "
           "[--budget TOKENS] [--sweep-budgets LIST] --out-dir DIR");
   const std::string out = f.Str("out-dir");
@@ -237,14 +278,25 @@ int main(int argc, char** argv) {
   std::map<std::pair<std::string, int64_t>, Cell> batched, serial;
   PrintHeader();
   uint64_t seed = 0;
+  const int repeats = static_cast<int>(std::max<int64_t>(1, f.Int("repeat")));
   for (const auto& m : Split(f.Str("methods"))) {
     for (int64_t c : conc) {
-      Cell b = RunCell(base, m, "batched", c, f.Int("budget"), seconds, seed += 100000);
+      // Batched and serial runs alternate, so slow drifts of the machine hit both alike.
+      std::vector<Cell> bs, ss;
+      for (int r = 0; r < repeats; ++r) {
+        const bool serial_first = r % 2 == 1 && f.Int("serial") != 0;
+        if (serial_first) ss.push_back(RunCell(base, m, "serial", c, f.Int("budget"), seconds, seed += 100000));
+        bs.push_back(RunCell(base, m, "batched", c, f.Int("budget"), seconds, seed += 100000));
+        if (!serial_first && f.Int("serial") != 0) {
+          ss.push_back(RunCell(base, m, "serial", c, f.Int("budget"), seconds, seed += 100000));
+        }
+      }
+      Cell b = Combine(bs);
       Print(b);
       cells.push_back(b);
       batched[{m, c}] = b;
-      if (f.Int("serial") != 0) {
-        Cell s = RunCell(base, m, "serial", c, f.Int("budget"), seconds, seed += 100000);
+      if (!ss.empty()) {
+        Cell s = Combine(ss);
         Print(s);
         cells.push_back(s);
         serial[{m, c}] = s;
@@ -270,9 +322,17 @@ int main(int argc, char** argv) {
   if (!Split(f.Str("sweep-budgets")).empty()) {
     std::printf("\nToken budget sweep at concurrency %lld:\n", static_cast<long long>(sc));
     PrintHeader();
+    const auto budgets = Split(f.Str("sweep-budgets"));
     for (const auto& m : Split(f.Str("sweep-methods"))) {
-      for (const auto& b : Split(f.Str("sweep-budgets"))) {
-        Cell cell = RunCell(base, m, "batched", sc, std::stoll(b), seconds, seed += 100000);
+      std::vector<std::vector<Cell>> runs(budgets.size());
+      for (int r = 0; r < repeats; ++r) {
+        for (size_t k = 0; k < budgets.size(); ++k) {
+          const size_t i = r % 2 == 0 ? k : budgets.size() - 1 - k;
+          runs[i].push_back(RunCell(base, m, "batched", sc, std::stoll(budgets[i]), seconds, seed += 100000));
+        }
+      }
+      for (const auto& rs : runs) {
+        Cell cell = Combine(rs);
         Print(cell);
         sweep.push_back(cell);
       }

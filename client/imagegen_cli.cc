@@ -182,16 +182,19 @@ void WriteOrDie(const std::string& path, const std::string& bytes) {
   }
 }
 
-int Models() {
-  auto stub = v1::ImageGeneration::NewStub(Connect());
+// ListModels; prints the error and returns false when the call fails.
+bool FetchModels(v1::ImageGeneration::Stub& stub, v1::ListModelsResponse* resp) {
   grpc::ClientContext ctx;
   Prepare(&ctx);
+  grpc::Status st = stub.ListModels(&ctx, v1::ListModelsRequest(), resp);
+  if (!st.ok()) std::cerr << "imagegen: " << Describe(st) << "\n";
+  return st.ok();
+}
+
+int Models() {
+  auto stub = v1::ImageGeneration::NewStub(Connect());
   v1::ListModelsResponse resp;
-  grpc::Status st = stub->ListModels(&ctx, v1::ListModelsRequest(), &resp);
-  if (!st.ok()) {
-    std::cerr << "imagegen: " << Describe(st) << "\n";
-    return 1;
-  }
+  if (!FetchModels(*stub, &resp)) return 1;
   for (const auto& m : resp.models()) {
     std::printf("%s: %dx%d tokens (vocabulary %d) -> %dx%dx%d images, %d KV slots%s\n",
                 m.name().c_str(), m.grid(), m.grid(), m.vocab_size(), m.image_width(),
@@ -294,20 +297,12 @@ int Load() {
   auto channel = Connect();
   auto stub = v1::ImageGeneration::NewStub(channel);
   int classes = 1;
-  {
-    grpc::ClientContext ctx;
-    Prepare(&ctx);
-    v1::ListModelsResponse resp;
-    grpc::Status st = stub->ListModels(&ctx, v1::ListModelsRequest(), &resp);
-    if (!st.ok()) {
-      std::cerr << "imagegen: " << Describe(st) << "\n";
-      return 1;
-    }
-    for (const auto& m : resp.models()) {
-      if (absl::GetFlag(FLAGS_model).empty() || m.name() == absl::GetFlag(FLAGS_model)) {
-        classes = std::max(1, m.classes_size());
-        break;
-      }
+  v1::ListModelsResponse models;
+  if (!FetchModels(*stub, &models)) return 1;
+  for (const auto& m : models.models()) {
+    if (absl::GetFlag(FLAGS_model).empty() || m.name() == absl::GetFlag(FLAGS_model)) {
+      classes = std::max(1, m.classes_size());
+      break;
     }
   }
   const int c = absl::GetFlag(FLAGS_concurrency);

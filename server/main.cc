@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <csignal>
+#include <cstdlib>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -44,8 +45,9 @@ ABSL_FLAG(std::string, default_method, "scd-mc",
 ABSL_FLAG(int64_t, max_queue, 256, "requests waiting per model before RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, max_slots, 64, "KV-cache slots per model (a request with guidance takes 2)");
 ABSL_FLAG(int64_t, kv_cache_mb, 256, "KV-cache memory per model, MiB (caps the slots)");
-ABSL_FLAG(int64_t, max_tokens_per_step, 2048,
-          "target-forward tokens per engine step; windows shrink under load (0: no budget)");
+ABSL_FLAG(int64_t, max_tokens_per_step, -1,
+          "target-forward tokens per engine step; windows shrink under load (0: no budget, "
+          "-1: 256 on the CPU, 2048 on CUDA)");
 ABSL_FLAG(bool, batch_invariant, true,
           "a request's image does not depend on the requests beside it (costs some throughput)");
 ABSL_FLAG(int64_t, cpu_threads, 0, "LibTorch intra-op threads of the engine (0: default)");
@@ -167,6 +169,10 @@ int main(int argc, char** argv) {
     std::rename((pf + ".tmp").c_str(), pf.c_str());
   }
 
+  // Test hook: hold the not-yet-ready state for a while, so that tests can observe it.
+  if (const char* d = std::getenv("IMAGEGEN_TEST_DELAY_LOAD_MS"); d != nullptr) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(std::atol(d)));
+  }
   EngineOptions eo;
   eo.models_dir = absl::GetFlag(FLAGS_models_dir).empty() ? DefaultModelsDir()
                                                           : absl::GetFlag(FLAGS_models_dir);
@@ -202,7 +208,8 @@ int main(int argc, char** argv) {
   for (const ModelInfo& m : engine->Models()) {
     names += (names.empty() ? "" : ", ") + m.name + " (" + std::to_string(m.kv_slots) + " KV slots)";
   }
-  Log("ready: " + names + " on " + eo.device + "; default method " + default_method +
+  Log("ready: " + names + " on " + eo.device + "; token budget " +
+      std::to_string(engine->max_tokens_per_step()) + " per step; default method " + default_method +
       (exposer ? "; metrics on port " + std::to_string(exposer->port()) + " /metrics" : ""));
 
   int sig = 0;

@@ -146,7 +146,7 @@ grpc::Status ImageGenerationService::Run(grpc::ServerContext* ctx, const v1::Gen
   bool gone = false;  // the client cancelled, its deadline passed, or a write failed
   while (true) {
     std::deque<StepEvent> steps;
-    const bool done = call->Next(std::chrono::milliseconds(20), &steps);
+    const bool done = call->Next(std::chrono::milliseconds(50), &steps);
     for (const StepEvent& e : steps) {
       if (gone) break;
       v1::GenerateStreamResponse msg;

@@ -124,6 +124,8 @@ std::vector<LosslessCase> LosslessCases() {
   return c;
 }
 
+void PrintTo(const LosslessCase& c, std::ostream* os) { *os << c.name; }
+
 class SpecLosslessTest : public ::testing::TestWithParam<LosslessCase> {};
 
 TEST_P(SpecLosslessTest, MatchesTheExactArDistribution) {

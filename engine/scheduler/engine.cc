@@ -104,8 +104,8 @@ StatusOr<std::unique_ptr<Engine>> Engine::Start(const EngineOptions& options,
   if (o.models.empty()) o.models = {"fmnist-gpt"};
   if (o.max_queue < 0) return InvalidArgument("max_queue: must be >= 0");
   if (o.max_slots < 2) return InvalidArgument("max_slots: must be >= 2");
-  if (o.max_tokens_per_step != 0 && o.max_tokens_per_step < 2) {
-    return InvalidArgument("max_tokens_per_step: must be 0 (no budget) or >= 2");
+  if (o.max_tokens_per_step != 0 && o.max_tokens_per_step != -1 && o.max_tokens_per_step < 2) {
+    return InvalidArgument("max_tokens_per_step: must be -1 (by device), 0 (no budget) or >= 2");
   }
   if (o.cpu_threads < 0) return InvalidArgument("cpu_threads: must be >= 0");
   // Every LibTorch call, loading included, happens on the engine thread (see EngineOptions).
@@ -133,6 +133,7 @@ StatusOr<std::unique_ptr<Engine>> Engine::Start(const EngineOptions& options,
 
 Status Engine::Impl::Load() {
   ASSIGN_OR_RETURN(LoadOptions lo, ParseDevice(opts));
+  if (opts.max_tokens_per_step < 0) opts.max_tokens_per_step = lo.device.is_cuda() ? 2048 : 256;
   const EngineOptions& o = opts;
   for (const std::string& name : o.models) {
     for (const auto& m : models) {
@@ -258,6 +259,8 @@ EngineStats Engine::Stats() const {
 
 const std::vector<ModelInfo>& Engine::Models() const { return impl_->infos; }
 
+int64_t Engine::max_tokens_per_step() const { return impl_->opts.max_tokens_per_step; }
+
 void Engine::Shutdown(std::chrono::milliseconds grace) {
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
@@ -284,7 +287,11 @@ void Engine::Impl::Run() {
       std::lock_guard<std::mutex> lock(mu);
       arrived.swap(inbox);
       cancelled.swap(cancels);
-      std::fill(inbox_per_model.begin(), inbox_per_model.end(), 0);
+      // Until this round's figures replace them, the arrivals count as queued (Submit's bound).
+      for (size_t i = 0; i < inbox_per_model.size(); ++i) {
+        stats.models[i].queued += inbox_per_model[i];
+        inbox_per_model[i] = 0;
+      }
       draining_now = draining;
       out_of_time = draining && Clock::now() >= grace_end;
     }

@@ -31,8 +31,10 @@ struct EngineOptions {
   int64_t max_queue = 256;  // waiting requests per model; beyond: RESOURCE_EXHAUSTED
   // Target-forward tokens per step and model (a CFG request's token counts twice). Windows
   // shrink toward one token when the active requests want more; requests are admitted only
-  // while every active one can still feed one token. 0: no budget.
-  int64_t max_tokens_per_step = 2048;
+  // while every active one can still feed one token. 0: no budget. -1: by device: 256 on the
+  // CPU (measured best on the bundled model, docs/results-serving.md), 2048 on CUDA (not
+  // measured: a GPU forward costs about the same up to thousands of tokens).
+  int64_t max_tokens_per_step = -1;
   // A request's image does not depend on what else runs (ForwardOptions::batch_invariant).
   bool batch_invariant = true;
   // Intra-op threads of the engine thread (at::set_num_threads); 0 keeps LibTorch's default.
@@ -95,6 +97,7 @@ class Engine {
 
   EngineStats Stats() const;
   const std::vector<ModelInfo>& Models() const;
+  int64_t max_tokens_per_step() const;  // the budget in force (after -1 is resolved)
 
   // Refuses new requests, lets queued and running ones finish for up to `grace`, then ends
   // what is left with UNAVAILABLE and stops the engine thread. Idempotent; returns when the

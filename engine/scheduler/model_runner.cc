@@ -94,7 +94,7 @@ bool ModelRunner::Tick(const std::unordered_set<int64_t>& cancelled, Clock::time
   };
   std::erase_if(waiting_, [&](const std::unique_ptr<Job>& j) { return ended(*j); });
   std::erase_if(active_, [&](const std::unique_ptr<Job>& j) { return ended(*j); });
-  Admit();
+  Admit(out);
   if (active_.empty()) return false;
   Step(out);
   return true;
@@ -103,7 +103,7 @@ bool ModelRunner::Tick(const std::unordered_set<int64_t>& cancelled, Clock::time
 // FIFO: the oldest request is admitted first, and nothing overtakes it (no starvation). A
 // request needs its KV slots and room in the token budget for one token of every active
 // request plus its own.
-void ModelRunner::Admit() {
+void ModelRunner::Admit(Outcomes& out) {
   int64_t rows = 0;
   for (const auto& j : active_) rows += batch_.RowsPerNode(j->handle);
   const auto now = Clock::now();
@@ -115,6 +115,7 @@ void ModelRunner::Admit() {
     StatusOr<int64_t> h = batch_.Add(j.spec);
     if (!h.ok()) {  // validated at submission; only a model-level surprise gets here
       j.observer->OnError(h.status());
+      out.failed += 1;
       waiting_.pop_front();
       continue;
     }

@@ -55,7 +55,7 @@ class ModelRunner {
   Clock::time_point next_deadline() const;
 
  private:
-  void Admit();
+  void Admit(Outcomes& out);
   void Step(Outcomes& out);
   void Emit(Job& job);
   void Finish(Job& job, Outcomes& out);

@@ -8,12 +8,14 @@
 #include <filesystem>
 #include <memory>
 #include <regex>
+#include <set>
 #include <thread>
 
 #include "engine/util/json.h"
 #include "google/rpc/error_details.pb.h"
 #include "google/rpc/status.pb.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
 #include "imagegen/v1/imagegen.grpc.pb.h"
 #include "tests/e2e/classify.h"
 #include "tests/e2e/process.h"
@@ -40,12 +42,14 @@ std::string TempDir(const std::string& name) {
 // The daemon on loopback ports chosen by the kernel (reported through --port-file).
 class Daemon {
  public:
-  explicit Daemon(const std::string& name, std::vector<std::string> flags = {}) : dir_(TempDir(name)) {
+  explicit Daemon(const std::string& name, std::vector<std::string> flags = {},
+                  std::vector<std::string> env = {})
+      : dir_(TempDir(name)) {
     std::vector<std::string> argv = {IMAGEGEN_SERVER_BINARY, "--listen", "127.0.0.1:0",
                                      "--metrics-listen", "127.0.0.1:0", "--port-file",
                                      dir_ + "/ports", "--models-dir", IMAGEGEN_TEST_MODELS_DIR};
     argv.insert(argv.end(), flags.begin(), flags.end());
-    proc_ = std::make_unique<Process>(argv, dir_ + "/server.log");
+    proc_ = std::make_unique<Process>(argv, dir_ + "/server.log", env);
     for (int i = 0; i < 600 && port_ == 0; ++i) {
       std::this_thread::sleep_for(milliseconds(50));
       std::istringstream in(Slurp(dir_ + "/ports"));
@@ -194,6 +198,46 @@ TEST(E2eTest, UnaryAndStreamGiveThePngOfTheClassAndTheStreamReassemblesTheGrid) 
   EXPECT_EQ(models.models(0).classes(7).name(), "sneaker");
   EXPECT_EQ(models.default_method(), "scd-mc");
   EXPECT_EQ(models.models(0).draft_model(), "fmnist-draft");
+}
+
+// Alive at once, ready once the models are loaded (the test hook holds loading for 1.5 s);
+// reflection lists and describes the services, as grpcurl and grpc_cli would ask.
+TEST(E2eTest, HealthAcrossStartUpAndReflectionListsTheServices) {
+  Daemon d("startup", {}, {"IMAGEGEN_TEST_DELAY_LOAD_MS=1500"});
+  EXPECT_EQ(d.Health(""), HealthCheckResponse::SERVING);
+  EXPECT_EQ(d.Health(kService), HealthCheckResponse::NOT_SERVING);
+  auto stub = d.Stub();
+  grpc::ClientContext early;
+  v1::GenerateResponse resp;
+  grpc::Status st = stub->Generate(&early, Request("bag", 1, "ar"), &resp);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_NE(st.error_message().find("loading"), std::string::npos) << st.error_message();
+  d.WaitReady();
+  EXPECT_EQ(d.Health(kService), HealthCheckResponse::SERVING);
+  EXPECT_EQ(d.Health("no.such.Service"), HealthCheckResponse::UNKNOWN);  // NOT_FOUND
+
+  namespace refl = grpc::reflection::v1alpha;
+  auto rstub = refl::ServerReflection::NewStub(d.Channel());
+  grpc::ClientContext ctx;
+  auto stream = rstub->ServerReflectionInfo(&ctx);
+  refl::ServerReflectionRequest list;
+  list.set_list_services("");
+  ASSERT_TRUE(stream->Write(list));
+  refl::ServerReflectionRequest describe;
+  describe.set_file_containing_symbol(kService);
+  ASSERT_TRUE(stream->Write(describe));
+  stream->WritesDone();
+  std::set<std::string> services;
+  size_t descriptor_bytes = 0;
+  refl::ServerReflectionResponse r;
+  while (stream->Read(&r)) {
+    for (const auto& sv : r.list_services_response().service()) services.insert(sv.name());
+    for (const auto& f : r.file_descriptor_response().file_descriptor_proto()) descriptor_bytes += f.size();
+  }
+  EXPECT_TRUE(stream->Finish().ok());
+  EXPECT_EQ(services.count(kService), 1u);
+  EXPECT_EQ(services.count("grpc.health.v1.Health"), 1u);
+  EXPECT_GT(descriptor_bytes, 1000u);
 }
 
 TEST(E2eTest, CancelMidStreamAndDeadlinesFreeTheSlot) {
