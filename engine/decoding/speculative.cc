@@ -164,8 +164,6 @@ SpecResult SpecBatch::Take(int64_t handle) {
   return out;
 }
 
-bool SpecBatch::has(int64_t handle) const { return impl_->reqs.count(handle) > 0; }
-
 void SpecBatch::SetWindowCap(int64_t handle, int64_t cap) {
   auto it = impl_->reqs.find(handle);
   if (it != impl_->reqs.end()) it->second.window_cap = std::max<int64_t>(cap, 0);

@@ -121,7 +121,6 @@ class SpecBatch {
   SpecResult Take(int64_t handle);
   // Drops a request (finished or not) and frees its slots.
   void Remove(int64_t handle);
-  bool has(int64_t handle) const;
 
  private:
   struct Impl;

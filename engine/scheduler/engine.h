@@ -95,6 +95,8 @@ class Engine {
   // or finished ids are ignored.
   void Cancel(int64_t id);
 
+  // A snapshot taken at the end of the engine's last round, after that round's observers ran
+  // (an observer that has just been called may not see its request counted yet).
   EngineStats Stats() const;
   const std::vector<ModelInfo>& Models() const;
   int64_t max_tokens_per_step() const;  // the budget in force (after -1 is resolved)
