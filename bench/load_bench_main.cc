@@ -22,6 +22,7 @@
 #include "bench/flags.h"
 #include "engine/model/image_model.h"
 #include "engine/scheduler/engine.h"
+#include "engine/util/percentile.h"
 
 using namespace imagegen;
 
@@ -91,15 +92,6 @@ struct Cell {
   std::vector<double> latencies;
   int repeats = 1;
 };
-
-double Percentile(std::vector<double> v, double q) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const double pos = q * static_cast<double>(v.size() - 1);
-  const auto i = static_cast<size_t>(pos);
-  const double f = pos - static_cast<double>(i);
-  return i + 1 < v.size() ? v[i] * (1 - f) + v[i + 1] * f : v[i];
-}
 
 Cell RunCell(const EngineOptions& base, const std::string& method, const std::string& mode,
              int64_t c, int64_t budget, double seconds, uint64_t seed0) {

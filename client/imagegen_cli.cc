@@ -25,6 +25,7 @@
 
 #include "google/rpc/error_details.pb.h"
 #include "google/rpc/status.pb.h"
+#include "engine/util/percentile.h"
 #include "imagegen/v1/imagegen.grpc.pb.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "server address");
@@ -58,6 +59,7 @@ namespace {
 
 namespace v1 = imagegen::v1;
 using Clock = std::chrono::steady_clock;
+using imagegen::Percentile;
 
 std::string ReadFile(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
@@ -280,15 +282,6 @@ int Generate() {
   }
   if (frames > 0) std::printf("%d preview frames in %s\n", frames, dir.c_str());
   return 0;
-}
-
-double Percentile(std::vector<double> v, double q) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const double pos = q * static_cast<double>(v.size() - 1);
-  const auto i = static_cast<size_t>(pos);
-  const double f = pos - static_cast<double>(i);
-  return i + 1 < v.size() ? v[i] * (1 - f) + v[i + 1] * f : v[i];
 }
 
 // Closed loop: --concurrency clients each send a request, wait for the image, and send the

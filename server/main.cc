@@ -13,6 +13,7 @@
 #include <absl/flags/flag.h>
 #include <absl/flags/parse.h>
 #include <absl/flags/usage.h>
+#include <absl/strings/str_format.h>
 
 #include <algorithm>
 #include <csignal>
@@ -215,7 +216,7 @@ int main(int argc, char** argv) {
   int sig = 0;
   sigwait(&signals, &sig);
   Log(std::string("received ") + (sig == SIGTERM ? "SIGTERM" : "SIGINT") + ", draining for up to " +
-      std::to_string(absl::GetFlag(FLAGS_grace_seconds)) + " s");
+      absl::StrFormat("%g", absl::GetFlag(FLAGS_grace_seconds)) + " s");
   std::thread force([&] {
     int again = 0;
     sigwait(&signals, &again);
