@@ -96,9 +96,11 @@ std::shared_ptr<grpc::Channel> Connect() {
 }
 
 void Prepare(grpc::ClientContext* ctx) {
-  if (!absl::GetFlag(FLAGS_token_file).empty()) {
-    ctx->AddMetadata("authorization", "Bearer " + Trim(ReadFile(absl::GetFlag(FLAGS_token_file))));
-  }
+  // Read once: `load` prepares a context for every request.
+  static const std::string token = absl::GetFlag(FLAGS_token_file).empty()
+                                       ? ""
+                                       : Trim(ReadFile(absl::GetFlag(FLAGS_token_file)));
+  if (!token.empty()) ctx->AddMetadata("authorization", "Bearer " + token);
   if (absl::GetFlag(FLAGS_timeout) > 0) {
     ctx->set_deadline(std::chrono::system_clock::now() +
                       std::chrono::milliseconds(static_cast<int64_t>(absl::GetFlag(FLAGS_timeout) * 1000)));
@@ -308,13 +310,15 @@ int Load() {
   int64_t nfe = 0;
   std::atomic<int64_t> counter{0};
   Clock::time_point last = t0;
+  const v1::GenerateRequest base = BuildRequest(false);
+  const bool cycle_classes = base.class_case() == v1::GenerateRequest::CLASS_NOT_SET;
   std::vector<std::thread> threads;
   for (int k = 0; k < c; ++k) {
     threads.emplace_back([&] {
       while (Clock::now() < stop) {
-        v1::GenerateRequest req = BuildRequest(false);
+        v1::GenerateRequest req = base;
         const int64_t i = counter.fetch_add(1);
-        if (absl::GetFlag(FLAGS_cls).empty()) req.set_class_id(static_cast<int32_t>(i % classes));
+        if (cycle_classes) req.set_class_id(static_cast<int32_t>(i % classes));
         grpc::ClientContext ctx;
         Prepare(&ctx);
         const auto s0 = Clock::now();

@@ -157,18 +157,12 @@ grpc::Status ImageGenerationService::Run(grpc::ServerContext* ctx, const v1::Gen
     if (!gone && ctx->IsCancelled()) gone = true;
     if (gone) engine->Cancel(*id);  // ends at the next step boundary; keep waiting for it
   }
-  const bool expired = std::chrono::system_clock::now() >= deadline;
-  if (call->error) {
-    if (gone) {
-      return finish(expired ? grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "deadline exceeded")
-                            : grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client"));
-    }
-    return finish(ToGrpc(*call->error, req, metrics_->RecentGenerationSeconds()));
-  }
-  if (gone) {
+  if (gone) {  // whatever the engine did last, the client is no longer there to receive it
+    const bool expired = std::chrono::system_clock::now() >= deadline;
     return finish(expired ? grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "deadline exceeded")
                           : grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client"));
   }
+  if (call->error) return finish(ToGrpc(*call->error, req, metrics_->RecentGenerationSeconds()));
   const RequestResult& r = *call->result;
   if (stream) {
     v1::GenerateStreamResponse msg;

@@ -4,9 +4,6 @@
 
 #include <ATen/ATen.h>
 
-#include <ftw.h>
-#include <unistd.h>
-
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -15,25 +12,9 @@
 
 #include "engine/model/gpt.h"
 #include "engine/model/safetensors.h"
+#include "tests/temp_dir.h"
 
 namespace imagegen::testing {
-
-// Removes a directory tree with POSIX nftw. (std::filesystem::remove_all is avoided: the
-// PyTorch wheel's libtorch.so exports its own copy of it, which crashes when interposed.)
-inline void RemoveTree(const std::string& dir) {
-  ::nftw(dir.c_str(),
-         [](const char* path, const struct stat*, int, struct FTW*) { return std::remove(path); },
-         16, FTW_DEPTH | FTW_PHYS);
-}
-
-inline std::string TempDir(const std::string& name) {
-  const std::string dir = (std::filesystem::temp_directory_path() /
-                           ("imagegen_test_" + std::to_string(::getpid()) + "_" + name))
-                              .string();
-  RemoveTree(dir);
-  std::filesystem::create_directories(dir);
-  return dir;
-}
 
 inline void WriteText(const std::string& path, const std::string& text) {
   std::ofstream(path, std::ios::trunc) << text;

@@ -27,6 +27,19 @@ at::Tensor ApplyRope(const at::Tensor& x, const at::Tensor& table) {
   return out.reshape({t, h, hd}).to(x.scalar_type());
 }
 
+// One row's attention mask into a zeroed row-major [n, stride] block: each new token sees the
+// whole cache and, among the new tokens, those the row's mask (or causality) allows.
+void FillAttentionMask(const BatchRow& row, int64_t stride, bool* out) {
+  const auto n = static_cast<int64_t>(row.tokens.size());
+  for (int64_t i = 0; i < n; ++i) {
+    bool* q = out + i * stride;
+    for (int64_t j = 0; j < row.cache_len; ++j) q[j] = true;
+    for (int64_t j = 0; j < n; ++j) {
+      q[row.cache_len + j] = row.mask.empty() ? j <= i : row.mask[i * n + j] != 0;
+    }
+  }
+}
+
 at::Tensor Linear(const at::Tensor& x, const at::Tensor& w, bool invariant) {
   const int64_t m = x.size(0);
   if (!invariant || m >= kInvariantMinRows) return at::linear(x, w);
@@ -301,34 +314,22 @@ at::Tensor Gpt::ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache,
   if (invariant) {
     const Call& last = calls.back();
     allow = at::zeros({last.mask_off + last.rows * last.n * last.kv}, at::kBool);
-    auto am = allow.accessor<bool, 1>();
+    bool* am = allow.data_ptr<bool>();
     for (const Call& c : calls) {
       for (int64_t g = 0; g < c.rows; ++g) {
-        const BatchRow& row = batch[c.r0 + g];
-        const int64_t base = c.mask_off + g * c.n * c.kv;
-        for (int64_t i = 0; i < c.n; ++i) {
-          for (int64_t j = 0; j < row.cache_len; ++j) am[base + i * c.kv + j] = true;
-          for (int64_t j = 0; j < c.n; ++j) {
-            am[base + i * c.kv + row.cache_len + j] =
-                row.mask.empty() ? j <= i : row.mask[i * c.n + j] != 0;
-          }
-        }
+        FillAttentionMask(batch[c.r0 + g], c.kv, am + c.mask_off + g * c.n * c.kv);
       }
     }
   } else {
     allow = at::zeros({R, nmax, kv_max}, at::kBool);
-    auto am = allow.accessor<bool, 3>();
+    bool* am = allow.data_ptr<bool>();
     for (int64_t r = 0; r < R; ++r) {
-      const BatchRow& row = batch[r];
-      const auto n = static_cast<int64_t>(row.tokens.size());
-      for (int64_t i = 0; i < n; ++i) {
-        for (int64_t j = 0; j < row.cache_len; ++j) am[r][i][j] = true;
-        for (int64_t j = 0; j < n; ++j) {
-          am[r][i][row.cache_len + j] = row.mask.empty() ? j <= i : row.mask[i * n + j] != 0;
-        }
-      }
+      bool* rows = am + r * nmax * kv_max;
+      FillAttentionMask(batch[r], kv_max, rows);
       // Padding queries attend to one key so softmax stays finite; their output is dropped.
-      for (int64_t i = n; i < nmax; ++i) am[r][i][0] = true;
+      for (auto i = static_cast<int64_t>(batch[r].tokens.size()); i < nmax; ++i) {
+        rows[i * kv_max] = true;
+      }
     }
   }
   {

@@ -80,12 +80,23 @@ StatusOr<int64_t> ResolveClass(const GptConfig& cfg, const std::string& s) {
                          (names.empty() ? "" : " (" + names + ")"));
 }
 
-StatusOr<std::string> TokensToPng(const VqDecoder& vq, const std::vector<int32_t>& tokens) {
+StatusOr<at::Tensor> TokensToPixels(const VqDecoder& vq, const std::vector<int32_t>& tokens) {
   at::Tensor ids = at::tensor(tokens).to(at::kLong).unsqueeze(0);
   ASSIGN_OR_RETURN(at::Tensor img, vq.Decode(ids));
-  at::Tensor px = ImageToUint8(img);  // [1, H, W, C]
-  return EncodePng(px.data_ptr<uint8_t>(), static_cast<int>(px.size(2)),
-                   static_cast<int>(px.size(1)), static_cast<int>(px.size(3)));
+  return ImageToUint8(img)[0].contiguous();  // [H, W, C]
+}
+
+StatusOr<std::string> PixelsToPng(at::Tensor px, int64_t scale) {
+  if (scale > 1) px = px.repeat_interleave(scale, 0).repeat_interleave(scale, 1);
+  px = px.contiguous();
+  return EncodePng(px.data_ptr<uint8_t>(), static_cast<int>(px.size(1)),
+                   static_cast<int>(px.size(0)), static_cast<int>(px.size(2)));
+}
+
+StatusOr<std::string> TokensToPng(const VqDecoder& vq, const std::vector<int32_t>& tokens,
+                                  int64_t scale) {
+  ASSIGN_OR_RETURN(at::Tensor px, TokensToPixels(vq, tokens));
+  return PixelsToPng(px, scale);
 }
 
 std::string DefaultModelsDir() {

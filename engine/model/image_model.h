@@ -30,8 +30,12 @@ StatusOr<ImageModel> LoadImageModel(const std::string& models_dir, const std::st
 // The class id for a name or a decimal id ("7" or "sneaker"); INVALID_ARGUMENT otherwise.
 StatusOr<int64_t> ResolveClass(const GptConfig& cfg, const std::string& class_or_id);
 
-// Tokens -> PNG bytes (grey or RGB as the tokenizer outputs).
-StatusOr<std::string> TokensToPng(const VqDecoder& vq, const std::vector<int32_t>& tokens);
-
+// Tokens -> uint8 pixels [H, W, C] (grey or RGB as the tokenizer outputs), contiguous.
+StatusOr<at::Tensor> TokensToPixels(const VqDecoder& vq, const std::vector<int32_t>& tokens);
+// uint8 pixels [H, W, C] -> PNG bytes, each pixel repeated `scale` times in both directions.
+StatusOr<std::string> PixelsToPng(at::Tensor px, int64_t scale = 1);
+// Both of the above.
+StatusOr<std::string> TokensToPng(const VqDecoder& vq, const std::vector<int32_t>& tokens,
+                                  int64_t scale = 1);
 
 }  // namespace imagegen

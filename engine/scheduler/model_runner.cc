@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <exception>
 
-#include "engine/image/png.h"
 #include "engine/scheduler/window_budget.h"
 
 namespace imagegen {
@@ -19,14 +18,6 @@ SpecOptions BatchOptions(const EngineOptions& o) {
   SpecOptions s;
   s.batch_invariant = o.batch_invariant;
   return s;
-}
-
-// uint8 pixels [H, W, C] -> PNG, each pixel repeated `scale` times in both directions.
-StatusOr<std::string> EncodeScaled(at::Tensor px, int64_t scale) {
-  if (scale > 1) px = px.repeat_interleave(scale, 0).repeat_interleave(scale, 1);
-  px = px.contiguous();
-  return EncodePng(px.data_ptr<uint8_t>(), static_cast<int>(px.size(1)),
-                   static_cast<int>(px.size(0)), static_cast<int>(px.size(2)));
 }
 
 void AddDeltas(const std::vector<int64_t>& now, std::vector<int64_t>& seen,
@@ -230,8 +221,7 @@ void ModelRunner::Finish(Job& j, Outcomes& out) {
   if (j.params.encode_png) {
     StatusOr<std::string> png = Internal("image not decoded");
     try {
-      StatusOr<at::Tensor> img = model_.vq->Decode(at::tensor(r.tokens).to(at::kLong).unsqueeze(0));
-      png = img.ok() ? EncodeScaled(ImageToUint8(*img)[0], scale) : StatusOr<std::string>(img.status());
+      png = TokensToPng(*model_.vq, r.tokens, scale);
     } catch (const std::exception& e) {
       png = Internal(std::string("image decoding failed: ") + e.what());
     }
@@ -277,9 +267,9 @@ std::string ModelRunner::Preview(const Job& j) const {
     ids[toks.size() + i] = static_cast<int32_t>(drafts[i]);
   }
   try {
-    StatusOr<at::Tensor> img = model_.vq->Decode(at::tensor(ids).to(at::kLong).unsqueeze(0));
-    if (!img.ok()) return "";
-    at::Tensor px = ImageToUint8(*img)[0].contiguous();  // [H, W, C]
+    StatusOr<at::Tensor> pixels = TokensToPixels(*model_.vq, ids);
+    if (!pixels.ok()) return "";
+    at::Tensor px = *pixels;  // [H, W, C]
     const int64_t H = px.size(0), W = px.size(1), C = px.size(2);
     auto a = px.accessor<uint8_t, 3>();
     for (int64_t t = static_cast<int64_t>(toks.size()); t < N; ++t) {
@@ -290,7 +280,7 @@ std::string ModelRunner::Preview(const Job& j) const {
         }
       }
     }
-    StatusOr<std::string> png = EncodeScaled(px, std::max<int64_t>(j.params.png_scale, 1));
+    StatusOr<std::string> png = PixelsToPng(px, std::max<int64_t>(j.params.png_scale, 1));
     return png.ok() ? std::move(png).value() : std::string();
   } catch (const std::exception&) {
     return "";

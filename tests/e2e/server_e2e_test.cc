@@ -19,6 +19,7 @@
 #include "imagegen/v1/imagegen.grpc.pb.h"
 #include "tests/e2e/classify.h"
 #include "tests/e2e/process.h"
+#include "tests/temp_dir.h"
 
 namespace imagegen::testing {
 namespace {
@@ -30,14 +31,6 @@ using std::chrono::milliseconds;
 using std::chrono::seconds;
 
 constexpr char kService[] = "imagegen.v1.ImageGeneration";
-
-std::string TempDir(const std::string& name) {
-  const std::string d = (std::filesystem::temp_directory_path() /
-                         ("imagegen_e2e_" + std::to_string(::getpid()) + "_" + name))
-                            .string();
-  std::filesystem::create_directories(d);
-  return d;
-}
 
 // The daemon on loopback ports chosen by the kernel (reported through --port-file).
 class Daemon {
