@@ -1,0 +1,134 @@
+// Golden token grids: for every preset and three seeds, the exact grid the bundled model draws
+// alone, co-batched with all the others (batch-invariant forward), and co-batched with windows
+// capped by a binding per-step token budget. tests/golden/spec_grids.txt holds the grids the
+// engine produced before the step was split into phases; a refactor that changes any sample
+// fails here. IMAGEGEN_WRITE_GOLDEN=1 rewrites the file (only for a deliberate change of
+// samples, said so in the commit). CPU only: other devices draw other grids.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <sstream>
+
+#include "engine/decoding/speculative.h"
+#include "engine/model/image_model.h"
+#include "engine/scheduler/window_budget.h"
+
+namespace imagegen {
+namespace {
+
+constexpr uint64_t kSeeds[] = {1, 2, 3};
+constexpr int64_t kClassOfSeed[] = {7, 0, 3};  // sneaker, t-shirt, dress
+constexpr int64_t kBudget = 96;                // binds: 30 requests want ~800 rows
+
+std::string GoldenPath() {
+  return std::string(IMAGEGEN_TEST_MODELS_DIR) + "/../tests/golden/spec_grids.txt";
+}
+
+struct Case {
+  std::string preset;
+  uint64_t seed;
+  SpecRequest req;
+};
+
+std::vector<Case> Cases(const ImageModel& m) {
+  std::vector<Case> out;
+  const GptConfig& c = m.gpt->config();
+  for (const std::string& preset : PresetNames()) {
+    for (size_t i = 0; i < 3; ++i) {
+      SpecRequest r;
+      r.image.class_id = kClassOfSeed[i];
+      r.image.seed = kSeeds[i];
+      r.image.sampling = {c.default_cfg_scale, c.default_temperature, c.default_top_k,
+                          c.default_top_p};
+      auto p = PolicyFromPreset(preset);
+      if (!p.ok()) throw std::runtime_error(p.status().ToString());
+      r.policy = *p;
+      out.push_back({preset, kSeeds[i], r});
+    }
+  }
+  return out;
+}
+
+std::string Line(const std::string& mode, const Case& c, const std::vector<int32_t>& tokens) {
+  std::ostringstream s;
+  s << mode << ' ' << c.preset << ' ' << c.seed;
+  for (int32_t t : tokens) s << ' ' << t;
+  return s.str();
+}
+
+// Every case in one batch; with `budget` > 0, windows granted by AllocateWindows each step
+// (oldest request first), as the serving scheduler grants them.
+std::vector<std::vector<int32_t>> CoBatched(const ImageModel& m, const std::vector<Case>& cs,
+                                            int64_t budget) {
+  SpecOptions o;
+  o.batch_invariant = true;
+  SpecBatch batch(*m.gpt, m.draft.get(), static_cast<int64_t>(2 * cs.size()), o);
+  std::vector<int64_t> h;
+  for (const Case& c : cs) h.push_back(*batch.Add(c.req));
+  while (batch.active() > 0) {
+    if (budget > 0) {
+      std::vector<WindowDemand> d;
+      std::vector<int64_t> live;
+      for (int64_t x : h) {
+        if (batch.done(x)) continue;
+        live.push_back(x);
+        d.push_back({batch.WantedNodes(x), batch.RowsPerNode(x)});
+      }
+      const std::vector<int64_t> w = AllocateWindows(d, budget);
+      for (size_t i = 0; i < live.size(); ++i) {
+        batch.SetWindowCap(live[i], w[i] < d[i].wanted ? w[i] : 0);
+      }
+    }
+    EXPECT_TRUE(batch.Step().ok());
+  }
+  std::vector<std::vector<int32_t>> out;
+  for (int64_t x : h) out.push_back(batch.Take(x).tokens);
+  return out;
+}
+
+TEST(GoldenGridsTest, EveryPresetDrawsTheRecordedGridsAloneAndCoBatched) {
+  auto m = LoadImageModel(DefaultModelsDir(), "fmnist-gpt", {}, /*with_draft=*/true);
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  const std::vector<Case> cs = Cases(*m);
+  std::vector<std::string> lines;
+  for (const Case& c : cs) {
+    SpecOptions o;
+    o.batch_invariant = true;
+    auto r = GenerateSpeculative(*m->gpt, m->draft.get(), {c.req}, o);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    lines.push_back(Line("alone", c, (*r)[0].tokens));
+  }
+  const auto together = CoBatched(*m, cs, 0);
+  for (size_t i = 0; i < cs.size(); ++i) lines.push_back(Line("batched", cs[i], together[i]));
+  const auto budgeted = CoBatched(*m, cs, kBudget);
+  for (size_t i = 0; i < cs.size(); ++i) lines.push_back(Line("budget96", cs[i], budgeted[i]));
+  // Batch invariance, independently of the file: alone == co-batched without a budget.
+  for (size_t i = 0; i < cs.size(); ++i) {
+    EXPECT_EQ(lines[i].substr(5), lines[cs.size() + i].substr(7)) << cs[i].preset;
+  }
+
+  if (const char* w = std::getenv("IMAGEGEN_WRITE_GOLDEN"); w != nullptr && w[0] == '1') {
+    std::ofstream f(GoldenPath(), std::ios::trunc);
+    for (const std::string& l : lines) f << l << '\n';
+    GTEST_SKIP() << "wrote " << GoldenPath();
+  }
+  std::ifstream f(GoldenPath());
+  ASSERT_TRUE(f.good()) << "missing " << GoldenPath();
+  std::vector<std::string> want;
+  for (std::string l; std::getline(f, l);) want.push_back(l);
+  ASSERT_EQ(want.size(), lines.size());
+  int64_t differ = 0;
+  for (size_t i = 0; i < lines.size(); ++i) {
+    if (want[i] != lines[i]) {
+      ++differ;
+      ADD_FAILURE() << "grid differs from the golden file:\n  want " << want[i].substr(0, 60)
+                    << "...\n  got  " << lines[i].substr(0, 60) << "...";
+    }
+  }
+  std::printf("%zu golden grids, %lld differ\n", lines.size(), static_cast<long long>(differ));
+}
+
+}  // namespace
+}  // namespace imagegen
