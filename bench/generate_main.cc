@@ -37,11 +37,11 @@ int main(int argc, char** argv) {
   if (policy.draft == DraftSource::kDraftModel) {
     draft = OrDie(Gpt::Load(f.Str("models-dir") + "/" + f.Str("draft"), opts));
   }
-  std::vector<SpecRequest> reqs(count);
+  std::vector<ImageRequest> reqs(count);
   for (int64_t i = 0; i < count; ++i) {
-    reqs[i].image.class_id = class_id;
-    reqs[i].image.seed = static_cast<uint64_t>(f.Int("seed") + i);
-    reqs[i].image.sampling = SamplingFromFlags(f, cfg);
+    reqs[i].class_id = class_id;
+    reqs[i].seed = static_cast<uint64_t>(f.Int("seed") + i);
+    reqs[i].sampling = SamplingFromFlags(f, cfg);
     reqs[i].policy = policy;
   }
   const auto t0 = std::chrono::steady_clock::now();
@@ -53,7 +53,7 @@ int main(int argc, char** argv) {
   at::Tensor img = ImageToUint8(OrDie(model.vq->Decode(at::stack(ids))));  // [N, H, W, C]
   WriteGridPng(img, std::min<int64_t>(count, 16), f.Str("out"));
 
-  const SamplingParams& sp = reqs[0].image.sampling;
+  const SamplingParams& sp = reqs[0].sampling;
   double nfe = 0;
   for (const auto& r : results) nfe += static_cast<double>(r.stats.nfe) / count;
   const int64_t tokens = count * cfg.block_size;

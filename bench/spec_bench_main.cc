@@ -148,13 +148,13 @@ int main(int argc, char** argv) {
   add("ar", 1, "ar-noise");  // same count, other seeds: the noise of accuracy and FD
 
   auto requests = [&](const DecodingPolicy& p, int64_t seed0) {
-    std::vector<SpecRequest> all;
+    std::vector<ImageRequest> all;
     for (int64_t c = 0; c < gc.num_classes; ++c) {
       for (int64_t i = 0; i < per_class; ++i) {
-        SpecRequest r;
-        r.image.class_id = c;
-        r.image.seed = static_cast<uint64_t>(seed0 + c * per_class + i);
-        r.image.sampling = SamplingFromFlags(f, gc);
+        ImageRequest r;
+        r.class_id = c;
+        r.seed = static_cast<uint64_t>(seed0 + c * per_class + i);
+        r.sampling = SamplingFromFlags(f, gc);
         r.policy = p;
         all.push_back(r);
       }
@@ -182,7 +182,7 @@ int main(int argc, char** argv) {
     double ent = 0;
     int64_t ent_n = 0;
     for (size_t b = 0; b < all.size(); b += batch) {
-      std::vector<SpecRequest> chunk(all.begin() + b, all.begin() + std::min(all.size(), b + batch));
+      std::vector<ImageRequest> chunk(all.begin() + b, all.begin() + std::min(all.size(), b + batch));
       const auto t0 = std::chrono::steady_clock::now();
       auto res = OrDie(GenerateSpeculative(*model.gpt, draft.get(), chunk, so));
       row.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -197,7 +197,7 @@ int main(int argc, char** argv) {
         ent_n += s.entropy_count;
         for (int32_t k : s.step_tokens) row.hist[k]++;
         ids.push_back(at::tensor(res[i].tokens).to(at::kLong));
-        labels.push_back(chunk[i].image.class_id);
+        labels.push_back(chunk[i].class_id);
       }
       feats.push_back(clf->Features(ImageToUint8(OrDie(model.vq->Decode(at::stack(ids))))));
     }
@@ -258,10 +258,10 @@ int main(int argc, char** argv) {
   // Acceptance maps of one image (class 7, the first seed) for three methods.
   for (const auto& [preset, L] : {std::pair<const char*, int64_t>{"sjd", 32}, {"scd-mc", 32},
                                   {"sjd-pac", 64}}) {
-    SpecRequest r;
-    r.image.class_id = 7 % gc.num_classes;
-    r.image.seed = static_cast<uint64_t>(f.Int("seed"));
-    r.image.sampling = sp;
+    ImageRequest r;
+    r.class_id = 7 % gc.num_classes;
+    r.seed = static_cast<uint64_t>(f.Int("seed"));
+    r.sampling = sp;
     r.policy = OrDie(PolicyFromPreset(preset, L));
     auto res = OrDie(GenerateSpeculative(*model.gpt, draft.get(), {r}));
     const std::string path = out + "/acceptance_map_" + preset + "_L" + std::to_string(L) + ".png";

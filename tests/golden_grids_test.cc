@@ -29,7 +29,7 @@ std::string GoldenPath() {
 struct Case {
   std::string preset;
   uint64_t seed;
-  SpecRequest req;
+  ImageRequest req;
 };
 
 std::vector<Case> Cases(const ImageModel& m) {
@@ -37,10 +37,10 @@ std::vector<Case> Cases(const ImageModel& m) {
   const GptConfig& c = m.gpt->config();
   for (const std::string& preset : PresetNames()) {
     for (size_t i = 0; i < 3; ++i) {
-      SpecRequest r;
-      r.image.class_id = kClassOfSeed[i];
-      r.image.seed = kSeeds[i];
-      r.image.sampling = {c.default_cfg_scale, c.default_temperature, c.default_top_k,
+      ImageRequest r;
+      r.class_id = kClassOfSeed[i];
+      r.seed = kSeeds[i];
+      r.sampling = {c.default_cfg_scale, c.default_temperature, c.default_top_k,
                           c.default_top_p};
       auto p = PolicyFromPreset(preset);
       if (!p.ok()) throw std::runtime_error(p.status().ToString());
@@ -68,6 +68,7 @@ std::vector<std::vector<int32_t>> CoBatched(const ImageModel& m, const std::vect
   std::vector<int64_t> h;
   for (const Case& c : cs) h.push_back(*batch.Add(c.req));
   while (batch.active() > 0) {
+    std::vector<WindowGrant> grants;
     if (budget > 0) {
       std::vector<WindowDemand> d;
       std::vector<int64_t> live;
@@ -77,11 +78,9 @@ std::vector<std::vector<int32_t>> CoBatched(const ImageModel& m, const std::vect
         d.push_back({batch.WantedNodes(x), batch.RowsPerNode(x)});
       }
       const std::vector<int64_t> w = AllocateWindows(d, budget);
-      for (size_t i = 0; i < live.size(); ++i) {
-        batch.SetWindowCap(live[i], w[i] < d[i].wanted ? w[i] : 0);
-      }
+      for (size_t i = 0; i < live.size(); ++i) grants.push_back({live[i], w[i]});
     }
-    EXPECT_TRUE(batch.Step().ok());
+    EXPECT_TRUE(batch.Step(grants).ok());
   }
   std::vector<std::vector<int32_t>> out;
   for (int64_t x : h) out.push_back(batch.Take(x).tokens);

@@ -44,11 +44,11 @@ RunStats Sample(const DecodingPolicy& policy, const SpecOptions& opts = {}, int6
   RunStats st;
   for (int64_t cls = 0; cls < kClasses; ++cls) {
     for (int64_t first = 0; first < per_class; first += kChunk) {
-      std::vector<SpecRequest> reqs(static_cast<size_t>(std::min(kChunk, per_class - first)));
+      std::vector<ImageRequest> reqs(static_cast<size_t>(std::min(kChunk, per_class - first)));
       for (size_t i = 0; i < reqs.size(); ++i) {
-        reqs[i].image.class_id = cls;
-        reqs[i].image.seed = seed_base + static_cast<uint64_t>(cls * 1000003 + first + static_cast<int64_t>(i));
-        reqs[i].image.sampling = toy.sampling;
+        reqs[i].class_id = cls;
+        reqs[i].seed = seed_base + static_cast<uint64_t>(cls * 1000003 + first + static_cast<int64_t>(i));
+        reqs[i].sampling = toy.sampling;
         reqs[i].policy = policy;
       }
       auto res = GenerateSpeculative(*toy.target, toy.draft.get(), reqs, opts);
@@ -146,14 +146,29 @@ TEST_P(SpecLosslessTest, MatchesTheExactArDistribution) {
 INSTANTIATE_TEST_SUITE_P(Presets, SpecLosslessTest, ::testing::ValuesIn(LosslessCases()),
                          [](const auto& info) { return std::string(info.param.name); });
 
+// Broken rules injected through SpecOptions::rules: every draft accepted, and maximal coupling
+// storing the old q for kept drafts (the Lumina/Janus SCD-MC code, algorithms.md 3a).
+class AcceptEverything : public VerifyRules {
+ public:
+  at::Tensor Accept(const at::Tensor& u, const at::Tensor&) const override {
+    return at::ones_like(u, at::kBool);
+  }
+};
+class KeepOldQ : public VerifyRules {
+ public:
+  bool KeptDraftFollowsP() const override { return false; }
+};
+
 // Power: the same test rejects broken verifiers.
 TEST(SpeculativePowerTest, BrokenVariantsFail) {
   const auto exact = JointAr();
+  const AcceptEverything accept_everything;
   SpecOptions always;
-  always.broken_accept_always = true;
+  always.rules = &accept_everything;
   auto a = testing::ChiSquareTest(Sample(Preset("sjd", 4), always).counts, exact);
+  const KeepOldQ keep_old_q;
   SpecOptions old_q;
-  old_q.broken_mc_keeps_old_q = true;
+  old_q.rules = &keep_old_q;
   auto m = testing::ChiSquareTest(Sample(Preset("scd-mc", 6), old_q).counts, exact);
   std::printf("accept-always sjd: chi2 %.1f p %.3g\nscd-mc storing the old q for kept drafts "
               "(algorithms.md 3a): chi2 %.1f df %d p %.3g\n",
@@ -167,13 +182,13 @@ TEST(SpeculativePowerTest, BrokenVariantsFail) {
 TEST(SpeculativeBatchTest, MixedMethodsInOneBatchGiveTheSameGrids) {
   Toy& toy = TheToy();
   auto cases = LosslessCases();
-  std::vector<SpecRequest> mixed;
+  std::vector<ImageRequest> mixed;
   std::vector<std::vector<int32_t>> alone;
   for (int64_t i = 0; i < 64; ++i) {
-    SpecRequest r;
-    r.image.class_id = i % kClasses;
-    r.image.seed = 777 + static_cast<uint64_t>(i);
-    r.image.sampling = toy.sampling;
+    ImageRequest r;
+    r.class_id = i % kClasses;
+    r.seed = 777 + static_cast<uint64_t>(i);
+    r.sampling = toy.sampling;
     r.policy = cases[static_cast<size_t>(i) % cases.size()].policy;
     auto one = GenerateSpeculative(*toy.target, toy.draft.get(), {r});
     ASSERT_TRUE(one.ok()) << one.status().ToString() << " " << DescribePolicy(r.policy);
@@ -349,8 +364,8 @@ TEST(SpeculativePolicyTest, CoolWeightsFollowSeed003) {
 TEST(SpeculativeValidationTest, BadPoliciesNameTheField) {
   Toy& toy = TheToy();
   SpecBatch batch(*toy.target, nullptr, 4);
-  SpecRequest r;
-  r.image.sampling = toy.sampling;
+  ImageRequest r;
+  r.sampling = toy.sampling;
   r.policy = Preset("sjd", 4);
   r.policy.window = 100;
   auto s = batch.Add(r);

@@ -1,20 +1,51 @@
-// The exact (lossless) acceptance rule of speculative sampling, vectorised over rows and window
-// positions: a draft x drawn from q is kept with probability min(1, p(x) / q(x)); on rejection
-// the replacement is drawn from the residual norm(max(p - q, 0)). Kept-or-replaced tokens are
-// then distributed exactly as p (Leviathan et al. 2023, Chen et al. 2023; seed 001 Alg. 1).
-// Everything stays on the tensors' device. Thread-safe (pure functions).
+// The acceptance rule of speculative sampling, vectorised over rows and window positions, and
+// the one the engine runs: a draft x drawn from q is kept with probability
+// min(1, w p(x) / q(x)); on rejection the replacement is drawn from the residual
+// norm([p - min(q, w p)]_+). With w = 1 (the exact rule) kept-or-replaced tokens are
+// distributed exactly as p (Leviathan et al. 2023, Chen et al. 2023; seed 001 Alg. 1);
+// w != 1 is COOL-SD's relaxed rule (seed 003). Everything stays on the tensors' device.
+// Thread-safe (pure functions; VerifyRules implementations must be too).
 #pragma once
 
 #include <ATen/Tensor.h>
 
 namespace imagegen {
 
-// p, q [..., V] probabilities; drafts [...] ids -> min(1, p(x) / q(x)) as float64 [...].
-// q(x) = 0 (a draft q could not have produced) gives 0 unless p(x) > 0 too, in which case 1.
+// p, q [..., V] probabilities; drafts [...] ids -> w p(x) / q(x) as float64 [...], not
+// clipped. q(x) = 0 (a draft q could not have produced) gives 0 unless p(x) > 0 too, in which
+// case 1. `w` [...] (float64) may be undefined: w = 1.
+at::Tensor AcceptRatio(const at::Tensor& p, const at::Tensor& q, const at::Tensor& drafts,
+                       const at::Tensor& w = at::Tensor());
+
+// min(1, p(x) / q(x)): the exact rule's acceptance probability.
 at::Tensor AcceptProbability(const at::Tensor& p, const at::Tensor& q, const at::Tensor& drafts);
 
-// norm(max(p - q, 0)) over the last dimension. Where p == q the residual is empty; a rejection
-// is then impossible, and p itself is returned so the result is always a distribution.
-at::Tensor ResidualDistribution(const at::Tensor& p, const at::Tensor& q);
+// norm([p - min(q, w p)]_+) over the last dimension (w undefined: norm(max(p - q, 0))). Where
+// it is empty a rejection is impossible, and p itself is returned so the result is always a
+// distribution.
+at::Tensor ResidualDistribution(const at::Tensor& p, const at::Tensor& q,
+                                const at::Tensor& w = at::Tensor());
+
+// Rows of `probs` with the ids in `removed` ([R, V] bool) taken out and renormalised; rows with
+// no mass left are all zero. Siblings of a tree node are drawn without replacement: the k-th
+// is verified against q with the first k - 1 removed.
+at::Tensor RemoveAndNormalise(const at::Tensor& probs, const at::Tensor& removed);
+
+// The two decisions on which losslessness rests, as the engine makes them. Tests of the
+// exact-distribution harness inject broken ones to show that it detects them.
+class VerifyRules {
+ public:
+  virtual ~VerifyRules() = default;
+  // Accept bits from uniforms u and acceptance probabilities (same shape): u < prob.
+  virtual at::Tensor Accept(const at::Tensor& u, const at::Tensor& prob) const;
+  // Under maximal coupling an accepted draft after the first rejection stays the next step's
+  // draft. true: its q is the P row it was verified at, the distribution it now follows
+  // (lossless). false would keep the q it was drawn from (the Lumina/Janus SCD-MC code,
+  // algorithms.md 3a: not lossless).
+  virtual bool KeptDraftFollowsP() const { return true; }
+};
+
+// The exact rules; shared, immutable.
+const VerifyRules& ExactRules();
 
 }  // namespace imagegen

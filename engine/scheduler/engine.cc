@@ -14,7 +14,7 @@
 
 #include "engine/decoding/speculative.h"
 #include "engine/model/image_model.h"
-#include "engine/scheduler/model_runner.h"
+#include "engine/scheduler/model_scheduler.h"
 
 namespace imagegen {
 namespace {
@@ -72,7 +72,7 @@ struct Engine::Impl {
   EngineListener* listener = nullptr;
   std::vector<std::unique_ptr<ImageModel>> models;
   std::vector<ModelInfo> infos;
-  std::vector<std::unique_ptr<ModelRunner>> runners;
+  std::vector<std::unique_ptr<ModelScheduler>> schedulers;
 
   mutable std::mutex mu;
   std::condition_variable cv;
@@ -151,7 +151,7 @@ Status Engine::Impl::Load() {
                              name + "' (" + std::to_string(per_slot) + " bytes per slot)");
     }
     try {
-      runners.push_back(std::make_unique<ModelRunner>(*model, slots, opts, listener));
+      schedulers.push_back(std::make_unique<ModelScheduler>(*model, slots, opts, listener));
     } catch (const std::exception& e) {
       return ResourceExhausted("KV cache of model '" + name + "' (" + std::to_string(slots) +
                                " slots): " + e.what());
@@ -201,17 +201,17 @@ StatusOr<std::unique_ptr<Job>> Engine::Impl::Resolve(GenerateParams p, size_t* m
   const GptConfig& c = m.gpt->config();
   auto job = std::make_unique<Job>();
   if (p.class_label.empty()) return FieldError("class", "required: a class name or id");
-  ASSIGN_OR_RETURN(job->spec.image.class_id, ResolveClass(c, p.class_label));
-  job->spec.image.seed = p.seed.has_value() ? *p.seed : RandomSeed();
-  SamplingParams& s = job->spec.image.sampling;
+  ASSIGN_OR_RETURN(job->request.class_id, ResolveClass(c, p.class_label));
+  job->request.seed = p.seed.has_value() ? *p.seed : RandomSeed();
+  SamplingParams& s = job->request.sampling;
   s.cfg_scale = p.cfg_scale.value_or(c.default_cfg_scale);
   s.temperature = p.temperature.value_or(c.default_temperature);
   s.top_k = p.top_k.value_or(c.default_top_k);
   s.top_p = p.top_p.value_or(c.default_top_p);
-  job->spec.policy = p.policy;
+  job->request.policy = p.policy;
   if (p.preview_every < 0) return FieldError("preview_every", "must be >= 0");
   if (p.png_scale < 1 || p.png_scale > 16) return FieldError("png_scale", "must be in [1, 16]");
-  RETURN_IF_ERROR(ValidateSpecRequest(job->spec, *m.gpt, m.draft.get()));
+  RETURN_IF_ERROR(ValidateImageRequest(job->request, *m.gpt, m.draft.get()));
   job->params = std::move(p);
   *model_index = mi;
   return job;
@@ -295,16 +295,16 @@ void Engine::Impl::Run() {
       draining_now = draining;
       out_of_time = draining && Clock::now() >= grace_end;
     }
-    for (auto& [mi, job] : arrived) runners[mi]->Enqueue(std::move(job));
+    for (auto& [mi, job] : arrived) schedulers[mi]->Enqueue(std::move(job));
     arrived.clear();
     // A round: each model ends its cancelled and expired requests, admits, and steps.
     Outcomes out;
     bool stepped = false;
     const auto now = Clock::now();
-    for (auto& r : runners) stepped |= r->Tick(cancelled, now, out);
+    for (auto& r : schedulers) stepped |= r->Tick(cancelled, now, out);
     cancelled.clear();  // ids not found had already finished
     if (out_of_time) {
-      for (auto& r : runners) r->EndAll(Unavailable("the server shut down before the request "
+      for (auto& r : schedulers) r->EndAll(Unavailable("the server shut down before the request "
                                                     "finished"), out);
     }
     bool idle = true;
@@ -316,13 +316,13 @@ void Engine::Impl::Run() {
       stats.cancelled += out.cancelled;
       stats.expired += out.expired;
       stats.failed += out.failed;
-      for (size_t i = 0; i < runners.size(); ++i) {
+      for (size_t i = 0; i < schedulers.size(); ++i) {
         ModelLoad& l = stats.models[i];
-        l.queued = runners[i]->queued();
-        l.active = runners[i]->active();
-        l.slots_used = runners[i]->slots_used();
-        idle &= runners[i]->idle();
-        wake = std::min(wake, runners[i]->next_deadline());
+        l.queued = schedulers[i]->queued();
+        l.active = schedulers[i]->active();
+        l.slots_used = schedulers[i]->slots_used();
+        idle &= schedulers[i]->idle();
+        wake = std::min(wake, schedulers[i]->next_deadline());
       }
     }
     if (draining_now && idle) break;

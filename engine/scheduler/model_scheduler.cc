@@ -1,4 +1,4 @@
-#include "engine/scheduler/model_runner.h"
+#include "engine/scheduler/model_scheduler.h"
 
 #include <ATen/ATen.h>
 
@@ -32,7 +32,7 @@ void AddDeltas(const std::vector<int64_t>& now, std::vector<int64_t>& seen,
 
 }  // namespace
 
-ModelRunner::ModelRunner(const ImageModel& model, int64_t slots, const EngineOptions& opts,
+ModelScheduler::ModelScheduler(const ImageModel& model, int64_t slots, const EngineOptions& opts,
                          EngineListener* listener)
     : model_(model),
       opts_(opts),
@@ -40,16 +40,16 @@ ModelRunner::ModelRunner(const ImageModel& model, int64_t slots, const EngineOpt
       slots_(slots),
       batch_(*model.gpt, model.draft.get(), slots, BatchOptions(opts)) {}
 
-void ModelRunner::Enqueue(std::unique_ptr<Job> job) { waiting_.push_back(std::move(job)); }
+void ModelScheduler::Enqueue(std::unique_ptr<Job> job) { waiting_.push_back(std::move(job)); }
 
-Clock::time_point ModelRunner::next_deadline() const {
+Clock::time_point ModelScheduler::next_deadline() const {
   Clock::time_point t = Clock::time_point::max();
   for (const auto& j : waiting_) t = std::min(t, j->params.deadline);
   for (const auto& j : active_) t = std::min(t, j->params.deadline);
   return t;
 }
 
-void ModelRunner::End(Job& job, const Status& status) {
+void ModelScheduler::End(Job& job, const Status& status) {
   if (job.handle >= 0) {
     batch_.Remove(job.handle);
     job.handle = -1;
@@ -57,7 +57,7 @@ void ModelRunner::End(Job& job, const Status& status) {
   job.observer->OnError(status);
 }
 
-void ModelRunner::EndAll(const Status& status, Outcomes& out) {
+void ModelScheduler::EndAll(const Status& status, Outcomes& out) {
   for (auto& j : active_) End(*j, status);
   for (auto& j : waiting_) End(*j, status);
   out.failed += static_cast<int64_t>(active_.size() + waiting_.size());
@@ -65,7 +65,7 @@ void ModelRunner::EndAll(const Status& status, Outcomes& out) {
   waiting_.clear();
 }
 
-bool ModelRunner::Tick(const std::unordered_set<int64_t>& cancelled, Clock::time_point now,
+bool ModelScheduler::Tick(const std::unordered_set<int64_t>& cancelled, Clock::time_point now,
                        Outcomes& out) {
   // Cancellations and deadlines take effect here, between steps, and free the slots at once.
   auto ended = [&](Job& j) {
@@ -94,16 +94,16 @@ bool ModelRunner::Tick(const std::unordered_set<int64_t>& cancelled, Clock::time
 // FIFO: the oldest request is admitted first, and nothing overtakes it (no starvation). A
 // request needs its KV slots and room in the token budget for one token of every active
 // request plus its own.
-void ModelRunner::Admit(Outcomes& out) {
+void ModelScheduler::Admit(Outcomes& out) {
   int64_t rows = 0;
   for (const auto& j : active_) rows += batch_.RowsPerNode(j->handle);
   const auto now = Clock::now();
   while (!waiting_.empty()) {
     Job& j = *waiting_.front();
-    const int64_t need = j.spec.image.sampling.uses_cfg() ? 2 : 1;
+    const int64_t need = j.request.sampling.uses_cfg() ? 2 : 1;
     if (batch_.free_slots() < need) break;
     if (opts_.max_tokens_per_step > 0 && rows + need > opts_.max_tokens_per_step) break;
-    StatusOr<int64_t> h = batch_.Add(j.spec);
+    StatusOr<int64_t> h = batch_.Add(j.request);
     if (!h.ok()) {  // validated at submission; only a model-level surprise gets here
       j.observer->OnError(h.status());
       out.failed += 1;
@@ -118,44 +118,44 @@ void ModelRunner::Admit(Outcomes& out) {
   }
 }
 
-void ModelRunner::Step(Outcomes& out) {
+// schedule (each request's window from the token budget) -> run (one SpecBatch step) ->
+// postprocess (events, finished requests).
+void ModelScheduler::Step(Outcomes& out) {
   const auto t0 = Clock::now();
   std::vector<WindowDemand> demand;
   for (const auto& j : active_) {
     demand.push_back({batch_.WantedNodes(j->handle), batch_.RowsPerNode(j->handle)});
   }
   const std::vector<int64_t> windows = AllocateWindows(demand, opts_.max_tokens_per_step);
+  std::vector<WindowGrant> grants;
   StepSample sample;
   sample.model = model_.name;
   sample.requests = static_cast<int64_t>(active_.size());
   for (size_t i = 0; i < active_.size(); ++i) {
-    Job& j = *active_[i];
-    j.window = windows[i];
+    grants.push_back({active_[i]->handle, windows[i]});
     sample.budget_limited |= windows[i] < demand[i].wanted;
     sample.tokens += windows[i] * demand[i].rows;
-    // A cap equal to what the request wants is no cap: keep it unset so that a request's
-    // draws are those it makes alone whenever the budget is not binding.
-    batch_.SetWindowCap(j.handle, windows[i] < demand[i].wanted ? windows[i] : 0);
   }
   Status st;
   try {
-    st = batch_.Step();
+    st = batch_.Step(grants);
   } catch (const std::exception& e) {
     st = Internal(std::string("step failed: ") + e.what());
   }
   if (!st.ok()) {
-    // The batch is as it was before the step; the requests in it cannot go on (a failing
-    // forward would fail again), so they end with the error and the engine serves the rest.
+    // The requests in the batch cannot go on (a failing forward would fail again), so they
+    // end with the error and the engine serves the rest.
     for (auto& j : active_) End(*j, Internal("generation failed: " + st.message()));
     out.failed += static_cast<int64_t>(active_.size());
     active_.clear();
     return;
   }
   const auto t1 = Clock::now();
-  for (auto& j : active_) {
-    if (j->first_token == Clock::time_point()) j->first_token = t1;
-    sample.committed += static_cast<int64_t>(batch_.tokens(j->handle).size() - j->reported);
-    Emit(*j);
+  for (size_t i = 0; i < active_.size(); ++i) {
+    Job& j = *active_[i];
+    if (j.first_token == Clock::time_point()) j.first_token = t1;
+    sample.committed += static_cast<int64_t>(batch_.tokens(j.handle).size() - j.reported);
+    Emit(j, windows[i]);
   }
   std::erase_if(active_, [&](std::unique_ptr<Job>& j) {
     if (!batch_.done(j->handle)) return false;
@@ -166,13 +166,13 @@ void ModelRunner::Step(Outcomes& out) {
   if (listener_ != nullptr) listener_->OnStep(sample);
 }
 
-void ModelRunner::Emit(Job& j) {
+void ModelScheduler::Emit(Job& j, int64_t window) {
   const std::vector<int64_t>& toks = batch_.tokens(j.handle);
   const SpecStats& s = batch_.stats(j.handle);
   StepEvent ev;
   ev.request_id = j.id;
   ev.step = s.nfe;
-  ev.window = j.window;
+  ev.window = window;
   for (size_t i = j.reported; i < toks.size(); ++i) {
     ev.positions.push_back(static_cast<int32_t>(i));
     ev.tokens.push_back(static_cast<int32_t>(toks[i]));
@@ -201,17 +201,17 @@ void ModelRunner::Emit(Job& j) {
   j.observer->OnStep(ev);
 }
 
-void ModelRunner::Finish(Job& j, Outcomes& out) {
+void ModelScheduler::Finish(Job& j, Outcomes& out) {
   SpecResult r = batch_.Take(j.handle);
   j.handle = -1;
   const auto t_end = Clock::now();
   RequestResult res;
   res.request_id = j.id;
   res.model = model_.name;
-  res.class_id = j.spec.image.class_id;
-  res.seed = j.spec.image.seed;
-  res.policy = j.spec.policy;
-  res.sampling = j.spec.image.sampling;
+  res.class_id = j.request.class_id;
+  res.seed = j.request.seed;
+  res.policy = j.request.policy;
+  res.sampling = j.request.sampling;
   res.tokens = r.tokens;
   res.grid = model_.gpt->config().grid();
   const VqConfig& vc = model_.vq->config();
@@ -257,7 +257,7 @@ void ModelRunner::Finish(Job& j, Outcomes& out) {
 
 // The grid so far: committed tokens, then the drafts the next step will verify, then code 0;
 // the pixels of tokens not yet committed are faded toward grey.
-std::string ModelRunner::Preview(const Job& j) const {
+std::string ModelScheduler::Preview(const Job& j) const {
   const std::vector<int64_t>& toks = batch_.tokens(j.handle);
   const std::vector<int64_t> drafts = batch_.drafts(j.handle);
   const int64_t N = model_.gpt->config().block_size, g = model_.gpt->config().grid();

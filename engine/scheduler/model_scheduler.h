@@ -16,7 +16,7 @@ namespace imagegen {
 // A request from submission to its end.
 struct Job {
   int64_t id = 0;
-  SpecRequest spec;  // resolved: class, seed, sampling, policy
+  ImageRequest request;  // resolved and validated once, at submission
   GenerateParams params;
   std::shared_ptr<RequestObserver> observer;
   Clock::time_point submitted, started, first_token;
@@ -25,17 +25,18 @@ struct Job {
   size_t reported = 0;
   int64_t verified = 0, accepted = 0;
   std::vector<int64_t> verified_at_depth, accepted_at_depth;
-  int64_t window = 0;  // tokens granted for the current step
 };
 
 struct Outcomes {
   int64_t completed = 0, cancelled = 0, expired = 0, failed = 0;
 };
 
-class ModelRunner {
+class ModelScheduler {
  public:
-  ModelRunner(const ImageModel& model, int64_t slots, const EngineOptions& opts,
-              EngineListener* listener);
+  // `model`, `opts` and `listener` (may be null) are kept by reference and must outlive the
+  // scheduler (the Engine owns all four).
+  ModelScheduler(const ImageModel& model, int64_t slots, const EngineOptions& opts,
+                 EngineListener* listener);
 
   void Enqueue(std::unique_ptr<Job> job);
 
@@ -57,7 +58,7 @@ class ModelRunner {
  private:
   void Admit(Outcomes& out);
   void Step(Outcomes& out);
-  void Emit(Job& job);
+  void Emit(Job& job, int64_t window);
   void Finish(Job& job, Outcomes& out);
   void End(Job& job, const Status& status);
   std::string Preview(const Job& job) const;

@@ -1,0 +1,37 @@
+#include "engine/decoding/guided_batch.h"
+
+#include <ATen/ATen.h>
+
+#include "engine/decoding/sampling.h"
+
+namespace imagegen {
+
+void GuidedBatch::Add(BatchRow row, int64_t uncond_slot, const SamplingParams& sampling,
+                      const std::vector<int64_t>& outputs) {
+  const auto len = static_cast<int64_t>(row.tokens.size());
+  row.group = static_cast<int64_t>(rows_.size());
+  for (int64_t i : outputs) cond_.push_back(tokens_ + i);
+  rows_.push_back(row);
+  tokens_ += len;
+  if (uncond_slot >= 0) {
+    row.slot = uncond_slot;
+    if (!row.positions.empty() && row.positions[0] == 0) row.tokens[0] = null_class_;
+    for (int64_t i : outputs) uncond_.push_back(tokens_ + i);
+    rows_.push_back(std::move(row));
+    tokens_ += len;
+  } else {
+    for (int64_t i : outputs) uncond_.push_back(tokens_ - len + i);  // the row itself
+  }
+  const float scale = sampling.uses_cfg() ? static_cast<float>(sampling.cfg_scale) : 1.0f;
+  scale_.insert(scale_.end(), outputs.size(), scale);
+  params_.insert(params_.end(), outputs.size(), sampling);
+}
+
+at::Tensor GuidedBatch::Probs(const at::Tensor& logits) const {
+  const at::Device dev = logits.device();
+  at::Tensor c = logits.index_select(0, at::tensor(cond_, at::kLong).to(dev));
+  at::Tensor u = logits.index_select(0, at::tensor(uncond_, at::kLong).to(dev));
+  return FinalProbs(CfgCombine(c, u, at::tensor(scale_).to(dev)), params_);
+}
+
+}  // namespace imagegen

@@ -1,0 +1,47 @@
+// The rows of one guided forward (classifier-free guidance): every request contributes its
+// conditional row and, with CFG, an unconditional twin that differs only in the class token
+// (the null class where the row starts at the class position). After the forward, the
+// outputs each request asked for are combined (CFG on raw logits) and turned into final
+// distributions, in the order they were added. The one place where CFG rows are packed: the
+// target step, the draft-model drafts and plain AR generation all use it.
+// Not thread-safe; a value built and used within one step.
+#pragma once
+
+#include <ATen/Tensor.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "engine/decoding/sampling_params.h"
+#include "engine/model/gpt.h"
+
+namespace imagegen {
+
+class GuidedBatch {
+ public:
+  explicit GuidedBatch(int64_t null_class) : null_class_(null_class) {}
+
+  // Adds `row` (its slot is the conditional slot) and, when `uncond_slot` >= 0, its twin in
+  // that slot; the row's new tokens at `outputs` (indices into row.tokens) produce a
+  // distribution each, sampled with `sampling`. Sets row.group so that a batch-invariant
+  // forward runs the pair as one attention call.
+  void Add(BatchRow row, int64_t uncond_slot, const SamplingParams& sampling,
+           const std::vector<int64_t>& outputs);
+
+  const std::vector<BatchRow>& rows() const { return rows_; }
+  int64_t outputs() const { return static_cast<int64_t>(cond_.size()); }
+
+  // Logits of rows() [tokens, V] -> final distributions [outputs(), V] (float32, on the
+  // logits' device): u + (c - u) * scale, then temperature, top-k, top-p.
+  at::Tensor Probs(const at::Tensor& logits) const;
+
+ private:
+  int64_t null_class_;
+  int64_t tokens_ = 0;  // new tokens in rows_ so far
+  std::vector<BatchRow> rows_;
+  std::vector<int64_t> cond_, uncond_;  // per output: its token's index in the logits
+  std::vector<float> scale_;
+  std::vector<SamplingParams> params_;
+};
+
+}  // namespace imagegen

@@ -1,0 +1,92 @@
+// DrawNextDrafts: what each node's output proposes for the next step's window, drawn from P:
+// a fresh draw (independent coupling), K - 1 more candidates without replacement for trees,
+// and for Gumbel coupling argmax(log P + g) (top-K for trees) with g keyed by (seed, absolute
+// position, token) only, which is what couples the iterations.
+#include <ATen/ATen.h>
+
+#include "engine/decoding/philox.h"
+#include "engine/decoding/sampling.h"
+#include "engine/decoding/step_phases.h"
+
+namespace imagegen {
+namespace {
+
+constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+
+struct DrawInputs {
+  std::vector<double> ufresh;  // [A, K]: uniforms of the fresh draws
+  std::vector<int64_t> maximal, gumbel_nodes;
+  std::vector<double> gumbel_u;  // [Ag, V]
+};
+
+DrawInputs BuildDrawInputs(const StepContext& ctx) {
+  const int64_t K = ctx.tree_k, V = ctx.cfg().vocab_size;
+  DrawInputs in;
+  in.ufresh.assign(ctx.nodes * K, 0.0);
+  in.maximal.assign(ctx.nodes, 0);
+  for (const Sequence* s : ctx.live) {
+    const Coupling coupling = s->r.policy.coupling;
+    for (size_t i = 0; i < s->nodes.size(); ++i) {
+      const int64_t a = s->node_off + static_cast<int64_t>(i);
+      const auto t = static_cast<uint32_t>(s->n() + s->nodes[i].col + 1);
+      in.maximal[a] = coupling == Coupling::kMaximal ? 1 : 0;
+      if (coupling == Coupling::kGumbel) {
+        in.gumbel_nodes.push_back(a);
+        for (int64_t v = 0; v < V; ++v) {
+          in.gumbel_u.push_back(Uniform(s->r.seed, t, 0, Purpose::kGumbel, static_cast<uint32_t>(v)));
+        }
+      } else {
+        for (int64_t k = 0; k < K; ++k) {
+          in.ufresh[a * K + k] =
+              Uniform(s->r.seed, t, s->iter, Purpose::kDraft, static_cast<uint32_t>(k));
+        }
+      }
+    }
+  }
+  return in;
+}
+
+// Gumbel top-K of the Gumbel-coupled nodes, written into their rows of d.
+void GumbelDraws(const StepContext& ctx, const DrawInputs& in, NextDrafts& d) {
+  const int64_t K = ctx.tree_k, V = ctx.cfg().vocab_size;
+  at::Tensor gi = at::tensor(in.gumbel_nodes, at::kLong).to(ctx.dev());
+  const auto Ag = static_cast<int64_t>(in.gumbel_nodes.size());
+  at::Tensor gu = at::tensor(in.gumbel_u, at::kDouble).to(ctx.dev()).view({Ag, V});
+  gu = gu.clamp(1e-300, 1.0 - 1e-16);
+  at::Tensor keys = ctx.p.index_select(0, gi).log() - (-gu.log()).log();
+  auto [vals, top] = keys.topk(K, 1);
+  d.fresh = d.fresh.index_copy(0, gi, top.select(1, 0));
+  if (K > 1) {
+    at::Tensor rest = top.narrow(1, 1, K - 1);
+    at::Tensor ex = at::where(vals.narrow(1, 1, K - 1) > kNegInf, rest, at::full_like(rest, -1));
+    d.extra = d.extra.index_copy(0, gi, ex);
+  }
+}
+
+}  // namespace
+
+NextDrafts DrawNextDrafts(const StepContext& ctx, const at::Tensor& kept) {
+  const int64_t A = ctx.nodes, K = ctx.tree_k, V = ctx.cfg().vocab_size;
+  const DrawInputs in = BuildDrawInputs(ctx);
+  at::Tensor uf = at::tensor(in.ufresh, at::kDouble).to(ctx.dev()).view({A, K});
+  NextDrafts d;
+  d.fresh = SampleInverseCdf(ctx.p, uf.select(1, 0));
+  d.extra = at::full({A, K - 1}, -1, d.fresh.options());
+  if (K > 1) {
+    // Tree candidates exclude the column's first candidate: the kept token under maximal
+    // coupling, else the fresh draw.
+    at::Tensor maximal = at::tensor(in.maximal, at::kLong).to(ctx.dev()) > 0;
+    at::Tensor mask = at::one_hot(at::where(maximal, kept, d.fresh), V).to(at::kBool);
+    for (int64_t k = 1; k < K; ++k) {
+      at::Tensor pm = RemoveAndNormalise(ctx.p, mask);
+      at::Tensor ok = pm.sum(1) > 0;
+      at::Tensor e = at::where(ok, SampleInverseCdf(pm, uf.select(1, k)), at::full_like(kept, -1));
+      d.extra.select(1, k - 1).copy_(e);
+      mask = mask | (at::one_hot(e.clamp_min(0), V).to(at::kBool) & ok.unsqueeze(1));
+    }
+  }
+  if (!in.gumbel_nodes.empty()) GumbelDraws(ctx, in, d);
+  return d;
+}
+
+}  // namespace imagegen

@@ -1,0 +1,60 @@
+// A request inside a SpecBatch: its committed tokens, the drafts it will verify next, and the
+// window laid out for the current step. Internal to engine/decoding (the step phases read and
+// write it); not thread-safe, owned by its SpecBatch.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "engine/decoding/image_request.h"
+#include "engine/decoding/speculative.h"
+
+namespace imagegen {
+
+// One node of a step's window: the root (the last committed token, or the class) or a draft.
+struct Node {
+  int64_t token = 0;  // input token (the class id for the root of an empty image)
+  int64_t col = -1;   // draft column (image token n + col); -1 for the root
+  int64_t parent = -1;
+  std::vector<int64_t> kids;  // children in candidate order
+};
+
+// Where a draft column's proposal distribution q comes from; resolved into one gather per step.
+struct ProposalRef {
+  enum Kind { kPrevP, kPrevQ, kDraftModel, kOneHot, kUniform } kind = kUniform;
+  int64_t index = 0;  // row of the previous step's P or Q, of this step's draft q, or the token
+};
+
+// The drafts for one image position: candidates (cand[0] lies on the main path) and their q.
+struct Column {
+  std::vector<int64_t> cand;
+  ProposalRef q;
+};
+
+struct Sequence {
+  ImageRequest r;
+  int64_t slot_c = -1, slot_u = -1;  // KV slots: conditional, unconditional (CFG only)
+  std::vector<int64_t> committed;
+  std::vector<Column> cols;  // drafts for image tokens n, n + 1, ...
+  bool tree_next = false;    // the leading columns may carry several candidates
+  uint32_t iter = 0;         // steps taken (keys the random draws)
+  int64_t draft_valid = 0;   // valid entries in the draft model's cache
+  int64_t gamma = 0;         // drafts made by the draft model this step
+  int64_t granted = 0;       // the scheduler's window for this step (0: the policy's)
+  std::vector<double> cool_w;
+  SpecStats stats;
+  // This step's window.
+  std::vector<Node> nodes;
+  std::vector<int64_t> main;  // main-path node of each column (first candidates, then chain)
+  int64_t node_off = 0;       // first row of the step's P (its nodes in order)
+  int64_t q_off = 0;          // first row of the step's Q (its columns in order)
+
+  int64_t n() const { return static_cast<int64_t>(committed.size()); }
+  bool finished(int64_t N) const { return n() == N; }
+  int64_t window() const {
+    return granted > 0 ? std::min(granted, r.policy.window) : r.policy.window;
+  }
+};
+
+}  // namespace imagegen

@@ -1,0 +1,134 @@
+// VerifyWindows: every node whose children are drafts for the next column verifies them with
+// the rule of verify.h, siblings in candidate order (a chain is the case K = 1): with
+// p^(1) = P_a, sibling k is accepted with probability min(1, w p^(k)(c_k) / q^(k)(c_k)), where
+// q^(k) is q with c_1..c_{k-1} removed and renormalised, and p^(k+1) is the residual of p^(k)
+// and q^(k). The first node with no accepted child commits a token from its final residual
+// (or, at a leaf, the bonus from P_a). All nodes of all requests at once, on the device.
+#include <ATen/ATen.h>
+
+#include "engine/decoding/philox.h"
+#include "engine/decoding/sampling.h"
+#include "engine/decoding/step_phases.h"
+
+namespace imagegen {
+namespace {
+
+// Per-node inputs, built on the host: children, uniforms, q rows, COOL weights, GSD nodes.
+struct VerifyInputs {
+  std::vector<int64_t> qrow, kid;
+  std::vector<double> w, uacc, ures;
+  std::vector<int64_t> grouped, group_size;
+  std::vector<double> group_delta, group_dist;
+};
+
+VerifyInputs BuildInputs(const StepContext& ctx) {
+  const int64_t A = ctx.nodes, K = ctx.max_kids;
+  VerifyInputs in;
+  in.qrow.assign(A, 0);
+  in.kid.assign(A * K, -1);
+  in.w.assign(A, 1.0);
+  in.uacc.assign(A * K, 0.0);
+  in.ures.assign(A, 0.0);
+  for (const Sequence* s : ctx.live) {
+    const DecodingPolicy& p = s->r.policy;
+    for (size_t i = 0; i < s->nodes.size(); ++i) {
+      const Node& nd = s->nodes[i];
+      const int64_t a = s->node_off + static_cast<int64_t>(i);
+      const int64_t col = nd.col + 1;  // the column this node's output predicts
+      const auto t = static_cast<uint32_t>(s->n() + col);
+      in.ures[a] = Uniform(s->r.seed, t, s->iter, Purpose::kResample);
+      if (nd.kids.empty()) continue;
+      in.qrow[a] = s->q_off + col;
+      for (size_t k = 0; k < nd.kids.size(); ++k) {
+        in.kid[a * K + static_cast<int64_t>(k)] = s->nodes[nd.kids[k]].token;
+        in.uacc[a * K + static_cast<int64_t>(k)] =
+            Uniform(s->r.seed, t, s->iter, Purpose::kAccept, static_cast<uint32_t>(k));
+      }
+      if (p.acceptance == Acceptance::kRelaxed) in.w[a] = s->cool_w[static_cast<size_t>(col)];
+      if (p.acceptance == Acceptance::kGrouped) {
+        in.grouped.push_back(a);
+        in.group_size.push_back(std::min<int64_t>(p.gsd_group, ctx.cfg().vocab_size));
+        in.group_delta.push_back(p.gsd_delta);
+        in.group_dist.push_back(p.gsd_distance);
+      }
+    }
+  }
+  return in;
+}
+
+at::Tensor Long(const std::vector<int64_t>& v, at::Device d) {
+  return at::tensor(v, at::kLong).to(d);
+}
+at::Tensor Double(const std::vector<double>& v, at::Device d) {
+  return at::tensor(v, at::kDouble).to(d);
+}
+
+// GSD (seed 004 Alg. 3): for the grouped nodes, the cluster of ids around the draft x in
+// p-sorted order, kept where the probability gap and the embedding distance are small, and
+// the ratio of the cluster's masses under p and q.
+at::Tensor GroupedRatio(const StepContext& ctx, const VerifyInputs& in, const at::Tensor& Qa,
+                        const at::Tensor& x) {
+  const at::Device dev = ctx.dev();
+  const int64_t V = ctx.cfg().vocab_size;
+  at::Tensor gi = Long(in.grouped, dev);
+  at::Tensor pg = ctx.p.index_select(0, gi), qg = Qa.index_select(0, gi);
+  at::Tensor xg = x.index_select(0, gi);
+  const int64_t G = *std::max_element(in.group_size.begin(), in.group_size.end());
+  at::Tensor order = pg.argsort(int64_t{1});  // ascending, as the authors' code
+  at::Tensor rank = order.argsort(int64_t{1}).gather(1, xg.unsqueeze(1));  // [Ag, 1]
+  at::Tensor offs =
+      at::arange(-(G / 2), G - G / 2, at::TensorOptions().dtype(at::kLong).device(dev))
+          .unsqueeze(0);
+  at::Tensor gn = Long(in.group_size, dev).unsqueeze(1);
+  at::Tensor rk = rank + offs;
+  // Each node's own G: ranks r - G/2 .. r + G - G/2 - 1 (7 below, 6 above for G = 14).
+  at::Tensor inside = (rk >= 0) & (rk < V) & (offs >= -at::floor_divide(gn, 2)) &
+                      (offs < gn - at::floor_divide(gn, 2));
+  at::Tensor ids = order.gather(1, rk.clamp(0, V - 1));
+  at::Tensor pids = pg.gather(1, ids), qids = qg.gather(1, ids);
+  at::Tensor pxg = pg.gather(1, xg.unsqueeze(1));
+  at::Tensor ex = ctx.embeddings.index_select(0, xg).unsqueeze(1);
+  at::Tensor ej = ctx.embeddings.index_select(0, ids.reshape(-1)).view({ids.size(0), G, -1});
+  at::Tensor dist = (ej - ex).pow(2).sum(-1);
+  at::Tensor keep = inside & ((pids - pxg).abs() < Double(in.group_delta, dev).unsqueeze(1)) &
+                    (dist < Double(in.group_dist, dev).unsqueeze(1));
+  at::Tensor num = (pids * keep).sum(1), den = (qids * keep).sum(1);
+  return at::where(den > 0, num / den.clamp_min(1e-300), (num > 0).to(at::kDouble));
+}
+
+}  // namespace
+
+Verdicts VerifyWindows(const StepContext& ctx) {
+  const at::Device dev = ctx.dev();
+  const int64_t A = ctx.nodes, K = ctx.max_kids, V = ctx.cfg().vocab_size;
+  const VerifyInputs in = BuildInputs(ctx);
+  at::Tensor kids = Long(in.kid, dev).view({A, K});
+  at::Tensor uacc = Double(in.uacc, dev).view({A, K});
+  at::Tensor w = Double(in.w, dev);
+  at::Tensor Qa = ctx.q.index_select(0, Long(in.qrow, dev));
+  at::Tensor pk = ctx.p.clone();
+  at::Tensor removed = at::zeros({A, V}, at::TensorOptions().dtype(at::kBool).device(dev));
+  std::vector<at::Tensor> acc_cols;
+  for (int64_t k = 0; k < K; ++k) {
+    at::Tensor xk = kids.select(1, k);
+    at::Tensor valid = xk >= 0;
+    at::Tensor x = xk.clamp_min(0);
+    at::Tensor qk = RemoveAndNormalise(Qa, removed);
+    at::Tensor wk = k == 0 ? w : at::Tensor();  // COOL-SD weighs the first sibling only
+    at::Tensor ratio = AcceptRatio(pk, qk, x, wk);
+    if (k == 0 && !in.grouped.empty()) {
+      ratio = ratio.index_copy(0, Long(in.grouped, dev), GroupedRatio(ctx, in, Qa, x));
+    }
+    acc_cols.push_back(valid & ctx.rules.Accept(uacc.select(1, k), ratio.clamp_max(1.0)));
+    pk = at::where(valid.unsqueeze(1), ResidualDistribution(pk, qk, wk), pk);
+    removed = removed | (at::one_hot(x, V).to(at::kBool) & valid.unsqueeze(1));
+  }
+  Verdicts v;
+  v.accepted = at::stack(acc_cols, 1);                       // [A, K]
+  v.residual = SampleInverseCdf(pk, Double(in.ures, dev));  // final residual, or the bonus
+  at::Tensor first = v.accepted.to(at::kByte).argmax(1, true);
+  v.kept = at::where(v.accepted.any(1), kids.gather(1, first).squeeze(1), v.residual);
+  return v;
+}
+
+}  // namespace imagegen
