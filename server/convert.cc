@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "engine/decoding/policy.h"
+#include "engine/image/png.h"
 #include "google/rpc/error_details.pb.h"
 #include "google/rpc/status.pb.h"
 
@@ -67,7 +68,6 @@ std::string ProtoField(const std::string& f, const v1::GenerateRequest& req) {
   if (f == "class") {
     return req.class_case() == v1::GenerateRequest::kClassName ? "class_name" : "class_id";
   }
-  if (f == "png_scale") return "output.scale";
   if (req.has_policy() && HasPolicyPart(req.policy(), f)) return "policy." + f;
   if (f == "tree_branches" || f == "tree_depth" || f == "coupling" || f == "gsd_group" ||
       f == "gsd_delta" || f == "gsd_distance" || f == "cool_delta" || f == "cool_nu") {
@@ -187,22 +187,27 @@ grpc::Status ToParams(const v1::GenerateRequest& req, const std::string& default
       o.format() != v1::IMAGE_FORMAT_NONE) {
     return BadField("output.format", "unknown value " + std::to_string(o.format()));
   }
-  out->encode_png = o.format() != v1::IMAGE_FORMAT_NONE;
+  out->decode_image = o.format() != v1::IMAGE_FORMAT_NONE;
   if (o.scale() < 0 || o.scale() > 16) return BadField("output.scale", "must be in [0, 16]");
-  out->png_scale = std::max(o.scale(), 1);
   return grpc::Status::OK;
 }
 
-void FillResponse(const RequestResult& r, bool include_tokens, double total_seconds,
-                  v1::GenerateResponse* resp) {
-  resp->set_image_png(r.png);
+int OutputScale(const v1::GenerateRequest& req) { return std::max(req.output().scale(), 1); }
+
+grpc::Status FillResponse(const RequestResult& r, int scale, bool include_tokens,
+                          double total_seconds, v1::GenerateResponse* resp) {
+  if (!r.image.empty()) {
+    StatusOr<std::string> png = EncodePng(r.image, scale);
+    if (!png.ok()) return grpc::Status(grpc::StatusCode::INTERNAL, png.status().ToString());
+    resp->set_image_png(std::move(png).value());
+    resp->set_width(static_cast<int32_t>(r.image.width * scale));
+    resp->set_height(static_cast<int32_t>(r.image.height * scale));
+    resp->set_channels(static_cast<int32_t>(r.image.channels));
+  }
   if (include_tokens) {
     for (int32_t t : r.tokens) resp->add_tokens(t);
   }
   resp->set_grid(static_cast<int32_t>(r.grid));
-  resp->set_width(static_cast<int32_t>(r.width));
-  resp->set_height(static_cast<int32_t>(r.height));
-  resp->set_channels(static_cast<int32_t>(r.channels));
   v1::GenerationStats* s = resp->mutable_stats();
   s->set_seed(r.seed);
   s->set_model(r.model);
@@ -225,9 +230,10 @@ void FillResponse(const RequestResult& r, bool include_tokens, double total_seco
   s->set_generation_seconds(st.generation_seconds);
   s->set_first_token_seconds(st.first_token_seconds);
   s->set_total_seconds(total_seconds);
+  return grpc::Status::OK;
 }
 
-void FillStep(const StepEvent& e, v1::StepUpdate* s) {
+void FillStep(const StepEvent& e, int scale, v1::StepUpdate* s) {
   s->set_step(static_cast<int32_t>(e.step));
   for (int32_t p : e.positions) s->add_positions(p);
   for (int32_t t : e.tokens) s->add_tokens(t);
@@ -239,7 +245,10 @@ void FillStep(const StepEvent& e, v1::StepUpdate* s) {
   s->set_drafts_verified(e.totals.drafts_verified);
   s->set_drafts_accepted(e.totals.drafts_accepted);
   s->set_window(static_cast<int32_t>(e.window));
-  if (!e.preview_png.empty()) s->set_preview_png(e.preview_png);
+  if (!e.preview.empty()) {
+    StatusOr<std::string> png = EncodePng(e.preview, scale);
+    if (png.ok()) s->set_preview_png(std::move(png).value());  // a preview is best effort
+  }
 }
 
 void FillModels(const std::vector<ModelInfo>& models, const std::string& default_method,

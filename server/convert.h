@@ -34,9 +34,13 @@ grpc::Status ToGrpc(const Status& s, const v1::GenerateRequest& req, double retr
 // policy parts were given (bounded, whatever clients send).
 std::string MethodLabel(const v1::GenerateRequest& req, const std::string& default_method);
 
-void FillResponse(const RequestResult& r, bool include_tokens, double total_seconds,
-                  v1::GenerateResponse* resp);
-void FillStep(const StepEvent& e, v1::StepUpdate* s);
+// The PNG upscaling the request asks for (output.scale; 0 means 1).
+int OutputScale(const v1::GenerateRequest& req);
+// The result and the step updates with their images encoded as PNG here, in the calling
+// (gRPC handler) thread, never on the engine thread. INTERNAL if encoding fails.
+grpc::Status FillResponse(const RequestResult& r, int scale, bool include_tokens,
+                          double total_seconds, v1::GenerateResponse* resp);
+void FillStep(const StepEvent& e, int scale, v1::StepUpdate* s);
 void FillModels(const std::vector<ModelInfo>& models, const std::string& default_method,
                 v1::ListModelsResponse* resp);
 

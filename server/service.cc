@@ -150,7 +150,7 @@ grpc::Status ImageGenerationService::Run(grpc::ServerContext* ctx, const v1::Gen
     for (const StepEvent& e : steps) {
       if (gone) break;
       v1::GenerateStreamResponse msg;
-      FillStep(e, msg.mutable_step());
+      FillStep(e, OutputScale(req), msg.mutable_step());
       if (!writer->Write(msg)) gone = true;
     }
     if (done) break;
@@ -166,12 +166,15 @@ grpc::Status ImageGenerationService::Run(grpc::ServerContext* ctx, const v1::Gen
   const RequestResult& r = *call->result;
   if (stream) {
     v1::GenerateStreamResponse msg;
-    FillResponse(r, true, Since(t0), msg.mutable_final());
+    grpc::Status st = FillResponse(r, OutputScale(req), true, Since(t0), msg.mutable_final());
+    if (!st.ok()) return finish(st);
     if (!writer->Write(msg)) {
       return finish(grpc::Status(grpc::StatusCode::CANCELLED, "the client went away"));
     }
   } else {
-    FillResponse(r, req.output().include_tokens(), Since(t0), unary);
+    grpc::Status st =
+        FillResponse(r, OutputScale(req), req.output().include_tokens(), Since(t0), unary);
+    if (!st.ok()) return finish(st);
   }
   return finish(grpc::Status::OK, &r);
 }

@@ -62,15 +62,4 @@ class Recorder : public RequestObserver {
   std::condition_variable cv_;
 };
 
-// Width and height from a PNG's IHDR chunk (0, 0 if the signature is wrong).
-inline std::pair<int, int> PngSize(const std::string& png) {
-  static const char kSig[] = "\x89PNG\r\n\x1a\n";
-  if (png.size() < 24 || png.compare(0, 8, std::string(kSig, 8)) != 0) return {0, 0};
-  auto be32 = [&](size_t o) {
-    return (static_cast<uint8_t>(png[o]) << 24) | (static_cast<uint8_t>(png[o + 1]) << 16) |
-           (static_cast<uint8_t>(png[o + 2]) << 8) | static_cast<uint8_t>(png[o + 3]);
-  };
-  return {static_cast<int>(be32(16)), static_cast<int>(be32(20))};
-}
-
 }  // namespace imagegen::testing

@@ -129,7 +129,7 @@ TEST(EngineStormTest, ThousandMixedRequestsLeaveNoSlotBehind) {
     p.policy = policies[rng() % policies.size()];
     p.stream_drafts = i % 3 == 0;
     p.preview_every = i % 7 == 0 ? 2 : 0;
-    p.encode_png = i % 2 == 0;
+    p.decode_image = i % 2 == 0;
     if (kind < 5) p.policy.window = 100;  // invalid: rejected before it is queued
     if (kind >= 5 && kind < 15) p.deadline = Clock::now() + std::chrono::microseconds(rng() % 20000);
     const int64_t cancel_after = kind >= 15 && kind < 30 ? 1 + static_cast<int64_t>(rng() % 3) : 0;
@@ -264,7 +264,7 @@ TEST(EngineExactTest, CoBatchedLosslessMethodsMatchTheExactArDistribution) {
       p.class_label = std::to_string(i % kClasses);
       p.seed = c * Tally::kSeedStride + seed_base + static_cast<uint64_t>(i);
       p.policy = cfgs[c];
-      p.encode_png = false;
+      p.decode_image = false;
       flight.Started();
       auto id = engine.Submit(p, tally);
       ASSERT_TRUE(id.ok()) << id.status().ToString();

@@ -44,10 +44,31 @@ INSTANTIATE_TEST_SUITE_P(Shapes, PngTest,
                                            std::make_tuple(300, 250, 3),  // > 65535 raw bytes
                                            std::make_tuple(17, 5, 4), std::make_tuple(9, 3, 2)));
 
+TEST(PngTest, UpscalesByRepeatingPixelsAndCompresses) {
+  const int w = 28, h = 28, s = 16;
+  std::vector<uint8_t> px(w * h);
+  for (int i = 0; i < w * h; ++i) px[i] = static_cast<uint8_t>(i % w < 14 ? 0 : 200);
+  auto png = EncodePng(px.data(), w, h, 1, s);
+  ASSERT_TRUE(png.ok());
+  int dw, dh, dc;
+  std::vector<uint8_t> back = DecodeWithLibpng(*png, &dw, &dh, &dc);
+  ASSERT_EQ(dw, w * s);
+  ASSERT_EQ(dh, h * s);
+  for (int y = 0; y < dh; ++y) {
+    for (int x = 0; x < dw; ++x) ASSERT_EQ(back[y * dw + x], px[(y / s) * w + x / s]);
+  }
+  // Deflate at work: far below the raw size (448 * 449 bytes stored).
+  EXPECT_LT(png->size(), 448u * 449u / 20u);
+}
+
 TEST(PngErrors, RejectsBadShapes) {
   uint8_t px[4] = {0, 0, 0, 0};
   EXPECT_FALSE(EncodePng(px, 0, 1, 1).ok());
   EXPECT_FALSE(EncodePng(px, 1, 1, 5).ok());
+  EXPECT_FALSE(EncodePng(px, 1, 1, 1, 0).ok());
+  EXPECT_FALSE(EncodePng(px, 2048, 1, 1, 64).ok());  // 131072 wide after scaling
+  Image img{2, 2, 1, std::string(3, '\0')};         // one byte short
+  EXPECT_FALSE(EncodePng(img).ok());
 }
 
 }  // namespace

@@ -16,7 +16,6 @@
 namespace imagegen {
 namespace {
 
-using testing::PngSize;
 using testing::Recorder;
 
 TEST(WindowBudgetTest, EverythingFitsOrNoBudget) {
@@ -110,7 +109,8 @@ TEST(EngineTest, MixedMethodsRunTogetherAndTheStreamReassemblesTheGrid) {
     const RequestResult& res = *r.result;
     ASSERT_EQ(res.tokens.size(), 196u);
     EXPECT_EQ(res.policy.preset, methods[i % methods.size()]);
-    EXPECT_EQ(PngSize(res.png), std::make_pair(28, 28));
+    EXPECT_EQ(std::make_pair(res.image.width, res.image.height), std::make_pair(int64_t{28}, int64_t{28}));
+    EXPECT_EQ(res.image.pixels.size(), 28u * 28u);
     // The deltas reassemble into exactly the final grid, in order, with nothing repeated.
     std::vector<int32_t> grid;
     int64_t verified = 0, accepted = 0;
@@ -130,7 +130,7 @@ TEST(EngineTest, MixedMethodsRunTogetherAndTheStreamReassemblesTheGrid) {
         EXPECT_EQ(e.draft_positions[0], static_cast<int32_t>(grid.size()));
       }
       if (i == 1 && e.step % 10 == 0 && grid.size() < 196) {
-        EXPECT_EQ(PngSize(e.preview_png), std::make_pair(28, 28));
+        EXPECT_EQ(e.preview.pixels.size(), 28u * 28u);
       }
     }
     EXPECT_EQ(grid, res.tokens);

@@ -368,21 +368,23 @@ TEST(SpeculativeValidationTest, BadPoliciesNameTheField) {
   r.sampling = toy.sampling;
   r.policy = Preset("sjd", 4);
   r.policy.window = 100;
-  auto s = batch.Add(r);
+  // Requests are validated once (ValidateImageRequest, at submission); Add takes them as given.
+  Status s = ValidateImageRequest(r, *toy.target, nullptr);
   ASSERT_FALSE(s.ok());
-  EXPECT_NE(s.status().message().find("window"), std::string::npos);
+  EXPECT_NE(s.message().find("window"), std::string::npos);
   r.policy = Preset("sd", 4);
-  s = batch.Add(r);
+  s = ValidateImageRequest(r, *toy.target, nullptr);
   ASSERT_FALSE(s.ok());
-  EXPECT_NE(s.status().message().find("draft"), std::string::npos);
+  EXPECT_NE(s.message().find("draft"), std::string::npos);
   r.policy = Preset("sjd-pac", 9);
   r.policy.tree_branches = 3;
   r.policy.tree_depth = 4;  // 1 + 3 + 9 + 27 nodes > 9
-  s = batch.Add(r);
+  s = ValidateImageRequest(r, *toy.target, nullptr);
   ASSERT_FALSE(s.ok());
-  EXPECT_NE(s.status().message().find("tree_depth"), std::string::npos);
+  EXPECT_NE(s.message().find("tree_depth"), std::string::npos);
   EXPECT_FALSE(PolicyFromPreset("nope").ok());
   r.policy = Preset("sjd", 4);
+  EXPECT_TRUE(ValidateImageRequest(r, *toy.target, nullptr).ok());
   EXPECT_TRUE(batch.Add(r).ok());
   EXPECT_TRUE(batch.Add(r).ok());
   auto full = batch.Add(r);  // two CFG requests fill the four slots

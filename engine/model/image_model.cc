@@ -5,8 +5,6 @@
 #include <cstdlib>
 #include <filesystem>
 
-#include "engine/image/png.h"
-
 #ifndef IMAGEGEN_SOURCE_MODELS_DIR
 #define IMAGEGEN_SOURCE_MODELS_DIR "models"
 #endif
@@ -86,17 +84,28 @@ StatusOr<at::Tensor> TokensToPixels(const VqDecoder& vq, const std::vector<int32
   return ImageToUint8(img)[0].contiguous();  // [H, W, C]
 }
 
-StatusOr<std::string> PixelsToPng(at::Tensor px, int64_t scale) {
-  if (scale > 1) px = px.repeat_interleave(scale, 0).repeat_interleave(scale, 1);
-  px = px.contiguous();
-  return EncodePng(px.data_ptr<uint8_t>(), static_cast<int>(px.size(1)),
-                   static_cast<int>(px.size(0)), static_cast<int>(px.size(2)));
+StatusOr<at::Tensor> TokensToPixels(const VqDecoder& vq,
+                                    const std::vector<std::vector<int32_t>>& grids) {
+  std::vector<at::Tensor> rows;
+  for (const auto& g : grids) rows.push_back(at::tensor(g).to(at::kLong));
+  ASSIGN_OR_RETURN(at::Tensor img, vq.Decode(at::stack(rows)));
+  return ImageToUint8(img).contiguous();  // [B, H, W, C]
 }
 
-StatusOr<std::string> TokensToPng(const VqDecoder& vq, const std::vector<int32_t>& tokens,
-                                  int64_t scale) {
+Image PixelsToImage(const at::Tensor& px) {
+  at::Tensor c = px.to(at::kCPU).contiguous();
+  Image img;
+  img.height = c.size(0);
+  img.width = c.size(1);
+  img.channels = c.size(2);
+  img.pixels.assign(reinterpret_cast<const char*>(c.data_ptr<uint8_t>()),
+                    static_cast<size_t>(c.numel()));
+  return img;
+}
+
+StatusOr<Image> TokensToImage(const VqDecoder& vq, const std::vector<int32_t>& tokens) {
   ASSIGN_OR_RETURN(at::Tensor px, TokensToPixels(vq, tokens));
-  return PixelsToPng(px, scale);
+  return PixelsToImage(px);
 }
 
 std::string DefaultModelsDir() {

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/image/image.h"
 #include "engine/model/gpt.h"
 #include "engine/model/models_dir.h"
 #include "engine/model/vq_decoder.h"
@@ -32,10 +33,12 @@ StatusOr<int64_t> ResolveClass(const GptConfig& cfg, const std::string& class_or
 
 // Tokens -> uint8 pixels [H, W, C] (grey or RGB as the tokenizer outputs), contiguous.
 StatusOr<at::Tensor> TokensToPixels(const VqDecoder& vq, const std::vector<int32_t>& tokens);
-// uint8 pixels [H, W, C] -> PNG bytes, each pixel repeated `scale` times in both directions.
-StatusOr<std::string> PixelsToPng(at::Tensor px, int64_t scale = 1);
+// Several grids in one decoder call -> uint8 pixels [B, H, W, C].
+StatusOr<at::Tensor> TokensToPixels(const VqDecoder& vq,
+                                    const std::vector<std::vector<int32_t>>& grids);
+// uint8 pixels [H, W, C] -> an Image (plain bytes, for encoding at the edge).
+Image PixelsToImage(const at::Tensor& px);
 // Both of the above.
-StatusOr<std::string> TokensToPng(const VqDecoder& vq, const std::vector<int32_t>& tokens,
-                                  int64_t scale = 1);
+StatusOr<Image> TokensToImage(const VqDecoder& vq, const std::vector<int32_t>& tokens);
 
 }  // namespace imagegen

@@ -210,7 +210,6 @@ StatusOr<std::unique_ptr<Job>> Engine::Impl::Resolve(GenerateParams p, size_t* m
   s.top_p = p.top_p.value_or(c.default_top_p);
   job->request.policy = p.policy;
   if (p.preview_every < 0) return FieldError("preview_every", "must be >= 0");
-  if (p.png_scale < 1 || p.png_scale > 16) return FieldError("png_scale", "must be in [1, 16]");
   RETURN_IF_ERROR(ValidateImageRequest(job->request, *m.gpt, m.draft.get()));
   job->params = std::move(p);
   *model_index = mi;

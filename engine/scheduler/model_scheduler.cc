@@ -151,12 +151,17 @@ void ModelScheduler::Step(Outcomes& out) {
     return;
   }
   const auto t1 = Clock::now();
+  std::vector<StepEvent> events;
+  std::vector<size_t> due;  // requests whose preview is due this step
   for (size_t i = 0; i < active_.size(); ++i) {
     Job& j = *active_[i];
     if (j.first_token == Clock::time_point()) j.first_token = t1;
     sample.committed += static_cast<int64_t>(batch_.tokens(j.handle).size() - j.reported);
-    Emit(j, windows[i]);
+    events.push_back(Event(j, windows[i]));
+    if (PreviewDue(j)) due.push_back(i);
   }
+  AddPreviews(due, events);
+  for (size_t i = 0; i < active_.size(); ++i) active_[i]->observer->OnStep(events[i]);
   std::erase_if(active_, [&](std::unique_ptr<Job>& j) {
     if (!batch_.done(j->handle)) return false;
     Finish(*j, out);
@@ -166,7 +171,7 @@ void ModelScheduler::Step(Outcomes& out) {
   if (listener_ != nullptr) listener_->OnStep(sample);
 }
 
-void ModelScheduler::Emit(Job& j, int64_t window) {
+StepEvent ModelScheduler::Event(Job& j, int64_t window) {
   const std::vector<int64_t>& toks = batch_.tokens(j.handle);
   const SpecStats& s = batch_.stats(j.handle);
   StepEvent ev;
@@ -195,10 +200,12 @@ void ModelScheduler::Emit(Job& j, int64_t window) {
   ev.totals = {s.nfe, s.draft_forwards, s.drafts_verified, s.drafts_accepted,
                static_cast<int64_t>(toks.size())};
   ev.total_tokens = model_.gpt->config().block_size;
-  if (j.params.preview_every > 0 && !done && s.nfe % j.params.preview_every == 0) {
-    ev.preview_png = Preview(j);
-  }
-  j.observer->OnStep(ev);
+  return ev;
+}
+
+bool ModelScheduler::PreviewDue(const Job& j) const {
+  return j.params.preview_every > 0 && !batch_.done(j.handle) &&
+         batch_.stats(j.handle).nfe % j.params.preview_every == 0;
 }
 
 void ModelScheduler::Finish(Job& j, Outcomes& out) {
@@ -214,23 +221,19 @@ void ModelScheduler::Finish(Job& j, Outcomes& out) {
   res.sampling = j.request.sampling;
   res.tokens = r.tokens;
   res.grid = model_.gpt->config().grid();
-  const VqConfig& vc = model_.vq->config();
-  const int64_t scale = std::max<int64_t>(j.params.png_scale, 1);
-  res.width = res.height = vc.image_size * scale;
-  res.channels = vc.out_channels;
-  if (j.params.encode_png) {
-    StatusOr<std::string> png = Internal("image not decoded");
+  if (j.params.decode_image) {
+    StatusOr<Image> image = Internal("image not decoded");
     try {
-      png = TokensToPng(*model_.vq, r.tokens, scale);
+      image = TokensToImage(*model_.vq, r.tokens);
     } catch (const std::exception& e) {
-      png = Internal(std::string("image decoding failed: ") + e.what());
+      image = Internal(std::string("image decoding failed: ") + e.what());
     }
-    if (!png.ok()) {
-      j.observer->OnError(png.status());
+    if (!image.ok()) {
+      j.observer->OnError(image.status());
       out.failed += 1;
       return;
     }
-    res.png = std::move(png).value();
+    res.image = std::move(image).value();
   }
   RequestStats& st = res.stats;
   st.counters = {r.stats.nfe, r.stats.draft_forwards, r.stats.drafts_verified,
@@ -256,34 +259,37 @@ void ModelScheduler::Finish(Job& j, Outcomes& out) {
 }
 
 // The grid so far: committed tokens, then the drafts the next step will verify, then code 0;
-// the pixels of tokens not yet committed are faded toward grey.
-std::string ModelScheduler::Preview(const Job& j) const {
-  const std::vector<int64_t>& toks = batch_.tokens(j.handle);
-  const std::vector<int64_t> drafts = batch_.drafts(j.handle);
+// the pixels of tokens not yet committed are faded toward grey. All previews due in a step are
+// decoded in one decoder call (the engine thread's only per-preview work; PNG encoding happens
+// at the edge). Best effort: on failure the events carry no preview.
+void ModelScheduler::AddPreviews(const std::vector<size_t>& due, std::vector<StepEvent>& events) {
+  if (due.empty()) return;
   const int64_t N = model_.gpt->config().block_size, g = model_.gpt->config().grid();
-  std::vector<int32_t> ids(static_cast<size_t>(N), 0);
-  for (size_t i = 0; i < toks.size(); ++i) ids[i] = static_cast<int32_t>(toks[i]);
-  for (size_t i = 0; i < drafts.size() && toks.size() + i < ids.size(); ++i) {
-    ids[toks.size() + i] = static_cast<int32_t>(drafts[i]);
+  std::vector<std::vector<int32_t>> grids;
+  for (size_t i : due) {
+    const std::vector<int64_t>& toks = batch_.tokens(active_[i]->handle);
+    const std::vector<int64_t> drafts = batch_.drafts(active_[i]->handle);
+    std::vector<int32_t> ids(static_cast<size_t>(N), 0);
+    for (size_t k = 0; k < toks.size(); ++k) ids[k] = static_cast<int32_t>(toks[k]);
+    for (size_t k = 0; k < drafts.size() && toks.size() + k < ids.size(); ++k) {
+      ids[toks.size() + k] = static_cast<int32_t>(drafts[k]);
+    }
+    grids.push_back(std::move(ids));
   }
   try {
-    StatusOr<at::Tensor> pixels = TokensToPixels(*model_.vq, ids);
-    if (!pixels.ok()) return "";
-    at::Tensor px = *pixels;  // [H, W, C]
-    const int64_t H = px.size(0), W = px.size(1), C = px.size(2);
-    auto a = px.accessor<uint8_t, 3>();
-    for (int64_t t = static_cast<int64_t>(toks.size()); t < N; ++t) {
-      const int64_t r = t / g, c = t % g;
-      for (int64_t y = r * H / g; y < (r + 1) * H / g; ++y) {
-        for (int64_t x = c * W / g; x < (c + 1) * W / g; ++x) {
-          for (int64_t ch = 0; ch < C; ++ch) a[y][x][ch] = static_cast<uint8_t>(96 + a[y][x][ch] / 4);
-        }
-      }
+    StatusOr<at::Tensor> pixels = TokensToPixels(*model_.vq, grids);
+    if (!pixels.ok()) return;
+    at::Tensor px = *pixels;  // [B, H, W, C]
+    const int64_t H = px.size(1), W = px.size(2);  // multiples of g (the decoder upsamples)
+    for (size_t b = 0; b < due.size(); ++b) {
+      at::Tensor one = px[static_cast<int64_t>(b)];
+      const auto committed = static_cast<int64_t>(batch_.tokens(active_[due[b]]->handle).size());
+      at::Tensor pending = (at::arange(N) >= committed).view({g, g});  // dim these cells
+      pending = pending.repeat_interleave(H / g, 0).repeat_interleave(W / g, 1).unsqueeze(-1);
+      one = at::where(pending, one.div(4, "floor").add(96), one);
+      events[due[b]].preview = PixelsToImage(one);
     }
-    StatusOr<std::string> png = PixelsToPng(px, std::max<int64_t>(j.params.png_scale, 1));
-    return png.ok() ? std::move(png).value() : std::string();
   } catch (const std::exception&) {
-    return "";
   }
 }
 

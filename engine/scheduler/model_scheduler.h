@@ -58,10 +58,11 @@ class ModelScheduler {
  private:
   void Admit(Outcomes& out);
   void Step(Outcomes& out);
-  void Emit(Job& job, int64_t window);
+  StepEvent Event(Job& job, int64_t window);  // counters are deltas since the last event
+  bool PreviewDue(const Job& job) const;
+  void AddPreviews(const std::vector<size_t>& due, std::vector<StepEvent>& events);
   void Finish(Job& job, Outcomes& out);
   void End(Job& job, const Status& status);
-  std::string Preview(const Job& job) const;
 
   const ImageModel& model_;
   const EngineOptions& opts_;

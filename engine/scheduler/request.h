@@ -12,6 +12,7 @@
 
 #include "engine/decoding/policy.h"
 #include "engine/decoding/sampling_params.h"
+#include "engine/image/image.h"
 #include "engine/util/status.h"
 
 namespace imagegen {
@@ -28,9 +29,8 @@ struct GenerateParams {
   DecodingPolicy policy;  // PolicyFromPreset(...) plus any explicit parts
   Clock::time_point deadline = Clock::time_point::max();
   bool stream_drafts = false;  // step events carry the drafts the next step will verify
-  int64_t preview_every = 0;   // a preview PNG in every k-th step event; 0: none
-  bool encode_png = true;      // the result carries the final PNG
-  int64_t png_scale = 1;       // nearest-neighbour upscaling of the final and preview PNGs
+  int64_t preview_every = 0;   // a preview image in every k-th step event; 0: none
+  bool decode_image = true;    // the result carries the decoded image (else tokens only)
 };
 
 // Counters of one request so far.
@@ -55,7 +55,7 @@ struct StepEvent {
   std::vector<int32_t> draft_positions, draft_tokens;  // when stream_drafts
   RequestCounters totals;
   int64_t total_tokens = 0;  // tokens in the image
-  std::string preview_png;   // when due: the grid so far (undecided tokens dimmed)
+  Image preview;             // when due: the grid so far (undecided tokens dimmed)
 };
 
 struct RequestStats {
@@ -69,7 +69,7 @@ struct RequestStats {
   double queue_seconds = 0;       // submission to the first step
   double generation_seconds = 0;  // first step to the last token
   double first_token_seconds = 0;  // submission to the first committed token
-  double decode_seconds = 0;      // VQ decoding and PNG encoding
+  double decode_seconds = 0;      // decoding tokens into pixels (VQ)
 };
 
 struct RequestResult {
@@ -81,8 +81,7 @@ struct RequestResult {
   SamplingParams sampling;
   std::vector<int32_t> tokens;  // grid x grid ids, raster order
   int64_t grid = 0;
-  std::string png;              // when encode_png
-  int64_t width = 0, height = 0, channels = 0;  // of the PNG (after png_scale)
+  Image image;                  // when decode_image
   RequestStats stats;
 };
 
