@@ -26,6 +26,7 @@
 #include "google/rpc/error_details.pb.h"
 #include "google/rpc/status.pb.h"
 #include "engine/util/percentile.h"
+#include "engine/util/status.h"
 #include "imagegen/v1/imagegen.grpc.pb.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "server address");
@@ -107,19 +108,10 @@ void Prepare(grpc::ClientContext* ctx) {
   }
 }
 
-const char* CodeName(grpc::StatusCode c) {
-  static const char* kNames[] = {"OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT",
-                                 "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
-                                 "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
-                                 "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL",
-                                 "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED"};
-  const int i = static_cast<int>(c);
-  return i >= 0 && i < 17 ? kNames[i] : "UNKNOWN";
-}
-
 // The status with its google.rpc details (field violations, retry delay), on one line each.
 std::string Describe(const grpc::Status& s) {
-  std::string out = std::string(CodeName(s.error_code())) + ": " + s.error_message();
+  std::string out =
+      std::string(imagegen::StatusCodeName(s.error_code())) + ": " + s.error_message();
   google::rpc::Status st;
   if (!s.error_details().empty() && st.ParseFromString(s.error_details())) {
     for (const auto& d : st.details()) {
@@ -341,7 +333,7 @@ int Load() {
         const auto s1 = Clock::now();
         std::lock_guard<std::mutex> l(mu);
         if (!st.ok()) {
-          errors[CodeName(st.error_code())] += 1;
+          errors[imagegen::StatusCodeName(st.error_code())] += 1;
           if (st.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
             std::this_thread::sleep_for(std::chrono::milliseconds(100));
           }
