@@ -16,16 +16,17 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <map>
 #include <mutex>
-#include <sstream>
 #include <thread>
 
 #include "google/rpc/error_details.pb.h"
 #include "google/rpc/status.pb.h"
 #include "engine/util/percentile.h"
+#include "engine/util/read_file.h"
 #include "engine/util/status.h"
 #include "imagegen/v1/imagegen.grpc.pb.h"
 
@@ -62,15 +63,14 @@ namespace v1 = imagegen::v1;
 using Clock = std::chrono::steady_clock;
 using imagegen::Percentile;
 
-std::string ReadFile(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) {
-    std::cerr << "imagegen: cannot read " << path << "\n";
+// TLS material and the token: without them no call can be made.
+std::string ReadFileOrExit(const std::string& flag, const std::string& path) {
+  imagegen::StatusOr<std::string> data = imagegen::ReadFile(path);
+  if (!data.ok()) {
+    std::cerr << "imagegen: --" << flag << ": " << data.status().message() << "\n";
     std::exit(2);
   }
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
+  return std::move(data).value();
 }
 
 std::string Trim(std::string s) {
@@ -83,10 +83,10 @@ std::shared_ptr<grpc::Channel> Connect() {
   grpc::ChannelArguments args;
   if (!absl::GetFlag(FLAGS_tls_ca).empty()) {
     grpc::SslCredentialsOptions o;
-    o.pem_root_certs = ReadFile(absl::GetFlag(FLAGS_tls_ca));
+    o.pem_root_certs = ReadFileOrExit("tls-ca", absl::GetFlag(FLAGS_tls_ca));
     if (!absl::GetFlag(FLAGS_tls_cert).empty()) {
-      o.pem_cert_chain = ReadFile(absl::GetFlag(FLAGS_tls_cert));
-      o.pem_private_key = ReadFile(absl::GetFlag(FLAGS_tls_key));
+      o.pem_cert_chain = ReadFileOrExit("tls-cert", absl::GetFlag(FLAGS_tls_cert));
+      o.pem_private_key = ReadFileOrExit("tls-key", absl::GetFlag(FLAGS_tls_key));
     }
     creds = grpc::SslCredentials(o);
     if (!absl::GetFlag(FLAGS_tls_server_name).empty()) {
@@ -98,9 +98,10 @@ std::shared_ptr<grpc::Channel> Connect() {
 
 void Prepare(grpc::ClientContext* ctx) {
   // Read once: `load` prepares a context for every request.
-  static const std::string token = absl::GetFlag(FLAGS_token_file).empty()
-                                       ? ""
-                                       : Trim(ReadFile(absl::GetFlag(FLAGS_token_file)));
+  static const std::string token =
+      absl::GetFlag(FLAGS_token_file).empty()
+          ? ""
+          : Trim(ReadFileOrExit("token-file", absl::GetFlag(FLAGS_token_file)));
   if (!token.empty()) ctx->AddMetadata("authorization", "Bearer " + token);
   if (absl::GetFlag(FLAGS_timeout) > 0) {
     ctx->set_deadline(std::chrono::system_clock::now() +
