@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -109,7 +110,9 @@ int main(int argc, char** argv) {
   const int64_t per_class = f.Int("per-class"), batch = f.Int("batch");
   if (per_class < 1 || batch < 1) f.Fail("--per-class and --batch must be positive");
   const std::string out = f.Str("out-dir");
-  if (std::system(("mkdir -p '" + out + "'").c_str()) != 0) f.Fail("cannot create --out-dir");
+  if (std::error_code ec; !std::filesystem::create_directories(out, ec) && ec) {
+    f.Fail("cannot create --out-dir " + out + ": " + ec.message());
+  }
 
   auto want = [&](const std::string& m) {
     if (f.Str("methods") == "all") return true;

@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <map>
@@ -230,8 +231,8 @@ int Generate() {
   req.set_preview_every(absl::GetFlag(FLAGS_preview_every));
   req.set_stream_drafts(absl::GetFlag(FLAGS_drafts));
   const std::string dir = absl::GetFlag(FLAGS_preview_dir);
-  if (!dir.empty() && std::system(("mkdir -p '" + dir + "'").c_str()) != 0) {
-    std::cerr << "imagegen: cannot create " << dir << "\n";
+  if (std::error_code ec; !dir.empty() && !std::filesystem::create_directories(dir, ec) && ec) {
+    std::cerr << "imagegen: cannot create --preview-dir " << dir << ": " << ec.message() << "\n";
     return 2;
   }
   auto reader = stub->GenerateStream(&ctx, req);
