@@ -101,7 +101,7 @@ int main(int argc, char** argv) {
            {"windows", "16,32,64"}, {"sd-windows", "4,8,16"}, {"methods", "all"},
            {"out-dir", "spec-bench"}, {"python", IMAGEGEN_DEFAULT_PYTHON}, {"device", "cpu"}, {"dtype", "fp32"}},
           "usage: imagegen-spec-bench [--per-class N] [--batch B] [--windows 16,32,64] "
-          "[--methods all|sjd,scd-mc,...] [--out-dir DIR] [--device cpu|cuda]");
+          "[--methods all|sjd,scd-mc,...] [--out-dir DIR] [--device cpu|cuda|cuda:N]");
   const LoadOptions opts = LoadOptionsFromFlags(f);
   ImageModel model = OrDie(LoadImageModel(f.Str("models-dir"), f.Str("model"), opts));
   auto draft = OrDie(Gpt::Load(f.Str("models-dir") + "/" + f.Str("draft"), opts));
