@@ -2,8 +2,6 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <c10/core/Device.h>
-#include <torch/cuda.h>
 
 #include <iostream>
 #include <string>
@@ -11,26 +9,16 @@
 #include "bench/flags.h"
 #include "engine/decoding/sampling.h"
 #include "engine/image/png.h"
+#include "engine/model/device.h"
 #include "engine/model/gpt.h"
 #include "engine/model/weights.h"
 
 namespace imagegen {
 
 inline LoadOptions LoadOptionsFromFlags(const Flags& f) {
-  LoadOptions o;
-  const std::string& dev = f.Str("device");
-  if (dev == "cuda") {
-    if (!torch::cuda::is_available()) f.Fail("--device cuda: no CUDA device available");
-    o.device = c10::Device(c10::kCUDA, 0);
-  } else if (dev != "cpu") {
-    f.Fail("--device must be cpu or cuda");
-  }
-  const std::string& dt = f.Str("dtype");
-  if (dt == "fp32") o.dtype = at::kFloat;
-  else if (dt == "bf16") o.dtype = at::kBFloat16;
-  else if (dt == "fp16") o.dtype = at::kHalf;
-  else f.Fail("--dtype must be fp32, bf16 or fp16");
-  return o;
+  StatusOr<LoadOptions> o = ParseDeviceAndDtype(f.Str("device"), f.Str("dtype"));
+  if (!o.ok()) f.Fail("--" + o.status().message());
+  return *o;
 }
 
 // Flags left as "default" take the model's recommended values from config.json.

@@ -13,6 +13,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <mutex>
@@ -251,7 +252,9 @@ int main(int argc, char** argv) {
           "usage: imagegen-load-bench [--methods LIST] [--concurrency LIST] [--seconds S] "
           "[--budget TOKENS] [--sweep-budgets LIST] --out-dir DIR");
   const std::string out = f.Str("out-dir");
-  if (std::system(("mkdir -p '" + out + "'").c_str()) != 0) f.Fail("cannot create --out-dir");
+  if (std::error_code ec; !std::filesystem::create_directories(out, ec) && ec) {
+    f.Fail("cannot create --out-dir " + out + ": " + ec.message());
+  }
   EngineOptions base;
   base.models_dir = f.Str("models-dir");
   base.models = {f.Str("model")};

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -100,7 +101,7 @@ int main(int argc, char** argv) {
            {"windows", "16,32,64"}, {"sd-windows", "4,8,16"}, {"methods", "all"},
            {"out-dir", "spec-bench"}, {"python", IMAGEGEN_DEFAULT_PYTHON}, {"device", "cpu"}, {"dtype", "fp32"}},
           "usage: imagegen-spec-bench [--per-class N] [--batch B] [--windows 16,32,64] "
-          "[--methods all|sjd,scd-mc,...] [--out-dir DIR] [--device cpu|cuda]");
+          "[--methods all|sjd,scd-mc,...] [--out-dir DIR] [--device cpu|cuda|cuda:N]");
   const LoadOptions opts = LoadOptionsFromFlags(f);
   ImageModel model = OrDie(LoadImageModel(f.Str("models-dir"), f.Str("model"), opts));
   auto draft = OrDie(Gpt::Load(f.Str("models-dir") + "/" + f.Str("draft"), opts));
@@ -109,7 +110,9 @@ int main(int argc, char** argv) {
   const int64_t per_class = f.Int("per-class"), batch = f.Int("batch");
   if (per_class < 1 || batch < 1) f.Fail("--per-class and --batch must be positive");
   const std::string out = f.Str("out-dir");
-  if (std::system(("mkdir -p '" + out + "'").c_str()) != 0) f.Fail("cannot create --out-dir");
+  if (std::error_code ec; !std::filesystem::create_directories(out, ec) && ec) {
+    f.Fail("cannot create --out-dir " + out + ": " + ec.message());
+  }
 
   auto want = [&](const std::string& m) {
     if (f.Str("methods") == "all") return true;

@@ -16,16 +16,19 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <map>
 #include <mutex>
-#include <sstream>
 #include <thread>
 
 #include "google/rpc/error_details.pb.h"
 #include "google/rpc/status.pb.h"
 #include "engine/util/percentile.h"
+#include "engine/util/read_file.h"
+#include "engine/util/status.h"
 #include "imagegen/v1/imagegen.grpc.pb.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "server address");
@@ -61,15 +64,14 @@ namespace v1 = imagegen::v1;
 using Clock = std::chrono::steady_clock;
 using imagegen::Percentile;
 
-std::string ReadFile(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) {
-    std::cerr << "imagegen: cannot read " << path << "\n";
+// TLS material and the token: without them no call can be made.
+std::string ReadFileOrExit(const std::string& flag, const std::string& path) {
+  imagegen::StatusOr<std::string> data = imagegen::ReadFile(path);
+  if (!data.ok()) {
+    std::cerr << "imagegen: --" << flag << ": " << data.status().message() << "\n";
     std::exit(2);
   }
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
+  return std::move(data).value();
 }
 
 std::string Trim(std::string s) {
@@ -82,10 +84,10 @@ std::shared_ptr<grpc::Channel> Connect() {
   grpc::ChannelArguments args;
   if (!absl::GetFlag(FLAGS_tls_ca).empty()) {
     grpc::SslCredentialsOptions o;
-    o.pem_root_certs = ReadFile(absl::GetFlag(FLAGS_tls_ca));
+    o.pem_root_certs = ReadFileOrExit("tls-ca", absl::GetFlag(FLAGS_tls_ca));
     if (!absl::GetFlag(FLAGS_tls_cert).empty()) {
-      o.pem_cert_chain = ReadFile(absl::GetFlag(FLAGS_tls_cert));
-      o.pem_private_key = ReadFile(absl::GetFlag(FLAGS_tls_key));
+      o.pem_cert_chain = ReadFileOrExit("tls-cert", absl::GetFlag(FLAGS_tls_cert));
+      o.pem_private_key = ReadFileOrExit("tls-key", absl::GetFlag(FLAGS_tls_key));
     }
     creds = grpc::SslCredentials(o);
     if (!absl::GetFlag(FLAGS_tls_server_name).empty()) {
@@ -97,9 +99,10 @@ std::shared_ptr<grpc::Channel> Connect() {
 
 void Prepare(grpc::ClientContext* ctx) {
   // Read once: `load` prepares a context for every request.
-  static const std::string token = absl::GetFlag(FLAGS_token_file).empty()
-                                       ? ""
-                                       : Trim(ReadFile(absl::GetFlag(FLAGS_token_file)));
+  static const std::string token =
+      absl::GetFlag(FLAGS_token_file).empty()
+          ? ""
+          : Trim(ReadFileOrExit("token-file", absl::GetFlag(FLAGS_token_file)));
   if (!token.empty()) ctx->AddMetadata("authorization", "Bearer " + token);
   if (absl::GetFlag(FLAGS_timeout) > 0) {
     ctx->set_deadline(std::chrono::system_clock::now() +
@@ -107,19 +110,10 @@ void Prepare(grpc::ClientContext* ctx) {
   }
 }
 
-const char* CodeName(grpc::StatusCode c) {
-  static const char* kNames[] = {"OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT",
-                                 "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
-                                 "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
-                                 "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL",
-                                 "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED"};
-  const int i = static_cast<int>(c);
-  return i >= 0 && i < 17 ? kNames[i] : "UNKNOWN";
-}
-
 // The status with its google.rpc details (field violations, retry delay), on one line each.
 std::string Describe(const grpc::Status& s) {
-  std::string out = std::string(CodeName(s.error_code())) + ": " + s.error_message();
+  std::string out =
+      std::string(imagegen::StatusCodeName(s.error_code())) + ": " + s.error_message();
   google::rpc::Status st;
   if (!s.error_details().empty() && st.ParseFromString(s.error_details())) {
     for (const auto& d : st.details()) {
@@ -237,8 +231,8 @@ int Generate() {
   req.set_preview_every(absl::GetFlag(FLAGS_preview_every));
   req.set_stream_drafts(absl::GetFlag(FLAGS_drafts));
   const std::string dir = absl::GetFlag(FLAGS_preview_dir);
-  if (!dir.empty() && std::system(("mkdir -p '" + dir + "'").c_str()) != 0) {
-    std::cerr << "imagegen: cannot create " << dir << "\n";
+  if (std::error_code ec; !dir.empty() && !std::filesystem::create_directories(dir, ec) && ec) {
+    std::cerr << "imagegen: cannot create --preview-dir " << dir << ": " << ec.message() << "\n";
     return 2;
   }
   auto reader = stub->GenerateStream(&ctx, req);
@@ -341,7 +335,7 @@ int Load() {
         const auto s1 = Clock::now();
         std::lock_guard<std::mutex> l(mu);
         if (!st.ok()) {
-          errors[CodeName(st.error_code())] += 1;
+          errors[imagegen::StatusCodeName(st.error_code())] += 1;
           if (st.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
             std::this_thread::sleep_for(std::chrono::milliseconds(100));
           }

@@ -1,7 +1,8 @@
 #include "server/auth.h"
 
-#include <fstream>
-#include <sstream>
+#include <algorithm>
+
+#include "engine/util/read_file.h"
 
 namespace imagegen::server {
 
@@ -17,11 +18,7 @@ bool ConstantTimeEquals(std::string_view a, std::string_view b) {
 }
 
 StatusOr<TokenAuth> TokenAuth::FromFile(const std::string& path) {
-  std::ifstream f(path);
-  if (!f) return NotFound("token file '" + path + "' cannot be read");
-  std::stringstream ss;
-  ss << f.rdbuf();
-  std::string t = ss.str();
+  ASSIGN_OR_RETURN(const std::string t, ReadFile(path));
   const auto b = t.find_first_not_of(" \t\r\n"), e = t.find_last_not_of(" \t\r\n");
   if (b == std::string::npos) return InvalidArgument("token file '" + path + "' is empty");
   TokenAuth a;

@@ -77,6 +77,18 @@ std::string ProtoField(const std::string& f, const v1::GenerateRequest& req) {
   return f;  // model, seed, cfg_scale, temperature, top_k, top_p, method, window, ...
 }
 
+// The engine's codes carry gRPC's numbers, so StatusCodeName names both.
+static_assert(static_cast<int>(Code::kCancelled) == grpc::StatusCode::CANCELLED);
+static_assert(static_cast<int>(Code::kInvalidArgument) == grpc::StatusCode::INVALID_ARGUMENT);
+static_assert(static_cast<int>(Code::kDeadlineExceeded) == grpc::StatusCode::DEADLINE_EXCEEDED);
+static_assert(static_cast<int>(Code::kNotFound) == grpc::StatusCode::NOT_FOUND);
+static_assert(static_cast<int>(Code::kResourceExhausted) == grpc::StatusCode::RESOURCE_EXHAUSTED);
+static_assert(static_cast<int>(Code::kFailedPrecondition) ==
+              grpc::StatusCode::FAILED_PRECONDITION);
+static_assert(static_cast<int>(Code::kInternal) == grpc::StatusCode::INTERNAL);
+static_assert(static_cast<int>(Code::kUnavailable) == grpc::StatusCode::UNAVAILABLE);
+static_assert(static_cast<int>(Code::kDataLoss) == grpc::StatusCode::DATA_LOSS);
+
 grpc::Status ToGrpc(const Status& s, const v1::GenerateRequest& req, double retry_seconds) {
   switch (s.code()) {
     case Code::kOk:

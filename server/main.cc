@@ -20,12 +20,11 @@
 #include <cstdlib>
 #include <cstdio>
 #include <fstream>
-#include <iostream>
-#include <sstream>
 #include <thread>
 
 #include "engine/model/models_dir.h"
 #include "engine/scheduler/engine.h"
+#include "engine/util/read_file.h"
 #include "server/auth.h"
 #include "server/metrics.h"
 #include "server/metrics_http.h"
@@ -68,18 +67,17 @@ namespace {
 
 constexpr char kServiceName[] = "imagegen.v1.ImageGeneration";
 
-std::string ReadFile(const std::string& path) {
-  std::ifstream f(path);
-  if (!f) {
-    std::cerr << "imagegen-server: cannot read " << path << "\n";
+void Log(const std::string& msg) { std::fprintf(stderr, "imagegen-server: %s\n", msg.c_str()); }
+
+// TLS material: the server does not start without it.
+std::string ReadFileOrExit(const std::string& flag, const std::string& path) {
+  imagegen::StatusOr<std::string> data = imagegen::ReadFile(path);
+  if (!data.ok()) {
+    Log("--" + flag + ": " + data.status().message());
     std::exit(2);
   }
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
+  return std::move(data).value();
 }
-
-void Log(const std::string& msg) { std::fprintf(stderr, "imagegen-server: %s\n", msg.c_str()); }
 
 }  // namespace
 
@@ -122,9 +120,10 @@ int main(int argc, char** argv) {
   }
   if (!cert.empty()) {
     grpc::SslServerCredentialsOptions o;
-    o.pem_key_cert_pairs.push_back({ReadFile(key), ReadFile(cert)});
+    o.pem_key_cert_pairs.push_back(
+        {ReadFileOrExit("tls-key", key), ReadFileOrExit("tls-cert", cert)});
     if (!absl::GetFlag(FLAGS_tls_client_ca).empty()) {
-      o.pem_root_certs = ReadFile(absl::GetFlag(FLAGS_tls_client_ca));
+      o.pem_root_certs = ReadFileOrExit("tls-client-ca", absl::GetFlag(FLAGS_tls_client_ca));
       o.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
     }
     creds = grpc::SslServerCredentials(o);

@@ -1,5 +1,7 @@
 #include "server/service.h"
 
+#include <algorithm>
+#include <cctype>
 #include <condition_variable>
 #include <deque>
 #include <mutex>
@@ -59,18 +61,27 @@ class Call : public RequestObserver {
   bool done_ = false;
 };
 
-const char* Outcome(grpc::StatusCode c) {
+// The call's outcome label: its status code's name in lower case. The label values are fixed
+// (dashboards and alerts select on them), so codes a call is not expected to end with count
+// as internal.
+std::string Outcome(grpc::StatusCode c) {
   switch (c) {
-    case grpc::StatusCode::OK: return "ok";
-    case grpc::StatusCode::INVALID_ARGUMENT: return "invalid_argument";
-    case grpc::StatusCode::NOT_FOUND: return "not_found";
-    case grpc::StatusCode::RESOURCE_EXHAUSTED: return "resource_exhausted";
-    case grpc::StatusCode::UNAVAILABLE: return "unavailable";
-    case grpc::StatusCode::CANCELLED: return "cancelled";
-    case grpc::StatusCode::DEADLINE_EXCEEDED: return "deadline_exceeded";
-    case grpc::StatusCode::UNAUTHENTICATED: return "unauthenticated";
-    default: return "internal";
+    case grpc::StatusCode::OK:
+    case grpc::StatusCode::INVALID_ARGUMENT:
+    case grpc::StatusCode::NOT_FOUND:
+    case grpc::StatusCode::RESOURCE_EXHAUSTED:
+    case grpc::StatusCode::UNAVAILABLE:
+    case grpc::StatusCode::CANCELLED:
+    case grpc::StatusCode::DEADLINE_EXCEEDED:
+    case grpc::StatusCode::UNAUTHENTICATED:
+      break;
+    default:
+      c = grpc::StatusCode::INTERNAL;
   }
+  std::string label = StatusCodeName(static_cast<int>(c));
+  std::transform(label.begin(), label.end(), label.begin(),
+                 [](unsigned char ch) { return static_cast<char>(std::tolower(ch)); });
+  return label;
 }
 
 double Since(Clock::time_point t0) {

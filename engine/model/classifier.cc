@@ -2,6 +2,9 @@
 
 #include <ATen/ATen.h>
 
+// The complete Json type: ReadModelConfig returns one by value (json.h only declares it).
+#include <nlohmann/json.hpp>
+
 namespace imagegen {
 
 StatusOr<std::unique_ptr<Classifier>> Classifier::Load(const std::string& dir,

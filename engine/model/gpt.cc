@@ -4,6 +4,9 @@
 
 #include <cmath>
 
+// The complete Json type: ReadModelConfig returns one by value (json.h only declares it).
+#include <nlohmann/json.hpp>
+
 namespace imagegen {
 namespace {
 
@@ -82,10 +85,10 @@ StatusOr<GptConfig> ParseGptConfig(const Json& json, const std::string& where) {
   ASSIGN_OR_RETURN(c.class_dropout_prob, f.Number("class_dropout_prob", 0.1));
   ASSIGN_OR_RETURN(c.tokenizer, f.String("tokenizer", ""));
   ASSIGN_OR_RETURN(c.draft_model, f.String("draft_model", ""));
-  if (json.Find("class_names")) {
+  if (f.Find("class_names") != nullptr) {
     ASSIGN_OR_RETURN(c.class_names, f.StringList("class_names"));
   }
-  if (const Json* d = json.Find("sampling_defaults"); d != nullptr) {
+  if (const Json* d = f.Find("sampling_defaults"); d != nullptr) {
     JsonFields sd(*d, where + ": sampling_defaults");
     ASSIGN_OR_RETURN(c.default_cfg_scale, sd.Number("cfg_scale", 1.0));
     ASSIGN_OR_RETURN(c.default_temperature, sd.Number("temperature", 1.0));

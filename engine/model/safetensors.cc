@@ -11,6 +11,8 @@
 #include <fstream>
 #include <sstream>
 
+#include <nlohmann/json.hpp>
+
 #include "engine/util/json.h"
 
 namespace imagegen {
@@ -41,6 +43,48 @@ const DtypeEntry* FindDtype(at::ScalarType t) {
     if (t == e.type) return &e;
   }
   return nullptr;
+}
+
+// One tensor's header entry, checked against itself and the size of the data section.
+StatusOr<TensorInfo> ParseTensorEntry(const Json& entry, const std::string& where,
+                                      uint64_t data_size) {
+  if (!entry.is_object()) return DataLoss(where + ": entry is not an object");
+  const auto dtype = entry.find("dtype"), shape = entry.find("shape");
+  const auto offsets = entry.find("data_offsets");
+  if (dtype == entry.end() || !dtype->is_string()) return DataLoss(where + ": missing dtype");
+  if (shape == entry.end() || !shape->is_array()) return DataLoss(where + ": missing shape");
+  if (offsets == entry.end() || !offsets->is_array() || offsets->size() != 2) {
+    return DataLoss(where + ": data_offsets must be [begin, end]");
+  }
+  TensorInfo info;
+  info.dtype = dtype->get<std::string>();
+  const DtypeEntry* dt = FindDtype(info.dtype);
+  if (dt == nullptr) return DataLoss(where + ": unsupported dtype " + info.dtype);
+  uint64_t numel = 1;
+  for (const Json& d : *shape) {
+    const std::optional<int64_t> n = JsonInt(d);
+    if (!n || *n < 0) return DataLoss(where + ": bad shape entry");
+    const auto u = static_cast<uint64_t>(*n);
+    if (u != 0 && numel > (uint64_t{1} << 48) / u) return DataLoss(where + ": shape too large");
+    numel *= u;
+    info.shape.push_back(*n);
+  }
+  const std::optional<int64_t> begin = JsonInt((*offsets)[0]), end = JsonInt((*offsets)[1]);
+  if (!begin || !end || *begin < 0 || *end < 0) return DataLoss(where + ": bad data_offsets");
+  info.begin = static_cast<uint64_t>(*begin);
+  info.end = static_cast<uint64_t>(*end);
+  if (info.end < info.begin) return DataLoss(where + ": data_offsets end before begin");
+  if (info.end - info.begin != numel * dt->size) {
+    return DataLoss(where + ": data_offsets span " + std::to_string(info.end - info.begin) +
+                    " bytes but dtype " + info.dtype + " x shape needs " +
+                    std::to_string(numel * dt->size));
+  }
+  if (info.end > data_size) {
+    return DataLoss(where + ": data ends at byte " + std::to_string(info.end) +
+                    " but the file holds only " + std::to_string(data_size) +
+                    " data bytes (truncated file?)");
+  }
+  return info;
 }
 
 }  // namespace
@@ -88,60 +132,24 @@ StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::stri
   }
   f->data_start_ = 8 + header_len;
   std::string_view header(reinterpret_cast<const char*>(f->map_ + 8), header_len);
-  auto parsed = Json::Parse(header);
+  StatusOr<Json> parsed = ParseJson(header);
   if (!parsed.ok()) return DataLoss(path + ": bad header: " + parsed.status().message());
   const Json& root = parsed.value();
   if (!root.is_object()) return DataLoss(path + ": bad header: not a JSON object");
 
   const uint64_t data_size = size - f->data_start_;
   std::vector<std::pair<uint64_t, uint64_t>> ranges;
-  for (const auto& [name, entry] : root.as_object()) {
+  for (const auto& [name, entry] : root.items()) {
     if (name == "__metadata__") {
       if (!entry.is_object()) return DataLoss(path + ": __metadata__ is not an object");
-      for (const auto& [k, v] : entry.as_object()) {
+      for (const auto& [k, v] : entry.items()) {
         if (!v.is_string()) return DataLoss(path + ": __metadata__ values must be strings");
-        f->metadata_[k] = v.as_string();
+        f->metadata_[k] = v.get<std::string>();
       }
       continue;
     }
-    const std::string where = path + ": tensor '" + name + "'";
-    if (!entry.is_object()) return DataLoss(where + ": entry is not an object");
-    const Json* dtype = entry.Find("dtype");
-    const Json* shape = entry.Find("shape");
-    const Json* offsets = entry.Find("data_offsets");
-    if (!dtype || !dtype->is_string()) return DataLoss(where + ": missing dtype");
-    if (!shape || !shape->is_array()) return DataLoss(where + ": missing shape");
-    if (!offsets || !offsets->is_array() || offsets->as_array().size() != 2) {
-      return DataLoss(where + ": data_offsets must be [begin, end]");
-    }
-    TensorInfo info;
-    info.dtype = dtype->as_string();
-    const DtypeEntry* dt = FindDtype(info.dtype);
-    if (dt == nullptr) return DataLoss(where + ": unsupported dtype " + info.dtype);
-    uint64_t numel = 1;
-    for (const Json& d : shape->as_array()) {
-      if (!d.is_integer() || d.as_number() < 0) return DataLoss(where + ": bad shape entry");
-      auto n = static_cast<uint64_t>(d.as_number());
-      if (n != 0 && numel > (uint64_t{1} << 48) / n) return DataLoss(where + ": shape too large");
-      numel *= n;
-      info.shape.push_back(static_cast<int64_t>(n));
-    }
-    for (const Json& o : offsets->as_array()) {
-      if (!o.is_integer() || o.as_number() < 0) return DataLoss(where + ": bad data_offsets");
-    }
-    info.begin = static_cast<uint64_t>(offsets->as_array()[0].as_number());
-    info.end = static_cast<uint64_t>(offsets->as_array()[1].as_number());
-    if (info.end < info.begin) return DataLoss(where + ": data_offsets end before begin");
-    if (info.end - info.begin != numel * dt->size) {
-      return DataLoss(where + ": data_offsets span " + std::to_string(info.end - info.begin) +
-                      " bytes but dtype " + info.dtype + " x shape needs " +
-                      std::to_string(numel * dt->size));
-    }
-    if (info.end > data_size) {
-      return DataLoss(where + ": data ends at byte " + std::to_string(info.end) +
-                      " but the file holds only " + std::to_string(data_size) +
-                      " data bytes (truncated file?)");
-    }
+    ASSIGN_OR_RETURN(TensorInfo info,
+                     ParseTensorEntry(entry, path + ": tensor '" + name + "'", data_size));
     ranges.emplace_back(info.begin, info.end);
     f->tensors_.emplace(name, std::move(info));
   }

@@ -2,6 +2,9 @@
 
 #include <ATen/ATen.h>
 
+// The complete Json type: ReadModelConfig returns one by value (json.h only declares it).
+#include <nlohmann/json.hpp>
+
 namespace imagegen {
 
 StatusOr<VqConfig> ParseVqConfig(const Json& json, const std::string& where) {

@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "engine/util/read_file.h"
 
 namespace imagegen {
 
@@ -23,12 +25,9 @@ StatusOr<Json> ReadModelConfig(const std::string& dir) {
   if (!fs::is_regular_file(path, ec)) {
     return NotFound(path + ": not found (a model directory holds config.json)");
   }
-  if (fs::file_size(path, ec) > (1u << 20)) return FailedPrecondition(path + ": larger than 1 MiB");
-  std::ifstream in(path);
-  if (!in) return NotFound(path + ": cannot open");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  auto parsed = Json::Parse(ss.str());
+  // A config is a few KiB; the cap keeps a wrong or hostile file from being read whole.
+  ASSIGN_OR_RETURN(const std::string text, ReadFile(path, size_t{1} << 20));
+  StatusOr<Json> parsed = ParseJson(text);
   if (!parsed.ok()) return FailedPrecondition(path + ": " + parsed.status().message());
   if (!parsed->is_object()) return FailedPrecondition(path + ": must hold a JSON object");
   return parsed;

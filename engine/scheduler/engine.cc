@@ -2,7 +2,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/cuda.h>
 
 #include <condition_variable>
 #include <filesystem>
@@ -13,45 +12,12 @@
 #include <unordered_set>
 
 #include "engine/decoding/speculative.h"
+#include "engine/model/device.h"
 #include "engine/model/image_model.h"
 #include "engine/scheduler/model_scheduler.h"
 
 namespace imagegen {
 namespace {
-
-StatusOr<LoadOptions> ParseDevice(const EngineOptions& o) {
-  LoadOptions lo;
-  if (o.device == "cpu") {
-    lo.device = c10::Device(c10::kCPU);
-  } else if (o.device.rfind("cuda", 0) == 0) {
-    if (!torch::cuda::is_available()) return InvalidArgument("device: no CUDA device available");
-    int index = 0;
-    if (o.device.size() > 4) {
-      const std::string rest = o.device.substr(4);
-      if (rest.size() < 2 || rest[0] != ':' ||
-          rest.find_first_not_of("0123456789", 1) != std::string::npos || rest.size() > 4) {
-        return InvalidArgument("device: expected cpu, cuda or cuda:N, got '" + o.device + "'");
-      }
-      index = std::stoi(rest.substr(1));
-    }
-    if (index >= static_cast<int>(torch::cuda::device_count())) {
-      return InvalidArgument("device: " + o.device + " does not exist");
-    }
-    lo.device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
-  } else {
-    return InvalidArgument("device: expected cpu, cuda or cuda:N, got '" + o.device + "'");
-  }
-  if (o.dtype == "fp32") {
-    lo.dtype = at::kFloat;
-  } else if (o.dtype == "bf16") {
-    lo.dtype = at::kBFloat16;
-  } else if (o.dtype == "fp16") {
-    lo.dtype = at::kHalf;
-  } else {
-    return InvalidArgument("dtype: expected fp32, bf16 or fp16, got '" + o.dtype + "'");
-  }
-  return lo;
-}
 
 int64_t CacheBytesPerSlot(const Gpt& g) {
   const GptConfig& c = g.config();
@@ -132,7 +98,7 @@ StatusOr<std::unique_ptr<Engine>> Engine::Start(const EngineOptions& options,
 }
 
 Status Engine::Impl::Load() {
-  ASSIGN_OR_RETURN(LoadOptions lo, ParseDevice(opts));
+  ASSIGN_OR_RETURN(LoadOptions lo, ParseDeviceAndDtype(opts.device, opts.dtype));
   if (opts.max_tokens_per_step < 0) opts.max_tokens_per_step = lo.device.is_cuda() ? 2048 : 256;
   const EngineOptions& o = opts;
   for (const std::string& name : o.models) {

@@ -1,13 +1,15 @@
-// A small JSON reader for config.json and safetensors headers.
+// JSON for config.json and safetensors headers: nlohmann::json, parsed with the limits that
+// untrusted files need, and typed field accessors whose errors name the file and the key.
 //
-// The engine must build with LibTorch alone, so it carries its own parser. It accepts RFC 8259
-// JSON (objects, arrays, strings with escapes, numbers, true/false/null), rejects trailing
-// garbage and nesting deeper than 64, and reports the byte offset of the first error.
+// Only the forward declarations are included here: most translation units that see this
+// header (through weights.h) never touch a JSON value, and nlohmann/json.hpp is large. Code
+// that reads values includes <nlohmann/json.hpp> itself.
 #pragma once
 
+#include <nlohmann/json_fwd.hpp>
+
 #include <cstdint>
-#include <map>
-#include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -16,47 +18,29 @@
 
 namespace imagegen {
 
-class Json {
- public:
-  enum class Type { kNull, kBool, kNumber, kString, kArray, kObject };
+using Json = nlohmann::json;
 
-  static StatusOr<Json> Parse(std::string_view text);
+// Deeper documents are rejected as soon as the parser reaches the limit, so a hostile file
+// cannot make the parser (or code that walks the result) go deep.
+inline constexpr int kMaxJsonDepth = 64;
 
-  Type type() const { return type_; }
-  bool is_null() const { return type_ == Type::kNull; }
-  bool is_bool() const { return type_ == Type::kBool; }
-  bool is_number() const { return type_ == Type::kNumber; }
-  bool is_string() const { return type_ == Type::kString; }
-  bool is_array() const { return type_ == Type::kArray; }
-  bool is_object() const { return type_ == Type::kObject; }
+// Parses one RFC 8259 document. Errors (DATA_LOSS) give the byte offset of a syntax error,
+// name a key that appears twice in one object (nlohmann would keep the last silently, and a
+// header that names a tensor twice is ambiguous), or report nesting deeper than kMaxJsonDepth.
+StatusOr<Json> ParseJson(std::string_view text);
 
-  bool as_bool() const { return bool_; }
-  double as_number() const { return number_; }
-  const std::string& as_string() const { return string_; }
-  const std::vector<Json>& as_array() const { return array_; }
-  // Keys in document order are not needed; std::map keeps lookups simple.
-  const std::map<std::string, Json>& as_object() const { return object_; }
+// The value as an int64: a JSON integer in range, or an integral number a double holds
+// exactly (|x| <= 2^53, e.g. 256.0 written by a tool); nullopt otherwise.
+std::optional<int64_t> JsonInt(const Json& v);
 
-  // Object member or nullptr.
-  const Json* Find(const std::string& key) const;
-
-  // True if the number is an integer that fits int64.
-  bool is_integer() const;
-
- private:
-  friend class JsonParser;
-  Type type_ = Type::kNull;
-  bool bool_ = false;
-  double number_ = 0;
-  std::string string_;
-  std::vector<Json> array_;
-  std::map<std::string, Json> object_;
-};
-
-// Typed accessors for config files; errors name the key ("config.json: 'dim' ...").
+// Typed accessors for config files; errors name the key ("config.json: 'dim' ..."). A null
+// member counts as absent for the accessors that take a fallback.
 class JsonFields {
  public:
   JsonFields(const Json& obj, std::string where) : obj_(obj), where_(std::move(where)) {}
+
+  // The member `key` (possibly null), or nullptr when absent or when this is no object.
+  const Json* Find(const std::string& key) const;
 
   StatusOr<int64_t> Int(const std::string& key) const;
   StatusOr<int64_t> Int(const std::string& key, int64_t fallback) const;
@@ -70,6 +54,7 @@ class JsonFields {
 
  private:
   Status Error(const std::string& key, const std::string& what) const;
+  bool Absent(const std::string& key) const;
   const Json& obj_;
   std::string where_;
 };

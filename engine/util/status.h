@@ -11,20 +11,33 @@
 
 namespace imagegen {
 
+// The values are the canonical status codes (google.rpc.Code), which gRPC uses too, so one
+// name table serves the engine's codes and gRPC's (server/convert.cc checks the values).
 enum class Code {
   kOk = 0,
-  kInvalidArgument,    // bad request parameter; message names the field
-  kNotFound,           // unknown model or file
-  kDataLoss,           // corrupt or truncated model file
-  kFailedPrecondition, // model files present but inconsistent with the config
-  kResourceExhausted,  // queue full / no KV slot
-  kCancelled,
-  kDeadlineExceeded,
-  kUnavailable,
-  kInternal,
+  kCancelled = 1,
+  kInvalidArgument = 3,     // bad request parameter; message names the field
+  kDeadlineExceeded = 4,
+  kNotFound = 5,            // unknown model or file
+  kResourceExhausted = 8,   // queue full / no KV slot
+  kFailedPrecondition = 9,  // model files present but inconsistent with the config
+  kInternal = 13,
+  kUnavailable = 14,
+  kDataLoss = 15,           // corrupt or truncated model file
 };
 
-const char* CodeName(Code code);
+// The canonical name of a status code number, "OK" .. "UNAUTHENTICATED" (0 .. 16), "UNKNOWN"
+// for any other number. Inline: the CLI, which links no engine library, names gRPC codes too.
+inline const char* StatusCodeName(int code) {
+  static constexpr const char* kNames[] = {
+      "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
+      "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+      "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
+      "UNAUTHENTICATED"};
+  constexpr int kCount = static_cast<int>(sizeof(kNames) / sizeof(kNames[0]));
+  return code >= 0 && code < kCount ? kNames[code] : "UNKNOWN";
+}
+inline const char* StatusCodeName(Code code) { return StatusCodeName(static_cast<int>(code)); }
 
 class [[nodiscard]] Status {
  public:

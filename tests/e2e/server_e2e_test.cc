@@ -11,7 +11,8 @@
 #include <set>
 #include <thread>
 
-#include "engine/util/json.h"
+#include <nlohmann/json.hpp>
+
 #include "google/rpc/error_details.pb.h"
 #include "google/rpc/status.pb.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -517,18 +518,14 @@ TEST(E2eTest, PrometheusScrapesAcceptanceRateAndNfe) {
     auto [code, body] = HttpGet(port, "/api/v1/query?query=" + UrlEncode(q));
     std::map<std::string, double> out;
     if (code != 200) return out;
-    auto j = Json::Parse(body);
-    if (!j.ok()) return out;
-    const Json* data = j->Find("data");
-    const Json* result = data ? data->Find("result") : nullptr;
-    if (result == nullptr || !result->is_array()) return out;
-    for (const Json& r : result->as_array()) {
-      const Json* metric = r.Find("metric");
-      const Json* method = metric ? metric->Find("method") : nullptr;
-      const Json* value = r.Find("value");
-      if (method && value && value->is_array() && value->as_array().size() == 2) {
-        out[method->as_string()] = std::stod(value->as_array()[1].as_string());
-      }
+    using nlohmann::json;
+    const json j = json::parse(body, nullptr, /*allow_exceptions=*/false);
+    if (!j.is_object()) return out;
+    for (const json& r : j.value(json::json_pointer("/data/result"), json::array())) {
+      if (!r.is_object()) continue;
+      const auto method = r.value(json::json_pointer("/metric/method"), std::string());
+      const auto value = r.value(json::json_pointer("/value/1"), std::string());
+      if (!method.empty() && !value.empty()) out[method] = std::stod(value);
     }
     return out;
   };

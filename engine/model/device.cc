@@ -1,0 +1,41 @@
+#include "engine/model/device.h"
+
+#include <torch/cuda.h>
+
+namespace imagegen {
+
+StatusOr<LoadOptions> ParseDeviceAndDtype(const std::string& device, const std::string& dtype) {
+  LoadOptions lo;
+  if (device == "cpu") {
+    lo.device = c10::Device(c10::kCPU);
+  } else if (device.rfind("cuda", 0) == 0) {
+    // The form first, so that a typo is reported as one on hosts without a GPU too.
+    const std::string rest = device.substr(4);
+    if (!rest.empty() && (rest.size() < 2 || rest.size() > 4 || rest[0] != ':' ||
+                          rest.find_first_not_of("0123456789", 1) != std::string::npos)) {
+      return FieldError("device", "expected cpu, cuda or cuda:N, got '" + device + "'");
+    }
+    const int index = rest.empty() ? 0 : std::stoi(rest.substr(1));
+    if (!torch::cuda::is_available()) return FieldError("device", "no CUDA device available");
+    if (index >= static_cast<int>(torch::cuda::device_count())) {
+      return FieldError("device", device + " does not exist (" +
+                                      std::to_string(torch::cuda::device_count()) +
+                                      " CUDA devices)");
+    }
+    lo.device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
+  } else {
+    return FieldError("device", "expected cpu, cuda or cuda:N, got '" + device + "'");
+  }
+  if (dtype == "fp32") {
+    lo.dtype = at::kFloat;
+  } else if (dtype == "bf16") {
+    lo.dtype = at::kBFloat16;
+  } else if (dtype == "fp16") {
+    lo.dtype = at::kHalf;
+  } else {
+    return FieldError("dtype", "expected fp32, bf16 or fp16, got '" + dtype + "'");
+  }
+  return lo;
+}
+
+}  // namespace imagegen

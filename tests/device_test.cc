@@ -1,0 +1,58 @@
+#include "engine/model/device.h"
+
+#include <gtest/gtest.h>
+#include <torch/cuda.h>
+
+namespace imagegen {
+namespace {
+
+TEST(DeviceTest, ParsesCpuAndEveryDtype) {
+  auto o = ParseDeviceAndDtype("cpu", "fp32");
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_TRUE(o->device.is_cpu());
+  EXPECT_EQ(o->dtype, at::kFloat);
+  EXPECT_EQ(ParseDeviceAndDtype("cpu", "bf16")->dtype, at::kBFloat16);
+  EXPECT_EQ(ParseDeviceAndDtype("cpu", "fp16")->dtype, at::kHalf);
+}
+
+TEST(DeviceTest, MalformedValuesNameTheField) {
+  for (const char* bad : {"gpu", "", "CPU", "cuda:", "cuda0", "cuda:x", "cuda:-1", "cuda:1234",
+                          "cuda:0:1", "cudax"}) {
+    auto o = ParseDeviceAndDtype(bad, "fp32");
+    ASSERT_FALSE(o.ok()) << bad;
+    EXPECT_EQ(o.status().code(), Code::kInvalidArgument) << bad;
+    EXPECT_EQ(o.status().field(), "device") << bad;
+    EXPECT_EQ(o.status().message(),
+              std::string("device: expected cpu, cuda or cuda:N, got '") + bad + "'");
+  }
+  for (const char* bad : {"fp64", "float32", "", "BF16"}) {
+    auto o = ParseDeviceAndDtype("cpu", bad);
+    ASSERT_FALSE(o.ok()) << bad;
+    EXPECT_EQ(o.status().field(), "dtype") << bad;
+    EXPECT_EQ(o.status().message(),
+              std::string("dtype: expected fp32, bf16 or fp16, got '") + bad + "'");
+  }
+}
+
+TEST(DeviceTest, CudaNamesADevice) {
+  const int n = torch::cuda::is_available() ? static_cast<int>(torch::cuda::device_count()) : 0;
+  for (const std::string dev : {"cuda", "cuda:0", "cuda:1", "cuda:999"}) {
+    const int index = dev == "cuda" ? 0 : std::stoi(dev.substr(5));
+    auto o = ParseDeviceAndDtype(dev, "bf16");
+    if (index < n) {
+      ASSERT_TRUE(o.ok()) << dev << ": " << o.status().ToString();
+      EXPECT_TRUE(o->device.is_cuda());
+      EXPECT_EQ(o->device.index(), index);
+      EXPECT_EQ(o->dtype, at::kBFloat16);
+    } else {
+      ASSERT_FALSE(o.ok()) << dev;
+      EXPECT_EQ(o.status().field(), "device");
+      EXPECT_EQ(o.status().message(), n == 0 ? "device: no CUDA device available"
+                                             : "device: " + dev + " does not exist (" +
+                                                   std::to_string(n) + " CUDA devices)");
+    }
+  }
+}
+
+}  // namespace
+}  // namespace imagegen
