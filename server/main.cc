@@ -6,10 +6,6 @@
 // SERVING (ready). SIGTERM or SIGINT: both turn NOT_SERVING, new calls get UNAVAILABLE, calls
 // in flight get --grace-seconds to finish, then the process exits 0. A second signal exits at
 // once with status 1.
-#include <grpcpp/ext/proto_server_reflection_plugin.h>
-#include <grpcpp/grpcpp.h>
-#include <grpcpp/health_check_service_interface.h>
-
 #include <absl/flags/flag.h>
 #include <absl/flags/parse.h>
 #include <absl/flags/usage.h>
@@ -17,18 +13,14 @@
 
 #include <algorithm>
 #include <csignal>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <thread>
 
 #include "engine/model/models_dir.h"
 #include "engine/scheduler/engine.h"
-#include "engine/util/read_file.h"
-#include "server/auth.h"
-#include "server/metrics.h"
-#include "server/metrics_http.h"
-#include "server/service.h"
+#include "server/daemon.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
           "gRPC address (host:port; port 0 picks a free one, see --port-file)");
@@ -65,19 +57,7 @@ ABSL_FLAG(std::string, port_file, "",
 
 namespace {
 
-constexpr char kServiceName[] = "imagegen.v1.ImageGeneration";
-
 void Log(const std::string& msg) { std::fprintf(stderr, "imagegen-server: %s\n", msg.c_str()); }
-
-// TLS material: the server does not start without it.
-std::string ReadFileOrExit(const std::string& flag, const std::string& path) {
-  imagegen::StatusOr<std::string> data = imagegen::ReadFile(path);
-  if (!data.ok()) {
-    Log("--" + flag + ": " + data.status().message());
-    std::exit(2);
-  }
-  return std::move(data).value();
-}
 
 }  // namespace
 
@@ -103,77 +83,16 @@ int main(int argc, char** argv) {
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
-  server::TokenAuth auth;
-  if (!absl::GetFlag(FLAGS_token_file).empty()) {
-    auto a = server::TokenAuth::FromFile(absl::GetFlag(FLAGS_token_file));
-    if (!a.ok()) {
-      Log("--token-file: " + a.status().message());
-      return 2;
-    }
-    auth = *a;
-  }
-  std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
-  const std::string cert = absl::GetFlag(FLAGS_tls_cert), key = absl::GetFlag(FLAGS_tls_key);
-  if (cert.empty() != key.empty()) {
-    Log("--tls-cert and --tls-key go together");
-    return 2;
-  }
-  if (!cert.empty()) {
-    grpc::SslServerCredentialsOptions o;
-    o.pem_key_cert_pairs.push_back(
-        {ReadFileOrExit("tls-key", key), ReadFileOrExit("tls-cert", cert)});
-    if (!absl::GetFlag(FLAGS_tls_client_ca).empty()) {
-      o.pem_root_certs = ReadFileOrExit("tls-client-ca", absl::GetFlag(FLAGS_tls_client_ca));
-      o.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
-    }
-    creds = grpc::SslServerCredentials(o);
-  } else if (!absl::GetFlag(FLAGS_tls_client_ca).empty()) {
-    Log("--tls-client-ca needs --tls-cert and --tls-key");
-    return 2;
-  }
-
-  server::Metrics metrics;
-  std::unique_ptr<server::MetricsHttpServer> exposer;
-  if (const std::string m = absl::GetFlag(FLAGS_metrics_listen); !m.empty()) {
-    auto started = server::MetricsHttpServer::Start(m, {metrics.registry(), metrics.engine_gauges()});
-    if (!started.ok()) {
-      Log("--metrics-listen: " + started.status().message());
-      return 2;
-    }
-    exposer = std::move(started).value();
-  }
-
-  const std::string default_method = absl::GetFlag(FLAGS_default_method);
-  server::ImageGenerationService service(&metrics, auth, default_method);
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), creds, &port);
-  builder.RegisterService(&service);
-  grpc::ResourceQuota quota("imagegen");
-  quota.SetMaxThreads(static_cast<int>(absl::GetFlag(FLAGS_max_threads)));
-  builder.SetResourceQuota(quota);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (!server || port == 0) {
-    Log("cannot listen on " + absl::GetFlag(FLAGS_listen));
-    return 2;
-  }
-  grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
-  health->SetServingStatus("", true);
-  health->SetServingStatus(kServiceName, false);
-  Log("listening on port " + std::to_string(port) + (cert.empty() ? "" : " (TLS)") +
-      (auth.enabled() ? " with bearer-token auth" : "") + "; loading models");
-  if (const std::string pf = absl::GetFlag(FLAGS_port_file); !pf.empty()) {
-    std::ofstream(pf + ".tmp") << port << " " << (exposer ? exposer->port() : 0) << "\n";
-    std::rename((pf + ".tmp").c_str(), pf.c_str());
-  }
-
-  // Test hook: hold the not-yet-ready state for a while, so that tests can observe it.
-  if (const char* d = std::getenv("IMAGEGEN_TEST_DELAY_LOAD_MS"); d != nullptr) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(std::atol(d)));
-  }
-  EngineOptions eo;
+  server::DaemonOptions o;
+  o.listen = absl::GetFlag(FLAGS_listen);
+  o.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  o.tls_cert = absl::GetFlag(FLAGS_tls_cert);
+  o.tls_key = absl::GetFlag(FLAGS_tls_key);
+  o.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
+  o.token_file = absl::GetFlag(FLAGS_token_file);
+  o.default_method = absl::GetFlag(FLAGS_default_method);
+  o.max_threads = absl::GetFlag(FLAGS_max_threads);
+  EngineOptions& eo = o.engine;
   eo.models_dir = absl::GetFlag(FLAGS_models_dir).empty() ? DefaultModelsDir()
                                                           : absl::GetFlag(FLAGS_models_dir);
   eo.models = absl::GetFlag(FLAGS_models);
@@ -185,32 +104,32 @@ int main(int argc, char** argv) {
   eo.max_tokens_per_step = absl::GetFlag(FLAGS_max_tokens_per_step);
   eo.batch_invariant = absl::GetFlag(FLAGS_batch_invariant);
   eo.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
-  auto started = Engine::Start(eo, &metrics);
-  if (!started.ok()) {
-    Log("cannot start the engine: " + started.status().ToString());
-    health->Shutdown();
-    server->Shutdown(std::chrono::system_clock::now());
-    return 1;
-  }
-  std::unique_ptr<Engine> engine = std::move(started).value();
-  bool default_ok = false;
-  for (const ModelInfo& m : engine->Models()) {
-    for (const auto& meth : m.methods) default_ok |= meth == default_method;
-  }
-  if (!default_ok) {
-    Log("--default-method '" + default_method + "' is not served by the first model");
+
+  auto listening = server::Daemon::Listen(o);
+  if (!listening.ok()) {
+    Log(listening.status().message());
     return 2;
   }
-  metrics.SetEngine(engine.get());
-  service.SetEngine(engine.get());
-  health->SetServingStatus(kServiceName, true);
-  std::string names;
-  for (const ModelInfo& m : engine->Models()) {
-    names += (names.empty() ? "" : ", ") + m.name + " (" + std::to_string(m.kv_slots) + " KV slots)";
+  std::unique_ptr<server::Daemon> daemon = std::move(listening).value();
+  Log("listening on port " + std::to_string(daemon->port()) + (daemon->tls() ? " (TLS)" : "") +
+      (daemon->auth() ? " with bearer-token auth" : "") + "; loading models");
+  if (const std::string pf = absl::GetFlag(FLAGS_port_file); !pf.empty()) {
+    std::ofstream(pf + ".tmp") << daemon->port() << " " << daemon->metrics_port() << "\n";
+    std::rename((pf + ".tmp").c_str(), pf.c_str());
   }
-  Log("ready: " + names + " on " + eo.device + "; token budget " +
-      std::to_string(engine->max_tokens_per_step()) + " per step; default method " + default_method +
-      (exposer ? "; metrics on port " + std::to_string(exposer->port()) + " /metrics" : ""));
+
+  if (Status st = daemon->Load(&Engine::Start); !st.ok()) {
+    if (st.field() == "--default-method") {
+      Log(st.message());
+      return 2;
+    }
+    Log("cannot start the engine: " + st.ToString());
+    return 1;
+  }
+  Log("ready: " + daemon->Describe() +
+      (daemon->metrics_port() != 0
+           ? "; metrics on port " + std::to_string(daemon->metrics_port()) + " /metrics"
+           : ""));
 
   int sig = 0;
   sigwait(&signals, &sig);
@@ -223,17 +142,11 @@ int main(int argc, char** argv) {
     std::_Exit(1);
   });
   force.detach();
-  health->Shutdown();  // every service NOT_SERVING from now on
-  service.SetDraining();
-  metrics.SetDraining();
-  const auto grace = std::chrono::milliseconds(
-      static_cast<int64_t>(absl::GetFlag(FLAGS_grace_seconds) * 1000));
-  engine->Shutdown(grace);  // running requests finish (or end UNAVAILABLE when time is up)
-  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  const EngineStats st = engine->Stats();
+  const EngineStats st = daemon->Stop(std::chrono::milliseconds(
+      static_cast<int64_t>(absl::GetFlag(FLAGS_grace_seconds) * 1000)));
   Log("stopped: " + std::to_string(st.completed) + " images, " + std::to_string(st.cancelled) +
       " cancelled, " + std::to_string(st.expired) + " expired, " + std::to_string(st.failed) +
       " failed");
-  engine.reset();
+  daemon.reset();
   return 0;
 }

@@ -1,0 +1,127 @@
+#include "server/daemon.h"
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include "engine/util/read_file.h"
+
+namespace imagegen::server {
+namespace {
+
+constexpr char kServiceName[] = "imagegen.v1.ImageGeneration";
+
+// TLS material, with the flag that named it in the error.
+StatusOr<std::string> ReadFile(const std::string& flag, const std::string& path) {
+  StatusOr<std::string> data = imagegen::ReadFile(path);
+  if (!data.ok()) return InvalidArgument(flag + ": " + data.status().message());
+  return data;
+}
+
+}  // namespace
+
+Daemon::Daemon(const DaemonOptions& options, TokenAuth auth)
+    : options_(options), auth_(auth), service_(&metrics_, auth, options.default_method) {}
+
+Daemon::~Daemon() { Stop(std::chrono::milliseconds(0)); }
+
+StatusOr<std::unique_ptr<Daemon>> Daemon::Listen(const DaemonOptions& options) {
+  TokenAuth auth;
+  if (!options.token_file.empty()) {
+    auto a = TokenAuth::FromFile(options.token_file);
+    if (!a.ok()) return InvalidArgument("--token-file: " + a.status().message());
+    auth = *a;
+  }
+  std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
+  if (options.tls_cert.empty() != options.tls_key.empty()) {
+    return InvalidArgument("--tls-cert and --tls-key go together");
+  }
+  if (!options.tls_cert.empty()) {
+    auto cert = ReadFile("--tls-cert", options.tls_cert);
+    if (!cert.ok()) return cert.status();
+    auto key = ReadFile("--tls-key", options.tls_key);
+    if (!key.ok()) return key.status();
+    grpc::SslServerCredentialsOptions o;
+    o.pem_key_cert_pairs.push_back({*key, *cert});
+    if (!options.tls_client_ca.empty()) {
+      auto ca = ReadFile("--tls-client-ca", options.tls_client_ca);
+      if (!ca.ok()) return ca.status();
+      o.pem_root_certs = *ca;
+      o.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+    }
+    creds = grpc::SslServerCredentials(o);
+  } else if (!options.tls_client_ca.empty()) {
+    return InvalidArgument("--tls-client-ca needs --tls-cert and --tls-key");
+  }
+
+  std::unique_ptr<Daemon> d(new Daemon(options, auth));
+  d->tls_ = !options.tls_cert.empty();
+  if (!options.metrics_listen.empty()) {
+    auto started = MetricsHttpServer::Start(
+        options.metrics_listen, {d->metrics_.registry(), d->metrics_.engine_gauges()});
+    if (!started.ok()) {
+      return Status(started.status().code(), "--metrics-listen: " + started.status().message());
+    }
+    d->exposer_ = std::move(started).value();
+  }
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options.listen, creds, &d->port_);
+  builder.RegisterService(&d->service_);
+  grpc::ResourceQuota quota("imagegen");
+  quota.SetMaxThreads(static_cast<int>(options.max_threads));
+  builder.SetResourceQuota(quota);
+  d->server_ = builder.BuildAndStart();
+  if (!d->server_ || d->port_ == 0) return Unavailable("cannot listen on " + options.listen);
+  grpc::HealthCheckServiceInterface* health = d->server_->GetHealthCheckService();
+  health->SetServingStatus("", true);
+  health->SetServingStatus(kServiceName, false);
+  return d;
+}
+
+Status Daemon::Load(const EngineStarter& starter) {
+  if (engine_ != nullptr || stopped_) return FailedPrecondition("Load: called twice or after Stop");
+  auto started = starter(options_.engine, &metrics_);
+  if (!started.ok()) return started.status();
+  std::unique_ptr<Engine> engine = std::move(started).value();
+  bool default_ok = false;
+  for (const ModelInfo& m : engine->Models()) {
+    for (const auto& meth : m.methods) default_ok |= meth == options_.default_method;
+  }
+  if (!default_ok) {
+    return FieldError("--default-method",
+                      "'" + options_.default_method + "' is not served by the first model");
+  }
+  engine_ = std::move(engine);
+  metrics_.SetEngine(engine_.get());
+  service_.SetEngine(engine_.get());
+  server_->GetHealthCheckService()->SetServingStatus(kServiceName, true);
+  return OkStatus();
+}
+
+std::string Daemon::Describe() const {
+  if (engine_ == nullptr) return "no models loaded";
+  std::string names;
+  for (const ModelInfo& m : engine_->Models()) {
+    names += (names.empty() ? "" : ", ") + m.name + " (" + std::to_string(m.kv_slots) + " KV slots)";
+  }
+  return names + " on " + options_.engine.device + "; token budget " +
+         std::to_string(engine_->max_tokens_per_step()) + " per step; default method " +
+         options_.default_method;
+}
+
+EngineStats Daemon::Stop(std::chrono::milliseconds grace) {
+  if (stopped_ || server_ == nullptr) return final_stats_;
+  stopped_ = true;
+  server_->GetHealthCheckService()->Shutdown();  // every service NOT_SERVING from now on
+  service_.SetDraining();
+  metrics_.SetDraining();
+  // Running requests finish (or end UNAVAILABLE when time is up); then the handlers return.
+  if (engine_ != nullptr) engine_->Shutdown(grace);
+  server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  if (engine_ != nullptr) final_stats_ = engine_->Stats();
+  return final_stats_;
+}
+
+}  // namespace imagegen::server

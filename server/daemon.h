@@ -1,0 +1,88 @@
+// The daemon's life cycle, without its flags and signals (those stay in server/main.cc): open
+// the ports, load the models, drain and stop. Serves ImageGeneration, grpc.health.v1.Health and
+// server reflection on `listen`, and Prometheus metrics on `metrics_listen`.
+//
+// Start-up is two steps so that callers (and tests, in-process) see the states between them:
+// Listen() opens the port with health "" SERVING (alive) and "imagegen.v1.ImageGeneration"
+// NOT_SERVING, and ImageGeneration calls get UNAVAILABLE "models are loading"; Load() starts
+// the engine with the starter it is given (production: Engine::Start) and then turns the
+// service SERVING (ready). Stop() drains: every service NOT_SERVING, new calls UNAVAILABLE,
+// requests in flight get the grace period, then the server closes.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "engine/scheduler/engine.h"
+#include "server/auth.h"
+#include "server/metrics.h"
+#include "server/metrics_http.h"
+#include "server/service.h"
+
+namespace imagegen::server {
+
+struct DaemonOptions {
+  std::string listen = "127.0.0.1:50051";  // host:port; port 0 picks a free one
+  std::string metrics_listen;              // host:port; empty: no /metrics endpoint
+  std::string tls_cert, tls_key;           // PEM files; both or neither (TLS)
+  std::string tls_client_ca;               // PEM CA bundle: clients must present a certificate
+  std::string token_file;                  // bearer token that ImageGeneration calls must send
+  std::string default_method = "scd-mc";   // of requests that name none
+  int64_t max_threads = 512;               // gRPC handler threads
+  EngineOptions engine;
+};
+
+// Makes the engine (loading its models); `listener` outlives the engine. Production passes
+// Engine::Start.
+using EngineStarter = std::function<StatusOr<std::unique_ptr<Engine>>(const EngineOptions&,
+                                                                       EngineListener* listener)>;
+
+class Daemon {
+ public:
+  // Reads the TLS and token files and opens the gRPC port and /metrics. INVALID_ARGUMENT for
+  // options that do not go together or files that cannot be read, UNAVAILABLE for an address
+  // that cannot be bound.
+  static StatusOr<std::unique_ptr<Daemon>> Listen(const DaemonOptions& options);
+  ~Daemon();  // Stop() with no grace unless stopped already
+
+  int port() const { return port_; }
+  int metrics_port() const { return exposer_ ? exposer_->port() : 0; }
+  bool tls() const { return tls_; }
+  bool auth() const { return auth_.enabled(); }
+
+  // Starts the engine with `starter` (blocking while the models load), checks that it serves
+  // the default method (else INVALID_ARGUMENT with field() "--default-method"), and turns the
+  // service SERVING. Call once, after Listen.
+  Status Load(const EngineStarter& starter);
+
+  // The engine's running line for the log: models, device, token budget, default method.
+  std::string Describe() const;
+
+  // Drains and stops (see above); idempotent. Returns the engine's final figures (zero if the
+  // models were never loaded).
+  EngineStats Stop(std::chrono::milliseconds grace);
+
+ private:
+  explicit Daemon(const DaemonOptions& options, TokenAuth auth);
+
+  const DaemonOptions options_;
+  const TokenAuth auth_;
+  bool tls_ = false;
+  // Destroyed bottom-up, after Stop(): /metrics first (its gauges read the engine), then the
+  // engine, the (stopped) gRPC server, the service, and the metrics the engine reported to.
+  Metrics metrics_;
+  ImageGenerationService service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<Engine> engine_;
+  std::unique_ptr<MetricsHttpServer> exposer_;
+  int port_ = 0;
+  bool stopped_ = false;
+  EngineStats final_stats_;
+};
+
+}  // namespace imagegen::server

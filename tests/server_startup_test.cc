@@ -1,0 +1,204 @@
+// The daemon's start-up, in-process (server/daemon.h, as server/main.cc drives it): the engine
+// starter given to Load() holds back until the test has seen the not-yet-ready state through
+// real gRPC calls on loopback (health "" SERVING, the service NOT_SERVING, Generate UNAVAILABLE
+// "models are loading"), then starts the real engine on the bundled models; the service turns
+// SERVING and serves an image. No LibTorch here: the engine is reached through its torch-free
+// header only.
+#include <gtest/gtest.h>
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "imagegen/v1/imagegen.grpc.pb.h"
+#include "server/daemon.h"
+
+namespace imagegen::testing {
+namespace {
+
+namespace v1 = imagegen::v1;
+using grpc::health::v1::HealthCheckRequest;
+using grpc::health::v1::HealthCheckResponse;
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+
+constexpr char kService[] = "imagegen.v1.ImageGeneration";
+
+// Polls `done` every 20 ms until it holds or `limit` passes; true if it held.
+bool WaitUntil(const std::function<bool()>& done, seconds limit) {
+  const auto end = std::chrono::steady_clock::now() + limit;
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > end) return false;
+    std::this_thread::sleep_for(milliseconds(20));
+  }
+  return true;
+}
+
+// A one-way gate: Wait() blocks until Open().
+class Gate {
+ public:
+  void Open() {
+    std::lock_guard<std::mutex> l(mu_);
+    open_ = true;
+    cv_.notify_all();
+  }
+  void Wait() {
+    std::unique_lock<std::mutex> l(mu_);
+    cv_.wait(l, [&] { return open_; });
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool open_ = false;
+};
+
+server::DaemonOptions Options() {
+  server::DaemonOptions o;
+  o.listen = "127.0.0.1:0";
+  o.metrics_listen = "127.0.0.1:0";
+  o.engine.models_dir = IMAGEGEN_TEST_MODELS_DIR;
+  o.engine.max_slots = 4;
+  return o;
+}
+
+class Client {
+ public:
+  explicit Client(int port)
+      : channel_(grpc::CreateChannel("127.0.0.1:" + std::to_string(port),
+                                     grpc::InsecureChannelCredentials())),
+        health_(grpc::health::v1::Health::NewStub(channel_)),
+        stub_(v1::ImageGeneration::NewStub(channel_)) {}
+
+  HealthCheckResponse::ServingStatus Health(const std::string& service) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + seconds(30));
+    HealthCheckRequest req;
+    req.set_service(service);
+    HealthCheckResponse resp;
+    grpc::Status st = health_->Check(&ctx, req, &resp);
+    return st.ok() ? resp.status() : HealthCheckResponse::UNKNOWN;
+  }
+  grpc::Status Generate(const std::string& method, v1::GenerateResponse* resp) {
+    v1::GenerateRequest req;
+    req.set_class_name("bag");
+    req.set_seed(1);
+    req.set_method(method);
+    req.mutable_output()->set_include_tokens(true);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + seconds(300));
+    return stub_->Generate(&ctx, req, resp);
+  }
+
+ private:
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<grpc::health::v1::Health::Stub> health_;
+  std::unique_ptr<v1::ImageGeneration::Stub> stub_;
+};
+
+TEST(ServerStartupTest, AliveAtOnceNotReadyWhileTheModelsLoadThenServing) {
+  auto listening = server::Daemon::Listen(Options());
+  ASSERT_TRUE(listening.ok()) << listening.status().ToString();
+  std::unique_ptr<server::Daemon> d = std::move(listening).value();
+  ASSERT_GT(d->port(), 0);
+  ASSERT_GT(d->metrics_port(), 0);
+
+  // The starter: says it has been entered (Load is under way), waits for the test, then
+  // loads the bundled models for real.
+  Gate release;
+  std::atomic<bool> entered{false};
+  server::EngineStarter starter = [&](const EngineOptions& eo, EngineListener* listener) {
+    entered.store(true);
+    release.Wait();
+    return Engine::Start(eo, listener);
+  };
+  Status loaded = Internal("Load has not returned");
+  std::thread loader([&] { loaded = d->Load(starter); });
+  // Whatever happens below, let the loader finish before `release` and `d` go away.
+  struct Joiner {
+    Gate& gate;
+    std::thread& t;
+    ~Joiner() {
+      gate.Open();
+      if (t.joinable()) t.join();
+    }
+  } joiner{release, loader};
+  ASSERT_TRUE(WaitUntil([&] { return entered.load(); }, seconds(60)));
+
+  // Loading: alive, not ready, calls refused.
+  Client c(d->port());
+  EXPECT_EQ(c.Health(""), HealthCheckResponse::SERVING);
+  EXPECT_EQ(c.Health(kService), HealthCheckResponse::NOT_SERVING);
+  v1::GenerateResponse resp;
+  grpc::Status early = c.Generate("ar", &resp);
+  EXPECT_EQ(early.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_NE(early.error_message().find("models are loading"), std::string::npos)
+      << early.error_message();
+  EXPECT_EQ(c.Health(kService), HealthCheckResponse::NOT_SERVING);  // still held back
+
+  // Released: the real engine loads and the service turns SERVING.
+  release.Open();
+  EXPECT_TRUE(WaitUntil([&] { return c.Health(kService) == HealthCheckResponse::SERVING; },
+                        seconds(300)));
+  loader.join();
+  ASSERT_TRUE(loaded.ok()) << loaded.ToString();
+  EXPECT_EQ(c.Health(""), HealthCheckResponse::SERVING);
+  EXPECT_NE(d->Describe().find("fmnist-gpt"), std::string::npos) << d->Describe();
+
+  v1::GenerateResponse image;
+  grpc::Status st = c.Generate("scd-mc", &image);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(image.tokens_size(), 196);
+  EXPECT_FALSE(image.image_png().empty());
+
+  const EngineStats stats = d->Stop(seconds(30));
+  EXPECT_EQ(stats.completed, 1);
+  EXPECT_NE(c.Health(""), HealthCheckResponse::SERVING);
+}
+
+// An engine that cannot start leaves the daemon alive but never ready; the error comes back.
+TEST(ServerStartupTest, AFailedStartIsReturnedAndTheServiceStaysNotServing) {
+  auto listening = server::Daemon::Listen(Options());
+  ASSERT_TRUE(listening.ok()) << listening.status().ToString();
+  std::unique_ptr<server::Daemon> d = std::move(listening).value();
+  Status st = d->Load([](const EngineOptions&, EngineListener*) -> StatusOr<std::unique_ptr<Engine>> {
+    return NotFound("model fmnist-gpt: no such directory");
+  });
+  EXPECT_EQ(st.code(), Code::kNotFound);
+  Client c(d->port());
+  EXPECT_EQ(c.Health(""), HealthCheckResponse::SERVING);
+  EXPECT_EQ(c.Health(kService), HealthCheckResponse::NOT_SERVING);
+  v1::GenerateResponse resp;
+  EXPECT_EQ(c.Generate("ar", &resp).error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(d->Load([](const EngineOptions& eo, EngineListener* l) { return Engine::Start(eo, l); })
+                .code(),
+            Code::kOk)
+      << "a failed Load can be retried";
+  EXPECT_EQ(c.Health(kService), HealthCheckResponse::SERVING);
+}
+
+// Options that do not go together are refused before anything listens.
+TEST(ServerStartupTest, BadOptionsAreRefused) {
+  server::DaemonOptions o = Options();
+  o.tls_cert = "/nonexistent/cert.pem";
+  EXPECT_EQ(server::Daemon::Listen(o).status().code(), Code::kInvalidArgument);
+  o.tls_key = "/nonexistent/key.pem";
+  EXPECT_EQ(server::Daemon::Listen(o).status().code(), Code::kInvalidArgument);
+  o = Options();
+  o.tls_client_ca = "/nonexistent/ca.pem";
+  EXPECT_EQ(server::Daemon::Listen(o).status().code(), Code::kInvalidArgument);
+  o = Options();
+  o.default_method = "no-such-method";
+  auto d = server::Daemon::Listen(o);
+  ASSERT_TRUE(d.ok());
+  Status st = (*d)->Load(&Engine::Start);
+  EXPECT_EQ(st.field(), "--default-method") << st.ToString();
+}
+
+}  // namespace
+}  // namespace imagegen::testing
