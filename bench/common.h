@@ -43,9 +43,9 @@ inline void WriteGridPng(const at::Tensor& images, int64_t per_row, const std::s
   for (int64_t i = 0; i < n; ++i) {
     canvas.narrow(0, (i / per_row) * h, h).narrow(1, (i % per_row) * w, w).copy_(images[i]);
   }
-  OrDie(WriteFile(path, OrDie(EncodePng(canvas.data_ptr<uint8_t>(),
-                                        static_cast<int>(canvas.size(1)),
-                                        static_cast<int>(canvas.size(0)), static_cast<int>(c)))));
+  OrDie(
+      WriteFile(path, OrDie(EncodePng(canvas.data_ptr<uint8_t>(), static_cast<int>(canvas.size(1)),
+                                      static_cast<int>(canvas.size(0)), static_cast<int>(c)))));
 }
 
 template <typename T>

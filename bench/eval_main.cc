@@ -17,11 +17,21 @@ using namespace imagegen;
 
 int main(int argc, char** argv) {
   Flags f(argc, argv,
-          {{"models-dir", DefaultModelsDir()}, {"model", "fmnist-gpt"},
-           {"classifier", "fmnist-classifier"}, {"per-class", "100"}, {"seed", "1000"},
-           {"cfg", "default"}, {"temperature", "default"}, {"top-k", "default"},
-           {"top-p", "default"}, {"batch", "200"}, {"min-accuracy", "0"}, {"max-fd", "-1"},
-           {"grid-out", ""}, {"device", "cpu"}, {"dtype", "fp32"}},
+          {{"models-dir", DefaultModelsDir()},
+           {"model", "fmnist-gpt"},
+           {"classifier", "fmnist-classifier"},
+           {"per-class", "100"},
+           {"seed", "1000"},
+           {"cfg", "default"},
+           {"temperature", "default"},
+           {"top-k", "default"},
+           {"top-p", "default"},
+           {"batch", "200"},
+           {"min-accuracy", "0"},
+           {"max-fd", "-1"},
+           {"grid-out", ""},
+           {"device", "cpu"},
+           {"dtype", "fp32"}},
           "usage: imagegen-eval [--per-class N] [--cfg S] [--min-accuracy A] [--max-fd D]");
   const LoadOptions opts = LoadOptionsFromFlags(f);
   ImageModel model = OrDie(LoadImageModel(f.Str("models-dir"), f.Str("model"), opts));
@@ -45,8 +55,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> labels;
   const auto t0 = std::chrono::steady_clock::now();
   for (size_t b = 0; b < all.size(); b += batch) {
-    std::vector<ImageRequest> chunk(all.begin() + b,
-                                    all.begin() + std::min(all.size(), b + batch));
+    std::vector<ImageRequest> chunk(all.begin() + b, all.begin() + std::min(all.size(), b + batch));
     auto results = OrDie(gen.Generate(chunk));
     std::vector<at::Tensor> ids;
     for (size_t i = 0; i < results.size(); ++i) {
@@ -66,16 +75,17 @@ int main(int argc, char** argv) {
   const double fd = FrechetDistance(mu, cov, clf->reference_mean(), clf->reference_cov());
 
   const SamplingParams& sp = all[0].sampling;
-  std::printf("model %s: %lld images (%lld per class), cfg %.2f temperature %.2f top-k %lld "
-              "top-p %.2f, seeds from %lld\n",
-              model.name.c_str(), static_cast<long long>(all.size()),
-              static_cast<long long>(per_class), sp.cfg_scale, sp.temperature,
-              static_cast<long long>(sp.top_k), sp.top_p, static_cast<long long>(f.Int("seed")));
+  std::printf(
+      "model %s: %lld images (%lld per class), cfg %.2f temperature %.2f top-k %lld "
+      "top-p %.2f, seeds from %lld\n",
+      model.name.c_str(), static_cast<long long>(all.size()), static_cast<long long>(per_class),
+      sp.cfg_scale, sp.temperature, static_cast<long long>(sp.top_k), sp.top_p,
+      static_cast<long long>(f.Int("seed")));
   std::printf("per-class accuracy:");
   for (int64_t c = 0; c < cfg.num_classes; ++c) {
     at::Tensor m = y == c;
-    std::printf(" %s=%.2f", cfg.class_names.empty() ? std::to_string(c).c_str()
-                                                    : cfg.class_names[c].c_str(),
+    std::printf(" %s=%.2f",
+                cfg.class_names.empty() ? std::to_string(c).c_str() : cfg.class_names[c].c_str(),
                 (pred.masked_select(m) == c).to(at::kDouble).mean().item<double>());
   }
   std::printf("\nclass accuracy %.4f (classifier on real test images: %.4f)\n", acc,
@@ -94,7 +104,8 @@ int main(int argc, char** argv) {
   }
   bool ok = true;
   if (acc < f.Num("min-accuracy")) {
-    std::printf("FAIL: class accuracy %.4f below --min-accuracy %.4f\n", acc, f.Num("min-accuracy"));
+    std::printf("FAIL: class accuracy %.4f below --min-accuracy %.4f\n", acc,
+                f.Num("min-accuracy"));
     ok = false;
   }
   if (f.Num("max-fd") >= 0 && fd > f.Num("max-fd")) {

@@ -19,8 +19,13 @@ using namespace imagegen;
 
 int main(int argc, char** argv) {
   Flags f(argc, argv,
-          {{"models-dir", DefaultModelsDir()}, {"model", "fmnist-gpt"}, {"batches", "1,16"},
-           {"prefix", "-1"}, {"reps", "20"}, {"cfg", "true"}, {"device", "cpu"},
+          {{"models-dir", DefaultModelsDir()},
+           {"model", "fmnist-gpt"},
+           {"batches", "1,16"},
+           {"prefix", "-1"},
+           {"reps", "20"},
+           {"cfg", "true"},
+           {"device", "cpu"},
            {"dtype", "fp32"}},
           "usage: imagegen-forward-latency [--batches 1,16] [--prefix N] [--device cuda]");
   const LoadOptions opts = LoadOptionsFromFlags(f);
@@ -36,7 +41,8 @@ int main(int argc, char** argv) {
   std::printf("model %s (dim %lld, %lld layers) on %s %s, committed prefix %lld, %s\n",
               f.Str("model").c_str(), static_cast<long long>(cfg.dim),
               static_cast<long long>(cfg.n_layer), f.Str("device").c_str(), f.Str("dtype").c_str(),
-              static_cast<long long>(prefix), rows_per_image == 2 ? "CFG (2 rows/image)" : "no CFG");
+              static_cast<long long>(prefix),
+              rows_per_image == 2 ? "CFG (2 rows/image)" : "no CFG");
   std::printf("%8s %8s %12s %14s\n", "images", "rows", "median ms", "tokens/s");
   std::stringstream ss(f.Str("batches"));
   for (std::string item; std::getline(ss, item, ',');) {
@@ -62,8 +68,9 @@ int main(int argc, char** argv) {
       at::Tensor out = OrDie(gpt->Forward(step, cache));
       sync();
       if (i >= 3) {
-        ms.push_back(std::chrono::duration<double, std::milli>(
-                         std::chrono::steady_clock::now() - t0).count());
+        ms.push_back(
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                .count());
       }
     }
     std::sort(ms.begin(), ms.end());

@@ -18,10 +18,21 @@ using namespace imagegen;
 
 int main(int argc, char** argv) {
   Flags f(argc, argv,
-          {{"models-dir", DefaultModelsDir()}, {"model", "fmnist-gpt"}, {"class", "0"},
-           {"seed", "0"}, {"cfg", "default"}, {"temperature", "default"}, {"top-k", "default"},
-           {"top-p", "default"}, {"count", "1"}, {"out", "image.png"}, {"device", "cpu"},
-           {"dtype", "fp32"}, {"method", "ar"}, {"window", "0"}, {"draft", "fmnist-draft"}},
+          {{"models-dir", DefaultModelsDir()},
+           {"model", "fmnist-gpt"},
+           {"class", "0"},
+           {"seed", "0"},
+           {"cfg", "default"},
+           {"temperature", "default"},
+           {"top-k", "default"},
+           {"top-p", "default"},
+           {"count", "1"},
+           {"out", "image.png"},
+           {"device", "cpu"},
+           {"dtype", "fp32"},
+           {"method", "ar"},
+           {"window", "0"},
+           {"draft", "fmnist-draft"}},
           "usage: imagegen-generate --class NAME|ID [--seed N] [--cfg S] [--top-k K] "
           "[--count N] [--method ar|sjd|scd-mc|scd-gs|sjd-pac|pac-gumbel|gsd|cool-sjd|sd|cool-sd] "
           "[--window L] --out FILE.png");
@@ -57,11 +68,12 @@ int main(int argc, char** argv) {
   double nfe = 0;
   for (const auto& r : results) nfe += static_cast<double>(r.stats.nfe) / count;
   const int64_t tokens = count * cfg.block_size;
-  std::printf("model %s class %lld (%s) seed %lld cfg %.2f temperature %.2f top-k %lld top-p %.2f\n",
-              model.name.c_str(), static_cast<long long>(class_id),
-              cfg.class_names.empty() ? "" : cfg.class_names[class_id].c_str(),
-              static_cast<long long>(f.Int("seed")), sp.cfg_scale, sp.temperature,
-              static_cast<long long>(sp.top_k), sp.top_p);
+  std::printf(
+      "model %s class %lld (%s) seed %lld cfg %.2f temperature %.2f top-k %lld top-p %.2f\n",
+      model.name.c_str(), static_cast<long long>(class_id),
+      cfg.class_names.empty() ? "" : cfg.class_names[class_id].c_str(),
+      static_cast<long long>(f.Int("seed")), sp.cfg_scale, sp.temperature,
+      static_cast<long long>(sp.top_k), sp.top_p);
   std::printf("method %s\n", DescribePolicy(policy).c_str());
   std::printf("images %lld  tokens %lld  NFE/image %.1f  time %.3f s  tokens/s %.1f  -> %s\n",
               static_cast<long long>(count), static_cast<long long>(tokens), nfe, secs,

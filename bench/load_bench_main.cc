@@ -117,7 +117,8 @@ Cell RunCell(const EngineOptions& base, const std::string& method, const std::st
   std::vector<int64_t> nfes;
   std::atomic<uint64_t> next_seed{seed0};
   const auto t0 = Clock::now();
-  const auto stop = t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+  const auto stop =
+      t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
   Clock::time_point last_end = t0;
   std::vector<std::thread> clients;
   for (int64_t k = 0; k < c; ++k) {
@@ -243,12 +244,21 @@ void WriteCsv(const std::string& path, const std::vector<Cell>& cells) {
 
 int main(int argc, char** argv) {
   Flags f(argc, argv,
-          {{"models-dir", DefaultModelsDir()}, {"model", "fmnist-gpt"}, {"device", "cpu"},
-           {"dtype", "fp32"}, {"methods", "ar,sjd,scd-mc,sjd-pac"},
-           {"concurrency", "1,2,4,8,16,32"}, {"seconds", "15"}, {"budget", "-1"},
-           {"serial", "1"}, {"sweep-budgets", "0,2048,512,256,128,64"},
-           {"sweep-concurrency", "16"}, {"sweep-methods", "ar,sjd,scd-mc"},
-           {"batch-invariant", "1"}, {"repeat", "1"}, {"out-dir", "load-bench"}},
+          {{"models-dir", DefaultModelsDir()},
+           {"model", "fmnist-gpt"},
+           {"device", "cpu"},
+           {"dtype", "fp32"},
+           {"methods", "ar,sjd,scd-mc,sjd-pac"},
+           {"concurrency", "1,2,4,8,16,32"},
+           {"seconds", "15"},
+           {"budget", "-1"},
+           {"serial", "1"},
+           {"sweep-budgets", "0,2048,512,256,128,64"},
+           {"sweep-concurrency", "16"},
+           {"sweep-methods", "ar,sjd,scd-mc"},
+           {"batch-invariant", "1"},
+           {"repeat", "1"},
+           {"out-dir", "load-bench"}},
           "usage: imagegen-load-bench [--methods LIST] [--concurrency LIST] [--seconds S] "
           "[--budget TOKENS] [--sweep-budgets LIST] --out-dir DIR");
   const std::string out = f.Str("out-dir");
@@ -280,7 +290,8 @@ int main(int argc, char** argv) {
       std::vector<Cell> bs, ss;
       for (int r = 0; r < repeats; ++r) {
         const bool serial_first = r % 2 == 1 && f.Int("serial") != 0;
-        if (serial_first) ss.push_back(RunCell(base, m, "serial", c, f.Int("budget"), seconds, seed += 100000));
+        if (serial_first)
+          ss.push_back(RunCell(base, m, "serial", c, f.Int("budget"), seconds, seed += 100000));
         bs.push_back(RunCell(base, m, "batched", c, f.Int("budget"), seconds, seed += 100000));
         if (!serial_first && f.Int("serial") != 0) {
           ss.push_back(RunCell(base, m, "serial", c, f.Int("budget"), seconds, seed += 100000));
@@ -323,7 +334,8 @@ int main(int argc, char** argv) {
       for (int r = 0; r < repeats; ++r) {
         for (size_t k = 0; k < budgets.size(); ++k) {
           const size_t i = r % 2 == 0 ? k : budgets.size() - 1 - k;
-          runs[i].push_back(RunCell(base, m, "batched", sc, std::stoll(budgets[i]), seconds, seed += 100000));
+          runs[i].push_back(
+              RunCell(base, m, "batched", sc, std::stoll(budgets[i]), seconds, seed += 100000));
         }
       }
       for (const auto& rs : runs) {
@@ -334,8 +346,9 @@ int main(int argc, char** argv) {
     }
     WriteCsv(out + "/budget.csv", sweep);
   }
-  const std::string plot = std::string("'") + IMAGEGEN_DEFAULT_PYTHON + "' '" + IMAGEGEN_SOURCE_DIR +
-                           "/tools/plot_load_bench.py' '" + out + "'";
-  if (std::system(plot.c_str()) != 0) std::fprintf(stderr, "warning: plotting failed: %s\n", plot.c_str());
+  const std::string plot = std::string("'") + IMAGEGEN_DEFAULT_PYTHON + "' '" +
+                           IMAGEGEN_SOURCE_DIR + "/tools/plot_load_bench.py' '" + out + "'";
+  if (std::system(plot.c_str()) != 0)
+    std::fprintf(stderr, "warning: plotting failed: %s\n", plot.c_str());
   return 0;
 }

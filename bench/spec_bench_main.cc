@@ -52,7 +52,8 @@ std::vector<int64_t> ParseList(const std::string& s) {
 
 // A viridis-like ramp through five anchors, t in [0, 1].
 std::array<uint8_t, 3> Ramp(double t) {
-  static const double k[5][3] = {{68, 1, 84}, {59, 82, 139}, {33, 145, 140}, {94, 201, 98}, {253, 231, 37}};
+  static const double k[5][3] = {
+      {68, 1, 84}, {59, 82, 139}, {33, 145, 140}, {94, 201, 98}, {253, 231, 37}};
   t = std::clamp(t, 0.0, 1.0) * 4;
   const int i = std::min(3, static_cast<int>(t));
   const double f = t - i;
@@ -65,7 +66,8 @@ std::array<uint8_t, 3> Ramp(double t) {
 void WriteAcceptanceMap(const VqDecoder& vq, const SpecResult& r, int64_t grid,
                         const std::string& path) {
   const int64_t cell = 16, side = grid * cell;
-  at::Tensor img = ImageToUint8(OrDie(vq.Decode(at::tensor(r.tokens).to(at::kLong).unsqueeze(0))))[0];
+  at::Tensor img =
+      ImageToUint8(OrDie(vq.Decode(at::tensor(r.tokens).to(at::kLong).unsqueeze(0))))[0];
   const int64_t h = img.size(0), w = img.size(1), c = img.size(2);
   at::Tensor canvas = at::full({side, 2 * side + cell, 3}, 255, at::kByte);
   auto cv = canvas.accessor<uint8_t, 3>();
@@ -86,20 +88,34 @@ void WriteAcceptanceMap(const VqDecoder& vq, const SpecResult& r, int64_t grid,
       }
     }
   }
-  OrDie(WriteFile(path, OrDie(EncodePng(canvas.data_ptr<uint8_t>(), static_cast<int>(canvas.size(1)),
-                                        static_cast<int>(canvas.size(0)), 3))));
+  OrDie(
+      WriteFile(path, OrDie(EncodePng(canvas.data_ptr<uint8_t>(), static_cast<int>(canvas.size(1)),
+                                      static_cast<int>(canvas.size(0)), 3))));
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   Flags f(argc, argv,
-          {{"models-dir", DefaultModelsDir()}, {"model", "fmnist-gpt"}, {"draft", "fmnist-draft"},
-           {"classifier", "fmnist-classifier"}, {"per-class", "20"}, {"seed", "1000"},
-           {"noise-seed", "500000"}, {"cfg", "default"}, {"temperature", "default"},
-           {"top-k", "default"}, {"top-p", "default"}, {"batch", "1"},
-           {"windows", "16,32,64"}, {"sd-windows", "4,8,16"}, {"methods", "all"},
-           {"out-dir", "spec-bench"}, {"python", IMAGEGEN_DEFAULT_PYTHON}, {"device", "cpu"}, {"dtype", "fp32"}},
+          {{"models-dir", DefaultModelsDir()},
+           {"model", "fmnist-gpt"},
+           {"draft", "fmnist-draft"},
+           {"classifier", "fmnist-classifier"},
+           {"per-class", "20"},
+           {"seed", "1000"},
+           {"noise-seed", "500000"},
+           {"cfg", "default"},
+           {"temperature", "default"},
+           {"top-k", "default"},
+           {"top-p", "default"},
+           {"batch", "1"},
+           {"windows", "16,32,64"},
+           {"sd-windows", "4,8,16"},
+           {"methods", "all"},
+           {"out-dir", "spec-bench"},
+           {"python", IMAGEGEN_DEFAULT_PYTHON},
+           {"device", "cpu"},
+           {"dtype", "fp32"}},
           "usage: imagegen-spec-bench [--per-class N] [--batch B] [--windows 16,32,64] "
           "[--methods all|sjd,scd-mc,...] [--out-dir DIR] [--device cpu|cuda|cuda:N]");
   const LoadOptions opts = LoadOptionsFromFlags(f);
@@ -185,7 +201,8 @@ int main(int argc, char** argv) {
     double ent = 0;
     int64_t ent_n = 0;
     for (size_t b = 0; b < all.size(); b += batch) {
-      std::vector<ImageRequest> chunk(all.begin() + b, all.begin() + std::min(all.size(), b + batch));
+      std::vector<ImageRequest> chunk(all.begin() + b,
+                                      all.begin() + std::min(all.size(), b + batch));
       const auto t0 = std::chrono::steady_clock::now();
       auto res = OrDie(GenerateSpeculative(*model.gpt, draft.get(), chunk, so));
       row.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -214,7 +231,8 @@ int main(int argc, char** argv) {
     if (cfg.label == "ar") ar_seconds = row.seconds;
     row.latency_ratio = ar_seconds > 0 ? ar_seconds / row.seconds : 0;
     at::Tensor feat = at::cat(feats);
-    row.accuracy = (clf->Logits(feat).argmax(1) == at::tensor(labels)).to(at::kDouble).mean().item<double>();
+    row.accuracy =
+        (clf->Logits(feat).argmax(1) == at::tensor(labels)).to(at::kDouble).mean().item<double>();
     auto [mu, cov] = FeatureStats(feat);
     row.fd = FrechetDistance(mu, cov, clf->reference_mean(), clf->reference_cov());
     row.entropy = ent_n ? ent / ent_n : std::nan("");
@@ -225,12 +243,12 @@ int main(int argc, char** argv) {
   }
 
   const SamplingParams sp = SamplingFromFlags(f, gc);
-  std::printf("imagegen-spec-bench: model %s, %lld images per row (%lld per class), batch %lld, "
-              "device %s, cfg %.2f top-k %lld top-p %.2f temperature %.2f\n",
-              model.name.c_str(), static_cast<long long>(rows[0].images),
-              static_cast<long long>(per_class), static_cast<long long>(batch),
-              f.Str("device").c_str(), sp.cfg_scale, static_cast<long long>(sp.top_k), sp.top_p,
-              sp.temperature);
+  std::printf(
+      "imagegen-spec-bench: model %s, %lld images per row (%lld per class), batch %lld, "
+      "device %s, cfg %.2f top-k %lld top-p %.2f temperature %.2f\n",
+      model.name.c_str(), static_cast<long long>(rows[0].images), static_cast<long long>(per_class),
+      static_cast<long long>(batch), f.Str("device").c_str(), sp.cfg_scale,
+      static_cast<long long>(sp.top_k), sp.top_p, sp.temperature);
   std::printf("mean entropy of p at AR-sampled tokens: %.3f nats (uniform over %lld ids: %.3f)\n",
               rows[0].entropy, static_cast<long long>(gc.vocab_size),
               std::log(static_cast<double>(gc.vocab_size)));
@@ -244,8 +262,8 @@ int main(int argc, char** argv) {
   for (const Row& r : rows) {
     std::printf("%-12s %4lld %7.1f %6.2f %7.3f %7.2f %7.1f %8.2f %8.2f %7.3f %7.2f\n",
                 r.cfg.label.c_str(), static_cast<long long>(r.cfg.policy.window), r.nfe,
-                r.compression, r.acceptance, r.accepted_per_step, r.draft_forwards,
-                r.images_per_s, r.latency_ratio, r.accuracy, r.fd);
+                r.compression, r.acceptance, r.accepted_per_step, r.draft_forwards, r.images_per_s,
+                r.latency_ratio, r.accuracy, r.fd);
     csv << r.cfg.label << "," << r.cfg.policy.window << ",\"" << DescribePolicy(r.cfg.policy)
         << "\"," << r.images << "," << r.nfe << "," << r.compression << "," << r.acceptance << ","
         << r.accepted_per_step << "," << r.draft_forwards << "," << r.seconds << ","
@@ -259,8 +277,8 @@ int main(int argc, char** argv) {
   hist.close();
 
   // Acceptance maps of one image (class 7, the first seed) for three methods.
-  for (const auto& [preset, L] : {std::pair<const char*, int64_t>{"sjd", 32}, {"scd-mc", 32},
-                                  {"sjd-pac", 64}}) {
+  for (const auto& [preset, L] :
+       {std::pair<const char*, int64_t>{"sjd", 32}, {"scd-mc", 32}, {"sjd-pac", 64}}) {
     ImageRequest r;
     r.class_id = 7 % gc.num_classes;
     r.seed = static_cast<uint64_t>(f.Int("seed"));
@@ -269,12 +287,13 @@ int main(int argc, char** argv) {
     auto res = OrDie(GenerateSpeculative(*model.gpt, draft.get(), {r}));
     const std::string path = out + "/acceptance_map_" + preset + "_L" + std::to_string(L) + ".png";
     WriteAcceptanceMap(*model.vq, res[0], gc.grid(), path);
-    std::printf("acceptance map %s: %lld steps (colour = step that committed the token, dark "
-                "early, yellow late)\n",
-                path.c_str(), static_cast<long long>(res[0].stats.nfe));
+    std::printf(
+        "acceptance map %s: %lld steps (colour = step that committed the token, dark "
+        "early, yellow late)\n",
+        path.c_str(), static_cast<long long>(res[0].stats.nfe));
   }
-  const std::string plot = f.Str("python") + " '" + IMAGEGEN_SOURCE_DIR +
-                           "/tools/plot_spec_bench.py' '" + out + "'";
+  const std::string plot =
+      f.Str("python") + " '" + IMAGEGEN_SOURCE_DIR + "/tools/plot_spec_bench.py' '" + out + "'";
   if (std::system(plot.c_str()) != 0) {
     std::printf("plots not written (needs matplotlib): %s\n", plot.c_str());
   }

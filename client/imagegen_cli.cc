@@ -32,7 +32,8 @@
 #include "imagegen/v1/imagegen.grpc.pb.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "server address");
-ABSL_FLAG(std::string, tls_ca, "", "PEM CA bundle that signed the server's certificate (enables TLS)");
+ABSL_FLAG(std::string, tls_ca, "",
+          "PEM CA bundle that signed the server's certificate (enables TLS)");
 ABSL_FLAG(std::string, tls_cert, "", "PEM client certificate (mTLS)");
 ABSL_FLAG(std::string, tls_key, "", "PEM key of --tls-cert");
 ABSL_FLAG(std::string, tls_server_name, "", "expected server name in its certificate");
@@ -41,7 +42,8 @@ ABSL_FLAG(double, timeout, 0, "deadline of each call in seconds (0: none)");
 ABSL_FLAG(std::string, model, "", "model name (default: the server's first)");
 // --class (a C++ keyword) is accepted and rewritten to --cls before parsing; dashes and
 // underscores in flag names are interchangeable.
-ABSL_FLAG(std::string, cls, "", "--class: class name or id (generate: required; load: default all)");
+ABSL_FLAG(std::string, cls, "",
+          "--class: class name or id (generate: required; load: default all)");
 ABSL_FLAG(std::string, method, "", "decoding method preset (default: the server's)");
 ABSL_FLAG(int64_t, seed, -1, "seed (-1: the server picks one)");
 ABSL_FLAG(double, cfg, -1, "guidance scale (-1: the model's default)");
@@ -105,8 +107,9 @@ void Prepare(grpc::ClientContext* ctx) {
           : Trim(ReadFileOrExit("token-file", absl::GetFlag(FLAGS_token_file)));
   if (!token.empty()) ctx->AddMetadata("authorization", "Bearer " + token);
   if (absl::GetFlag(FLAGS_timeout) > 0) {
-    ctx->set_deadline(std::chrono::system_clock::now() +
-                      std::chrono::milliseconds(static_cast<int64_t>(absl::GetFlag(FLAGS_timeout) * 1000)));
+    ctx->set_deadline(
+        std::chrono::system_clock::now() +
+        std::chrono::milliseconds(static_cast<int64_t>(absl::GetFlag(FLAGS_timeout) * 1000)));
   }
 }
 
@@ -161,12 +164,14 @@ void PrintStats(const v1::GenerateResponse& r, const std::string& out) {
   const v1::GenerationStats& s = r.stats();
   std::printf("model %s class %d seed %llu method %s\n", s.model().c_str(), s.class_id(),
               static_cast<unsigned long long>(s.seed()), s.method().c_str());
-  std::printf("%d tokens in %lld steps (NFE): step compression %.2fx, acceptance %.2f, "
-              "%lld draft-model forwards\n",
-              r.grid() * r.grid(), static_cast<long long>(s.nfe()), s.step_compression(),
-              s.acceptance_rate(), static_cast<long long>(s.draft_forwards()));
+  std::printf(
+      "%d tokens in %lld steps (NFE): step compression %.2fx, acceptance %.2f, "
+      "%lld draft-model forwards\n",
+      r.grid() * r.grid(), static_cast<long long>(s.nfe()), s.step_compression(),
+      s.acceptance_rate(), static_cast<long long>(s.draft_forwards()));
   std::printf("queue %.3f s, first token %.3f s, generation %.3f s, total %.3f s",
-              s.queue_seconds(), s.first_token_seconds(), s.generation_seconds(), s.total_seconds());
+              s.queue_seconds(), s.first_token_seconds(), s.generation_seconds(),
+              s.total_seconds());
   if (!out.empty()) std::printf(" -> %s (%dx%d)", out.c_str(), r.width(), r.height());
   std::printf("\n");
 }
@@ -243,13 +248,15 @@ int Generate() {
     if (msg.has_step()) {
       const v1::StepUpdate& s = msg.step();
       const double acc = s.drafts_verified() > 0
-                             ? static_cast<double>(s.drafts_accepted()) / s.drafts_verified() : 0;
-      std::printf("step %3d  +%-3d tokens  %3d/%d  NFE %lld  window %d  acceptance %.2f",
-                  s.step(), s.positions_size(), s.committed(), s.total(),
-                  static_cast<long long>(s.nfe()), s.window(), acc);
+                             ? static_cast<double>(s.drafts_accepted()) / s.drafts_verified()
+                             : 0;
+      std::printf("step %3d  +%-3d tokens  %3d/%d  NFE %lld  window %d  acceptance %.2f", s.step(),
+                  s.positions_size(), s.committed(), s.total(), static_cast<long long>(s.nfe()),
+                  s.window(), acc);
       if (absl::GetFlag(FLAGS_drafts) && s.draft_tokens_size() > 0) {
         std::printf("  drafts@%d:", s.draft_positions(0));
-        for (int i = 0; i < std::min(s.draft_tokens_size(), 8); ++i) std::printf(" %d", s.draft_tokens(i));
+        for (int i = 0; i < std::min(s.draft_tokens_size(), 8); ++i)
+          std::printf(" %d", s.draft_tokens(i));
         if (s.draft_tokens_size() > 8) std::printf(" ...");
       }
       if (!s.preview_png().empty() && !dir.empty()) {
@@ -297,7 +304,8 @@ int Load() {
   const int c = absl::GetFlag(FLAGS_concurrency);
   const bool stream = absl::GetFlag(FLAGS_stream);
   const auto t0 = Clock::now();
-  const auto stop = t0 + std::chrono::milliseconds(static_cast<int64_t>(absl::GetFlag(FLAGS_duration) * 1000));
+  const auto stop =
+      t0 + std::chrono::milliseconds(static_cast<int64_t>(absl::GetFlag(FLAGS_duration) * 1000));
   std::mutex mu;
   std::vector<double> latency, first;
   std::map<std::string, int64_t> errors;
@@ -323,7 +331,8 @@ int Load() {
           auto reader = stub->GenerateStream(&ctx, req);
           v1::GenerateStreamResponse m;
           while (reader->Read(&m)) {
-            if (m.has_step() && ttft < 0) ttft = std::chrono::duration<double>(Clock::now() - s0).count();
+            if (m.has_step() && ttft < 0)
+              ttft = std::chrono::duration<double>(Clock::now() - s0).count();
             if (m.has_final()) stats = m.final().stats();
           }
           st = reader->Finish();
@@ -352,11 +361,13 @@ int Load() {
   const double secs = std::chrono::duration<double>(last - t0).count();
   const auto n = static_cast<double>(latency.size());
   std::printf("load: %d clients (%s), %zu images in %.1f s: %.2f images/s\n", c,
-              stream ? "GenerateStream" : "Generate", latency.size(), secs, n / std::max(secs, 1e-9));
+              stream ? "GenerateStream" : "Generate", latency.size(), secs,
+              n / std::max(secs, 1e-9));
   std::printf("latency s: p50 %.3f  p90 %.3f  p99 %.3f  max %.3f", Percentile(latency, 0.5),
               Percentile(latency, 0.9), Percentile(latency, 0.99), Percentile(latency, 1.0));
   if (!first.empty()) {
-    std::printf("  | first step s: p50 %.3f  p99 %.3f", Percentile(first, 0.5), Percentile(first, 0.99));
+    std::printf("  | first step s: p50 %.3f  p99 %.3f", Percentile(first, 0.5),
+                Percentile(first, 0.99));
   }
   std::printf("\nmean NFE per image %.1f\n", n > 0 ? static_cast<double>(nfe) / n : 0.0);
   for (const auto& [code, count] : errors) {

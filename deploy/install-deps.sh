@@ -12,7 +12,7 @@ TORCH_VERSION="2.11.0"
 VENV="${IMAGEGEN_VENV:-/opt/imagegen/venv}"
 
 APT_PACKAGES=(
-  build-essential cmake ninja-build ccache pkg-config git ca-certificates
+  build-essential cmake ninja-build ccache pkg-config git ca-certificates clang-format
   python3 python3-venv python3-pip
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc libabsl-dev
   prometheus-cpp-dev prometheus openssl

@@ -36,8 +36,8 @@ IMAGEGEN_HD Philox4 PhiloxRounds(Philox4 c, uint64_t key) {
 IMAGEGEN_HD double PhiloxUniform(uint64_t seed, uint32_t position, uint32_t iteration,
                                  uint32_t purpose, uint32_t index) {
   const Philox4 r = PhiloxRounds(Philox4{{position, iteration, purpose, index}}, seed);
-  const uint64_t bits = ((static_cast<uint64_t>(r.v[0]) << 21) ^ (r.v[1] >> 11)) &
-                        ((uint64_t{1} << 53) - 1);
+  const uint64_t bits =
+      ((static_cast<uint64_t>(r.v[0]) << 21) ^ (r.v[1] >> 11)) & ((uint64_t{1} << 53) - 1);
   return static_cast<double>(bits) * (1.0 / 9007199254740992.0);
 }
 

@@ -8,8 +8,8 @@ namespace imagegen::kernels {
 namespace {
 
 __global__ void PhiloxUniformKernel(const uint64_t* seeds, const uint32_t* positions,
-                                    const uint32_t* indices, uint32_t iteration,
-                                    uint32_t purpose, double* out, int64_t n) {
+                                    const uint32_t* indices, uint32_t iteration, uint32_t purpose,
+                                    double* out, int64_t n) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) {
     out[i] = PhiloxUniform(seeds[i], positions[i], iteration, purpose, indices[i]);
@@ -18,9 +18,9 @@ __global__ void PhiloxUniformKernel(const uint64_t* seeds, const uint32_t* posit
 
 }  // namespace
 
-int LaunchPhiloxUniform(const uint64_t* seeds, const uint32_t* positions,
-                        const uint32_t* indices, uint32_t iteration, uint32_t purpose,
-                        double* out, int64_t n, void* stream) {
+int LaunchPhiloxUniform(const uint64_t* seeds, const uint32_t* positions, const uint32_t* indices,
+                        uint32_t iteration, uint32_t purpose, double* out, int64_t n,
+                        void* stream) {
   if (n <= 0) return 0;
   constexpr int kThreads = 256;
   const auto blocks = static_cast<unsigned>((n + kThreads - 1) / kThreads);

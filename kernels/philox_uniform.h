@@ -9,8 +9,7 @@
 namespace imagegen::kernels {
 
 // Returns 0 on success or the cudaError_t of the launch. `stream` is a cudaStream_t.
-int LaunchPhiloxUniform(const uint64_t* seeds, const uint32_t* positions,
-                        const uint32_t* indices, uint32_t iteration, uint32_t purpose,
-                        double* out, int64_t n, void* stream);
+int LaunchPhiloxUniform(const uint64_t* seeds, const uint32_t* positions, const uint32_t* indices,
+                        uint32_t iteration, uint32_t purpose, double* out, int64_t n, void* stream);
 
 }  // namespace imagegen::kernels

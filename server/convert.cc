@@ -38,9 +38,9 @@ bool HasPolicyPart(const v1::DecodingPolicy& p, const std::string& name) {
 
 bool AnyPolicyPart(const v1::GenerateRequest& req) {
   if (!req.has_policy()) return false;
-  for (const char* n : {"draft", "coupling", "acceptance", "tree_branches", "tree_depth",
-                        "uniform_init_q", "gsd_group", "gsd_delta", "gsd_distance", "cool_delta",
-                        "cool_nu"}) {
+  for (const char* n :
+       {"draft", "coupling", "acceptance", "tree_branches", "tree_depth", "uniform_init_q",
+        "gsd_group", "gsd_delta", "gsd_distance", "cool_delta", "cool_nu"}) {
     if (HasPolicyPart(req.policy(), n)) return true;
   }
   return false;
@@ -83,8 +83,7 @@ static_assert(static_cast<int>(Code::kInvalidArgument) == grpc::StatusCode::INVA
 static_assert(static_cast<int>(Code::kDeadlineExceeded) == grpc::StatusCode::DEADLINE_EXCEEDED);
 static_assert(static_cast<int>(Code::kNotFound) == grpc::StatusCode::NOT_FOUND);
 static_assert(static_cast<int>(Code::kResourceExhausted) == grpc::StatusCode::RESOURCE_EXHAUSTED);
-static_assert(static_cast<int>(Code::kFailedPrecondition) ==
-              grpc::StatusCode::FAILED_PRECONDITION);
+static_assert(static_cast<int>(Code::kFailedPrecondition) == grpc::StatusCode::FAILED_PRECONDITION);
 static_assert(static_cast<int>(Code::kInternal) == grpc::StatusCode::INTERNAL);
 static_assert(static_cast<int>(Code::kUnavailable) == grpc::StatusCode::UNAVAILABLE);
 static_assert(static_cast<int>(Code::kDataLoss) == grpc::StatusCode::DATA_LOSS);
@@ -97,7 +96,8 @@ grpc::Status ToGrpc(const Status& s, const v1::GenerateRequest& req, double retr
       if (!s.field().empty()) {
         const std::string field = ProtoField(s.field(), req);
         const std::string& m = s.message();
-        const std::string text = m.rfind(s.field() + ": ", 0) == 0 ? m.substr(s.field().size() + 2) : m;
+        const std::string text =
+            m.rfind(s.field() + ": ", 0) == 0 ? m.substr(s.field().size() + 2) : m;
         return BadField(field, text);
       }
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, s.message());
@@ -157,24 +157,47 @@ grpc::Status ToParams(const v1::GenerateRequest& req, const std::string& default
   if (req.has_policy()) {
     const v1::DecodingPolicy& q = req.policy();
     switch (q.draft()) {
-      case v1::DRAFT_SOURCE_UNSPECIFIED: break;
-      case v1::DRAFT_SOURCE_NONE: p.draft = DraftSource::kNone; break;
-      case v1::DRAFT_SOURCE_JACOBI: p.draft = DraftSource::kJacobi; break;
-      case v1::DRAFT_SOURCE_DRAFT_MODEL: p.draft = DraftSource::kDraftModel; break;
-      default: return BadField("policy.draft", "unknown value " + std::to_string(q.draft()));
+      case v1::DRAFT_SOURCE_UNSPECIFIED:
+        break;
+      case v1::DRAFT_SOURCE_NONE:
+        p.draft = DraftSource::kNone;
+        break;
+      case v1::DRAFT_SOURCE_JACOBI:
+        p.draft = DraftSource::kJacobi;
+        break;
+      case v1::DRAFT_SOURCE_DRAFT_MODEL:
+        p.draft = DraftSource::kDraftModel;
+        break;
+      default:
+        return BadField("policy.draft", "unknown value " + std::to_string(q.draft()));
     }
     switch (q.coupling()) {
-      case v1::COUPLING_UNSPECIFIED: break;
-      case v1::COUPLING_INDEPENDENT: p.coupling = Coupling::kIndependent; break;
-      case v1::COUPLING_MAXIMAL: p.coupling = Coupling::kMaximal; break;
-      case v1::COUPLING_GUMBEL: p.coupling = Coupling::kGumbel; break;
-      default: return BadField("policy.coupling", "unknown value " + std::to_string(q.coupling()));
+      case v1::COUPLING_UNSPECIFIED:
+        break;
+      case v1::COUPLING_INDEPENDENT:
+        p.coupling = Coupling::kIndependent;
+        break;
+      case v1::COUPLING_MAXIMAL:
+        p.coupling = Coupling::kMaximal;
+        break;
+      case v1::COUPLING_GUMBEL:
+        p.coupling = Coupling::kGumbel;
+        break;
+      default:
+        return BadField("policy.coupling", "unknown value " + std::to_string(q.coupling()));
     }
     switch (q.acceptance()) {
-      case v1::ACCEPTANCE_UNSPECIFIED: break;
-      case v1::ACCEPTANCE_EXACT: p.acceptance = Acceptance::kExact; break;
-      case v1::ACCEPTANCE_GROUPED: p.acceptance = Acceptance::kGrouped; break;
-      case v1::ACCEPTANCE_RELAXED: p.acceptance = Acceptance::kRelaxed; break;
+      case v1::ACCEPTANCE_UNSPECIFIED:
+        break;
+      case v1::ACCEPTANCE_EXACT:
+        p.acceptance = Acceptance::kExact;
+        break;
+      case v1::ACCEPTANCE_GROUPED:
+        p.acceptance = Acceptance::kGrouped;
+        break;
+      case v1::ACCEPTANCE_RELAXED:
+        p.acceptance = Acceptance::kRelaxed;
+        break;
       default:
         return BadField("policy.acceptance", "unknown value " + std::to_string(q.acceptance()));
     }

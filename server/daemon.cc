@@ -56,8 +56,8 @@ StatusOr<std::unique_ptr<Daemon>> Daemon::Listen(const DaemonOptions& options) {
   std::unique_ptr<Daemon> d(new Daemon(options, auth));
   d->tls_ = !options.tls_cert.empty();
   if (!options.metrics_listen.empty()) {
-    auto started = MetricsHttpServer::Start(
-        options.metrics_listen, {d->metrics_.registry(), d->metrics_.engine_gauges()});
+    auto started = MetricsHttpServer::Start(options.metrics_listen,
+                                            {d->metrics_.registry(), d->metrics_.engine_gauges()});
     if (!started.ok()) {
       return Status(started.status().code(), "--metrics-listen: " + started.status().message());
     }
@@ -104,7 +104,8 @@ std::string Daemon::Describe() const {
   if (engine_ == nullptr) return "no models loaded";
   std::string names;
   for (const ModelInfo& m : engine_->Models()) {
-    names += (names.empty() ? "" : ", ") + m.name + " (" + std::to_string(m.kv_slots) + " KV slots)";
+    names +=
+        (names.empty() ? "" : ", ") + m.name + " (" + std::to_string(m.kv_slots) + " KV slots)";
   }
   return names + " on " + options_.engine.device + "; token budget " +
          std::to_string(engine_->max_tokens_per_step()) + " per step; default method " +

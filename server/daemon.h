@@ -40,7 +40,7 @@ struct DaemonOptions {
 // Makes the engine (loading its models); `listener` outlives the engine. Production passes
 // Engine::Start.
 using EngineStarter = std::function<StatusOr<std::unique_ptr<Engine>>(const EngineOptions&,
-                                                                       EngineListener* listener)>;
+                                                                      EngineListener* listener)>;
 
 class Daemon {
  public:

@@ -26,8 +26,9 @@ ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
           "gRPC address (host:port; port 0 picks a free one, see --port-file)");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9464",
           "Prometheus /metrics address (host:port); empty: no metrics endpoint");
-ABSL_FLAG(std::string, models_dir, "",
-          "directory of model directories (default: $IMAGEGEN_MODELS_DIR, else the bundled models)");
+ABSL_FLAG(
+    std::string, models_dir, "",
+    "directory of model directories (default: $IMAGEGEN_MODELS_DIR, else the bundled models)");
 ABSL_FLAG(std::vector<std::string>, models, {"fmnist-gpt"}, "models to load (comma-separated)");
 ABSL_FLAG(std::string, device, "cpu", "cpu, cuda or cuda:N");
 ABSL_FLAG(std::string, dtype, "fp32", "fp32, bf16 or fp16");
@@ -142,8 +143,8 @@ int main(int argc, char** argv) {
     std::_Exit(1);
   });
   force.detach();
-  const EngineStats st = daemon->Stop(std::chrono::milliseconds(
-      static_cast<int64_t>(absl::GetFlag(FLAGS_grace_seconds) * 1000)));
+  const EngineStats st = daemon->Stop(
+      std::chrono::milliseconds(static_cast<int64_t>(absl::GetFlag(FLAGS_grace_seconds) * 1000)));
   Log("stopped: " + std::to_string(st.completed) + " images, " + std::to_string(st.cancelled) +
       " cancelled, " + std::to_string(st.expired) + " expired, " + std::to_string(st.failed) +
       " failed");

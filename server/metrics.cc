@@ -10,16 +10,20 @@ using prometheus::BuildGauge;
 using prometheus::BuildHistogram;
 using prometheus::Histogram;
 
-const Histogram::BucketBoundaries kLatency = {0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300};
-const Histogram::BucketBoundaries kQueue = {0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60};
-const Histogram::BucketBoundaries kFirstToken = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
-                                                 5, 10, 30};
+const Histogram::BucketBoundaries kLatency = {0.05, 0.1, 0.25, 0.5, 1,   2,  4,
+                                              8,    15,  30,   60,  120, 300};
+const Histogram::BucketBoundaries kQueue = {0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1,
+                                            2,     4,    8,    15,  30,   60};
+const Histogram::BucketBoundaries kFirstToken = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                                                 0.5,   1,    2.5,   5,    10,  30};
 const Histogram::BucketBoundaries kStep = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
                                            0.05,   0.1,   0.25,   0.5,   1};
-const Histogram::BucketBoundaries kStepTokens = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096};
+const Histogram::BucketBoundaries kStepTokens = {1,   2,   4,   8,    16,   32,  64,
+                                                 128, 256, 512, 1024, 2048, 4096};
 const Histogram::BucketBoundaries kStepRequests = {1, 2, 4, 8, 16, 32, 64, 128};
 const Histogram::BucketBoundaries kAccepted = {1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64};
-const Histogram::BucketBoundaries kNfe = {8, 16, 32, 48, 64, 96, 128, 160, 196, 256, 384, 512, 1024};
+const Histogram::BucketBoundaries kNfe = {8,   16,  32,  48,  64,  96,  128,
+                                          160, 196, 256, 384, 512, 1024};
 const Histogram::BucketBoundaries kCompression = {1, 1.25, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 8, 12};
 
 // The engine's load, read when Prometheus scrapes.
@@ -35,20 +39,23 @@ class EngineGauges : public prometheus::Collectable {
     const Engine* e = engine_.load();
     MetricFamily ready{"imagegen_ready",
                        "1 when the models are loaded and the server accepts requests",
-                       MetricType::Gauge, {}};
+                       MetricType::Gauge,
+                       {}};
     ClientMetric r;
     r.gauge.value = e != nullptr && !draining_.load() ? 1 : 0;
     ready.metric.push_back(r);
     std::vector<MetricFamily> out = {ready};
     if (e == nullptr) return out;
-    MetricFamily queued{"imagegen_queue_depth", "Requests waiting for a KV-cache slot",
-                        MetricType::Gauge, {}};
-    MetricFamily active{"imagegen_active_requests", "Requests holding KV-cache slots",
-                        MetricType::Gauge, {}};
+    MetricFamily queued{
+        "imagegen_queue_depth", "Requests waiting for a KV-cache slot", MetricType::Gauge, {}};
+    MetricFamily active{
+        "imagegen_active_requests", "Requests holding KV-cache slots", MetricType::Gauge, {}};
     MetricFamily used{"imagegen_kv_cache_slots_in_use",
                       "KV-cache slots taken (a request with guidance takes two)",
-                      MetricType::Gauge, {}};
-    MetricFamily total{"imagegen_kv_cache_slots", "KV-cache slots allocated", MetricType::Gauge, {}};
+                      MetricType::Gauge,
+                      {}};
+    MetricFamily total{
+        "imagegen_kv_cache_slots", "KV-cache slots allocated", MetricType::Gauge, {}};
     for (const ModelLoad& l : e->Stats().models) {
       auto add = [&](MetricFamily& f, double v) {
         ClientMetric m;

@@ -44,9 +44,8 @@ class Metrics : public EngineListener {
   void OnRequestStep(const std::string& model, const std::string& method, const StepEvent& e);
   // A call ended. `outcome`: ok, invalid_argument, not_found, resource_exhausted, unavailable,
   // cancelled, deadline_exceeded, unauthenticated, internal. `result` is set when outcome is ok.
-  void OnRequestEnd(const std::string& model, const std::string& method,
-                    const std::string& outcome, const RequestResult* result,
-                    double total_seconds);
+  void OnRequestEnd(const std::string& model, const std::string& method, const std::string& outcome,
+                    const RequestResult* result, double total_seconds);
 
   // Mean seconds of a recent image's generation (for RetryInfo), 1 s before any.
   double RecentGenerationSeconds() const;
@@ -54,8 +53,8 @@ class Metrics : public EngineListener {
  private:
   struct PerMethod {
     prometheus::Counter *drafted, *accepted, *nfe, *draft_forwards, *images;
-    prometheus::Histogram *accepted_length, *nfe_per_image, *compression, *first_token,
-        *latency, *queue_time, *generation;
+    prometheus::Histogram *accepted_length, *nfe_per_image, *compression, *first_token, *latency,
+        *queue_time, *generation;
     std::map<std::string, prometheus::Counter*> drafted_at, accepted_at;
   };
   PerMethod& For(const std::string& model, const std::string& method);

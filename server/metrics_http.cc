@@ -38,13 +38,15 @@ StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
   if (colon == std::string::npos) return InvalidArgument("metrics address must be host:port");
   std::string host = address.substr(0, colon);
   const std::string port = address.substr(colon + 1);
-  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']')
+    host = host.substr(1, host.size() - 2);
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
   addrinfo* res = nullptr;
-  if (int rc = ::getaddrinfo(host.empty() ? nullptr : host.c_str(), port.c_str(), &hints, &res); rc != 0) {
+  if (int rc = ::getaddrinfo(host.empty() ? nullptr : host.c_str(), port.c_str(), &hints, &res);
+      rc != 0) {
     return InvalidArgument("metrics address " + address + ": " + ::gai_strerror(rc));
   }
   std::unique_ptr<MetricsHttpServer> s(new MetricsHttpServer());
@@ -68,7 +70,7 @@ StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
   socklen_t len = sizeof(bound);
   ::getsockname(s->listen_fd_, reinterpret_cast<sockaddr*>(&bound), &len);
   s->port_ = ntohs(bound.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
-                                                : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+                                               : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
   MetricsHttpServer* raw = s.get();
   s->thread_ = std::thread([raw] { raw->Serve(); });
   return s;
@@ -84,7 +86,8 @@ std::string MetricsHttpServer::Render() const {
   std::vector<prometheus::MetricFamily> families;
   for (const auto& src : sources_) {
     auto f = src->Collect();
-    families.insert(families.end(), std::make_move_iterator(f.begin()), std::make_move_iterator(f.end()));
+    families.insert(families.end(), std::make_move_iterator(f.begin()),
+                    std::make_move_iterator(f.end()));
   }
   return prometheus::TextSerializer().Serialize(families);
 }

@@ -16,7 +16,9 @@ namespace {
 class Call : public RequestObserver {
  public:
   Call(Metrics* metrics, std::string model, std::string method, bool keep_steps)
-      : metrics_(metrics), model_(std::move(model)), method_(std::move(method)),
+      : metrics_(metrics),
+        model_(std::move(model)),
+        method_(std::move(method)),
         keep_steps_(keep_steps) {}
 
   void OnStep(const StepEvent& e) override {
@@ -132,7 +134,8 @@ grpc::Status ImageGenerationService::Run(grpc::ServerContext* ctx, const v1::Gen
     return st;
   };
   if (!auth_.Allows(*ctx)) {
-    return finish(grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "missing or invalid bearer token"));
+    return finish(
+        grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "missing or invalid bearer token"));
   }
   Engine* engine = engine_.load();
   if (engine == nullptr) {

@@ -28,9 +28,9 @@ std::vector<DecodingPolicy> ToyPolicies() {
     if (!p.ok()) throw std::runtime_error(p.status().ToString());
     return *p;
   };
-  std::vector<DecodingPolicy> out = {make("ar", 0),      make("sjd", 4),     make("scd-mc", 6),
-                                     make("scd-gs", 6),  make("sjd-pac", 9), make("pac-gumbel", 9),
-                                     make("gsd", 6),     make("cool-sjd", 6), make("sd", 4),
+  std::vector<DecodingPolicy> out = {make("ar", 0),     make("sjd", 4),      make("scd-mc", 6),
+                                     make("scd-gs", 6), make("sjd-pac", 9),  make("pac-gumbel", 9),
+                                     make("gsd", 6),    make("cool-sjd", 6), make("sd", 4),
                                      make("cool-sd", 4)};
   for (auto& p : out) {
     if (p.has_tree()) p.tree_branches = 2;  // 1 + 2 + 4 nodes fit a window of 9
@@ -74,7 +74,8 @@ struct Flight {
 
 class StormObserver : public RequestObserver {
  public:
-  StormObserver(Flight* f, Engine* e, int64_t cancel_after) : flight_(f), engine_(e), cancel_after_(cancel_after) {}
+  StormObserver(Flight* f, Engine* e, int64_t cancel_after)
+      : flight_(f), engine_(e), cancel_after_(cancel_after) {}
   void OnStep(const StepEvent& e) override {
     steps.fetch_add(1);
     if (cancel_after_ > 0 && e.step == cancel_after_) engine_->Cancel(e.request_id);
@@ -131,7 +132,8 @@ TEST(EngineStormTest, ThousandMixedRequestsLeaveNoSlotBehind) {
     p.preview_every = i % 7 == 0 ? 2 : 0;
     p.decode_image = i % 2 == 0;
     if (kind < 5) p.policy.window = 100;  // invalid: rejected before it is queued
-    if (kind >= 5 && kind < 15) p.deadline = Clock::now() + std::chrono::microseconds(rng() % 20000);
+    if (kind >= 5 && kind < 15)
+      p.deadline = Clock::now() + std::chrono::microseconds(rng() % 20000);
     const int64_t cancel_after = kind >= 15 && kind < 30 ? 1 + static_cast<int64_t>(rng() % 3) : 0;
     auto obs = std::make_shared<StormObserver>(&flight, &engine, cancel_after);
     flight.Started();
@@ -171,11 +173,12 @@ TEST(EngineStormTest, ThousandMixedRequestsLeaveNoSlotBehind) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   EngineStats s = engine.Stats();
-  std::printf("1000 requests: %lld completed, %lld cancelled, %lld expired, %lld rejected "
-              "(queue full), %lld invalid; %lld engine steps\n",
-              static_cast<long long>(ok), static_cast<long long>(cancelled),
-              static_cast<long long>(expired), static_cast<long long>(rejected),
-              static_cast<long long>(invalid), static_cast<long long>(s.steps));
+  std::printf(
+      "1000 requests: %lld completed, %lld cancelled, %lld expired, %lld rejected "
+      "(queue full), %lld invalid; %lld engine steps\n",
+      static_cast<long long>(ok), static_cast<long long>(cancelled),
+      static_cast<long long>(expired), static_cast<long long>(rejected),
+      static_cast<long long>(invalid), static_cast<long long>(s.steps));
   EXPECT_EQ(s.models[0].slots_used, 0);
   EXPECT_EQ(s.models[0].active, 0);
   EXPECT_EQ(s.models[0].queued, 0);
@@ -244,13 +247,14 @@ TEST(EngineExactTest, CoBatchedLosslessMethodsMatchTheExactArDistribution) {
   o.max_slots = 128;
   o.max_queue = 1000;
   o.max_tokens_per_step = 320;
-  o.batch_invariant = false;    // not what is tested here, and per-request attention is slow
+  o.batch_invariant = false;  // not what is tested here, and per-request attention is slow
   BudgetLog budget;
   auto started = Engine::Start(o, &budget);
   ASSERT_TRUE(started.ok()) << started.status().ToString();
   Engine& engine = **started;
   uint64_t seed_base = 0;
-  if (const char* e = std::getenv("IMAGEGEN_TEST_SEED_BASE")) seed_base = std::strtoull(e, nullptr, 10);
+  if (const char* e = std::getenv("IMAGEGEN_TEST_SEED_BASE"))
+    seed_base = std::strtoull(e, nullptr, 10);
   const int64_t per_cfg = 2 * kPerClass;
   std::vector<std::vector<int64_t>> counts(cfgs.size(), std::vector<int64_t>(kClasses * kSeqs, 0));
   std::vector<int64_t> nfe(cfgs.size(), 0);
@@ -278,11 +282,12 @@ TEST(EngineExactTest, CoBatchedLosslessMethodsMatchTheExactArDistribution) {
     }
     return p;
   }();
-  std::printf("%lld requests in %lld steps: %.1f requests and %.1f forward tokens per step; the "
-              "budget shrank windows in %.0f%% of the steps\n",
-              static_cast<long long>(per_cfg * static_cast<int64_t>(cfgs.size())),
-              static_cast<long long>(budget.steps), static_cast<double>(budget.requests) / budget.steps,
-              static_cast<double>(budget.tokens) / budget.steps, 100.0 * budget.limited / budget.steps);
+  std::printf(
+      "%lld requests in %lld steps: %.1f requests and %.1f forward tokens per step; the "
+      "budget shrank windows in %.0f%% of the steps\n",
+      static_cast<long long>(per_cfg * static_cast<int64_t>(cfgs.size())),
+      static_cast<long long>(budget.steps), static_cast<double>(budget.requests) / budget.steps,
+      static_cast<double>(budget.tokens) / budget.steps, 100.0 * budget.limited / budget.steps);
   EXPECT_GT(budget.limited, budget.steps / 2);
   // Windows were shrunk, not abolished: requests fed more than one token per step on average.
   EXPECT_GT(static_cast<double>(budget.tokens) / budget.requests, 2 * 1.5);

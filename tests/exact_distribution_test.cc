@@ -36,7 +36,8 @@ ProbTable Table(const ToyModel& m, int64_t cls,
     std::vector<at::Tensor> rows;
     for (int64_t i = 0; i < count; ++i) {
       std::vector<int64_t> prefix(k);
-      for (int64_t j = k - 1, x = i; j >= 0; --j, x /= ToyModel::kVocab) prefix[j] = x % ToyModel::kVocab;
+      for (int64_t j = k - 1, x = i; j >= 0; --j, x /= ToyModel::kVocab)
+        prefix[j] = x % ToyModel::kVocab;
       rows.push_back(probs(cls, prefix));
     }
     t.by_len.push_back(at::stack(rows));
@@ -46,13 +47,14 @@ ProbTable Table(const ToyModel& m, int64_t cls,
 
 // AR sampling of n sequences with seeds 0..n-1: one inverse-CDF draw per position from a
 // Philox uniform keyed by (seed, position) unless `uniform` says otherwise.
-std::vector<int64_t> SampleCounts(
-    const ProbTable& t, const std::function<double(uint64_t, uint32_t)>& uniform) {
+std::vector<int64_t> SampleCounts(const ProbTable& t,
+                                  const std::function<double(uint64_t, uint32_t)>& uniform) {
   at::Tensor prefix_idx = at::zeros({kSamples}, at::kLong);
   for (int64_t k = 0; k < ToyModel::kLen; ++k) {
     at::Tensor probs = t.by_len[k].index_select(0, prefix_idx);
     std::vector<double> u(kSamples);
-    for (int64_t s = 0; s < kSamples; ++s) u[s] = uniform(static_cast<uint64_t>(s), static_cast<uint32_t>(k));
+    for (int64_t s = 0; s < kSamples; ++s)
+      u[s] = uniform(static_cast<uint64_t>(s), static_cast<uint32_t>(k));
     at::Tensor tok = SampleInverseCdf(probs, at::tensor(u));
     prefix_idx = prefix_idx * ToyModel::kVocab + tok;
   }
@@ -62,9 +64,7 @@ std::vector<int64_t> SampleCounts(
   return counts;
 }
 
-double KeyedUniform(uint64_t seed, uint32_t pos) {
-  return Uniform(seed, pos, 0, Purpose::kSample);
-}
+double KeyedUniform(uint64_t seed, uint32_t pos) { return Uniform(seed, pos, 0, Purpose::kSample); }
 
 class ExactArTest : public ::testing::TestWithParam<SamplingParams> {};
 
@@ -73,9 +73,8 @@ TEST_P(ExactArTest, ArSamplingMatchesTheExactDistribution) {
   const SamplingParams s = GetParam();
   for (int64_t cls : {0, 1}) {
     auto exact = m.Exact(cls, s);
-    ProbTable t = Table(m, cls, [&](int64_t c, const std::vector<int64_t>& p) {
-      return m.Probs(c, p, s);
-    });
+    ProbTable t =
+        Table(m, cls, [&](int64_t c, const std::vector<int64_t>& p) { return m.Probs(c, p, s); });
     auto r = ChiSquareTest(SampleCounts(t, KeyedUniform), exact);
     std::printf("class %lld cfg %.1f top-k %lld: chi2 %.1f df %d p %.4f\n",
                 static_cast<long long>(cls), s.cfg_scale, static_cast<long long>(s.top_k),
@@ -102,25 +101,22 @@ TEST(ExactArPowerTest, BrokenSamplersFail) {
   ToyModel m;
   const SamplingParams s = Params(2.0, 0.9, 3, 1.0);
   auto exact = m.Exact(0, s);
-  ProbTable right = Table(m, 0, [&](int64_t c, const std::vector<int64_t>& p) {
-    return m.Probs(c, p, s);
-  });
+  ProbTable right =
+      Table(m, 0, [&](int64_t c, const std::vector<int64_t>& p) { return m.Probs(c, p, s); });
   // 1. The same uniform reused at every position (a counter that forgot the position).
   auto same_u = ChiSquareTest(
       SampleCounts(right, [](uint64_t seed, uint32_t) { return KeyedUniform(seed, 0); }), exact);
   // 2. Top-k forgotten: sampling from the guided softmax without the filter.
   SamplingParams unfiltered = s;
   unfiltered.top_k = 0;
-  ProbTable wrong = Table(m, 0, [&](int64_t c, const std::vector<int64_t>& p) {
-    return m.Probs(c, p, unfiltered);
-  });
+  ProbTable wrong = Table(
+      m, 0, [&](int64_t c, const std::vector<int64_t>& p) { return m.Probs(c, p, unfiltered); });
   auto no_topk = ChiSquareTest(SampleCounts(wrong, KeyedUniform), exact);
   // 3. Guidance at scale 1.9 instead of 2.0: a subtle error.
   SamplingParams off = s;
   off.cfg_scale = 1.9;
-  ProbTable slightly = Table(m, 0, [&](int64_t c, const std::vector<int64_t>& p) {
-    return m.Probs(c, p, off);
-  });
+  ProbTable slightly =
+      Table(m, 0, [&](int64_t c, const std::vector<int64_t>& p) { return m.Probs(c, p, off); });
   auto cfg_off = ChiSquareTest(SampleCounts(slightly, KeyedUniform), exact);
   std::printf("broken: same uniform p=%.3g, no top-k p=%.3g, cfg 1.9 p=%.3g\n", same_u.p_value,
               no_topk.p_value, cfg_off.p_value);

@@ -40,8 +40,7 @@ std::vector<Case> Cases(const ImageModel& m) {
       ImageRequest r;
       r.class_id = kClassOfSeed[i];
       r.seed = kSeeds[i];
-      r.sampling = {c.default_cfg_scale, c.default_temperature, c.default_top_k,
-                          c.default_top_p};
+      r.sampling = {c.default_cfg_scale, c.default_temperature, c.default_top_k, c.default_top_p};
       auto p = PolicyFromPreset(preset);
       if (!p.ok()) throw std::runtime_error(p.status().ToString());
       r.policy = *p;

@@ -27,7 +27,8 @@ class ModelLoadTest : public ::testing::Test {
     return testing::WriteTinyGpt(root_ + "/" + name, spec_, 3);
   }
   Status LoadStatus(const std::string& dir) { return Gpt::Load(dir, {}).status(); }
-  void Rewrite(const std::string& dir, const std::function<void(std::map<std::string, at::Tensor>&)>& edit) {
+  void Rewrite(const std::string& dir,
+               const std::function<void(std::map<std::string, at::Tensor>&)>& edit) {
     auto t = testing::TinyGptTensors(spec_, 3);
     edit(t);
     ASSERT_TRUE(WriteSafetensors(dir + "/model.safetensors", t).ok());

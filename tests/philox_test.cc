@@ -11,8 +11,7 @@ namespace {
 TEST(PhiloxTest, KnownAnswers) {
   EXPECT_EQ(Philox4x32({0, 0, 0, 0}, 0),
             (PhiloxBlock{0x6627e8d5u, 0xe169c58du, 0xbc57ac4cu, 0x9b00dbd8u}));
-  EXPECT_EQ(Philox4x32({0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu},
-                       0xffffffffffffffffull),
+  EXPECT_EQ(Philox4x32({0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu}, 0xffffffffffffffffull),
             (PhiloxBlock{0x408f276du, 0x41c83b0eu, 0xa20bc7c6u, 0x6d5451fdu}));
   EXPECT_EQ(Philox4x32({0x243f6a88u, 0x85a308d3u, 0x13198a2eu, 0x03707344u},
                        (uint64_t{0x299f31d0u} << 32) | 0xa4093822u),

@@ -67,7 +67,7 @@ TEST(PngErrors, RejectsBadShapes) {
   EXPECT_FALSE(EncodePng(px, 1, 1, 5).ok());
   EXPECT_FALSE(EncodePng(px, 1, 1, 1, 0).ok());
   EXPECT_FALSE(EncodePng(px, 2048, 1, 1, 64).ok());  // 131072 wide after scaling
-  Image img{2, 2, 1, std::string(3, '\0')};         // one byte short
+  Image img{2, 2, 1, std::string(3, '\0')};          // one byte short
   EXPECT_FALSE(EncodePng(img).ok());
 }
 

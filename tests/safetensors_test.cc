@@ -62,8 +62,11 @@ TEST_F(SafetensorsTest, RoundTripsEveryDtype) {
 }
 
 TEST_F(SafetensorsTest, ReadsMetadataAndIgnoresIt) {
-  ASSERT_TRUE(OpenRaw(R"({"__metadata__":{"format":"pt"},"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}})",
-                      "xy").ok());
+  ASSERT_TRUE(
+      OpenRaw(
+          R"({"__metadata__":{"format":"pt"},"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}})",
+          "xy")
+          .ok());
 }
 
 TEST_F(SafetensorsTest, TruncatedFilesAreDataLoss) {

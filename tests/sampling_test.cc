@@ -68,7 +68,8 @@ TEST(SamplingTest, InverseCdfFrequenciesMatchProbabilities) {
   const int n = 60000;
   std::vector<int> counts(4);
   std::vector<double> us;
-  for (int i = 0; i < n; ++i) us.push_back(Uniform(3, static_cast<uint32_t>(i), 0, Purpose::kSample));
+  for (int i = 0; i < n; ++i)
+    us.push_back(Uniform(3, static_cast<uint32_t>(i), 0, Purpose::kSample));
   at::Tensor ids = SampleInverseCdf(probs.expand({n, 4}), at::tensor(us));
   for (int i = 0; i < n; ++i) counts[ids[i].item<int64_t>()]++;
   EXPECT_EQ(counts[1], 0);

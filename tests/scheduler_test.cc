@@ -103,13 +103,14 @@ TEST(EngineTest, MixedMethodsRunTogetherAndTheStreamReassemblesTheGrid) {
   for (size_t i = 0; i < rec.size(); ++i) {
     Recorder& r = *rec[i];
     ASSERT_TRUE(r.Wait());
-    ASSERT_TRUE(r.result.has_value()) << methods[i % methods.size()] << ": "
-                                      << (r.error ? r.error->ToString() : "");
+    ASSERT_TRUE(r.result.has_value())
+        << methods[i % methods.size()] << ": " << (r.error ? r.error->ToString() : "");
     EXPECT_EQ(r.terminal_calls, 1);
     const RequestResult& res = *r.result;
     ASSERT_EQ(res.tokens.size(), 196u);
     EXPECT_EQ(res.policy.preset, methods[i % methods.size()]);
-    EXPECT_EQ(std::make_pair(res.image.width, res.image.height), std::make_pair(int64_t{28}, int64_t{28}));
+    EXPECT_EQ(std::make_pair(res.image.width, res.image.height),
+              std::make_pair(int64_t{28}, int64_t{28}));
     EXPECT_EQ(res.image.pixels.size(), 28u * 28u);
     // The deltas reassemble into exactly the final grid, in order, with nothing repeated.
     std::vector<int32_t> grid;
@@ -176,7 +177,8 @@ TEST(EngineTest, BatchInvarianceAloneVersusFifteenMixedNeighbours) {
   auto engine = StartOrDie(o, &log);
   const auto& methods = PresetNames();
   std::vector<GenerateParams> ps;
-  for (int i = 0; i < 16; ++i) ps.push_back(Params(methods[i % methods.size()], (i * 3) % 10, 9000 + i));
+  for (int i = 0; i < 16; ++i)
+    ps.push_back(Params(methods[i % methods.size()], (i * 3) % 10, 9000 + i));
   std::vector<std::shared_ptr<Recorder>> together;
   for (const auto& p : ps) {
     together.push_back(std::make_shared<Recorder>());
@@ -227,7 +229,8 @@ TEST(EngineTest, BatchInvariantForwardGivesBitIdenticalLogits) {
     for (int i = 0; i < 6; ++i) off += static_cast<int64_t>(rows[i].tokens.size());
     at::Tensor same = big.narrow(0, off, small.size(0));
     const double diff = (same - small).abs().max().item<double>();
-    std::printf("batch_invariant=%d: max |logit difference| alone vs batched %.3g\n", invariant, diff);
+    std::printf("batch_invariant=%d: max |logit difference| alone vs batched %.3g\n", invariant,
+                diff);
     if (invariant) {
       EXPECT_TRUE(at::equal(same, small));
     }

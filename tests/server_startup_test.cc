@@ -143,8 +143,8 @@ TEST(ServerStartupTest, AliveAtOnceNotReadyWhileTheModelsLoadThenServing) {
 
   // Released: the real engine loads and the service turns SERVING.
   release.Open();
-  EXPECT_TRUE(WaitUntil([&] { return c.Health(kService) == HealthCheckResponse::SERVING; },
-                        seconds(300)));
+  EXPECT_TRUE(
+      WaitUntil([&] { return c.Health(kService) == HealthCheckResponse::SERVING; }, seconds(300)));
   loader.join();
   ASSERT_TRUE(loaded.ok()) << loaded.ToString();
   EXPECT_EQ(c.Health(""), HealthCheckResponse::SERVING);
@@ -166,17 +166,19 @@ TEST(ServerStartupTest, AFailedStartIsReturnedAndTheServiceStaysNotServing) {
   auto listening = server::Daemon::Listen(Options());
   ASSERT_TRUE(listening.ok()) << listening.status().ToString();
   std::unique_ptr<server::Daemon> d = std::move(listening).value();
-  Status st = d->Load([](const EngineOptions&, EngineListener*) -> StatusOr<std::unique_ptr<Engine>> {
-    return NotFound("model fmnist-gpt: no such directory");
-  });
+  Status st =
+      d->Load([](const EngineOptions&, EngineListener*) -> StatusOr<std::unique_ptr<Engine>> {
+        return NotFound("model fmnist-gpt: no such directory");
+      });
   EXPECT_EQ(st.code(), Code::kNotFound);
   Client c(d->port());
   EXPECT_EQ(c.Health(""), HealthCheckResponse::SERVING);
   EXPECT_EQ(c.Health(kService), HealthCheckResponse::NOT_SERVING);
   v1::GenerateResponse resp;
   EXPECT_EQ(c.Generate("ar", &resp).error_code(), grpc::StatusCode::UNAVAILABLE);
-  EXPECT_EQ(d->Load([](const EngineOptions& eo, EngineListener* l) { return Engine::Start(eo, l); })
-                .code(),
+  EXPECT_EQ(d->Load([](const EngineOptions& eo, EngineListener* l) {
+               return Engine::Start(eo, l);
+             }).code(),
             Code::kOk)
       << "a failed Load can be retried";
   EXPECT_EQ(c.Health(kService), HealthCheckResponse::SERVING);

@@ -39,9 +39,10 @@ class Toy {
     spec.classes = kClasses;
     spec.dim = 16;
     dir = TempDir("spec_toy");
-    const std::string extra = ", \"tokenizer\": \"toy-vq\", \"draft_model\": \"toy-draft\", "
-                              "\"class_names\": [\"zero\", \"one\"], \"sampling_defaults\": "
-                              "{\"cfg_scale\": 1.5, \"top_k\": 2}";
+    const std::string extra =
+        ", \"tokenizer\": \"toy-vq\", \"draft_model\": \"toy-draft\", "
+        "\"class_names\": [\"zero\", \"one\"], \"sampling_defaults\": "
+        "{\"cfg_scale\": 1.5, \"top_k\": 2}";
     auto t = Gpt::Load(WriteTinyGpt(dir + "/toy-gpt", spec, 11, extra), {});
     spec.dim = 8;
     spec.n_layer = 1;
@@ -110,7 +111,8 @@ class Toy {
       at::Tensor last_c = at::arange(len, 2 * count * (len + 1), 2 * (len + 1));
       at::Tensor g = CfgCombine(l.index_select(0, last_c), l.index_select(0, last_c + len + 1),
                                 at::full({count}, static_cast<float>(sampling.cfg_scale)));
-      at::Tensor p = FinalProbs(g, std::vector<SamplingParams>(count, sampling)).to(at::kDouble).contiguous();
+      at::Tensor p =
+          FinalProbs(g, std::vector<SamplingParams>(count, sampling)).to(at::kDouble).contiguous();
       out[len].assign(p.data_ptr<double>(), p.data_ptr<double>() + count * kV);
     }
   }

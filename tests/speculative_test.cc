@@ -34,12 +34,13 @@ struct RunStats {
   double acceptance() const { return verified ? static_cast<double>(accepted) / verified : 0; }
 };
 
-RunStats Sample(const DecodingPolicy& policy, const SpecOptions& opts = {}, int64_t per_class = kPerClass,
-             uint64_t seed_base = 0) {
+RunStats Sample(const DecodingPolicy& policy, const SpecOptions& opts = {},
+                int64_t per_class = kPerClass, uint64_t seed_base = 0) {
   Toy& toy = TheToy();
   // IMAGEGEN_TEST_SEED_BASE re-runs the statistical tests on other seeds (default 0);
   // IMAGEGEN_TEST_SCALE multiplies the sample size (more power, for investigations).
-  if (const char* e = std::getenv("IMAGEGEN_TEST_SEED_BASE")) seed_base += std::strtoull(e, nullptr, 10);
+  if (const char* e = std::getenv("IMAGEGEN_TEST_SEED_BASE"))
+    seed_base += std::strtoull(e, nullptr, 10);
   if (const char* e = std::getenv("IMAGEGEN_TEST_SCALE")) per_class *= std::max(1L, std::atol(e));
   RunStats st;
   for (int64_t cls = 0; cls < kClasses; ++cls) {
@@ -47,7 +48,8 @@ RunStats Sample(const DecodingPolicy& policy, const SpecOptions& opts = {}, int6
       std::vector<ImageRequest> reqs(static_cast<size_t>(std::min(kChunk, per_class - first)));
       for (size_t i = 0; i < reqs.size(); ++i) {
         reqs[i].class_id = cls;
-        reqs[i].seed = seed_base + static_cast<uint64_t>(cls * 1000003 + first + static_cast<int64_t>(i));
+        reqs[i].seed =
+            seed_base + static_cast<uint64_t>(cls * 1000003 + first + static_cast<int64_t>(i));
         reqs[i].sampling = toy.sampling;
         reqs[i].policy = policy;
       }
@@ -132,11 +134,12 @@ TEST_P(SpecLosslessTest, MatchesTheExactArDistribution) {
   const auto& c = GetParam();
   RunStats st = Sample(c.policy);
   auto chi = testing::ChiSquareTest(st.counts, JointAr());
-  std::printf("%-26s %s\n  %lld images: chi2 %.1f df %d p %.4f | mean NFE %.3f (AR %lld) "
-              "acceptance %.3f draft forwards/img %.2f\n",
-              c.name, DescribePolicy(c.policy).c_str(), static_cast<long long>(st.images),
-              chi.statistic, chi.df, chi.p_value, st.mean_nfe(), static_cast<long long>(kN),
-              st.acceptance(), static_cast<double>(st.draft_forwards) / st.images);
+  std::printf(
+      "%-26s %s\n  %lld images: chi2 %.1f df %d p %.4f | mean NFE %.3f (AR %lld) "
+      "acceptance %.3f draft forwards/img %.2f\n",
+      c.name, DescribePolicy(c.policy).c_str(), static_cast<long long>(st.images), chi.statistic,
+      chi.df, chi.p_value, st.mean_nfe(), static_cast<long long>(kN), st.acceptance(),
+      static_cast<double>(st.draft_forwards) / st.images);
   EXPECT_GT(chi.p_value, 0.001);
   if (c.policy.draft != DraftSource::kNone) {
     EXPECT_LT(st.mean_nfe(), kN);  // it did speculate
@@ -170,9 +173,10 @@ TEST(SpeculativePowerTest, BrokenVariantsFail) {
   SpecOptions old_q;
   old_q.rules = &keep_old_q;
   auto m = testing::ChiSquareTest(Sample(Preset("scd-mc", 6), old_q).counts, exact);
-  std::printf("accept-always sjd: chi2 %.1f p %.3g\nscd-mc storing the old q for kept drafts "
-              "(algorithms.md 3a): chi2 %.1f df %d p %.3g\n",
-              a.statistic, a.p_value, m.statistic, m.df, m.p_value);
+  std::printf(
+      "accept-always sjd: chi2 %.1f p %.3g\nscd-mc storing the old q for kept drafts "
+      "(algorithms.md 3a): chi2 %.1f df %d p %.3g\n",
+      a.statistic, a.p_value, m.statistic, m.df, m.p_value);
   EXPECT_LT(a.p_value, 1e-6);
   EXPECT_LT(m.p_value, 1e-3);
 }
@@ -197,7 +201,8 @@ TEST(SpeculativeBatchTest, MixedMethodsInOneBatchGiveTheSameGrids) {
   }
   auto all = GenerateSpeculative(*toy.target, toy.draft.get(), mixed);
   ASSERT_TRUE(all.ok()) << all.status().ToString();
-  for (size_t i = 0; i < mixed.size(); ++i) EXPECT_EQ((*all)[i].tokens, alone[i]) << "request " << i;
+  for (size_t i = 0; i < mixed.size(); ++i)
+    EXPECT_EQ((*all)[i].tokens, alone[i]) << "request " << i;
 }
 
 // Relaxed SD on the draft model (COOL-SD), enumerated exactly: rounds of gamma drafts from the
@@ -205,9 +210,9 @@ TEST(SpeculativeBatchTest, MixedMethodsInOneBatchGiveTheSameGrids) {
 // bonus from p. Returns the distribution over grids and the Theorem 2 bound summed over rounds.
 struct CoolExact {
   std::vector<double> dist;
-  double bound_sum = 0;       // sum over rounds of E[bound of that round] (hybrid argument)
-  double first_bound = 0;     // Theorem 2 bound of the first round (empty prefix)
-  double first_tv = 0;        // TV(P-hat, P) of the first round with virtual extension
+  double bound_sum = 0;    // sum over rounds of E[bound of that round] (hybrid argument)
+  double first_bound = 0;  // Theorem 2 bound of the first round (empty prefix)
+  double first_tv = 0;     // TV(P-hat, P) of the first round with virtual extension
 };
 
 CoolExact EnumerateCool(int64_t cls, const DecodingPolicy& pol) {
@@ -298,9 +303,10 @@ TEST(SpeculativeLossyTest, CoolSdMatchesItsExactDistributionUnderTheTheorem2Boun
       CoolExact e = EnumerateCool(c, pol);
       const auto ar = TheToy().Ar(c);
       const double tvc = testing::TotalVariation(e.dist, ar);
-      std::printf("cool-sd delta %.1f class %lld: exact TV to AR %.4f <= summed Theorem 2 bound "
-                  "%.4f; first round: TV(P-hat, P) %.4f <= bound %.4f\n",
-                  delta, static_cast<long long>(c), tvc, e.bound_sum, e.first_tv, e.first_bound);
+      std::printf(
+          "cool-sd delta %.1f class %lld: exact TV to AR %.4f <= summed Theorem 2 bound "
+          "%.4f; first round: TV(P-hat, P) %.4f <= bound %.4f\n",
+          delta, static_cast<long long>(c), tvc, e.bound_sum, e.first_tv, e.first_bound);
       EXPECT_LE(e.first_tv, e.first_bound + 1e-12);
       EXPECT_LE(tvc, e.bound_sum + 1e-12);
       tv += tvc / kClasses;
@@ -310,10 +316,11 @@ TEST(SpeculativeLossyTest, CoolSdMatchesItsExactDistributionUnderTheTheorem2Boun
     RunStats st = Sample(pol);
     auto chi = testing::ChiSquareTest(st.counts, joint);
     auto chi_ar = testing::ChiSquareTest(st.counts, JointAr());
-    std::printf("cool-sd delta %.1f: engine vs its exact distribution chi2 %.1f df %d p %.4f; vs "
-                "AR p %.3g; mean NFE %.3f acceptance %.3f; TV %.4f (bound %.4f)\n",
-                delta, chi.statistic, chi.df, chi.p_value, chi_ar.p_value, st.mean_nfe(),
-                st.acceptance(), tv, bound_sum);
+    std::printf(
+        "cool-sd delta %.1f: engine vs its exact distribution chi2 %.1f df %d p %.4f; vs "
+        "AR p %.3g; mean NFE %.3f acceptance %.3f; TV %.4f (bound %.4f)\n",
+        delta, chi.statistic, chi.df, chi.p_value, chi_ar.p_value, st.mean_nfe(), st.acceptance(),
+        tv, bound_sum);
     EXPECT_GT(chi.p_value, 0.001);
     EXPECT_GT(tv, 0.0);
   }
@@ -329,15 +336,15 @@ TEST(SpeculativeLossyTest, JacobiLossyMethodsReportTheirDistance) {
   gsd.gsd_delta = 0.5;
   gsd.gsd_distance = 1e9;  // the toy embeddings are random: distance filter off
   DecodingPolicy cool = Preset("cool-sjd", 6);
-  for (const auto& [name, pol] : {std::pair<const char*, DecodingPolicy>{"gsd", gsd},
-                                  {"cool-sjd", cool}}) {
+  for (const auto& [name, pol] :
+       {std::pair<const char*, DecodingPolicy>{"gsd", gsd}, {"cool-sjd", cool}}) {
     RunStats st = Sample(pol);
     const double tv = testing::TotalVariation(Empirical(st), exact);
     auto chi = testing::ChiSquareTest(st.counts, exact);
-    std::printf("%s %s: TV to AR %.4f (noise floor of a lossless run %.4f), chi2 p %.3g, "
-                "mean NFE %.3f acceptance %.3f\n",
-                name, DescribePolicy(pol).c_str(), tv, noise, chi.p_value, st.mean_nfe(),
-                st.acceptance());
+    std::printf(
+        "%s %s: TV to AR %.4f (noise floor of a lossless run %.4f), chi2 p %.3g, "
+        "mean NFE %.3f acceptance %.3f\n",
+        name, DescribePolicy(pol).c_str(), tv, noise, chi.p_value, st.mean_nfe(), st.acceptance());
     EXPECT_GT(tv, noise);
   }
 }

@@ -14,9 +14,10 @@ namespace imagegen::testing {
 // Removes a directory tree with POSIX nftw. (std::filesystem::remove_all is avoided: the
 // PyTorch wheel's libtorch.so exports its own copy of it, which crashes when interposed.)
 inline void RemoveTree(const std::string& dir) {
-  ::nftw(dir.c_str(),
-         [](const char* path, const struct stat*, int, struct FTW*) { return std::remove(path); },
-         16, FTW_DEPTH | FTW_PHYS);
+  ::nftw(
+      dir.c_str(),
+      [](const char* path, const struct stat*, int, struct FTW*) { return std::remove(path); }, 16,
+      FTW_DEPTH | FTW_PHYS);
 }
 
 // A fresh, empty directory under the system's temporary directory, unique to this process.

@@ -27,8 +27,9 @@ struct TinyGptSpec {
 // `extra`: more JSON members, starting with ", ".
 inline std::string TinyGptConfigJson(const TinyGptSpec& s, const std::string& extra = "") {
   return "{\"type\": \"llamagen-gpt\", \"dim\": " + std::to_string(s.dim) +
-         ", \"n_layer\": " + std::to_string(s.n_layer) + ", \"n_head\": " +
-         std::to_string(s.n_head) + ", \"vocab_size\": " + std::to_string(s.vocab) +
+         ", \"n_layer\": " + std::to_string(s.n_layer) +
+         ", \"n_head\": " + std::to_string(s.n_head) +
+         ", \"vocab_size\": " + std::to_string(s.vocab) +
          ", \"num_classes\": " + std::to_string(s.classes) +
          ", \"block_size\": " + std::to_string(s.grid * s.grid) +
          ", \"multiple_of\": 16, \"class_dropout_prob\": 0.1" + extra + "}";

@@ -20,8 +20,8 @@ class ToyModel {
 
   explicit ToyModel(uint64_t seed = 5) {
     at::manual_seed(seed);
-    base_ = at::randn({kClasses + 1, kLen, kVocab}) * 0.8;         // per (class, position)
-    pair_ = at::randn({kLen, kLen, kVocab, kVocab}) * 0.6;        // token j at pos i -> logits
+    base_ = at::randn({kClasses + 1, kLen, kVocab}) * 0.8;  // per (class, position)
+    pair_ = at::randn({kLen, kLen, kVocab, kVocab}) * 0.6;  // token j at pos i -> logits
   }
 
   // Raw logits [kVocab] of the next token after `prefix` under class `cls` (kClasses = null).

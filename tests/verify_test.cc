@@ -29,8 +29,8 @@ std::vector<int64_t> SpeculativeStep(const at::Tensor& p, const at::Tensor& q, b
   at::Tensor P = p.expand({kTrials, V}), Q = q.expand({kTrials, V});
   at::Tensor drafts = SampleInverseCdf(Q, Uniforms(Purpose::kDraft));
   at::Tensor keep = Uniforms(Purpose::kAccept) < AcceptProbability(P, Q, drafts);
-  at::Tensor fallback = SampleInverseCdf(residual ? ResidualDistribution(P, Q) : P,
-                                         Uniforms(Purpose::kResample));
+  at::Tensor fallback =
+      SampleInverseCdf(residual ? ResidualDistribution(P, Q) : P, Uniforms(Purpose::kResample));
   at::Tensor out = at::where(keep, drafts, fallback);
   std::vector<int64_t> counts(V);
   auto acc = out.accessor<int64_t, 1>();

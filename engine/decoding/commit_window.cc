@@ -17,11 +17,10 @@
 namespace imagegen {
 namespace {
 
-at::Tensor Pack(const Verdicts& v, const NextDrafts& d, const at::Tensor& entropy,
-                int64_t tree_k) {
-  std::vector<at::Tensor> pack = {v.accepted.to(at::kDouble), v.residual.unsqueeze(1).to(at::kDouble),
-                                  v.kept.unsqueeze(1).to(at::kDouble),
-                                  d.fresh.unsqueeze(1).to(at::kDouble)};
+at::Tensor Pack(const Verdicts& v, const NextDrafts& d, const at::Tensor& entropy, int64_t tree_k) {
+  std::vector<at::Tensor> pack = {
+      v.accepted.to(at::kDouble), v.residual.unsqueeze(1).to(at::kDouble),
+      v.kept.unsqueeze(1).to(at::kDouble), d.fresh.unsqueeze(1).to(at::kDouble)};
   if (tree_k > 1) pack.push_back(d.extra.to(at::kDouble));
   if (entropy.defined()) pack.push_back(entropy);
   return at::cat(pack, 1).cpu();  // the step's only device-to-host read

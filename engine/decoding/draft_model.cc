@@ -35,8 +35,7 @@ BatchRow DraftRow(const Sequence& s, int64_t j) {
 // One batched draft forward for the requests in `act` (drafting their j-th token): their q
 // rows [act, V] (float64), and the drawn tokens in *tokens (device).
 StatusOr<at::Tensor> DraftOnce(StepContext& ctx, const std::vector<Sequence*>& act,
-                               const std::vector<Sequence*>& prev, int64_t j,
-                               at::Tensor* tokens) {
+                               const std::vector<Sequence*>& prev, int64_t j, at::Tensor* tokens) {
   GuidedBatch batch(ctx.draft->config().null_class());
   std::vector<int64_t> tok_src;  // for j > 0: each row's token, from the previous draws
   for (Sequence* s : act) {
@@ -58,8 +57,7 @@ StatusOr<at::Tensor> DraftOnce(StepContext& ctx, const std::vector<Sequence*>& a
   at::Tensor probs = batch.Probs(logits).to(at::kDouble);
   std::vector<double> us;
   for (Sequence* s : act) {
-    us.push_back(
-        Uniform(s->r.seed, static_cast<uint32_t>(s->n() + j), s->iter, Purpose::kDraft));
+    us.push_back(Uniform(s->r.seed, static_cast<uint32_t>(s->n() + j), s->iter, Purpose::kDraft));
     s->stats.draft_forwards += 1;
   }
   *tokens = SampleInverseCdf(probs, at::tensor(us));

@@ -33,7 +33,8 @@ DrawInputs BuildDrawInputs(const StepContext& ctx) {
       if (coupling == Coupling::kGumbel) {
         in.gumbel_nodes.push_back(a);
         for (int64_t v = 0; v < V; ++v) {
-          in.gumbel_u.push_back(Uniform(s->r.seed, t, 0, Purpose::kGumbel, static_cast<uint32_t>(v)));
+          in.gumbel_u.push_back(
+              Uniform(s->r.seed, t, 0, Purpose::kGumbel, static_cast<uint32_t>(v)));
         }
       } else {
         for (int64_t k = 0; k < K; ++k) {

@@ -11,12 +11,12 @@ namespace imagegen {
 
 // What a draw is for; part of the counter so that draws for different purposes never collide.
 enum class Purpose : uint32_t {
-  kSample = 1,       // sampling a committed token from p
-  kDraftInit = 2,    // random initialisation of a Jacobi window
-  kAccept = 3,       // acceptance test u < p/q
-  kResample = 4,     // residual resampling after a rejection
-  kDraft = 5,        // drawing a draft token from a distribution
-  kGumbel = 6,       // Gumbel noise for coupled drafts (keyed by position only)
+  kSample = 1,     // sampling a committed token from p
+  kDraftInit = 2,  // random initialisation of a Jacobi window
+  kAccept = 3,     // acceptance test u < p/q
+  kResample = 4,   // residual resampling after a rejection
+  kDraft = 5,      // drawing a draft token from a distribution
+  kGumbel = 6,     // Gumbel noise for coupled drafts (keyed by position only)
 };
 
 using PhiloxBlock = std::array<uint32_t, 4>;

@@ -6,9 +6,8 @@
 namespace imagegen {
 
 const std::vector<std::string>& PresetNames() {
-  static const std::vector<std::string> names = {"ar",  "sjd",     "scd-mc",     "scd-gs",
-                                                 "sjd-pac", "pac-gumbel", "gsd", "cool-sjd",
-                                                 "sd",  "cool-sd"};
+  static const std::vector<std::string> names = {
+      "ar", "sjd", "scd-mc", "scd-gs", "sjd-pac", "pac-gumbel", "gsd", "cool-sjd", "sd", "cool-sd"};
   return names;
 }
 
@@ -68,7 +67,7 @@ StatusOr<DecodingPolicy> PolicyFromPreset(const std::string& name, int64_t windo
 Status ValidatePolicy(const DecodingPolicy& p, int64_t max_window, bool has_draft_model) {
   if (p.window < 1 || p.window > max_window) {
     return FieldError("window", "must be in [1, " + std::to_string(max_window) + "], got " +
-                           std::to_string(p.window));
+                                    std::to_string(p.window));
   }
   if (p.draft == DraftSource::kNone && p.window != 1) {
     return FieldError("window", "must be 1 without a draft source (ar)");
@@ -94,14 +93,16 @@ Status ValidatePolicy(const DecodingPolicy& p, int64_t max_window, bool has_draf
     for (int64_t d = 1; d < p.tree_depth; ++d) nodes += (level *= p.tree_branches);
     if (nodes > p.window) {
       return FieldError("tree_depth", "a tree of " + std::to_string(nodes) +
-                             " nodes does not fit the window of " + std::to_string(p.window));
+                                          " nodes does not fit the window of " +
+                                          std::to_string(p.window));
     }
   }
   if (p.draft == DraftSource::kDraftModel && p.coupling != Coupling::kIndependent) {
     return FieldError("coupling", "draft-model drafts are redrawn every step; use independent");
   }
   if (p.acceptance == Acceptance::kGrouped) {
-    if (p.gsd_group < 1 || p.gsd_group > 1024) return FieldError("gsd_group", "must be in [1, 1024]");
+    if (p.gsd_group < 1 || p.gsd_group > 1024)
+      return FieldError("gsd_group", "must be in [1, 1024]");
     if (!(p.gsd_delta >= 0) || !std::isfinite(p.gsd_delta)) {
       return FieldError("gsd_delta", "must be a finite number >= 0");
     }

@@ -30,10 +30,10 @@ struct DecodingPolicy {
   std::string preset = "ar";  // the name it was built from ("custom" when edited)
   DraftSource draft = DraftSource::kNone;
   Coupling coupling = Coupling::kIndependent;
-  int64_t window = 1;              // L
-  bool uniform_init_q = false;     // random Jacobi drafts: q uniform (PAC) or one-hot (SJD)
-  int64_t tree_branches = 1;       // K; 1 = no tree
-  int64_t tree_depth = 1;          // D, counting the root; 1 = no tree
+  int64_t window = 1;           // L
+  bool uniform_init_q = false;  // random Jacobi drafts: q uniform (PAC) or one-hot (SJD)
+  int64_t tree_branches = 1;    // K; 1 = no tree
+  int64_t tree_depth = 1;       // D, counting the root; 1 = no tree
   Acceptance acceptance = Acceptance::kExact;
   // grouped (GSD, seed 004): cluster of G ids around the draft in p-sorted order, kept if
   // |p(j) - p(x)| < gsd_delta and squared embedding distance < gsd_distance.

@@ -39,14 +39,22 @@ void GatherProposals(StepContext& ctx) {
   const int64_t base_oh = np + nq + nd, uni = base_oh + n_onehot;
   for (const ProposalRef& r : refs) {
     switch (r.kind) {
-      case ProposalRef::kPrevP: src.push_back(r.index); break;
-      case ProposalRef::kPrevQ: src.push_back(np + r.index); break;
-      case ProposalRef::kDraftModel: src.push_back(np + nq + r.index); break;
+      case ProposalRef::kPrevP:
+        src.push_back(r.index);
+        break;
+      case ProposalRef::kPrevQ:
+        src.push_back(np + r.index);
+        break;
+      case ProposalRef::kDraftModel:
+        src.push_back(np + nq + r.index);
+        break;
       case ProposalRef::kOneHot:
         src.push_back(base_oh + static_cast<int64_t>(onehot_tokens.size()));
         onehot_tokens.push_back(r.index);
         break;
-      case ProposalRef::kUniform: src.push_back(uni); break;
+      case ProposalRef::kUniform:
+        src.push_back(uni);
+        break;
     }
   }
   if (n_onehot > 0) {

@@ -65,7 +65,8 @@ at::Tensor FinalProbs(const at::Tensor& logits_in, const std::vector<SamplingPar
 
 at::Tensor SampleInverseCdf(const at::Tensor& probs, const at::Tensor& uniforms) {
   at::Tensor cum = probs.to(at::kDouble).cumsum(-1);
-  at::Tensor target = uniforms.to(cum.device(), at::kDouble).unsqueeze(1) * cum.narrow(1, cum.size(1) - 1, 1);
+  at::Tensor target =
+      uniforms.to(cum.device(), at::kDouble).unsqueeze(1) * cum.narrow(1, cum.size(1) - 1, 1);
   at::Tensor idx = at::searchsorted(cum, target, /*out_int32=*/false, /*right=*/true);
   return idx.squeeze(1).clamp_max(probs.size(1) - 1);
 }

@@ -27,8 +27,8 @@
 namespace imagegen {
 
 struct SpecStats {
-  int64_t nfe = 0;             // target forwards (a CFG pair once, the first forward included)
-  int64_t draft_forwards = 0;  // draft-model forwards (counted apart from NFE)
+  int64_t nfe = 0;              // target forwards (a CFG pair once, the first forward included)
+  int64_t draft_forwards = 0;   // draft-model forwards (counted apart from NFE)
   int64_t drafts_verified = 0;  // drafts tested before the first rejection of each step
   int64_t drafts_accepted = 0;
   std::vector<int32_t> step_tokens;  // tokens committed by each step
@@ -36,8 +36,8 @@ struct SpecStats {
   // Per draft depth d (index d - 1: the d-th draft of a step's accepted path), drafts tested
   // there before the step's first rejection (tree siblings each count) and drafts accepted.
   std::vector<int64_t> verified_at_depth, accepted_at_depth;
-  double entropy_sum = 0;            // entropy (nats) of p at each committed token,
-  int64_t entropy_count = 0;         // when SpecOptions::collect_entropy
+  double entropy_sum = 0;     // entropy (nats) of p at each committed token,
+  int64_t entropy_count = 0;  // when SpecOptions::collect_entropy
 
   double acceptance_rate() const {
     return drafts_verified > 0 ? static_cast<double>(drafts_accepted) / drafts_verified : 0.0;

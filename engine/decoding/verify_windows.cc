@@ -124,7 +124,7 @@ Verdicts VerifyWindows(const StepContext& ctx) {
     removed = removed | (at::one_hot(x, V).to(at::kBool) & valid.unsqueeze(1));
   }
   Verdicts v;
-  v.accepted = at::stack(acc_cols, 1);                       // [A, K]
+  v.accepted = at::stack(acc_cols, 1);                      // [A, K]
   v.residual = SampleInverseCdf(pk, Double(in.ures, dev));  // final residual, or the bonus
   at::Tensor first = v.accepted.to(at::kByte).argmax(1, true);
   v.kept = at::where(v.accepted.any(1), kids.gather(1, first).squeeze(1), v.residual);

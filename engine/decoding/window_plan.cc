@@ -37,8 +37,7 @@ int64_t PlanJacobiColumns(Sequence& s, int64_t V, int64_t budget, int64_t maxcol
     *tree_nodes += prod;
   }
   for (size_t j = static_cast<size_t>(T); j < s.cols.size(); ++j) s.cols[j].cand.resize(1);
-  const int64_t ncols =
-      T + std::max<int64_t>(0, std::min(budget - 1 - *tree_nodes, maxcols - T));
+  const int64_t ncols = T + std::max<int64_t>(0, std::min(budget - 1 - *tree_nodes, maxcols - T));
   if (static_cast<int64_t>(s.cols.size()) > ncols) s.cols.resize(static_cast<size_t>(ncols));
   while (static_cast<int64_t>(s.cols.size()) < ncols) {  // fresh random drafts
     const auto t = static_cast<uint32_t>(s.n() + static_cast<int64_t>(s.cols.size()));

@@ -97,23 +97,26 @@ StatusOr<GptConfig> ParseGptConfig(const Json& json, const std::string& where) {
   }
   ASSIGN_OR_RETURN(int64_t n_kv_head, f.Int("n_kv_head", c.n_head));
   auto bad = [&](const std::string& what) { return FailedPrecondition(where + ": " + what); };
-  if (c.dim <= 0 || c.n_layer <= 0 || c.n_head <= 0 || c.vocab_size <= 0 ||
-      c.num_classes <= 0 || c.block_size <= 0 || c.cls_token_num != 1 || c.multiple_of <= 0) {
-    return bad("dim, n_layer, n_head, vocab_size, num_classes, block_size, multiple_of must be "
-               "positive and cls_token_num must be 1 (class-conditional models)");
+  if (c.dim <= 0 || c.n_layer <= 0 || c.n_head <= 0 || c.vocab_size <= 0 || c.num_classes <= 0 ||
+      c.block_size <= 0 || c.cls_token_num != 1 || c.multiple_of <= 0) {
+    return bad(
+        "dim, n_layer, n_head, vocab_size, num_classes, block_size, multiple_of must be "
+        "positive and cls_token_num must be 1 (class-conditional models)");
   }
   if (n_kv_head != c.n_head) return bad("'n_kv_head' != 'n_head' (GQA) is not supported");
   // Bounds that keep a corrupt config from asking for absurd allocations.
   if (c.dim > 65536 || c.n_layer > 1024 || c.n_head > 1024 || c.vocab_size > (1 << 22) ||
       c.num_classes > (1 << 22) || c.block_size > 128 * 128 || c.multiple_of > 65536) {
-    return bad("model sizes out of range (dim <= 65536, n_layer/n_head <= 1024, vocab_size "
-               "and num_classes <= 4194304, block_size <= 16384)");
+    return bad(
+        "model sizes out of range (dim <= 65536, n_layer/n_head <= 1024, vocab_size "
+        "and num_classes <= 4194304, block_size <= 16384)");
   }
   if (c.ffn_dim_multiplier < 0 || c.ffn_dim_multiplier > 64 || !(c.rope_base > 1) ||
-      c.rope_base > 1e12 || !(c.norm_eps >= 0) || c.norm_eps > 1 ||
-      !(c.class_dropout_prob >= 0) || c.class_dropout_prob >= 1) {
-    return bad("ffn_dim_multiplier in [0, 64], rope_base in (1, 1e12], norm_eps in [0, 1] and "
-               "class_dropout_prob in [0, 1) are required");
+      c.rope_base > 1e12 || !(c.norm_eps >= 0) || c.norm_eps > 1 || !(c.class_dropout_prob >= 0) ||
+      c.class_dropout_prob >= 1) {
+    return bad(
+        "ffn_dim_multiplier in [0, 64], rope_base in (1, 1e12], norm_eps in [0, 1] and "
+        "class_dropout_prob in [0, 1) are required");
   }
   if (c.dim % c.n_head != 0 || c.head_dim() % 4 != 0) {
     return bad("'dim' / 'n_head' must be a multiple of 4 (2D RoPE)");
@@ -137,8 +140,8 @@ at::Tensor RopeTable2d(int64_t grid, int64_t head_dim, double base, int64_t cls_
   at::Tensor grid_ang = at::cat({ang.unsqueeze(1).expand({grid, grid, half / 2}),
                                  ang.unsqueeze(0).expand({grid, grid, half / 2})},
                                 -1);  // [g, g, half]: row angles then column angles
-  at::Tensor table = at::stack({at::cos(grid_ang), at::sin(grid_ang)}, -1)
-                         .reshape({grid * grid, half, 2});
+  at::Tensor table =
+      at::stack({at::cos(grid_ang), at::sin(grid_ang)}, -1).reshape({grid * grid, half, 2});
   return at::cat({at::zeros({cls_token_num, half, 2}, at::kFloat), table}, 0);
 }
 
@@ -186,8 +189,8 @@ StatusOr<std::unique_ptr<Gpt>> Gpt::FromStoreImpl(const GptConfig& cfg, WeightSt
   ASSIGN_OR_RETURN(m->output_, store.Take("output.weight", {cfg.vocab_size, d}, opts));
   // freqs_cis is recomputed (models.md 1.4); KV caches are never weights.
   RETURN_IF_ERROR(store.Finish({"freqs_cis", "*.kv_cache."}));
-  m->rope_ = RopeTable2d(cfg.grid(), cfg.head_dim(), cfg.rope_base, cfg.cls_token_num)
-                 .to(opts.device);
+  m->rope_ =
+      RopeTable2d(cfg.grid(), cfg.head_dim(), cfg.rope_base, cfg.cls_token_num).to(opts.device);
   return m;
 }
 
@@ -233,13 +236,15 @@ Status Gpt::Validate(const std::vector<BatchRow>& batch, const KvCache& cache,
       const int64_t pos = row.positions[i], tok = row.tokens[i];
       if (pos < 0 || pos >= cfg_.seq_len()) return InvalidArgument(where + "position out of range");
       if (!check_tokens) {
-        if (pos < cfg_.cls_token_num) return InvalidArgument(where + "device tokens at a class position");
+        if (pos < cfg_.cls_token_num)
+          return InvalidArgument(where + "device tokens at a class position");
         continue;
       }
       const int64_t limit = pos < cfg_.cls_token_num ? label_rows : cfg_.vocab_size;
       if (tok < 0 || tok >= limit) return InvalidArgument(where + "token id out of range");
     }
-    if (seen[static_cast<size_t>(row.slot)]) return InvalidArgument(where + "slot used twice in a batch");
+    if (seen[static_cast<size_t>(row.slot)])
+      return InvalidArgument(where + "slot used twice in a batch");
     seen[static_cast<size_t>(row.slot)] = true;
   }
   return OkStatus();
@@ -310,8 +315,8 @@ at::Tensor Gpt::ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache,
 
   // Host-side index tensors, built once per step and moved to the device together.
   at::Tensor ids = at::empty({T}, at::kLong), pos = at::empty({T}, at::kLong);
-  at::Tensor dst = at::empty({T}, at::kLong);    // flat cache index slot * capacity + i
-  at::Tensor src = at::empty({T}, at::kLong);    // flat padded index r * nmax + i
+  at::Tensor dst = at::empty({T}, at::kLong);  // flat cache index slot * capacity + i
+  at::Tensor src = at::empty({T}, at::kLong);  // flat padded index r * nmax + i
   at::Tensor slots = at::empty({R}, at::kLong);
   at::Tensor allow;
   if (invariant) {
@@ -347,8 +352,8 @@ at::Tensor Gpt::ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache,
       for (int64_t i = 0; i < n; ++i, ++t) {
         const bool is_class = row.positions[i] < cfg_.cls_token_num;
         pi[t] = device_tokens.defined() ? 0
-                : is_class               ? cfg_.vocab_size + row.tokens[i]
-                                         : row.tokens[i];
+                : is_class              ? cfg_.vocab_size + row.tokens[i]
+                                        : row.tokens[i];
         pp[t] = row.positions[i];
         pd[t] = row.slot * cache.capacity + row.cache_len + i;
         ps[t] = r * nmax + i;
@@ -385,13 +390,13 @@ at::Tensor Gpt::ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache,
       std::vector<at::Tensor> outs;
       outs.reserve(calls.size());
       for (const Call& c : calls) {
-        at::Tensor qc = q.narrow(0, c.t0, c.rows * c.n).view({c.rows, c.n, H, hd})
-                            .transpose(1, 2).contiguous();
+        at::Tensor qc =
+            q.narrow(0, c.t0, c.rows * c.n).view({c.rows, c.n, H, hd}).transpose(1, 2).contiguous();
         at::Tensor sc = slots.narrow(0, c.r0, c.rows);
         at::Tensor kc = ck.narrow(1, 0, c.kv).index_select(0, sc).transpose(1, 2);
         at::Tensor vc = cv.narrow(1, 0, c.kv).index_select(0, sc).transpose(1, 2);
-        at::Tensor mc = allow.narrow(0, c.mask_off, c.rows * c.n * c.kv)
-                            .view({c.rows, 1, c.n, c.kv}).clone();
+        at::Tensor mc =
+            allow.narrow(0, c.mask_off, c.rows * c.n * c.kv).view({c.rows, 1, c.n, c.kv}).clone();
         at::Tensor oc = at::scaled_dot_product_attention(qc, kc, vc, mc);
         outs.push_back(oc.transpose(1, 2).reshape({c.rows * c.n, D}));
       }
@@ -407,8 +412,7 @@ at::Tensor Gpt::ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache,
       }
       at::Tensor qp = at::zeros({R * nmax, H, hd}, q.options()).index_copy_(0, src, q);
       qp = qp.view({R, nmax, H, hd}).transpose(1, 2);
-      o = at::scaled_dot_product_attention(qp, keys.transpose(1, 2), vals.transpose(1, 2),
-                                           allow);
+      o = at::scaled_dot_product_attention(qp, keys.transpose(1, 2), vals.transpose(1, 2), allow);
       o = o.transpose(1, 2).reshape({R * nmax, D}).index_select(0, src);
     }
     x = x + Linear(o, L.wo, invariant);

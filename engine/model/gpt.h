@@ -20,14 +20,14 @@ namespace imagegen {
 struct GptConfig {
   int64_t dim = 768, n_layer = 12, n_head = 12;
   int64_t vocab_size = 16384, num_classes = 1000;
-  int64_t block_size = 256;      // image tokens = grid^2
+  int64_t block_size = 256;  // image tokens = grid^2
   int64_t cls_token_num = 1;
   int64_t multiple_of = 256;
   double ffn_dim_multiplier = 0;  // 0: unused (LlamaGen's None)
   double rope_base = 10000, norm_eps = 1e-5;
   double class_dropout_prob = 0.1;
-  std::string tokenizer;          // name of the VQ model directory beside this one
-  std::string draft_model;        // optional: a smaller GPT beside this one that drafts for it
+  std::string tokenizer;    // name of the VQ model directory beside this one
+  std::string draft_model;  // optional: a smaller GPT beside this one that drafts for it
   std::vector<std::string> class_names;
   // Sampling defaults recommended for this model (config.json "sampling_defaults").
   double default_cfg_scale = 1.0, default_temperature = 1.0, default_top_p = 1.0;
@@ -56,7 +56,7 @@ struct KvCache {
 // is a class label, with null_class() for the unconditional row).
 struct BatchRow {
   int64_t slot = 0;
-  int64_t cache_len = 0;                // committed entries every new token attends to
+  int64_t cache_len = 0;  // committed entries every new token attends to
   std::vector<int64_t> tokens;
   std::vector<int64_t> positions;
   // Optional n x n row-major: mask[i * n + j] != 0 lets new token i attend new token j.
@@ -122,8 +122,8 @@ class Gpt {
 
   GptConfig cfg_;
   LoadOptions opts_;
-  at::Tensor embed_;      // [vocab + classes(+null), dim]: token rows then class rows
-  at::Tensor rope_;       // [seq_len, head_dim / 2, 2] float32 (cos, sin); class rows zero
+  at::Tensor embed_;  // [vocab + classes(+null), dim]: token rows then class rows
+  at::Tensor rope_;   // [seq_len, head_dim / 2, 2] float32 (cos, sin); class rows zero
   std::vector<Layer> layers_;
   at::Tensor norm_, output_;
 };

@@ -38,21 +38,20 @@ StatusOr<ImageModel> LoadImageModel(const std::string& models_dir, const std::st
     return FailedPrecondition(dir + "/config.json: 'tokenizer' must name the VQ model directory");
   }
   RETURN_IF_ERROR(ValidateModelName(cfg.tokenizer));
-  ASSIGN_OR_RETURN(m.vq, VqDecoder::Load(
-                             (std::filesystem::path(models_dir) / cfg.tokenizer).string(), opts));
+  ASSIGN_OR_RETURN(
+      m.vq, VqDecoder::Load((std::filesystem::path(models_dir) / cfg.tokenizer).string(), opts));
   const VqConfig& vc = m.vq->config();
   if (vc.codebook_size != cfg.vocab_size || vc.grid() * vc.grid() != cfg.block_size) {
-    return FailedPrecondition("model '" + name + "': tokenizer '" + cfg.tokenizer + "' has " +
-                              std::to_string(vc.codebook_size) + " codes on a " +
-                              std::to_string(vc.grid()) + "x" + std::to_string(vc.grid()) +
-                              " grid, but the GPT expects vocab_size " +
-                              std::to_string(cfg.vocab_size) + " and block_size " +
-                              std::to_string(cfg.block_size));
+    return FailedPrecondition(
+        "model '" + name + "': tokenizer '" + cfg.tokenizer + "' has " +
+        std::to_string(vc.codebook_size) + " codes on a " + std::to_string(vc.grid()) + "x" +
+        std::to_string(vc.grid()) + " grid, but the GPT expects vocab_size " +
+        std::to_string(cfg.vocab_size) + " and block_size " + std::to_string(cfg.block_size));
   }
   if (with_draft && !cfg.draft_model.empty()) {
     RETURN_IF_ERROR(ValidateModelName(cfg.draft_model));
-    ASSIGN_OR_RETURN(m.draft, Gpt::Load((std::filesystem::path(models_dir) / cfg.draft_model).string(),
-                                        opts));
+    ASSIGN_OR_RETURN(
+        m.draft, Gpt::Load((std::filesystem::path(models_dir) / cfg.draft_model).string(), opts));
     const GptConfig& d = m.draft->config();
     if (d.vocab_size != cfg.vocab_size || d.block_size != cfg.block_size ||
         d.num_classes != cfg.num_classes || d.has_null_class() != cfg.has_null_class()) {
@@ -74,8 +73,8 @@ StatusOr<int64_t> ResolveClass(const GptConfig& cfg, const std::string& s) {
   std::string names;
   for (size_t i = 0; i < cfg.class_names.size(); ++i) names += (i ? ", " : "") + cfg.class_names[i];
   return FieldError("class", "'" + s + "' is neither an id in [0, " +
-                         std::to_string(cfg.num_classes) + ") nor a class name" +
-                         (names.empty() ? "" : " (" + names + ")"));
+                                 std::to_string(cfg.num_classes) + ") nor a class name" +
+                                 (names.empty() ? "" : " (" + names + ")"));
 }
 
 StatusOr<at::Tensor> TokensToPixels(const VqDecoder& vq, const std::vector<int32_t>& tokens) {

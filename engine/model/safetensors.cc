@@ -25,9 +25,9 @@ struct DtypeEntry {
 };
 
 constexpr DtypeEntry kDtypes[] = {
-    {"F64", at::kDouble, 8}, {"F32", at::kFloat, 4},  {"F16", at::kHalf, 2},
-    {"BF16", at::kBFloat16, 2}, {"I64", at::kLong, 8}, {"I32", at::kInt, 4},
-    {"I16", at::kShort, 2},  {"I8", at::kChar, 1},    {"U8", at::kByte, 1},
+    {"F64", at::kDouble, 8},    {"F32", at::kFloat, 4}, {"F16", at::kHalf, 2},
+    {"BF16", at::kBFloat16, 2}, {"I64", at::kLong, 8},  {"I32", at::kInt, 4},
+    {"I16", at::kShort, 2},     {"I8", at::kChar, 1},   {"U8", at::kByte, 1},
     {"BOOL", at::kBool, 1},
 };
 
@@ -178,8 +178,7 @@ StatusOr<at::Tensor> SafetensorsFile::Read(const std::string& name) const {
   return t;
 }
 
-Status WriteSafetensors(const std::string& path,
-                        const std::map<std::string, at::Tensor>& tensors) {
+Status WriteSafetensors(const std::string& path, const std::map<std::string, at::Tensor>& tensors) {
   // Header built by hand: names are escaped for quotes and backslashes only (tools' names).
   std::ostringstream h;
   h << "{";

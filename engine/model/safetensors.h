@@ -22,9 +22,9 @@
 namespace imagegen {
 
 struct TensorInfo {
-  std::string dtype;              // "F32", "BF16", ...
+  std::string dtype;  // "F32", "BF16", ...
   std::vector<int64_t> shape;
-  uint64_t begin = 0, end = 0;    // byte offsets relative to the data section
+  uint64_t begin = 0, end = 0;  // byte offsets relative to the data section
 };
 
 class SafetensorsFile {

@@ -50,8 +50,8 @@ StatusOr<std::unique_ptr<VqDecoder>> VqDecoder::Load(const std::string& dir,
   try {
     return LoadImpl(dir, load_opts);
   } catch (const c10::Error& e) {
-    return ResourceExhausted(dir + ": loading failed in LibTorch (out of memory?): " +
-                             e.what_without_backtrace());
+    return ResourceExhausted(
+        dir + ": loading failed in LibTorch (out of memory?): " + e.what_without_backtrace());
   }
 }
 
@@ -99,8 +99,8 @@ StatusOr<std::unique_ptr<VqDecoder>> VqDecoder::LoadImpl(const std::string& dir,
     cb = cb / cb.norm(2, {1}, /*keepdim=*/true).clamp_min(1e-12);
   }
   m->codebook_ = cb;
-  RETURN_IF_ERROR(conv("post_quant_conv", cfg.z_channels, cfg.codebook_embed_dim, 1,
-                       m->post_quant_));
+  RETURN_IF_ERROR(
+      conv("post_quant_conv", cfg.z_channels, cfg.codebook_embed_dim, 1, m->post_quant_));
   const auto n = static_cast<int64_t>(cfg.ch_mult.size());
   int64_t c = cfg.ch * cfg.ch_mult.back();
   RETURN_IF_ERROR(conv("decoder.conv_in", c, cfg.z_channels, 3, m->conv_in_));
@@ -169,8 +169,8 @@ StatusOr<at::Tensor> VqDecoder::DecodeImpl(const at::Tensor& ids_in) const {
     return InvalidArgument("VQ decode: ids must be [batch, " + std::to_string(g * g) + "]");
   }
   at::Tensor ids = ids_in.to(opts_.device, at::kLong);
-  if (ids.numel() > 0 && (ids.min().item<int64_t>() < 0 ||
-                          ids.max().item<int64_t>() >= cfg_.codebook_size)) {
+  if (ids.numel() > 0 &&
+      (ids.min().item<int64_t>() < 0 || ids.max().item<int64_t>() >= cfg_.codebook_size)) {
     return InvalidArgument("VQ decode: token id outside the codebook");
   }
   const int64_t b = ids.size(0);

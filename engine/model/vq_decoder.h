@@ -31,8 +31,7 @@ StatusOr<VqConfig> ParseVqConfig(const Json& json, const std::string& where);
 
 class VqDecoder {
  public:
-  static StatusOr<std::unique_ptr<VqDecoder>> Load(const std::string& dir,
-                                                   const LoadOptions& opts);
+  static StatusOr<std::unique_ptr<VqDecoder>> Load(const std::string& dir, const LoadOptions& opts);
   const VqConfig& config() const { return cfg_; }
 
   // ids [B, grid^2] (any integer dtype, any device) -> float32 [B, out_channels, H, W].

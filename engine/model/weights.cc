@@ -68,8 +68,7 @@ bool WeightStore::Has(const std::string& name) const {
   return false;
 }
 
-StatusOr<at::Tensor> WeightStore::Take(const std::string& name,
-                                       const std::vector<int64_t>& shape,
+StatusOr<at::Tensor> WeightStore::Take(const std::string& name, const std::vector<int64_t>& shape,
                                        const LoadOptions& opts, bool keep_fp32) {
   for (const auto& f : files_) {
     auto it = f->tensors().find(name);
@@ -80,8 +79,7 @@ StatusOr<at::Tensor> WeightStore::Take(const std::string& name,
                                 ShapeString(info.shape) + " but config.json implies " +
                                 ShapeString(shape));
     }
-    if (info.dtype != "F32" && info.dtype != "F16" && info.dtype != "BF16" &&
-        info.dtype != "F64") {
+    if (info.dtype != "F32" && info.dtype != "F16" && info.dtype != "BF16" && info.dtype != "F64") {
       return FailedPrecondition(f->path() + ": tensor '" + name + "' has dtype " + info.dtype +
                                 ", expected a floating-point type");
     }

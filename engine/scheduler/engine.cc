@@ -269,8 +269,10 @@ void Engine::Impl::Run() {
     for (auto& r : schedulers) stepped |= r->Tick(cancelled, now, out);
     cancelled.clear();  // ids not found had already finished
     if (out_of_time) {
-      for (auto& r : schedulers) r->EndAll(Unavailable("the server shut down before the request "
-                                                    "finished"), out);
+      for (auto& r : schedulers)
+        r->EndAll(Unavailable("the server shut down before the request "
+                              "finished"),
+                  out);
     }
     bool idle = true;
     Clock::time_point wake = Clock::time_point::max();

@@ -47,11 +47,11 @@ struct EngineOptions {
 // One step of one model, for metrics.
 struct StepSample {
   std::string model;
-  double seconds = 0;          // the whole step: drafting, forward, verification, events
-  int64_t requests = 0;        // requests in the step
-  int64_t tokens = 0;          // target-forward tokens (CFG rows included)
-  int64_t committed = 0;       // image tokens committed by the step
-  bool budget_limited = false; // some window was shrunk by the token budget
+  double seconds = 0;           // the whole step: drafting, forward, verification, events
+  int64_t requests = 0;         // requests in the step
+  int64_t tokens = 0;           // target-forward tokens (CFG rows included)
+  int64_t committed = 0;        // image tokens committed by the step
+  bool budget_limited = false;  // some window was shrunk by the token budget
 };
 
 class EngineListener {
@@ -62,8 +62,8 @@ class EngineListener {
 
 struct ModelLoad {
   std::string model;
-  int64_t queued = 0;       // waiting for a slot
-  int64_t active = 0;       // holding slots
+  int64_t queued = 0;  // waiting for a slot
+  int64_t active = 0;  // holding slots
   int64_t slots_used = 0, slots_total = 0;
 };
 

@@ -33,7 +33,7 @@ void AddDeltas(const std::vector<int64_t>& now, std::vector<int64_t>& seen,
 }  // namespace
 
 ModelScheduler::ModelScheduler(const ImageModel& model, int64_t slots, const EngineOptions& opts,
-                         EngineListener* listener)
+                               EngineListener* listener)
     : model_(model),
       opts_(opts),
       listener_(listener),
@@ -66,7 +66,7 @@ void ModelScheduler::EndAll(const Status& status, Outcomes& out) {
 }
 
 bool ModelScheduler::Tick(const std::unordered_set<int64_t>& cancelled, Clock::time_point now,
-                       Outcomes& out) {
+                          Outcomes& out) {
   // Cancellations and deadlines take effect here, between steps, and free the slots at once.
   auto ended = [&](Job& j) {
     if (cancelled.count(j.id) > 0) {
@@ -279,7 +279,7 @@ void ModelScheduler::AddPreviews(const std::vector<size_t>& due, std::vector<Ste
   try {
     StatusOr<at::Tensor> pixels = TokensToPixels(*model_.vq, grids);
     if (!pixels.ok()) return;
-    at::Tensor px = *pixels;  // [B, H, W, C]
+    at::Tensor px = *pixels;                       // [B, H, W, C]
     const int64_t H = px.size(1), W = px.size(2);  // multiples of g (the decoder upsamples)
     for (size_t b = 0; b < due.size(); ++b) {
       at::Tensor one = px[static_cast<int64_t>(b)];

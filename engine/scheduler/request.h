@@ -20,8 +20,8 @@ namespace imagegen {
 using Clock = std::chrono::steady_clock;
 
 struct GenerateParams {
-  std::string model;        // a loaded model's name; empty: the engine's first model
-  std::string class_label;  // a class name ("sneaker") or a decimal id ("7")
+  std::string model;             // a loaded model's name; empty: the engine's first model
+  std::string class_label;       // a class name ("sneaker") or a decimal id ("7")
   std::optional<uint64_t> seed;  // absent: the engine draws one and reports it
   // Absent: the model's recommended values (config.json "sampling_defaults").
   std::optional<double> cfg_scale, temperature, top_p;
@@ -39,7 +39,7 @@ struct RequestCounters {
   int64_t draft_forwards = 0;  // draft-model forwards (counted apart from NFE)
   int64_t drafts_verified = 0;
   int64_t drafts_accepted = 0;
-  int64_t tokens = 0;          // committed image tokens
+  int64_t tokens = 0;  // committed image tokens
 };
 
 // One engine step of one request.
@@ -60,16 +60,16 @@ struct StepEvent {
 
 struct RequestStats {
   RequestCounters counters;
-  double acceptance_rate = 0;    // drafts accepted / drafts verified
-  double step_compression = 0;   // image tokens / NFE
+  double acceptance_rate = 0;       // drafts accepted / drafts verified
+  double step_compression = 0;      // image tokens / NFE
   double mean_accepted_length = 0;  // tokens committed per step
   // [k] = steps that committed k tokens (k >= 1).
   std::vector<int64_t> accepted_length_histogram;
   std::vector<int64_t> verified_at_depth, accepted_at_depth;
-  double queue_seconds = 0;       // submission to the first step
-  double generation_seconds = 0;  // first step to the last token
+  double queue_seconds = 0;        // submission to the first step
+  double generation_seconds = 0;   // first step to the last token
   double first_token_seconds = 0;  // submission to the first committed token
-  double decode_seconds = 0;      // decoding tokens into pixels (VQ)
+  double decode_seconds = 0;       // decoding tokens into pixels (VQ)
 };
 
 struct RequestResult {
@@ -81,7 +81,7 @@ struct RequestResult {
   SamplingParams sampling;
   std::vector<int32_t> tokens;  // grid x grid ids, raster order
   int64_t grid = 0;
-  Image image;                  // when decode_image
+  Image image;  // when decode_image
   RequestStats stats;
 };
 
@@ -106,8 +106,8 @@ struct ModelInfo {
   std::string draft_model;           // empty: none (draft-model methods unavailable)
   std::vector<std::string> methods;  // presets this model can run
   SamplingParams sampling_defaults;
-  int64_t max_window = 0;            // image tokens
-  int64_t kv_slots = 0;              // KV-cache slots (a CFG request takes two)
+  int64_t max_window = 0;  // image tokens
+  int64_t kv_slots = 0;    // KV-cache slots (a CFG request takes two)
 };
 
 }  // namespace imagegen

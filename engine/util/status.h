@@ -16,24 +16,36 @@ namespace imagegen {
 enum class Code {
   kOk = 0,
   kCancelled = 1,
-  kInvalidArgument = 3,     // bad request parameter; message names the field
+  kInvalidArgument = 3,  // bad request parameter; message names the field
   kDeadlineExceeded = 4,
   kNotFound = 5,            // unknown model or file
   kResourceExhausted = 8,   // queue full / no KV slot
   kFailedPrecondition = 9,  // model files present but inconsistent with the config
   kInternal = 13,
   kUnavailable = 14,
-  kDataLoss = 15,           // corrupt or truncated model file
+  kDataLoss = 15,  // corrupt or truncated model file
 };
 
 // The canonical name of a status code number, "OK" .. "UNAUTHENTICATED" (0 .. 16), "UNKNOWN"
 // for any other number. Inline: the CLI, which links no engine library, names gRPC codes too.
 inline const char* StatusCodeName(int code) {
-  static constexpr const char* kNames[] = {
-      "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
-      "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
-      "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
-      "UNAUTHENTICATED"};
+  static constexpr const char* kNames[] = {"OK",
+                                           "CANCELLED",
+                                           "UNKNOWN",
+                                           "INVALID_ARGUMENT",
+                                           "DEADLINE_EXCEEDED",
+                                           "NOT_FOUND",
+                                           "ALREADY_EXISTS",
+                                           "PERMISSION_DENIED",
+                                           "RESOURCE_EXHAUSTED",
+                                           "FAILED_PRECONDITION",
+                                           "ABORTED",
+                                           "OUT_OF_RANGE",
+                                           "UNIMPLEMENTED",
+                                           "INTERNAL",
+                                           "UNAVAILABLE",
+                                           "DATA_LOSS",
+                                           "UNAUTHENTICATED"};
   constexpr int kCount = static_cast<int>(sizeof(kNames) / sizeof(kNames[0]));
   return code >= 0 && code < kCount ? kNames[code] : "UNKNOWN";
 }
@@ -75,9 +87,7 @@ inline Status FailedPrecondition(std::string m) {
   return {Code::kFailedPrecondition, std::move(m)};
 }
 inline Status Internal(std::string m) { return {Code::kInternal, std::move(m)}; }
-inline Status ResourceExhausted(std::string m) {
-  return {Code::kResourceExhausted, std::move(m)};
-}
+inline Status ResourceExhausted(std::string m) { return {Code::kResourceExhausted, std::move(m)}; }
 inline Status Cancelled(std::string m) { return {Code::kCancelled, std::move(m)}; }
 inline Status DeadlineExceeded(std::string m) { return {Code::kDeadlineExceeded, std::move(m)}; }
 inline Status Unavailable(std::string m) { return {Code::kUnavailable, std::move(m)}; }
@@ -108,10 +118,10 @@ class [[nodiscard]] StatusOr {
 #define IMAGEGEN_CONCAT_INNER(a, b) a##b
 #define IMAGEGEN_CONCAT(a, b) IMAGEGEN_CONCAT_INNER(a, b)
 
-#define RETURN_IF_ERROR(expr)            \
-  do {                                   \
-    ::imagegen::Status _st = (expr);     \
-    if (!_st.ok()) return _st;           \
+#define RETURN_IF_ERROR(expr)        \
+  do {                               \
+    ::imagegen::Status _st = (expr); \
+    if (!_st.ok()) return _st;       \
   } while (0)
 
 #define ASSIGN_OR_RETURN_IMPL(tmp, lhs, expr) \

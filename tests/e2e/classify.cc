@@ -28,7 +28,8 @@ int ClassifyPng(const std::string& png, std::string* error) {
     *error = "expected 28x28, got " + std::to_string(img.width) + "x" + std::to_string(img.height);
     return -1;
   }
-  static auto clf = Classifier::Load(std::string(IMAGEGEN_TEST_MODELS_DIR) + "/fmnist-classifier", {});
+  static auto clf =
+      Classifier::Load(std::string(IMAGEGEN_TEST_MODELS_DIR) + "/fmnist-classifier", {});
   if (!clf.ok()) {
     *error = clf.status().ToString();
     return -1;

@@ -93,9 +93,9 @@ class Process {
 };
 
 // Runs a command to completion; returns its exit status, output in *out.
-inline int RunCommand(const std::vector<std::string>& argv, std::string* out, const std::string& log,
-               const std::vector<std::string>& env_extra = {},
-               std::chrono::seconds timeout = std::chrono::seconds(300)) {
+inline int RunCommand(const std::vector<std::string>& argv, std::string* out,
+                      const std::string& log, const std::vector<std::string>& env_extra = {},
+                      std::chrono::seconds timeout = std::chrono::seconds(300)) {
   Process p(argv, log, env_extra);
   const int rc = p.Wait(timeout);
   *out = p.Log();

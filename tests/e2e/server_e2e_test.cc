@@ -38,9 +38,10 @@ class Daemon {
  public:
   explicit Daemon(const std::string& name, std::vector<std::string> flags = {})
       : dir_(TempDir(name)) {
-    std::vector<std::string> argv = {IMAGEGEN_SERVER_BINARY, "--listen", "127.0.0.1:0",
-                                     "--metrics-listen", "127.0.0.1:0", "--port-file",
-                                     dir_ + "/ports", "--models-dir", IMAGEGEN_TEST_MODELS_DIR};
+    std::vector<std::string> argv = {
+        IMAGEGEN_SERVER_BINARY, "--listen",     "127.0.0.1:0",
+        "--metrics-listen",     "127.0.0.1:0",  "--port-file",
+        dir_ + "/ports",        "--models-dir", IMAGEGEN_TEST_MODELS_DIR};
     argv.insert(argv.end(), flags.begin(), flags.end());
     proc_ = std::make_unique<Process>(argv, dir_ + "/server.log");
     for (int i = 0; i < 600 && port_ == 0; ++i) {
@@ -128,7 +129,8 @@ TEST(E2eTest, UnaryAndStreamGiveThePngOfTheClassAndTheStreamReassemblesTheGrid) 
   EXPECT_EQ(d.Health(""), HealthCheckResponse::SERVING);
   auto stub = d.Stub();
   // Classes the bundled classifier recognises best; the seeds are fixed, so are the images.
-  const std::vector<std::pair<std::string, int>> classes = {{"trouser", 1}, {"sandal", 5}, {"bag", 8}};
+  const std::vector<std::pair<std::string, int>> classes = {
+      {"trouser", 1}, {"sandal", 5}, {"bag", 8}};
   for (const auto& [name, id] : classes) {
     v1::GenerateRequest req = Request(name, 21, "scd-mc");
     req.mutable_output()->set_include_tokens(true);
@@ -220,7 +222,8 @@ TEST(E2eTest, HealthAndReflectionListTheServices) {
   refl::ServerReflectionResponse r;
   while (stream->Read(&r)) {
     for (const auto& sv : r.list_services_response().service()) services.insert(sv.name());
-    for (const auto& f : r.file_descriptor_response().file_descriptor_proto()) descriptor_bytes += f.size();
+    for (const auto& f : r.file_descriptor_response().file_descriptor_proto())
+      descriptor_bytes += f.size();
   }
   EXPECT_TRUE(stream->Finish().ok());
   EXPECT_EQ(services.count(kService), 1u);
@@ -309,27 +312,37 @@ TEST(E2eTest, EachInvalidFieldIsNamedInBadRequest) {
       {"method", [](v1::GenerateRequest& r) { r.set_method("jacobi-magic"); }},
       {"window", [](v1::GenerateRequest& r) { r.set_window(0); }},
       {"window", [](v1::GenerateRequest& r) { r.set_window(197); }},
-      {"window", [](v1::GenerateRequest& r) { r.set_method("sjd-pac"); r.set_window(8); }},
-      {"policy.tree_depth", [](v1::GenerateRequest& r) {
+      {"window",
+       [](v1::GenerateRequest& r) {
+         r.set_method("sjd-pac");
+         r.set_window(8);
+       }},
+      {"policy.tree_depth",
+       [](v1::GenerateRequest& r) {
          r.set_method("sjd-pac");
          r.mutable_policy()->set_tree_depth(9);
        }},
-      {"policy.tree_branches", [](v1::GenerateRequest& r) {
+      {"policy.tree_branches",
+       [](v1::GenerateRequest& r) {
          r.set_method("sjd");
          r.mutable_policy()->set_tree_branches(40);
        }},
-      {"policy.cool_delta", [](v1::GenerateRequest& r) {
+      {"policy.cool_delta",
+       [](v1::GenerateRequest& r) {
          r.set_method("cool-sd");
          r.mutable_policy()->set_cool_delta(-1);
        }},
-      {"policy.gsd_group", [](v1::GenerateRequest& r) {
+      {"policy.gsd_group",
+       [](v1::GenerateRequest& r) {
          r.set_method("gsd");
          r.mutable_policy()->set_gsd_group(0);
        }},
-      {"policy.draft", [](v1::GenerateRequest& r) {
+      {"policy.draft",
+       [](v1::GenerateRequest& r) {
          r.mutable_policy()->set_draft(static_cast<v1::DraftSource>(42));
        }},
-      {"policy.coupling", [](v1::GenerateRequest& r) {
+      {"policy.coupling",
+       [](v1::GenerateRequest& r) {
          r.set_method("sd");
          r.mutable_policy()->set_coupling(v1::COUPLING_GUMBEL);
        }},
@@ -365,7 +378,8 @@ TEST(E2eTest, EachInvalidFieldIsNamedInBadRequest) {
 std::string MakeCertificates() {
   const std::string d = TempDir("pki");
   const std::string script =
-      "set -e; cd '" + d + "'; "
+      "set -e; cd '" + d +
+      "'; "
       "openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 2 "
       "-subj /CN=imagegen-test-ca 2>/dev/null; "
       "for who in server client; do "
@@ -392,9 +406,7 @@ grpc::StatusCode CallWith(const std::shared_ptr<grpc::Channel>& ch, const std::s
 
 TEST(E2eTest, TlsAndBearerTokenAcceptTheRightTokenOnly) {
   const std::string pki = MakeCertificates();
-  {
-    std::ofstream(pki + "/token") << "s3cret-token-0123456789\n";
-  }
+  { std::ofstream(pki + "/token") << "s3cret-token-0123456789\n"; }
   Daemon d("tls", {"--tls-cert", pki + "/server.pem", "--tls-key", pki + "/server.key",
                    "--token-file", pki + "/token"});
   grpc::SslCredentialsOptions o;
@@ -418,7 +430,9 @@ TEST(E2eTest, TlsAndBearerTokenAcceptTheRightTokenOnly) {
   // Plaintext to a TLS port never reaches the service.
   auto plain = grpc::CreateChannel(d.target(), grpc::InsecureChannelCredentials());
   EXPECT_NE(CallWith(plain, "s3cret-token-0123456789"), grpc::StatusCode::OK);
-  EXPECT_TRUE(d.WaitMetric("imagegen_requests_total{method=\"sjd\",model=\"fmnist-gpt\",outcome=\"unauthenticated\"}", 3));
+  EXPECT_TRUE(d.WaitMetric(
+      "imagegen_requests_total{method=\"sjd\",model=\"fmnist-gpt\",outcome=\"unauthenticated\"}",
+      3));
 
   // Mutual TLS: the client must present a certificate the CA signed.
   Daemon m("mtls", {"--tls-cert", pki + "/server.pem", "--tls-key", pki + "/server.key",
@@ -486,12 +500,10 @@ TEST(E2eTest, PrometheusScrapesAcceptanceRateAndNfe) {
   }
   // promtool lints the exposition: nothing to report.
   const std::string dir = d.dir();
-  {
-    std::ofstream(dir + "/metrics.txt") << d.Metrics();
-  }
+  { std::ofstream(dir + "/metrics.txt") << d.Metrics(); }
   std::string lint;
-  EXPECT_EQ(RunCommand({"/bin/bash", "-c", "promtool check metrics < '" + dir + "/metrics.txt'"}, &lint,
-                dir + "/promtool.log"),
+  EXPECT_EQ(RunCommand({"/bin/bash", "-c", "promtool check metrics < '" + dir + "/metrics.txt'"},
+                       &lint, dir + "/promtool.log"),
             0)
       << lint;
   EXPECT_EQ(lint, "");
@@ -500,13 +512,11 @@ TEST(E2eTest, PrometheusScrapesAcceptanceRateAndNfe) {
   config = std::regex_replace(config, std::regex("imagegen:9464"),
                               "127.0.0.1:" + std::to_string(d.metrics_port()));
   config = std::regex_replace(config, std::regex("scrape_interval: \\w+"), "scrape_interval: 1s");
-  {
-    std::ofstream(dir + "/prometheus.yml") << config;
-  }
+  { std::ofstream(dir + "/prometheus.yml") << config; }
   const int port = FreePort();
   Process prom({"/usr/bin/prometheus", "--config.file=" + dir + "/prometheus.yml",
-                "--storage.tsdb.path=" + dir + "/tsdb", "--web.listen-address=127.0.0.1:" + std::to_string(port),
-                "--log.level=warn"},
+                "--storage.tsdb.path=" + dir + "/tsdb",
+                "--web.listen-address=127.0.0.1:" + std::to_string(port), "--log.level=warn"},
                dir + "/prometheus.log");
   auto query = [&](const std::string& q) -> std::map<std::string, double> {
     auto [code, body] = HttpGet(port, "/api/v1/query?query=" + UrlEncode(q));
@@ -524,7 +534,8 @@ TEST(E2eTest, PrometheusScrapesAcceptanceRateAndNfe) {
     return out;
   };
   const std::string acceptance =
-      "sum by (method) (imagegen_accepted_tokens_total) / sum by (method) (imagegen_draft_tokens_total)";
+      "sum by (method) (imagegen_accepted_tokens_total) / sum by (method) "
+      "(imagegen_draft_tokens_total)";
   const std::string nfe =
       "sum by (method) (imagegen_target_forwards_total) / sum by (method) (imagegen_images_total)";
   std::map<std::string, double> acc, per_image;
@@ -549,40 +560,44 @@ TEST(E2eTest, CliAndPythonClientsWork) {
   d.WaitReady();
   const std::string dir = d.dir();
   std::string out;
-  ASSERT_EQ(RunCommand({IMAGEGEN_CLI_BINARY, "models", "--target", d.target()}, &out, dir + "/cli1.log"), 0) << out;
+  ASSERT_EQ(
+      RunCommand({IMAGEGEN_CLI_BINARY, "models", "--target", d.target()}, &out, dir + "/cli1.log"),
+      0)
+      << out;
   EXPECT_NE(out.find("sneaker"), std::string::npos);
   EXPECT_NE(out.find("scd-mc (default)"), std::string::npos);
-  ASSERT_EQ(RunCommand({IMAGEGEN_CLI_BINARY, "generate", "--target", d.target(), "--class", "sneaker",
-                 "--seed", "21", "--out", dir + "/sneaker.png"},
-                &out, dir + "/cli2.log"),
+  ASSERT_EQ(RunCommand({IMAGEGEN_CLI_BINARY, "generate", "--target", d.target(), "--class",
+                        "sneaker", "--seed", "21", "--out", dir + "/sneaker.png"},
+                       &out, dir + "/cli2.log"),
             0)
       << out;
   std::string err;
   EXPECT_EQ(ClassifyPng(Slurp(dir + "/sneaker.png"), &err), 7) << err;
   ASSERT_EQ(RunCommand({IMAGEGEN_CLI_BINARY, "generate", "--target", d.target(), "--class", "bag",
-                 "--stream", "--preview-every", "10", "--preview-dir", dir + "/frames", "--out",
-                 dir + "/bag.png", "--method", "ar"},
-                &out, dir + "/cli3.log"),
+                        "--stream", "--preview-every", "10", "--preview-dir", dir + "/frames",
+                        "--out", dir + "/bag.png", "--method", "ar"},
+                       &out, dir + "/cli3.log"),
             0)
       << out;
   EXPECT_NE(out.find("step 196"), std::string::npos);
   EXPECT_TRUE(std::filesystem::exists(dir + "/frames/step_0010.png"));
   EXPECT_EQ(RunCommand({IMAGEGEN_CLI_BINARY, "generate", "--target", d.target(), "--class", "bag",
-                 "--top-p", "0", "--out", dir + "/x.png"},
-                &out, dir + "/cli4.log"),
+                        "--top-p", "0", "--out", dir + "/x.png"},
+                       &out, dir + "/cli4.log"),
             1);
   EXPECT_NE(out.find("field top_p"), std::string::npos) << out;
   ASSERT_EQ(RunCommand({IMAGEGEN_CLI_BINARY, "load", "--target", d.target(), "--concurrency", "2",
-                 "--duration", "2", "--method", "sjd"},
-                &out, dir + "/cli5.log"),
+                        "--duration", "2", "--method", "sjd"},
+                       &out, dir + "/cli5.log"),
             0)
       << out;
   EXPECT_NE(out.find("images/s"), std::string::npos);
 
-  ASSERT_EQ(RunCommand({"/usr/bin/python3", std::string(IMAGEGEN_SOURCE_DIR) + "/client/python/example_client.py",
-                 "--target", d.target(), "--class-name", "trouser", "--seed", "21", "--out",
-                 dir + "/trouser.png"},
-                &out, dir + "/py.log", {"PYTHONPATH=" + std::string(IMAGEGEN_PYTHON_STUBS)}),
+  ASSERT_EQ(RunCommand({"/usr/bin/python3",
+                        std::string(IMAGEGEN_SOURCE_DIR) + "/client/python/example_client.py",
+                        "--target", d.target(), "--class-name", "trouser", "--seed", "21", "--out",
+                        dir + "/trouser.png"},
+                       &out, dir + "/py.log", {"PYTHONPATH=" + std::string(IMAGEGEN_PYTHON_STUBS)}),
             0)
       << out;
   EXPECT_EQ(ClassifyPng(Slurp(dir + "/trouser.png"), &err), 1) << err;
