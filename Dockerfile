@@ -22,7 +22,7 @@ FROM debian:bookworm AS runtime
 ENV DEBIAN_FRONTEND=noninteractive
 RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends ca-certificates \
       libgrpc++1.51 libprotobuf32 libabsl20220623 libprometheus-cpp-core1.0 libre2-9 libc-ares2 \
-      libssl3 \
+      libssl3 libmicrohttpd12 libpng16-16 \
     && rm -rf /var/lib/apt/lists/*
 # The binaries find LibTorch through their RPATH: keep the wheel's layout.
 ARG SITE=/opt/imagegen/venv/lib/python3.11/site-packages

@@ -1,0 +1,175 @@
+// The /metrics HTTP server (server/metrics_http.h) on loopback: what it answers, and that
+// clients which connect and then send slowly or nothing do not stop scrapes (the hand-written
+// server it replaced served one connection at a time and waited 5 s per silent socket, so 500
+// of them held a scrape for about 40 minutes).
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <prometheus/counter.h>
+#include <prometheus/registry.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "server/metrics_http.h"
+
+namespace imagegen::testing {
+namespace {
+
+using server::MetricsHttpServer;
+using Clock = std::chrono::steady_clock;
+
+int Connect(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (fd < 0 || ::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+    if (fd >= 0) ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+void SendAll(int fd, const std::string& s) {
+  size_t off = 0;
+  while (off < s.size()) {
+    const ssize_t n = ::send(fd, s.data() + off, s.size() - off, MSG_NOSIGNAL);
+    if (n <= 0) return;
+    off += static_cast<size_t>(n);
+  }
+}
+
+// Reads until the peer closes or `limit` passes; returns what came.
+std::string ReadUntilClosed(int fd, std::chrono::seconds limit, bool* closed) {
+  std::string out;
+  const auto end = Clock::now() + limit;
+  *closed = false;
+  char buf[4096];
+  while (Clock::now() < end) {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 100) <= 0) continue;
+    const ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
+    if (n <= 0) {
+      *closed = true;
+      break;
+    }
+    out.append(buf, static_cast<size_t>(n));
+  }
+  return out;
+}
+
+// One HTTP/1.0 request (the server closes after the response); the raw response, or "" if
+// it did not complete within the generous limit.
+std::string Fetch(int port, const std::string& request) {
+  const int fd = Connect(port);
+  if (fd < 0) return "";
+  SendAll(fd, request);
+  bool closed = false;
+  std::string r = ReadUntilClosed(fd, std::chrono::seconds(30), &closed);
+  ::close(fd);
+  return closed ? r : "";
+}
+
+std::string Scrape(int port) { return Fetch(port, "GET /metrics HTTP/1.0\r\n\r\n"); }
+
+class MetricsHttpTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    registry_ = std::make_shared<prometheus::Registry>();
+    prometheus::BuildCounter()
+        .Name("imagegen_test_total")
+        .Help("A counter for the test.")
+        .Register(*registry_)
+        .Add({{"kind", "x"}})
+        .Increment(3);
+    auto s = MetricsHttpServer::Start("127.0.0.1:0", {registry_});
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    server_ = std::move(s).value();
+    ASSERT_GT(server_->port(), 0);
+  }
+
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::unique_ptr<MetricsHttpServer> server_;
+};
+
+TEST_F(MetricsHttpTest, ServesMetricsAndRefusesOtherPathsAndMethods) {
+  const std::string m = Scrape(server_->port());
+  EXPECT_EQ(m.rfind("HTTP/1.0 200", 0) == 0 || m.rfind("HTTP/1.1 200", 0) == 0, true) << m;
+  EXPECT_NE(m.find("text/plain; version=0.0.4"), std::string::npos) << m;
+  EXPECT_NE(m.find("imagegen_test_total{kind=\"x\"} 3"), std::string::npos) << m;
+  EXPECT_EQ(m.substr(m.find("\r\n\r\n") + 4), server_->Render());
+
+  const std::string q = Fetch(server_->port(), "GET /metrics?x=1 HTTP/1.0\r\n\r\n");
+  EXPECT_NE(q.find("imagegen_test_total"), std::string::npos) << q;
+  const std::string head = Fetch(server_->port(), "HEAD /metrics HTTP/1.0\r\n\r\n");
+  EXPECT_NE(head.find(" 200 "), std::string::npos) << head;
+  EXPECT_EQ(head.find("imagegen_test_total"), std::string::npos) << head;
+  EXPECT_NE(Fetch(server_->port(), "GET /nope HTTP/1.0\r\n\r\n").find(" 404 "), std::string::npos);
+  EXPECT_NE(Fetch(server_->port(), "POST /metrics HTTP/1.0\r\nContent-Length: 3\r\n\r\nabc")
+                .find(" 405 "),
+            std::string::npos);
+  // Not HTTP: no metrics (the library closes the connection).
+  EXPECT_EQ(Fetch(server_->port(), "GARBAGE\r\n\r\n").find("imagegen_test_total"),
+            std::string::npos);
+}
+
+// 500 sockets hold connections open: half sent part of a request line and then nothing, half
+// trickle one byte every 200 ms. Ten scrapes in a row all complete (the limit per scrape is
+// 30 s; the old server needed 5 s per silent socket ahead of it).
+TEST_F(MetricsHttpTest, SlowAndSilentClientsDoNotStopScrapes) {
+  constexpr int kSlow = 500;
+  std::vector<int> fds;
+  for (int i = 0; i < kSlow; ++i) {
+    const int fd = Connect(server_->port());
+    ASSERT_GE(fd, 0) << "connect " << i;
+    SendAll(fd, "GET /metr");
+    fds.push_back(fd);
+  }
+  std::atomic<bool> stop{false};
+  std::thread trickle([&] {
+    while (!stop.load()) {
+      for (int i = 0; i < kSlow; i += 2) SendAll(fds[i], "i");
+      for (int k = 0; k < 4 && !stop.load(); ++k) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      }
+    }
+  });
+  int ok = 0;
+  for (int i = 0; i < 10; ++i) {
+    if (Scrape(server_->port()).find("imagegen_test_total") != std::string::npos) ++ok;
+  }
+  stop.store(true);
+  trickle.join();
+  EXPECT_EQ(ok, 10);
+  for (int fd : fds) ::close(fd);
+}
+
+// A connection that sends nothing is closed by the server after its idle timeout.
+TEST_F(MetricsHttpTest, IdleConnectionIsClosed) {
+  const int fd = Connect(server_->port());
+  ASSERT_GE(fd, 0);
+  bool closed = false;
+  ReadUntilClosed(fd, std::chrono::seconds(MetricsHttpServer::kIdleTimeoutSeconds + 30), &closed);
+  EXPECT_TRUE(closed);
+  ::close(fd);
+}
+
+TEST(MetricsHttpStartTest, BadAddressesAreErrors) {
+  EXPECT_FALSE(MetricsHttpServer::Start("no-port", {}).ok());
+  EXPECT_FALSE(MetricsHttpServer::Start("256.1.1.1:0", {}).ok());
+  auto a = MetricsHttpServer::Start("127.0.0.1:0", {});
+  ASSERT_TRUE(a.ok());
+  auto b = MetricsHttpServer::Start("127.0.0.1:" + std::to_string((*a)->port()), {});
+  EXPECT_FALSE(b.ok());  // the port is taken
+}
+
+}  // namespace
+}  // namespace imagegen::testing
