@@ -126,7 +126,7 @@ Cell RunCell(const EngineOptions& base, const std::string& method, const std::st
       while (Clock::now() < stop) {
         GenerateParams p;
         const uint64_t seed = next_seed.fetch_add(1);
-        p.class_label = std::to_string(seed % 10);
+        p.class_id = static_cast<int64_t>(seed % 10);
         p.seed = seed;
         p.policy = *policy;
         auto w = std::make_shared<Waiter>();

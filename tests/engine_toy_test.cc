@@ -125,7 +125,7 @@ TEST(EngineStormTest, ThousandMixedRequestsLeaveNoSlotBehind) {
     flight.WaitBelow(56);  // more than slots + queue hold: some submissions are rejected
     const int kind = static_cast<int>(rng() % 100);
     GenerateParams p;
-    p.class_label = std::to_string(i % kClasses);
+    p.class_id = i % kClasses;
     p.seed = static_cast<uint64_t>(i);
     p.policy = policies[rng() % policies.size()];
     p.stream_drafts = i % 3 == 0;
@@ -265,7 +265,7 @@ TEST(EngineExactTest, CoBatchedLosslessMethodsMatchTheExactArDistribution) {
     for (size_t c = 0; c < cfgs.size(); ++c) {
       flight.WaitBelow(200);
       GenerateParams p;
-      p.class_label = std::to_string(i % kClasses);
+      p.class_id = i % kClasses;
       p.seed = c * Tally::kSeedStride + seed_base + static_cast<uint64_t>(i);
       p.policy = cfgs[c];
       p.decode_image = false;

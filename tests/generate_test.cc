@@ -75,7 +75,7 @@ TEST_F(GenerateTest, TopKOneIsGreedyAndIgnoresTheSeed) {
 TEST_F(GenerateTest, InvalidRequestsNameTheField) {
   ArGenerator gen(*model_->gpt);
   ImageRequest r = Req(10, 1);
-  EXPECT_EQ(gen.Generate({r}).status().field(), "class");
+  EXPECT_EQ(gen.Generate({r}).status().field(), "class_id");
   EXPECT_NE(gen.Generate({r}).status().message().find("class"), std::string::npos);
   r = Req(1, 1);
   r.sampling.top_p = 1.5;

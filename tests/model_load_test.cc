@@ -2,6 +2,7 @@
 // never crash.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 
@@ -115,6 +116,59 @@ TEST_F(ModelLoadTest, BadConfigValuesAreNamed) {
   j.replace(j.find("\"block_size\": 16"), 16, "\"block_size\": 15");
   testing::WriteText(d + "/config.json", j);
   EXPECT_TRUE(Contains(LoadStatus(d).message(), "square")) << LoadStatus(d).message();
+}
+
+// A config whose sampling_defaults no request could use is refused at load, naming the file
+// and the field (it used to load, and then every request that set no sampling field failed on
+// a field its client never sent).
+TEST_F(ModelLoadTest, BadSamplingDefaultsAreNamedAtLoad) {
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {"cfg_scale", "1e300"}, {"temperature", "-5"}, {"top_k", "100000"}, {"top_p", "7"}};
+  for (const auto& [field, value] : bad) {
+    std::string d = Fresh("defaults_" + field);
+    testing::WriteText(d + "/config.json",
+                       testing::TinyGptConfigJson(
+                           spec_, ", \"sampling_defaults\": {\"" + field + "\": " + value + "}"));
+    const Status s = LoadStatus(d);
+    EXPECT_EQ(s.code(), Code::kFailedPrecondition) << field;
+    EXPECT_TRUE(Contains(s.message(), d + "/config.json")) << s.message();
+    EXPECT_TRUE(Contains(s.message(), "'sampling_defaults." + field + "'")) << s.message();
+  }
+  // Guidance by default needs a null class.
+  std::string d = Fresh("defaults_null");
+  std::string j = testing::TinyGptConfigJson(spec_, ", \"sampling_defaults\": {\"cfg_scale\": 2}");
+  j.replace(j.find("\"class_dropout_prob\": 0.1"), 25, "\"class_dropout_prob\": 0.0");
+  testing::WriteText(d + "/config.json", j);
+  EXPECT_TRUE(Contains(LoadStatus(d).message(), "null class")) << LoadStatus(d).message();
+  // In range: loads.
+  d = Fresh("defaults_ok");
+  testing::WriteText(d + "/config.json",
+                     testing::TinyGptConfigJson(
+                         spec_, ", \"sampling_defaults\": {\"cfg_scale\": 4, \"top_k\": 24}"));
+  EXPECT_TRUE(LoadStatus(d).ok()) << LoadStatus(d).ToString();
+}
+
+// NaN or Inf weights (which load and draw one repeated token) are refused, naming the tensor.
+TEST_F(ModelLoadTest, NonFiniteWeightsAreDataLoss) {
+  for (double v : {std::nan(""), HUGE_VAL, -HUGE_VAL}) {
+    std::string d = Fresh("nonfinite");
+    Rewrite(d, [v](auto& t) {
+      t["layers.1.feed_forward.w2.weight"][3][5] = v;
+      t["layers.1.feed_forward.w2.weight"][7][1] = v;
+    });
+    const Status s = LoadStatus(d);
+    EXPECT_EQ(s.code(), Code::kDataLoss) << v;
+    EXPECT_TRUE(Contains(s.message(), "'layers.1.feed_forward.w2.weight' has 2 non-finite values"))
+        << s.message();
+  }
+  // Finite in fp32 but beyond fp16's range: refused when serving in fp16.
+  std::string d = Fresh("overflow");
+  Rewrite(d, [](auto& t) { t["norm.weight"][0] = 1e6; });
+  LoadOptions fp16;
+  fp16.dtype = at::kHalf;
+  const Status s = Gpt::Load(d, fp16).status();
+  EXPECT_TRUE(Contains(s.message(), "'norm.weight' overflows")) << s.message();
+  EXPECT_TRUE(LoadStatus(d).ok());  // fine in fp32
 }
 
 TEST_F(ModelLoadTest, AbsurdSizesAreRejectedBeforeAllocating) {

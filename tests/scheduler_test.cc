@@ -7,11 +7,17 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
+#include <nlohmann/json.hpp>
 #include <thread>
 
 #include "engine/model/image_model.h"
+#include "engine/util/json.h"
+#include "engine/util/read_file.h"
 #include "engine/scheduler/window_budget.h"
 #include "tests/engine_client.h"
+#include "tests/temp_dir.h"
+#include "tests/test_util.h"
 
 namespace imagegen {
 namespace {
@@ -54,7 +60,7 @@ std::unique_ptr<Engine> StartOrDie(const EngineOptions& o, EngineListener* l = n
 
 GenerateParams Params(const std::string& method, int64_t cls, uint64_t seed) {
   GenerateParams p;
-  p.class_label = std::to_string(cls);
+  p.class_id = cls;
   p.seed = seed;
   auto pol = PolicyFromPreset(method);
   if (!pol.ok()) throw std::runtime_error(pol.status().ToString());
@@ -328,12 +334,26 @@ TEST(EngineTest, InvalidRequestsNameTheFieldAndReachNoObserver) {
     return id.ok() ? std::string("(accepted)") : id.status().field();
   };
   GenerateParams p = Params("sjd", 0, 1);
-  p.class_label = "";
-  EXPECT_EQ(field(p), "class");
-  p.class_label = "unicorn";
-  EXPECT_EQ(field(p), "class");
-  p.class_label = "10";
-  EXPECT_EQ(field(p), "class");
+  p.class_id.reset();
+  EXPECT_EQ(field(p), "class_id");  // neither id nor name
+  p.class_name = "unicorn";
+  EXPECT_EQ(field(p), "class_name");
+  p.class_name = "7";  // a name, not an id: no class of the bundled model is called "7"
+  EXPECT_EQ(field(p), "class_name");
+  p.class_name = std::string(3000, 'x');  // echoed, but not at any length
+  {
+    auto id = engine->Submit(p, r);
+    ASSERT_FALSE(id.ok());
+    EXPECT_LT(id.status().message().size(), 400u) << id.status().message();
+    EXPECT_NE(id.status().message().find("(3000 bytes)"), std::string::npos);
+  }
+  p.class_id = 1;  // and a name
+  EXPECT_EQ(field(p), "class_name");
+  p.class_name.clear();
+  p.class_id = 10;
+  EXPECT_EQ(field(p), "class_id");
+  p.class_id = -1;
+  EXPECT_EQ(field(p), "class_id");
   p = Params("sjd", 0, 1);
   p.cfg_scale = std::nan("");
   EXPECT_EQ(field(p), "cfg_scale");
@@ -366,6 +386,46 @@ TEST(EngineTest, InvalidRequestsNameTheFieldAndReachNoObserver) {
   EXPECT_EQ(r->terminal_calls, 0);
   EXPECT_TRUE(r->events.empty());
   EXPECT_EQ(engine->Stats().submitted, 0);
+}
+
+// The bundled models with fmnist-gpt's classes renamed "9", "8", ..., "0" (weights linked,
+// config.json rewritten): class_id 7 draws class 7, class_name "7" draws class 2. (The engine
+// once looked an id up as a name first, and drew class 2 for class_id 7.)
+TEST(EngineTest, ClassIdIsAnIdEvenWhenClassNamesAreNumbers) {
+  namespace fs = std::filesystem;
+  const std::string bundled = IMAGEGEN_TEST_MODELS_DIR;
+  const std::string dir = testing::TempDir("numeric_names");
+  for (const char* m : {"fmnist-vq", "fmnist-draft"}) {
+    fs::create_directory_symlink(fs::absolute(bundled + "/" + m), dir + "/" + m);
+  }
+  fs::create_directory(dir + "/fmnist-gpt");
+  fs::create_symlink(fs::absolute(bundled + "/fmnist-gpt/model.safetensors"),
+                     dir + "/fmnist-gpt/model.safetensors");
+  auto text = ReadFile(bundled + "/fmnist-gpt/config.json");
+  ASSERT_TRUE(text.ok());
+  auto cfg = ParseJson(*text);
+  ASSERT_TRUE(cfg.ok());
+  Json j = *cfg;
+  j["class_names"] = Json::array();
+  for (int c = 9; c >= 0; --c) j["class_names"].push_back(std::to_string(c));
+  testing::WriteText(dir + "/fmnist-gpt/config.json", j.dump(2));
+
+  EngineOptions o;
+  o.models_dir = dir;
+  auto engine = StartOrDie(o);
+  auto run = [&](GenerateParams p) {
+    auto r = std::make_shared<Recorder>();
+    EXPECT_TRUE(engine->Submit(p, r).ok());
+    EXPECT_TRUE(r->Wait());
+    return r->result.has_value() ? r->result->class_id : -1;
+  };
+  EXPECT_EQ(run(Params("ar", 7, 1)), 7);
+  GenerateParams by_name = Params("ar", 0, 1);
+  by_name.class_id.reset();
+  by_name.class_name = "7";
+  EXPECT_EQ(run(by_name), 2);
+  engine.reset();
+  testing::RemoveTree(dir);
 }
 
 TEST(EngineTest, TokenBudgetShrinksWindowsAndBoundsAdmission) {

@@ -8,7 +8,7 @@ namespace imagegen {
 
 Status ValidateSampledRequest(const ImageRequest& r, const GptConfig& cfg) {
   if (r.class_id < 0 || r.class_id >= cfg.num_classes) {
-    return FieldError("class", "must be in [0, " + std::to_string(cfg.num_classes) + ")");
+    return FieldError("class_id", "must be in [0, " + std::to_string(cfg.num_classes) + ")");
   }
   RETURN_IF_ERROR(ValidateSampling(r.sampling, cfg.vocab_size));
   if (r.sampling.uses_cfg() && !cfg.has_null_class()) {

@@ -58,7 +58,7 @@ StatusOr<DecodingPolicy> PolicyFromPreset(const std::string& name, int64_t windo
   } else {
     std::string all;
     for (const auto& n : PresetNames()) all += (all.empty() ? "" : ", ") + n;
-    return FieldError("method", "unknown preset \"" + name + "\" (one of: " + all + ")");
+    return FieldError("method", "unknown preset " + Quoted(name) + " (one of: " + all + ")");
   }
   if (window > 0) p.window = window;
   return p;

@@ -7,6 +7,8 @@
 // The complete Json type: ReadModelConfig returns one by value (json.h only declares it).
 #include <nlohmann/json.hpp>
 
+#include "engine/decoding/sampling_params.h"
+
 namespace imagegen {
 namespace {
 
@@ -125,6 +127,18 @@ StatusOr<GptConfig> ParseGptConfig(const Json& json, const std::string& where) {
   if (!c.class_names.empty() && static_cast<int64_t>(c.class_names.size()) != c.num_classes) {
     return bad("'class_names' has " + std::to_string(c.class_names.size()) +
                " entries but 'num_classes' is " + std::to_string(c.num_classes));
+  }
+  // The defaults every request that sets no sampling field gets: checked here, at load, so that
+  // a bad file is reported against the file and not against requests that never set the field.
+  const SamplingParams defaults{c.default_cfg_scale, c.default_temperature, c.default_top_k,
+                                c.default_top_p};
+  if (Status s = ValidateSampling(defaults, c.vocab_size); !s.ok()) {
+    std::string text = s.message();
+    if (text.rfind(s.field() + ": ", 0) == 0) text = text.substr(s.field().size() + 2);
+    return bad("'sampling_defaults." + s.field() + "' " + text);
+  }
+  if (defaults.uses_cfg() && !c.has_null_class()) {
+    return bad("'sampling_defaults.cfg_scale' > 1 needs a null class (class_dropout_prob > 0)");
   }
   return c;
 }

@@ -62,19 +62,47 @@ StatusOr<ImageModel> LoadImageModel(const std::string& models_dir, const std::st
   return m;
 }
 
-StatusOr<int64_t> ResolveClass(const GptConfig& cfg, const std::string& s) {
-  for (size_t i = 0; i < cfg.class_names.size(); ++i) {
-    if (cfg.class_names[i] == s) return static_cast<int64_t>(i);
+namespace {
+
+// The model's class names for an error message, at most 20 of them.
+std::string ClassNameList(const GptConfig& cfg) {
+  std::string names;
+  for (size_t i = 0; i < cfg.class_names.size() && i < 20; ++i) {
+    names += (i ? ", " : "") + cfg.class_names[i];
   }
+  if (cfg.class_names.size() > 20) names += ", ...";
+  return names;
+}
+
+}  // namespace
+
+Status CheckClassId(const GptConfig& cfg, int64_t id) {
+  if (id < 0 || id >= cfg.num_classes) {
+    return FieldError("class_id", "must be in [0, " + std::to_string(cfg.num_classes) + ")");
+  }
+  return OkStatus();
+}
+
+StatusOr<int64_t> ClassIdByName(const GptConfig& cfg, const std::string& name) {
+  for (size_t i = 0; i < cfg.class_names.size(); ++i) {
+    if (cfg.class_names[i] == name) return static_cast<int64_t>(i);
+  }
+  if (cfg.class_names.empty()) {
+    return FieldError("class_name", "this model has no class names; set class_id");
+  }
+  return FieldError("class_name", Quoted(name) + " is not one of this model's classes (" +
+                                      ClassNameList(cfg) + "); ids go in class_id");
+}
+
+StatusOr<int64_t> ResolveClass(const GptConfig& cfg, const std::string& s) {
+  if (StatusOr<int64_t> byname = ClassIdByName(cfg, s); byname.ok()) return byname;
   if (!s.empty() && s.size() < 10 && s.find_first_not_of("0123456789") == std::string::npos) {
     const int64_t id = std::stoll(s);
     if (id < cfg.num_classes) return id;
   }
-  std::string names;
-  for (size_t i = 0; i < cfg.class_names.size(); ++i) names += (i ? ", " : "") + cfg.class_names[i];
-  return FieldError("class", "'" + s + "' is neither an id in [0, " +
+  return FieldError("class", Quoted(s) + " is neither an id in [0, " +
                                  std::to_string(cfg.num_classes) + ") nor a class name" +
-                                 (names.empty() ? "" : " (" + names + ")"));
+                                 (cfg.class_names.empty() ? "" : " (" + ClassNameList(cfg) + ")"));
 }
 
 StatusOr<at::Tensor> TokensToPixels(const VqDecoder& vq, const std::vector<int32_t>& tokens) {

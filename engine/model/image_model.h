@@ -28,7 +28,12 @@ Status ValidateModelName(const std::string& name);
 StatusOr<ImageModel> LoadImageModel(const std::string& models_dir, const std::string& name,
                                     const LoadOptions& opts, bool with_draft = false);
 
-// The class id for a name or a decimal id ("7" or "sneaker"); INVALID_ARGUMENT otherwise.
+// An id in [0, num_classes), else INVALID_ARGUMENT naming "class_id".
+Status CheckClassId(const GptConfig& cfg, int64_t id);
+// The id of an exact class name, else INVALID_ARGUMENT naming "class_name". A name that looks
+// like a number is still a name (a model may call its classes "0".."9" in any order).
+StatusOr<int64_t> ClassIdByName(const GptConfig& cfg, const std::string& name);
+// For local tools' --class flags only: a class name, else a decimal id ("sneaker" or "7").
 StatusOr<int64_t> ResolveClass(const GptConfig& cfg, const std::string& class_or_id);
 
 // Tokens -> uint8 pixels [H, W, C] (grey or RGB as the tokenizer outputs), contiguous.

@@ -84,8 +84,19 @@ StatusOr<at::Tensor> WeightStore::Take(const std::string& name, const std::vecto
                                 ", expected a floating-point type");
     }
     ASSIGN_OR_RETURN(at::Tensor t, f->Read(name));
+    // NaN or Inf weights load and run, and every image comes out as one repeated token: refuse
+    // them here, and values that overflow the serving dtype too.
+    if (const int64_t bad = (~at::isfinite(t)).sum().item<int64_t>(); bad > 0) {
+      return DataLoss(f->path() + ": tensor '" + name + "' has " + std::to_string(bad) +
+                      " non-finite values (NaN or Inf)");
+    }
     taken_.insert(name);
-    return t.to(opts.device, keep_fp32 ? at::kFloat : opts.dtype).contiguous();
+    at::Tensor out = t.to(opts.device, keep_fp32 ? at::kFloat : opts.dtype).contiguous();
+    if (out.scalar_type() != t.scalar_type() && !at::isfinite(out).all().item<bool>()) {
+      return FailedPrecondition(f->path() + ": tensor '" + name + "' overflows " +
+                                std::string(c10::toString(out.scalar_type())));
+    }
+    return out;
   }
   return FailedPrecondition(dir_ + ": missing tensor '" + name + "' (expected shape " +
                             ShapeString(shape) + ")");

@@ -160,14 +160,23 @@ StatusOr<std::unique_ptr<Job>> Engine::Impl::Resolve(GenerateParams p, size_t* m
     if (mi == models.size()) {
       std::string names;
       for (const auto& m : models) names += (names.empty() ? "" : ", ") + m->name;
-      return NotFound("model '" + p.model + "' is not loaded (loaded: " + names + ")");
+      return NotFound("model " + Quoted(p.model) + " is not loaded (loaded: " + names + ")");
     }
   }
   const ImageModel& m = *models[mi];
   const GptConfig& c = m.gpt->config();
   auto job = std::make_unique<Job>();
-  if (p.class_label.empty()) return FieldError("class", "required: a class name or id");
-  ASSIGN_OR_RETURN(job->request.class_id, ResolveClass(c, p.class_label));
+  if (p.class_id.has_value() && !p.class_name.empty()) {
+    return FieldError("class_name", "set class_id or class_name, not both");
+  }
+  if (p.class_id.has_value()) {
+    RETURN_IF_ERROR(CheckClassId(c, *p.class_id));
+    job->request.class_id = *p.class_id;
+  } else if (!p.class_name.empty()) {
+    ASSIGN_OR_RETURN(job->request.class_id, ClassIdByName(c, p.class_name));
+  } else {
+    return FieldError("class_id", "required: set class_id or class_name");
+  }
   job->request.seed = p.seed.has_value() ? *p.seed : RandomSeed();
   SamplingParams& s = job->request.sampling;
   s.cfg_scale = p.cfg_scale.value_or(c.default_cfg_scale);

@@ -20,8 +20,10 @@ namespace imagegen {
 using Clock = std::chrono::steady_clock;
 
 struct GenerateParams {
-  std::string model;             // a loaded model's name; empty: the engine's first model
-  std::string class_label;       // a class name ("sneaker") or a decimal id ("7")
+  std::string model;  // a loaded model's name; empty: the engine's first model
+  // The class: exactly one of an id in [0, num_classes) or one of the model's class names.
+  std::optional<int64_t> class_id;
+  std::string class_name;
   std::optional<uint64_t> seed;  // absent: the engine draws one and reports it
   // Absent: the model's recommended values (config.json "sampling_defaults").
   std::optional<double> cfg_scale, temperature, top_p;

@@ -76,6 +76,20 @@ class [[nodiscard]] Status {
   std::string field_;
 };
 
+// A value from a request or a file, quoted for an error message: at most `max` bytes of it
+// (then "..." and its length), control bytes and non-ASCII as '?', so that a message never
+// grows with what a client sent.
+inline std::string Quoted(const std::string& s, size_t max = 64) {
+  std::string out = "'";
+  for (size_t i = 0; i < s.size() && i < max; ++i) {
+    const unsigned char c = static_cast<unsigned char>(s[i]);
+    out += c >= 0x20 && c < 0x7f ? static_cast<char>(c) : '?';
+  }
+  out += "'";
+  if (s.size() > max) out += "... (" + std::to_string(s.size()) + " bytes)";
+  return out;
+}
+
 inline Status OkStatus() { return Status(); }
 inline Status InvalidArgument(std::string m) { return {Code::kInvalidArgument, std::move(m)}; }
 inline Status FieldError(std::string field, const std::string& text) {
