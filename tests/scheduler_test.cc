@@ -90,7 +90,9 @@ class StepLog : public EngineListener {
 
 TEST(EngineTest, MixedMethodsRunTogetherAndTheStreamReassemblesTheGrid) {
   StepLog log;
-  auto engine = StartOrDie(BundledOptions(), &log);
+  EngineOptions o = BundledOptions();
+  o.preview_share = 0;  // every due preview, so that the test knows the steps that have one
+  auto engine = StartOrDie(o, &log);
   ASSERT_EQ(engine->Models().size(), 1u);
   const ModelInfo& info = engine->Models()[0];
   EXPECT_EQ(info.name, "fmnist-gpt");
@@ -386,6 +388,47 @@ TEST(EngineTest, InvalidRequestsNameTheFieldAndReachNoObserver) {
   EXPECT_EQ(r->terminal_calls, 0);
   EXPECT_TRUE(r->events.empty());
   EXPECT_EQ(engine->Stats().submitted, 0);
+}
+
+// Previews are decoded on the engine thread, so they get a share of its time and no more.
+// Share 0 (no budget): every due preview comes, one per step but the last. A share so small
+// that the first preview's cost (measured by decoding it) is never earned back: one preview in
+// the whole run, whatever the four clients ask for; the images are the same either way.
+TEST(EngineTest, PreviewsTakeNoMoreThanTheirShareOfTheEngine) {
+  std::vector<std::vector<int32_t>> images[2];
+  for (int pass = 0; pass < 2; ++pass) {
+    EngineOptions o = BundledOptions();
+    o.preview_share = pass == 0 ? 0.0 : 1e-12;
+    auto engine = StartOrDie(o);
+    std::vector<std::shared_ptr<Recorder>> rec;
+    for (int i = 0; i < 5; ++i) {
+      GenerateParams p = Params("ar", i, 40 + i);
+      p.preview_every = i < 4 ? 1 : 0;
+      rec.push_back(std::make_shared<Recorder>());
+      ASSERT_TRUE(engine->Submit(p, rec.back()).ok());
+    }
+    int64_t previews = 0, steps = 0;
+    for (size_t i = 0; i < rec.size(); ++i) {
+      ASSERT_TRUE(rec[i]->Wait());
+      ASSERT_TRUE(rec[i]->result.has_value());
+      images[pass].push_back(rec[i]->result->tokens);
+      for (const StepEvent& e : rec[i]->events) {
+        previews += e.preview.empty() ? 0 : 1;
+        if (i < 4) {
+          EXPECT_TRUE(e.preview.empty() || e.preview.pixels.size() == 28u * 28u);
+        } else {
+          EXPECT_TRUE(e.preview.empty()) << "no preview unless asked for";
+        }
+      }
+      if (i < 4) steps += static_cast<int64_t>(rec[i]->events.size());
+    }
+    if (pass == 0) {
+      EXPECT_EQ(previews, steps - 4);  // every step of the four but their last
+    } else {
+      EXPECT_EQ(previews, 1);
+    }
+  }
+  EXPECT_EQ(images[0], images[1]);
 }
 
 // The bundled models with fmnist-gpt's classes renamed "9", "8", ..., "0" (weights linked,

@@ -74,6 +74,9 @@ StatusOr<std::unique_ptr<Engine>> Engine::Start(const EngineOptions& options,
     return InvalidArgument("max_tokens_per_step: must be -1 (by device), 0 (no budget) or >= 2");
   }
   if (o.cpu_threads < 0) return InvalidArgument("cpu_threads: must be >= 0");
+  if (!(o.preview_share >= 0 && o.preview_share <= 1)) {
+    return InvalidArgument("preview_share: must be in [0, 1]");
+  }
   // Every LibTorch call, loading included, happens on the engine thread (see EngineOptions).
   std::promise<Status> loaded;
   Impl* raw = impl.get();

@@ -42,6 +42,11 @@ struct EngineOptions {
   // second thread that also runs parallel LibTorch ops made every step about twice as slow on
   // 2 cores (both thread pools stop spinning and sleep between the many small ops of a step).
   int64_t cpu_threads = 0;
+  // Previews (GenerateParams::preview_every) are decoded on the engine thread, which every
+  // request waits for: they may take this share of the engine's time, no more. Requests whose
+  // preview is due wait their turn (longest-waiting first) and then get the grid as it is then.
+  // 0: every due preview, every step (the previews' cost falls on everyone).
+  double preview_share = 0.05;
 };
 
 // One step of one model, for metrics.

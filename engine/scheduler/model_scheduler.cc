@@ -112,6 +112,7 @@ void ModelScheduler::Admit(Outcomes& out) {
     }
     j.handle = *h;
     j.started = now;
+    j.last_preview = now;
     rows += need;
     active_.push_back(std::move(waiting_.front()));
     waiting_.pop_front();
@@ -160,7 +161,19 @@ void ModelScheduler::Step(Outcomes& out) {
     events.push_back(Event(j, windows[i]));
     if (PreviewDue(j)) due.push_back(i);
   }
-  AddPreviews(due, events);
+  due = PreviewsThisStep(std::move(due), Seconds(t0, t1));
+  if (!due.empty()) {
+    const auto p0 = Clock::now();
+    AddPreviews(due, events);
+    const double spent = Seconds(p0, Clock::now());
+    const double each = spent / static_cast<double>(due.size());
+    preview_credit_ -= spent;
+    preview_cost_ = preview_cost_ == 0 ? each : 0.8 * preview_cost_ + 0.2 * each;
+    for (size_t i : due) {
+      active_[i]->last_preview_nfe = batch_.stats(active_[i]->handle).nfe;
+      active_[i]->last_preview = p0;
+    }
+  }
   for (size_t i = 0; i < active_.size(); ++i) active_[i]->observer->OnStep(events[i]);
   std::erase_if(active_, [&](std::unique_ptr<Job>& j) {
     if (!batch_.done(j->handle)) return false;
@@ -205,7 +218,31 @@ StepEvent ModelScheduler::Event(Job& j, int64_t window) {
 
 bool ModelScheduler::PreviewDue(const Job& j) const {
   return j.params.preview_every > 0 && !batch_.done(j.handle) &&
-         batch_.stats(j.handle).nfe % j.params.preview_every == 0;
+         batch_.stats(j.handle).nfe - j.last_preview_nfe >= j.params.preview_every;
+}
+
+// Previews are decoded on the engine thread, so every request in the batch waits for them: they
+// may take `preview_share` of the engine's time and no more. Each step earns that share of its
+// own duration in decoding time (banked up to a quarter second); the due requests are served
+// longest-waiting first while the credit covers the recent cost of a preview. A request whose
+// preview is not served this step stays due, and gets the grid as it is when it is served.
+std::vector<size_t> ModelScheduler::PreviewsThisStep(std::vector<size_t> due, double step_seconds) {
+  if (due.empty() || opts_.preview_share <= 0) return due;  // 0: no budget
+  constexpr double kMaxCredit = 0.25;
+  preview_credit_ = std::min(preview_credit_ + opts_.preview_share * step_seconds, kMaxCredit);
+  size_t n = 0;
+  if (preview_cost_ <= 0) {
+    n = preview_credit_ > 0 ? 1 : 0;  // no cost measured yet: one, to measure it
+  } else if (preview_credit_ > 0) {
+    n = static_cast<size_t>(preview_credit_ / preview_cost_);
+  }
+  n = std::min(n, due.size());
+  std::stable_sort(due.begin(), due.end(), [&](size_t a, size_t b) {
+    return active_[a]->last_preview < active_[b]->last_preview;
+  });
+  due.resize(n);
+  std::sort(due.begin(), due.end());
+  return due;
 }
 
 void ModelScheduler::Finish(Job& j, Outcomes& out) {

@@ -25,6 +25,9 @@ struct Job {
   size_t reported = 0;
   int64_t verified = 0, accepted = 0;
   std::vector<int64_t> verified_at_depth, accepted_at_depth;
+  // The step (nfe) and time of the last preview; 0 and `started` before the first.
+  int64_t last_preview_nfe = 0;
+  Clock::time_point last_preview;
 };
 
 struct Outcomes {
@@ -60,6 +63,8 @@ class ModelScheduler {
   void Step(Outcomes& out);
   StepEvent Event(Job& job, int64_t window);  // counters are deltas since the last event
   bool PreviewDue(const Job& job) const;
+  // Of the requests whose preview is due, those the preview budget allows this step.
+  std::vector<size_t> PreviewsThisStep(std::vector<size_t> due, double step_seconds);
   void AddPreviews(const std::vector<size_t>& due, std::vector<StepEvent>& events);
   void Finish(Job& job, Outcomes& out);
   void End(Job& job, const Status& status);
@@ -71,6 +76,9 @@ class ModelScheduler {
   SpecBatch batch_;
   std::deque<std::unique_ptr<Job>> waiting_;
   std::vector<std::unique_ptr<Job>> active_;  // in admission order
+  // The preview budget (EngineOptions::preview_share): seconds of decoding earned and not yet
+  // spent, and the recent cost of one preview.
+  double preview_credit_ = 0, preview_cost_ = 0;
 };
 
 }  // namespace imagegen
