@@ -11,6 +11,8 @@
 #include <absl/flags/flag.h>
 #include <absl/flags/parse.h>
 #include <absl/flags/usage.h>
+#include <absl/flags/usage_config.h>
+#include <absl/strings/match.h>
 
 #include <algorithm>
 #include <atomic>
@@ -54,7 +56,7 @@ ABSL_FLAG(int32_t, window, 0, "window L (0: the preset's)");
 ABSL_FLAG(int32_t, scale, 1, "upscale the PNG this many times (nearest neighbour)");
 ABSL_FLAG(std::string, out, "image.png", "generate: where to write the PNG");
 ABSL_FLAG(bool, stream, false, "generate: stream the grid as it is decided; load: use streams");
-ABSL_FLAG(int32_t, preview_every, 0, "generate --stream: a preview PNG every N steps");
+ABSL_FLAG(int32_t, preview_every, 0, "--stream (generate, load): a preview PNG every N steps");
 ABSL_FLAG(std::string, preview_dir, "", "generate --stream: directory for the preview frames");
 ABSL_FLAG(bool, drafts, false, "generate --stream: also show the drafts of every step");
 ABSL_FLAG(int32_t, concurrency, 4, "load: concurrent clients (closed loop)");
@@ -157,6 +159,7 @@ v1::GenerateRequest BuildRequest(bool need_class) {
   if (absl::GetFlag(FLAGS_window) > 0) r.set_window(absl::GetFlag(FLAGS_window));
   r.set_method(absl::GetFlag(FLAGS_method));
   r.mutable_output()->set_scale(absl::GetFlag(FLAGS_scale));
+  r.set_preview_every(absl::GetFlag(FLAGS_preview_every));
   return r;
 }
 
@@ -382,7 +385,13 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "imagegen models | generate --class NAME [--stream] [--out FILE] | load [--concurrency N] "
       "[--duration S]\n  (flags: --target, --method, --seed, --cfg, --window, --token-file, "
-      "--tls-ca, ...; --helpfull lists all)");
+      "--tls-ca, ...; --help lists all)");
+  absl::FlagsUsageConfig usage;  // --help lists this file's flags, not Abseil's or gRPC's
+  usage.contains_help_flags = [](absl::string_view file) {
+    return absl::EndsWith(file, "client/imagegen_cli.cc");
+  };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage);
   std::vector<std::string> args(argv, argv + argc);
   std::vector<char*> argp;
   for (std::string& a : args) {

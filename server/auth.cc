@@ -26,7 +26,7 @@ StatusOr<TokenAuth> TokenAuth::FromFile(const std::string& path) {
   return a;
 }
 
-bool TokenAuth::Allows(const grpc::ServerContext& ctx) const {
+bool TokenAuth::Allows(const grpc::ServerContextBase& ctx) const {
   if (!enabled()) return true;
   const auto& md = ctx.client_metadata();
   auto it = md.find("authorization");

@@ -23,7 +23,7 @@ class TokenAuth {
 
   bool enabled() const { return !token_.empty(); }
   // True when disabled, or when the call carries the right bearer token.
-  bool Allows(const grpc::ServerContext& ctx) const;
+  bool Allows(const grpc::ServerContextBase& ctx) const;
 
  private:
   std::string token_;

@@ -135,11 +135,11 @@ grpc::Status ToParams(const v1::GenerateRequest& req, const std::string& default
   switch (req.class_case()) {
     case v1::GenerateRequest::kClassId:
       if (req.class_id() < 0) return BadField("class_id", "must be >= 0");
-      out->class_label = std::to_string(req.class_id());
+      out->class_id = req.class_id();
       break;
     case v1::GenerateRequest::kClassName:
       if (req.class_name().empty()) return BadField("class_name", "must not be empty");
-      out->class_label = req.class_name();
+      out->class_name = req.class_name();
       break;
     default:
       return BadField("class_id", "required: set class_id or class_name");

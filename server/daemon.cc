@@ -1,5 +1,7 @@
 #include "server/daemon.h"
 
+#include <algorithm>
+
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
 
@@ -20,7 +22,11 @@ StatusOr<std::string> ReadFile(const std::string& flag, const std::string& path)
 }  // namespace
 
 Daemon::Daemon(const DaemonOptions& options, TokenAuth auth)
-    : options_(options), auth_(auth), service_(&metrics_, auth, options.default_method) {}
+    : options_(options),
+      auth_(auth),
+      service_(&metrics_, auth,
+               ServiceOptions{options.default_method, options.encoder_threads,
+                              std::chrono::milliseconds(options.stream_stall_ms)}) {}
 
 Daemon::~Daemon() { Stop(std::chrono::milliseconds(0)); }
 
@@ -30,6 +36,12 @@ StatusOr<std::unique_ptr<Daemon>> Daemon::Listen(const DaemonOptions& options) {
     auto a = TokenAuth::FromFile(options.token_file);
     if (!a.ok()) return InvalidArgument("--token-file: " + a.status().message());
     auth = *a;
+  }
+  if (options.encoder_threads < 1 || options.encoder_threads > 256) {
+    return InvalidArgument("--encoder-threads: must be in [1, 256]");
+  }
+  if (options.stream_stall_ms < 100) {
+    return InvalidArgument("--stream-stall-seconds: must be at least 0.1");
   }
   std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
   if (options.tls_cert.empty() != options.tls_key.empty()) {
@@ -68,6 +80,9 @@ StatusOr<std::unique_ptr<Daemon>> Daemon::Listen(const DaemonOptions& options) {
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options.listen, creds, &d->port_);
+  // gRPC sets SO_REUSEPORT by default: a second daemon would bind the same port, report ready
+  // and take part of the connections. One daemon per port.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.RegisterService(&d->service_);
   grpc::ResourceQuota quota("imagegen");
   quota.SetMaxThreads(static_cast<int>(options.max_threads));
@@ -118,9 +133,14 @@ EngineStats Daemon::Stop(std::chrono::milliseconds grace) {
   server_->GetHealthCheckService()->Shutdown();  // every service NOT_SERVING from now on
   service_.SetDraining();
   metrics_.SetDraining();
-  // Running requests finish (or end UNAVAILABLE when time is up); then the handlers return.
+  // One deadline for the whole drain: running requests finish (or end UNAVAILABLE when time is
+  // up), then calls still open (a stream whose client stopped reading, a health watch) are
+  // cancelled when the grace has passed (it was 5 s after it). The handlers get at most half
+  // a second more to send the status the engine ended their requests with.
+  const auto deadline = std::chrono::system_clock::now() + grace;
   if (engine_ != nullptr) engine_->Shutdown(grace);
-  server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  server_->Shutdown(
+      std::max(deadline, std::chrono::system_clock::now() + std::chrono::milliseconds(500)));
   if (engine_ != nullptr) final_stats_ = engine_->Stats();
   return final_stats_;
 }

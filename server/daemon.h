@@ -33,7 +33,9 @@ struct DaemonOptions {
   std::string tls_client_ca;               // PEM CA bundle: clients must present a certificate
   std::string token_file;                  // bearer token that ImageGeneration calls must send
   std::string default_method = "scd-mc";   // of requests that name none
-  int64_t max_threads = 512;               // gRPC handler threads
+  int64_t max_threads = 512;               // gRPC's threads (calls do not hold one each)
+  int encoder_threads = 2;                 // PNG encoding and response building
+  int64_t stream_stall_ms = 30000;         // a stream whose client reads nothing this long ends
   EngineOptions engine;
 };
 

@@ -9,6 +9,8 @@
 #include <absl/flags/flag.h>
 #include <absl/flags/parse.h>
 #include <absl/flags/usage.h>
+#include <absl/flags/usage_config.h>
+#include <absl/strings/match.h>
 #include <absl/strings/str_format.h>
 
 #include <algorithm>
@@ -44,6 +46,9 @@ ABSL_FLAG(int64_t, max_tokens_per_step, -1,
 ABSL_FLAG(bool, batch_invariant, true,
           "a request's image does not depend on the requests beside it (costs some throughput)");
 ABSL_FLAG(int64_t, cpu_threads, 0, "LibTorch intra-op threads of the engine (0: default)");
+ABSL_FLAG(double, preview_share, 0.05,
+          "share of the engine's time that preview decoding may take (due previews wait their "
+          "turn beyond it); 0: no limit");
 ABSL_FLAG(std::string, tls_cert, "", "PEM server certificate chain (enables TLS)");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls-cert");
 ABSL_FLAG(std::string, tls_client_ca, "",
@@ -52,7 +57,13 @@ ABSL_FLAG(std::string, token_file, "",
           "file holding a bearer token that ImageGeneration calls must send "
           "(authorization: Bearer <token>)");
 ABSL_FLAG(double, grace_seconds, 30, "on SIGTERM/SIGINT, time for calls in flight to finish");
-ABSL_FLAG(int64_t, max_threads, 512, "gRPC handler threads (one per call in flight)");
+ABSL_FLAG(int64_t, max_threads, 512,
+          "gRPC's threads (calls run on gRPC's callback API and do not hold a thread each)");
+ABSL_FLAG(int32_t, encoder_threads, 2,
+          "threads that encode PNGs and build responses (never the engine thread)");
+ABSL_FLAG(double, stream_stall_seconds, 30,
+          "a GenerateStream whose client takes no message for this long is ended (ABORTED) and "
+          "its request cancelled");
 ABSL_FLAG(std::string, port_file, "",
           "write the bound ports to this file once listening: \"<grpc> <metrics>\"");
 
@@ -64,6 +75,14 @@ void Log(const std::string& msg) { std::fprintf(stderr, "imagegen-server: %s\n",
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("imagegen-server [--listen HOST:PORT] [--models a,b] ...");
+  // --help and --helpshort list this file's flags (Abseil's default looks for a file named
+  // after the program, and found none).
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) {
+    return absl::EndsWith(file, "server/main.cc");
+  };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage);
   // Flags may be spelled with dashes (--metrics-listen) or underscores (--metrics_listen).
   std::vector<std::string> args(argv, argv + argc);
   std::vector<char*> argp;
@@ -93,6 +112,8 @@ int main(int argc, char** argv) {
   o.token_file = absl::GetFlag(FLAGS_token_file);
   o.default_method = absl::GetFlag(FLAGS_default_method);
   o.max_threads = absl::GetFlag(FLAGS_max_threads);
+  o.encoder_threads = absl::GetFlag(FLAGS_encoder_threads);
+  o.stream_stall_ms = static_cast<int64_t>(absl::GetFlag(FLAGS_stream_stall_seconds) * 1000);
   EngineOptions& eo = o.engine;
   eo.models_dir = absl::GetFlag(FLAGS_models_dir).empty() ? DefaultModelsDir()
                                                           : absl::GetFlag(FLAGS_models_dir);
@@ -105,6 +126,7 @@ int main(int argc, char** argv) {
   eo.max_tokens_per_step = absl::GetFlag(FLAGS_max_tokens_per_step);
   eo.batch_invariant = absl::GetFlag(FLAGS_batch_invariant);
   eo.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
+  eo.preview_share = absl::GetFlag(FLAGS_preview_share);
 
   auto listening = server::Daemon::Listen(o);
   if (!listening.ok()) {

@@ -98,7 +98,8 @@ Metrics::Metrics()
                     .Name("imagegen_requests_total")
                     .Help("Generate calls by outcome (ok, invalid_argument, not_found, "
                           "resource_exhausted, unavailable, cancelled, deadline_exceeded, "
-                          "unauthenticated, internal)")
+                          "unauthenticated, aborted (a stream whose client stopped reading), "
+                          "internal)")
                     .Register(*registry_)),
       drafted_(BuildCounter()
                    .Name("imagegen_draft_tokens_total")
@@ -178,9 +179,30 @@ Metrics::Metrics()
       info_(BuildGauge()
                 .Name("imagegen_build_info")
                 .Help("Always 1; the version in a label")
-                .Register(*registry_)) {
+                .Register(*registry_)),
+      calls_opened_(BuildCounter()
+                        .Name("imagegen_calls_opened_total")
+                        .Help("Generate and GenerateStream calls begun; opened - closed = calls "
+                              "open now (equal once every call is done)")
+                        .Register(*registry_)
+                        .Add({})),
+      calls_closed_(BuildCounter()
+                        .Name("imagegen_calls_closed_total")
+                        .Help("Generate and GenerateStream calls that gRPC is done with")
+                        .Register(*registry_)
+                        .Add({})),
+      stream_stalls_(BuildCounter()
+                         .Name("imagegen_stream_stalls_total")
+                         .Help("Streams ended because their client read nothing for the stall "
+                               "limit (--stream-stall-seconds)")
+                         .Register(*registry_)
+                         .Add({})) {
   info_.Add({{"version", "0.1.0"}}).Set(1);
 }
+
+void Metrics::OnCallOpened() { calls_opened_.Increment(); }
+void Metrics::OnCallClosed() { calls_closed_.Increment(); }
+void Metrics::OnStreamStalled() { stream_stalls_.Increment(); }
 
 void Metrics::SetEngine(const Engine* engine) {
   {

@@ -43,9 +43,16 @@ class Metrics : public EngineListener {
   // Engine thread: one step of one request.
   void OnRequestStep(const std::string& model, const std::string& method, const StepEvent& e);
   // A call ended. `outcome`: ok, invalid_argument, not_found, resource_exhausted, unavailable,
-  // cancelled, deadline_exceeded, unauthenticated, internal. `result` is set when outcome is ok.
+  // cancelled, deadline_exceeded, unauthenticated, aborted, internal. `result` is set when
+  // outcome is ok.
   void OnRequestEnd(const std::string& model, const std::string& method, const std::string& outcome,
                     const RequestResult* result, double total_seconds);
+
+  // Call accounting: a call is opened when it arrives and closed when gRPC is done with it.
+  void OnCallOpened();
+  void OnCallClosed();
+  // A stream was ended because its client stopped reading.
+  void OnStreamStalled();
 
   // Mean seconds of a recent image's generation (for RetryInfo), 1 s before any.
   double RecentGenerationSeconds() const;
@@ -82,6 +89,9 @@ class Metrics : public EngineListener {
   prometheus::Family<prometheus::Histogram>& step_tokens_;
   prometheus::Family<prometheus::Histogram>& step_requests_;
   prometheus::Family<prometheus::Gauge>& info_;
+  prometheus::Counter& calls_opened_;
+  prometheus::Counter& calls_closed_;
+  prometheus::Counter& stream_stalls_;
 
   mutable std::mutex mu_;
   std::map<std::pair<std::string, std::string>, PerMethod> per_method_;

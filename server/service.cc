@@ -1,67 +1,15 @@
 #include "server/service.h"
 
+#include <grpcpp/support/proto_buffer_reader.h>
+
 #include <algorithm>
 #include <cctype>
-#include <condition_variable>
-#include <deque>
-#include <mutex>
 #include <optional>
 
 #include "server/convert.h"
 
 namespace imagegen::server {
 namespace {
-
-// Receives one request's engine events (on the engine thread) and hands them to the handler.
-class Call : public RequestObserver {
- public:
-  Call(Metrics* metrics, std::string model, std::string method, bool keep_steps)
-      : metrics_(metrics),
-        model_(std::move(model)),
-        method_(std::move(method)),
-        keep_steps_(keep_steps) {}
-
-  void OnStep(const StepEvent& e) override {
-    metrics_->OnRequestStep(model_, method_, e);
-    if (!keep_steps_) return;
-    std::lock_guard<std::mutex> l(mu_);
-    steps_.push_back(e);
-    cv_.notify_one();
-  }
-  void OnComplete(RequestResult r) override {
-    std::lock_guard<std::mutex> l(mu_);
-    result = std::move(r);
-    done_ = true;
-    cv_.notify_one();
-  }
-  void OnError(const Status& s) override {
-    std::lock_guard<std::mutex> l(mu_);
-    error = s;
-    done_ = true;
-    cv_.notify_one();
-  }
-  // Waits up to `wait` for step events or the end; moves the pending steps into `out`.
-  // Returns whether the request has ended (then `result` or `error` is set).
-  bool Next(std::chrono::milliseconds wait, std::deque<StepEvent>* out) {
-    std::unique_lock<std::mutex> l(mu_);
-    cv_.wait_for(l, wait, [&] { return done_ || !steps_.empty(); });
-    out->swap(steps_);
-    steps_.clear();
-    return done_;
-  }
-
-  std::optional<RequestResult> result;
-  std::optional<Status> error;
-
- private:
-  Metrics* metrics_;
-  const std::string model_, method_;
-  const bool keep_steps_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<StepEvent> steps_;
-  bool done_ = false;
-};
 
 // The call's outcome label: its status code's name in lower case. The label values are fixed
 // (dashboards and alerts select on them), so codes a call is not expected to end with count
@@ -76,6 +24,7 @@ std::string Outcome(grpc::StatusCode c) {
     case grpc::StatusCode::CANCELLED:
     case grpc::StatusCode::DEADLINE_EXCEEDED:
     case grpc::StatusCode::UNAUTHENTICATED:
+    case grpc::StatusCode::ABORTED:
       break;
     default:
       c = grpc::StatusCode::INTERNAL;
@@ -90,107 +39,515 @@ double Since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
+grpc::ByteBuffer Serialize(const google::protobuf::Message& m) {
+  grpc::ByteBuffer bb;
+  bool own = false;
+  grpc::GenericSerialize<grpc::ProtoBufferWriter, google::protobuf::Message>(m, &bb, &own);
+  return bb;
+}
+
+// Step updates that wait while the client reads slowly become one: the positions and tokens of
+// all of them (so the stream still reassembles the grid exactly), the newest counters and
+// drafts, and the newest preview (older ones are superseded).
+void Merge(StepEvent& into, const StepEvent& e) {
+  into.request_id = e.request_id;
+  into.step = e.step;
+  into.window = e.window;
+  into.positions.insert(into.positions.end(), e.positions.begin(), e.positions.end());
+  into.tokens.insert(into.tokens.end(), e.tokens.begin(), e.tokens.end());
+  into.verified += e.verified;
+  into.accepted += e.accepted;
+  into.draft_positions = e.draft_positions;
+  into.draft_tokens = e.draft_tokens;
+  into.totals = e.totals;
+  into.total_tokens = e.total_tokens;
+  if (!e.preview.empty()) into.preview = e.preview;
+}
+
 }  // namespace
 
+// ---------------------------------------------------------------------------------------------
+// WorkQueue
+
+WorkQueue::WorkQueue(int threads) {
+  for (int i = 0; i < std::max(threads, 1); ++i) {
+    threads_.emplace_back([this] {
+      std::unique_lock<std::mutex> l(mu_);
+      while (true) {
+        cv_.wait(l, [&] { return stop_ || !tasks_.empty(); });
+        if (tasks_.empty()) return;  // stopping, and nothing left to run
+        std::function<void()> task = std::move(tasks_.front());
+        tasks_.pop_front();
+        l.unlock();
+        task();
+        l.lock();
+      }
+    });
+  }
+}
+
+WorkQueue::~WorkQueue() {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  for (std::thread& t : threads_) t.join();
+}
+
+void WorkQueue::Post(std::function<void()> task) {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    tasks_.push_back(std::move(task));
+  }
+  cv_.notify_one();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Call: one Generate or GenerateStream call, from validation to OnDone. The engine holds it as
+// the request's observer, its reactor holds it until gRPC is done with the call, and the
+// encoder pool holds it while a task for it runs.
+//
+// Under mu_, the state says who may touch the reactor next: a Pump task (queued_), a write in
+// flight (writing_), or nobody after Finish (finished_). Reactor operations (StartWrite,
+// Finish) are issued after mu_ is released, so that gRPC may run reactions on any thread.
+
+class Call : public RequestObserver, public std::enable_shared_from_this<Call> {
+ public:
+  Call(ImageGenerationService* svc, grpc::CallbackServerContext* ctx)
+      : svc_(svc), ctx_(ctx), t0_(Clock::now()) {}
+
+  void BindUnary(grpc::ServerUnaryReactor* r, grpc::ByteBuffer* out) {
+    unary_ = r;
+    unary_out_ = out;
+  }
+  void BindStream(grpc::ServerWriteReactor<grpc::ByteBuffer>* r) { stream_ = r; }
+  bool streaming() const { return stream_ != nullptr; }
+
+  // Set by ImageGenerationService::Start before the request is submitted.
+  v1::GenerateRequest req;
+  std::string model, method = "unknown";
+  int scale = 1;
+
+  // The engine accepted the request as `id`.
+  void Submitted(Engine* engine, int64_t id) {
+    bool cancel = false;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      engine_ = engine;
+      id_ = id;
+      cancel = gone_;
+    }
+    if (cancel) engine->Cancel(id);
+  }
+
+  // Ends a call that never reached the engine.
+  void FinishNow(const grpc::Status& st) {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      if (finished_) return;
+      finished_ = true;
+      RecordEnd(st);
+    }
+    IssueFinish(st);
+  }
+
+  // --- the engine thread ---------------------------------------------------------------------
+  void OnStep(const StepEvent& e) override {
+    svc_->metrics_->OnRequestStep(model, method, e);
+    if (!streaming()) return;
+    std::lock_guard<std::mutex> l(mu_);
+    if (finished_ || gone_) return;
+    if (has_pending_) {
+      Merge(pending_, e);
+      ++coalesced_;
+    } else {
+      pending_ = e;
+      has_pending_ = true;
+    }
+    ScheduleLocked();
+  }
+  void OnComplete(RequestResult r) override {
+    std::lock_guard<std::mutex> l(mu_);
+    result_ = std::move(r);
+    ended_ = true;
+    ScheduleLocked();
+  }
+  void OnError(const Status& s) override {
+    std::lock_guard<std::mutex> l(mu_);
+    error_ = s;
+    ended_ = true;
+    ScheduleLocked();
+  }
+
+  // --- gRPC's reactions ----------------------------------------------------------------------
+  void Cancelled() {
+    Engine* engine = nullptr;
+    int64_t id = -1;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      if (!gone_) expired_ = std::chrono::system_clock::now() >= ctx_->deadline();
+      gone_ = true;
+      if (!ended_) {
+        engine = engine_;
+        id = id_;
+      }
+      ScheduleLocked();
+    }
+    if (engine != nullptr && id >= 0) engine->Cancel(id);
+  }
+  void WriteDone(bool ok) {
+    Engine* engine = nullptr;
+    int64_t id = -1;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      writing_ = false;
+      if (!ok && !gone_) {
+        gone_ = true;
+        if (!ended_) {
+          engine = engine_;
+          id = id_;
+        }
+      }
+      ScheduleLocked();
+    }
+    if (engine != nullptr && id >= 0) engine->Cancel(id);
+  }
+  void Done() {
+    std::lock_guard<std::mutex> l(ctx_mu_);
+    done_ = true;
+  }
+
+  // --- the watchdog --------------------------------------------------------------------------
+  // A write outstanding for longer than `limit`: the client has stopped reading. The call is
+  // cancelled (that completes the write, and Pump then finishes the call ABORTED).
+  void CheckStall(Clock::time_point now, std::chrono::milliseconds limit) {
+    std::lock_guard<std::mutex> c(ctx_mu_);  // the context lives until OnDone
+    if (done_) return;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      if (!writing_ || stalled_ || now - write_started_ < limit) return;
+      stalled_ = true;
+    }
+    svc_->metrics_->OnStreamStalled();
+    ctx_->TryCancel();
+  }
+
+ private:
+  // Queues a Pump unless one is queued, a write is in flight, or the call is finished.
+  void ScheduleLocked() {
+    if (queued_ || writing_ || finished_) return;
+    queued_ = true;
+    svc_->encoders_.Post([self = shared_from_this()] { self->Pump(); });
+  }
+
+  grpc::Status GoneStatus() const {
+    if (stalled_) {
+      return grpc::Status(grpc::StatusCode::ABORTED,
+                          "the client read no stream message for " +
+                              std::to_string(svc_->options_.stall_limit.count()) +
+                              " ms; the request was cancelled");
+    }
+    return expired_ ? grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "deadline exceeded")
+                    : grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client");
+  }
+
+  void RecordEnd(const grpc::Status& st) {
+    svc_->metrics_->OnRequestEnd(model, method, Outcome(st.error_code()),
+                                 st.ok() && result_ ? &*result_ : nullptr, Since(t0_));
+  }
+
+  void IssueFinish(const grpc::Status& st) {
+    if (unary_ != nullptr) {
+      unary_->Finish(st);
+    } else {
+      stream_->Finish(st);
+    }
+  }
+
+  // On the encoder pool: the next thing the call needs, if it can be done now.
+  void Pump() {
+    std::unique_lock<std::mutex> l(mu_);
+    queued_ = false;
+    while (!finished_ && !writing_) {
+      if (gone_) {
+        const grpc::Status st = GoneStatus();
+        finished_ = true;
+        RecordEnd(st);
+        l.unlock();
+        IssueFinish(st);
+        return;
+      }
+      if (has_pending_) {  // a step update (streams only)
+        StepEvent e = std::move(pending_);
+        pending_ = StepEvent();
+        has_pending_ = false;
+        writing_ = true;  // reserved while encoding: nobody else starts a write
+        l.unlock();
+        v1::GenerateStreamResponse msg;
+        FillStep(e, scale, msg.mutable_step());
+        grpc::ByteBuffer bb = Serialize(msg);
+        l.lock();
+        if (gone_) {
+          writing_ = false;
+          continue;
+        }
+        out_ = std::move(bb);
+        write_started_ = Clock::now();
+        l.unlock();
+        stream_->StartWrite(&out_);
+        return;
+      }
+      if (!ended_) return;  // wait for the engine
+      if (error_) {
+        const grpc::Status st = ToGrpc(*error_, req, svc_->metrics_->RecentGenerationSeconds());
+        finished_ = true;
+        RecordEnd(st);
+        l.unlock();
+        IssueFinish(st);
+        return;
+      }
+      // The image: encoded here, outside the lock (result_ no longer changes).
+      writing_ = true;
+      l.unlock();
+      grpc::Status st;
+      grpc::ByteBuffer bb;
+      if (streaming()) {
+        v1::GenerateStreamResponse msg;
+        st = FillResponse(*result_, scale, true, Since(t0_), msg.mutable_final());
+        bb = Serialize(msg);
+      } else {
+        v1::GenerateResponse msg;
+        st = FillResponse(*result_, scale, req.output().include_tokens(), Since(t0_), &msg);
+        bb = Serialize(msg);
+      }
+      l.lock();
+      writing_ = false;
+      if (gone_) continue;
+      finished_ = true;
+      RecordEnd(st);
+      if (!st.ok() || !streaming()) {
+        if (st.ok()) *unary_out_ = std::move(bb);
+        l.unlock();
+        IssueFinish(st);
+        return;
+      }
+      out_ = std::move(bb);
+      writing_ = true;
+      write_started_ = Clock::now();
+      l.unlock();
+      stream_->StartWriteAndFinish(&out_, grpc::WriteOptions(), grpc::Status::OK);
+      return;
+    }
+  }
+
+  ImageGenerationService* const svc_;
+  grpc::CallbackServerContext* const ctx_;
+  const Clock::time_point t0_;
+  grpc::ServerUnaryReactor* unary_ = nullptr;
+  grpc::ByteBuffer* unary_out_ = nullptr;
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* stream_ = nullptr;
+
+  std::mutex mu_;
+  Engine* engine_ = nullptr;
+  int64_t id_ = -1;
+  bool queued_ = false, writing_ = false, finished_ = false;
+  bool ended_ = false;    // the engine reported the end (result_ or error_)
+  bool gone_ = false;     // cancelled, past its deadline, stalled, or a write failed
+  bool expired_ = false;  // gone because the deadline passed
+  bool stalled_ = false;
+  bool has_pending_ = false;
+  StepEvent pending_;
+  int64_t coalesced_ = 0;
+  std::optional<RequestResult> result_;
+  std::optional<Status> error_;
+  grpc::ByteBuffer out_;  // the message being written
+  Clock::time_point write_started_;
+
+  std::mutex ctx_mu_;
+  bool done_ = false;  // gRPC is done with the call: ctx_ is gone
+};
+
+namespace {
+
+class UnaryReactor : public grpc::ServerUnaryReactor {
+ public:
+  UnaryReactor(std::shared_ptr<Call> call, std::function<void(const Call*)> forget)
+      : call_(std::move(call)), forget_(std::move(forget)) {}
+  void OnCancel() override { call_->Cancelled(); }
+  void OnDone() override {
+    call_->Done();
+    forget_(call_.get());
+    delete this;
+  }
+
+ private:
+  std::shared_ptr<Call> call_;
+  std::function<void(const Call*)> forget_;
+};
+
+class StreamReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
+ public:
+  StreamReactor(std::shared_ptr<Call> call, std::function<void(const Call*)> forget)
+      : call_(std::move(call)), forget_(std::move(forget)) {}
+  void OnWriteDone(bool ok) override { call_->WriteDone(ok); }
+  void OnCancel() override { call_->Cancelled(); }
+  void OnDone() override {
+    call_->Done();
+    forget_(call_.get());
+    delete this;
+  }
+
+ private:
+  std::shared_ptr<Call> call_;
+  std::function<void(const Call*)> forget_;
+};
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// ImageGenerationService
+
 ImageGenerationService::ImageGenerationService(Metrics* metrics, TokenAuth auth,
-                                               std::string default_method)
-    : metrics_(metrics), auth_(std::move(auth)), default_method_(std::move(default_method)) {}
+                                               ServiceOptions options)
+    : metrics_(metrics),
+      auth_(std::move(auth)),
+      options_(std::move(options)),
+      encoders_(options_.encoder_threads) {
+  watchdog_ = std::thread([this] { Watch(); });
+}
+
+ImageGenerationService::~ImageGenerationService() {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  watchdog_.join();
+}
 
 void ImageGenerationService::SetEngine(Engine* engine) { engine_.store(engine); }
 
 void ImageGenerationService::SetDraining() { draining_.store(true); }
 
-grpc::Status ImageGenerationService::Generate(grpc::ServerContext* ctx,
-                                              const v1::GenerateRequest* req,
-                                              v1::GenerateResponse* resp) {
-  return Run(ctx, *req, nullptr, resp);
+int64_t ImageGenerationService::open_calls() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return open_calls_;
 }
 
-grpc::Status ImageGenerationService::GenerateStream(
-    grpc::ServerContext* ctx, const v1::GenerateRequest* req,
-    grpc::ServerWriter<v1::GenerateStreamResponse>* writer) {
-  return Run(ctx, *req, writer, nullptr);
+void ImageGenerationService::Forget(const Call* call) {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    open_calls_ -= 1;
+    streams_.remove_if([call](const std::weak_ptr<Call>& w) {
+      auto p = w.lock();
+      return p == nullptr || p.get() == call;
+    });
+  }
+  metrics_->OnCallClosed();
 }
 
-grpc::Status ImageGenerationService::ListModels(grpc::ServerContext* ctx,
-                                                const v1::ListModelsRequest*,
-                                                v1::ListModelsResponse* resp) {
+void ImageGenerationService::Watch() {
+  std::unique_lock<std::mutex> l(mu_);
+  while (!stop_) {
+    cv_.wait_for(l, std::chrono::milliseconds(250));
+    std::vector<std::shared_ptr<Call>> calls;
+    for (const auto& w : streams_) {
+      if (auto p = w.lock()) calls.push_back(std::move(p));
+    }
+    l.unlock();
+    const auto now = Clock::now();
+    for (const auto& c : calls) c->CheckStall(now, options_.stall_limit);
+    calls.clear();  // release outside mu_: the last reference may go here
+    l.lock();
+  }
+}
+
+grpc::Status ImageGenerationService::Begin(const std::shared_ptr<Call>& call,
+                                           grpc::CallbackServerContext* ctx,
+                                           const grpc::ByteBuffer& request) {
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    open_calls_ += 1;
+  }
+  metrics_->OnCallOpened();
+  // The body first (for the metric labels), then who may call, then what it asks.
+  grpc::Status parsed = grpc::Status::OK;
+  grpc::ByteBuffer copy(request);
+  if (request.Length() > options_.max_request_bytes) {
+    parsed =
+        BadField("request", "the body is " + std::to_string(request.Length()) + " bytes; at most " +
+                                std::to_string(options_.max_request_bytes) + " are accepted");
+  } else if (!grpc::SerializationTraits<v1::GenerateRequest>::Deserialize(&copy, &call->req).ok()) {
+    parsed = BadField("request", "the body is not a valid imagegen.v1.GenerateRequest");
+  } else {
+    call->model = call->req.model();
+    call->method = MethodLabel(call->req, options_.default_method);
+    call->scale = OutputScale(call->req);
+  }
   if (!auth_.Allows(*ctx)) {
     return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "missing or invalid bearer token");
   }
   Engine* engine = engine_.load();
   if (engine == nullptr) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "models are loading");
-  FillModels(engine->Models(), default_method_, resp);
-  return grpc::Status::OK;
-}
-
-grpc::Status ImageGenerationService::Run(grpc::ServerContext* ctx, const v1::GenerateRequest& req,
-                                         grpc::ServerWriter<v1::GenerateStreamResponse>* writer,
-                                         v1::GenerateResponse* unary) {
-  const auto t0 = Clock::now();
-  const std::string method = MethodLabel(req, default_method_);
-  auto finish = [&](grpc::Status st, const RequestResult* r = nullptr) {
-    metrics_->OnRequestEnd(req.model(), method, Outcome(st.error_code()), r, Since(t0));
-    return st;
-  };
-  if (!auth_.Allows(*ctx)) {
-    return finish(
-        grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "missing or invalid bearer token"));
-  }
-  Engine* engine = engine_.load();
-  if (engine == nullptr) {
-    return finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "models are loading"));
-  }
   if (draining_.load()) {
-    return finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server is shutting down"));
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server is shutting down");
   }
+  if (!parsed.ok()) return parsed;
   GenerateParams params;
-  if (grpc::Status st = ToParams(req, default_method_, &params); !st.ok()) return finish(st);
+  if (grpc::Status st = ToParams(call->req, options_.default_method, &params); !st.ok()) return st;
   // The client's deadline, as a duration from now on the engine's monotonic clock.
   const auto deadline = ctx->deadline();
   if (deadline != std::chrono::system_clock::time_point::max()) {
     params.deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                          deadline - std::chrono::system_clock::now());
   }
-  const bool stream = writer != nullptr;
-  auto call = std::make_shared<Call>(metrics_, req.model(), method, stream);
+  if (call->streaming()) {  // watched from now on; OnDone takes it off the list
+    std::lock_guard<std::mutex> l(mu_);
+    streams_.push_back(call);
+  }
   StatusOr<int64_t> id = engine->Submit(std::move(params), call);
-  if (!id.ok()) return finish(ToGrpc(id.status(), req, metrics_->RecentGenerationSeconds()));
+  if (!id.ok()) return ToGrpc(id.status(), call->req, metrics_->RecentGenerationSeconds());
+  call->Submitted(engine, *id);
+  return grpc::Status::OK;
+}
 
-  bool gone = false;  // the client cancelled, its deadline passed, or a write failed
-  while (true) {
-    std::deque<StepEvent> steps;
-    const bool done = call->Next(std::chrono::milliseconds(50), &steps);
-    for (const StepEvent& e : steps) {
-      if (gone) break;
-      v1::GenerateStreamResponse msg;
-      FillStep(e, OutputScale(req), msg.mutable_step());
-      if (!writer->Write(msg)) gone = true;
-    }
-    if (done) break;
-    if (!gone && ctx->IsCancelled()) gone = true;
-    if (gone) engine->Cancel(*id);  // ends at the next step boundary; keep waiting for it
+grpc::ServerUnaryReactor* ImageGenerationService::Generate(grpc::CallbackServerContext* ctx,
+                                                           const grpc::ByteBuffer* request,
+                                                           grpc::ByteBuffer* response) {
+  auto call = std::make_shared<Call>(this, ctx);
+  auto* reactor = new UnaryReactor(call, [this](const Call* c) { Forget(c); });
+  call->BindUnary(reactor, response);
+  if (grpc::Status st = Begin(call, ctx, *request); !st.ok()) call->FinishNow(st);
+  return reactor;
+}
+
+grpc::ServerWriteReactor<grpc::ByteBuffer>* ImageGenerationService::GenerateStream(
+    grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request) {
+  auto call = std::make_shared<Call>(this, ctx);
+  auto* reactor = new StreamReactor(call, [this](const Call* c) { Forget(c); });
+  call->BindStream(reactor);
+  if (grpc::Status st = Begin(call, ctx, *request); !st.ok()) call->FinishNow(st);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* ImageGenerationService::ListModels(grpc::CallbackServerContext* ctx,
+                                                             const v1::ListModelsRequest*,
+                                                             v1::ListModelsResponse* resp) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  if (!auth_.Allows(*ctx)) {
+    reactor->Finish(
+        grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "missing or invalid bearer token"));
+    return reactor;
   }
-  if (gone) {  // whatever the engine did last, the client is no longer there to receive it
-    const bool expired = std::chrono::system_clock::now() >= deadline;
-    return finish(expired ? grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "deadline exceeded")
-                          : grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client"));
+  Engine* engine = engine_.load();
+  if (engine == nullptr) {
+    reactor->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "models are loading"));
+    return reactor;
   }
-  if (call->error) return finish(ToGrpc(*call->error, req, metrics_->RecentGenerationSeconds()));
-  const RequestResult& r = *call->result;
-  if (stream) {
-    v1::GenerateStreamResponse msg;
-    grpc::Status st = FillResponse(r, OutputScale(req), true, Since(t0), msg.mutable_final());
-    if (!st.ok()) return finish(st);
-    if (!writer->Write(msg)) {
-      return finish(grpc::Status(grpc::StatusCode::CANCELLED, "the client went away"));
-    }
-  } else {
-    grpc::Status st =
-        FillResponse(r, OutputScale(req), req.output().include_tokens(), Since(t0), unary);
-    if (!st.ok()) return finish(st);
-  }
-  return finish(grpc::Status::OK, &r);
+  FillModels(engine->Models(), options_.default_method, resp);
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
 }
 
 }  // namespace imagegen::server

@@ -1,14 +1,32 @@
-// The ImageGeneration gRPC service (synchronous API: one handler thread per call). A call is
-// validated, submitted to the engine, and then the handler relays the engine's events: step
-// messages for GenerateStream, the final image for both. The handler polls for client
-// cancellation and deadline expiry and cancels the engine request, which frees its KV slots at
-// the next engine step. Thread-safe.
+// The ImageGeneration gRPC service, on gRPC's callback API: a call holds no thread while its
+// image is generated. Generate and GenerateStream take the request as raw bytes and parse it
+// here, so that a body that is not a GenerateRequest (or is too large) is INVALID_ARGUMENT with
+// a message, and counted, like every other bad request.
+//
+// A call is validated and submitted to the engine; the engine thread hands its events to the
+// call, and the call's work (PNG encoding, building and serialising messages, finishing) runs
+// on the service's small encoder pool, never on the engine thread. Each call has at most one
+// task queued or running and at most one message being written: a stream whose client reads
+// slowly gets its step updates coalesced (positions and tokens merged, the newest preview
+// kept, superseded ones dropped), so what it holds is bounded by one image, and a stream whose
+// client reads nothing for `stall_limit` is ended (ABORTED; its engine request cancelled).
+// Cancellation and deadlines reach the call through gRPC (OnCancel) and cancel the engine
+// request, which frees its KV slots at the next engine step. Thread-safe.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
 
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <list>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "engine/scheduler/engine.h"
 #include "imagegen/v1/imagegen.grpc.pb.h"
@@ -17,10 +35,41 @@
 
 namespace imagegen::server {
 
-class ImageGenerationService final : public v1::ImageGeneration::Service {
+struct ServiceOptions {
+  std::string default_method = "scd-mc";  // of requests that name none
+  int encoder_threads = 2;                // PNG encoding and message building
+  // A stream whose client has not taken a message for this long is ended.
+  std::chrono::milliseconds stall_limit{30000};
+  size_t max_request_bytes = 64 << 10;  // larger bodies are INVALID_ARGUMENT
+};
+
+// A FIFO of tasks run by a fixed set of threads. The destructor runs what is queued, then joins.
+class WorkQueue {
+ public:
+  explicit WorkQueue(int threads);
+  ~WorkQueue();
+  void Post(std::function<void()> task);
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> tasks_;
+  bool stop_ = false;
+  std::vector<std::thread> threads_;
+};
+
+class Call;
+
+using ServiceBase = v1::ImageGeneration::WithRawCallbackMethod_Generate<
+    v1::ImageGeneration::WithRawCallbackMethod_GenerateStream<
+        v1::ImageGeneration::WithCallbackMethod_ListModels<v1::ImageGeneration::Service>>>;
+
+class ImageGenerationService final : public ServiceBase {
  public:
   // `metrics` must outlive the service.
-  ImageGenerationService(Metrics* metrics, TokenAuth auth, std::string default_method);
+  ImageGenerationService(Metrics* metrics, TokenAuth auth, ServiceOptions options);
+  // After the gRPC server has shut down (every call is done): stops the pool and the watchdog.
+  ~ImageGenerationService() override;
 
   // Calls before SetEngine are UNAVAILABLE ("models are loading"); the engine must outlive
   // every call.
@@ -28,23 +77,40 @@ class ImageGenerationService final : public v1::ImageGeneration::Service {
   // From now on new calls are UNAVAILABLE; calls in flight go on.
   void SetDraining();
 
-  grpc::Status Generate(grpc::ServerContext* ctx, const v1::GenerateRequest* req,
-                        v1::GenerateResponse* resp) override;
-  grpc::Status GenerateStream(grpc::ServerContext* ctx, const v1::GenerateRequest* req,
-                              grpc::ServerWriter<v1::GenerateStreamResponse>* writer) override;
-  grpc::Status ListModels(grpc::ServerContext* ctx, const v1::ListModelsRequest* req,
-                          v1::ListModelsResponse* resp) override;
+  grpc::ServerUnaryReactor* Generate(grpc::CallbackServerContext* ctx,
+                                     const grpc::ByteBuffer* request,
+                                     grpc::ByteBuffer* response) override;
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* GenerateStream(
+      grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request) override;
+  grpc::ServerUnaryReactor* ListModels(grpc::CallbackServerContext* ctx,
+                                       const v1::ListModelsRequest* request,
+                                       v1::ListModelsResponse* response) override;
+
+  // Generate and GenerateStream calls not yet done (the accounting check of the tests).
+  int64_t open_calls() const;
 
  private:
-  grpc::Status Run(grpc::ServerContext* ctx, const v1::GenerateRequest& req,
-                   grpc::ServerWriter<v1::GenerateStreamResponse>* writer,
-                   v1::GenerateResponse* unary);
+  friend class Call;
+  // Counts the call, parses, checks and submits it; a status other than OK is what the call
+  // must end with at once.
+  grpc::Status Begin(const std::shared_ptr<Call>& call, grpc::CallbackServerContext* ctx,
+                     const grpc::ByteBuffer& request);
+  void Watch();  // the stall watchdog's loop
+  void Forget(const Call* call);
 
   Metrics* metrics_;
   const TokenAuth auth_;
-  const std::string default_method_;
+  const ServiceOptions options_;
   std::atomic<Engine*> engine_{nullptr};
   std::atomic<bool> draining_{false};
+  WorkQueue encoders_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::list<std::weak_ptr<Call>> streams_;  // streaming calls in flight (the watchdog's list)
+  int64_t open_calls_ = 0;
+  bool stop_ = false;
+  std::thread watchdog_;
 };
 
 }  // namespace imagegen::server

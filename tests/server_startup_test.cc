@@ -202,5 +202,24 @@ TEST(ServerStartupTest, BadOptionsAreRefused) {
   EXPECT_EQ(st.field(), "--default-method") << st.ToString();
 }
 
+// A second daemon on a port that one already serves is refused: it must not share the port
+// (gRPC sets SO_REUSEPORT by default, and two daemons then split the connections).
+TEST(ServerStartupTest, APortInUseIsRefused) {
+  auto first = server::Daemon::Listen(Options());
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  server::DaemonOptions o = Options();
+  o.listen = "127.0.0.1:" + std::to_string((*first)->port());
+  auto second = server::Daemon::Listen(o);
+  EXPECT_EQ(second.status().code(), Code::kUnavailable) << second.status().ToString();
+  EXPECT_NE(second.status().message().find(o.listen), std::string::npos)
+      << second.status().ToString();
+  o = Options();
+  o.metrics_listen = "127.0.0.1:" + std::to_string((*first)->metrics_port());
+  auto third = server::Daemon::Listen(o);
+  EXPECT_EQ(third.status().code(), Code::kUnavailable) << third.status().ToString();
+  EXPECT_NE(third.status().message().find("--metrics-listen"), std::string::npos)
+      << third.status().ToString();
+}
+
 }  // namespace
 }  // namespace imagegen::testing
