@@ -124,7 +124,7 @@ class Call : public RequestObserver, public std::enable_shared_from_this<Call> {
   void BindStream(grpc::ServerWriteReactor<grpc::ByteBuffer>* r) { stream_ = r; }
   bool streaming() const { return stream_ != nullptr; }
 
-  // Set by ImageGenerationService::Start before the request is submitted.
+  // Set by ImageGenerationService::Begin before the request is submitted.
   v1::GenerateRequest req;
   std::string model, method = "unknown";
   int scale = 1;
@@ -160,7 +160,6 @@ class Call : public RequestObserver, public std::enable_shared_from_this<Call> {
     if (finished_ || gone_) return;
     if (has_pending_) {
       Merge(pending_, e);
-      ++coalesced_;
     } else {
       pending_ = e;
       has_pending_ = true;
@@ -182,36 +181,24 @@ class Call : public RequestObserver, public std::enable_shared_from_this<Call> {
 
   // --- gRPC's reactions ----------------------------------------------------------------------
   void Cancelled() {
-    Engine* engine = nullptr;
-    int64_t id = -1;
+    EngineRequest running;
     {
       std::lock_guard<std::mutex> l(mu_);
       if (!gone_) expired_ = std::chrono::system_clock::now() >= ctx_->deadline();
-      gone_ = true;
-      if (!ended_) {
-        engine = engine_;
-        id = id_;
-      }
+      running = GoneLocked();
       ScheduleLocked();
     }
-    if (engine != nullptr && id >= 0) engine->Cancel(id);
+    running.Cancel();
   }
   void WriteDone(bool ok) {
-    Engine* engine = nullptr;
-    int64_t id = -1;
+    EngineRequest running;
     {
       std::lock_guard<std::mutex> l(mu_);
       writing_ = false;
-      if (!ok && !gone_) {
-        gone_ = true;
-        if (!ended_) {
-          engine = engine_;
-          id = id_;
-        }
-      }
+      if (!ok && !gone_) running = GoneLocked();
       ScheduleLocked();
     }
-    if (engine != nullptr && id >= 0) engine->Cancel(id);
+    running.Cancel();
   }
   void Done() {
     std::lock_guard<std::mutex> l(ctx_mu_);
@@ -234,6 +221,20 @@ class Call : public RequestObserver, public std::enable_shared_from_this<Call> {
   }
 
  private:
+  // The engine request to cancel once mu_ is released (none if it has ended).
+  struct EngineRequest {
+    Engine* engine = nullptr;
+    int64_t id = -1;
+    void Cancel() const {
+      if (engine != nullptr && id >= 0) engine->Cancel(id);
+    }
+  };
+  // The client is gone (under mu_): what of the engine request is left to cancel.
+  EngineRequest GoneLocked() {
+    gone_ = true;
+    return ended_ ? EngineRequest() : EngineRequest{engine_, id_};
+  }
+
   // Queues a Pump unless one is queued, a write is in flight, or the call is finished.
   void ScheduleLocked() {
     if (queued_ || writing_ || finished_) return;
@@ -358,7 +359,6 @@ class Call : public RequestObserver, public std::enable_shared_from_this<Call> {
   bool stalled_ = false;
   bool has_pending_ = false;
   StepEvent pending_;
-  int64_t coalesced_ = 0;
   std::optional<RequestResult> result_;
   std::optional<Status> error_;
   grpc::ByteBuffer out_;  // the message being written
@@ -370,9 +370,12 @@ class Call : public RequestObserver, public std::enable_shared_from_this<Call> {
 
 namespace {
 
-class UnaryReactor : public grpc::ServerUnaryReactor {
+// A call's gRPC side: forwards cancellation (and, for streams, write completions) to the Call,
+// and when gRPC is done with the call, takes it off the service's books and deletes itself.
+template <class Base>
+class Reactor : public Base {
  public:
-  UnaryReactor(std::shared_ptr<Call> call, std::function<void(const Call*)> forget)
+  Reactor(std::shared_ptr<Call> call, std::function<void(const Call*)> forget)
       : call_(std::move(call)), forget_(std::move(forget)) {}
   void OnCancel() override { call_->Cancelled(); }
   void OnDone() override {
@@ -381,26 +384,17 @@ class UnaryReactor : public grpc::ServerUnaryReactor {
     delete this;
   }
 
- private:
+ protected:
   std::shared_ptr<Call> call_;
   std::function<void(const Call*)> forget_;
 };
 
-class StreamReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
- public:
-  StreamReactor(std::shared_ptr<Call> call, std::function<void(const Call*)> forget)
-      : call_(std::move(call)), forget_(std::move(forget)) {}
-  void OnWriteDone(bool ok) override { call_->WriteDone(ok); }
-  void OnCancel() override { call_->Cancelled(); }
-  void OnDone() override {
-    call_->Done();
-    forget_(call_.get());
-    delete this;
-  }
+using UnaryReactor = Reactor<grpc::ServerUnaryReactor>;
 
- private:
-  std::shared_ptr<Call> call_;
-  std::function<void(const Call*)> forget_;
+class StreamReactor final : public Reactor<grpc::ServerWriteReactor<grpc::ByteBuffer>> {
+ public:
+  using Reactor::Reactor;
+  void OnWriteDone(bool ok) override { call_->WriteDone(ok); }
 };
 
 }  // namespace
