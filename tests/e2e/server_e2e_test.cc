@@ -83,6 +83,19 @@ class Daemon {
     throw std::runtime_error("daemon never became ready: " + proc_->Log());
   }
   std::string Metrics() const { return HttpGet(metrics_port_, "/metrics").second; }
+  // The state accounting: polls until every Generate/GenerateStream call opened has been
+  // closed (imagegen_calls_opened_total == imagegen_calls_closed_total), up to 120 s.
+  bool CallsBalanced() const {
+    for (int i = 0; i < 2400; ++i) {
+      const std::string m = Metrics();
+      if (MetricValue(m, "imagegen_calls_opened_total") ==
+          MetricValue(m, "imagegen_calls_closed_total")) {
+        return true;
+      }
+      std::this_thread::sleep_for(milliseconds(50));
+    }
+    return false;
+  }
   // Polls /metrics until `series` has `value` (true) or 120 s pass (false): generous, so that
   // a loaded machine does not fail the test.
   bool WaitMetric(const std::string& series, double value) const {
@@ -258,6 +271,7 @@ TEST(E2eTest, CancelMidStreamAndDeadlinesFreeTheSlot) {
   EXPECT_TRUE(d.WaitMetric(Requests("ar", "deadline_exceeded"), 1));
   EXPECT_TRUE(d.WaitMetric(Slots(), 0));
   EXPECT_TRUE(d.WaitMetric("imagegen_active_requests{model=\"fmnist-gpt\"}", 0));
+  EXPECT_TRUE(d.CallsBalanced());
 }
 
 TEST(E2eTest, FullQueueIsResourceExhaustedWithRetryInfo) {
@@ -290,6 +304,7 @@ TEST(E2eTest, FullQueueIsResourceExhaustedWithRetryInfo) {
   rb->Finish();
   EXPECT_TRUE(d.WaitMetric(Requests("ar", "resource_exhausted"), 1));
   EXPECT_TRUE(d.WaitMetric(Slots(), 0));
+  EXPECT_TRUE(d.CallsBalanced());
 }
 
 TEST(E2eTest, EachInvalidFieldIsNamedInBadRequest) {
@@ -384,6 +399,7 @@ TEST(E2eTest, EachInvalidFieldIsNamedInBadRequest) {
   // Labels stay bounded whatever the client sends.
   EXPECT_EQ(m.find("jacobi-magic"), std::string::npos);
   EXPECT_EQ(m.find("no-such-model"), std::string::npos);
+  EXPECT_TRUE(d.CallsBalanced());
 }
 
 // A body that is not a GenerateRequest, or one over the size limit, is INVALID_ARGUMENT naming
@@ -422,6 +438,7 @@ TEST(E2eTest, UnparseableAndOversizedBodiesAreInvalidArgumentAndCounted) {
   EXPECT_LT(st2.error_message().size(), 200u);
   // Neither body was read, so their method is "unknown".
   EXPECT_TRUE(d.WaitMetric(Requests("unknown", "invalid_argument"), 2)) << d.Metrics();
+  EXPECT_TRUE(d.CallsBalanced());
 }
 
 // A stream whose client stops reading (its HTTP/2 window is 1 KiB, and it never reads) is
@@ -457,7 +474,7 @@ TEST(E2eTest, AStreamWhoseClientStopsReadingIsEndedAndOthersGoOn) {
   while (reader->Read(&m)) final_seen |= m.has_final();
   EXPECT_FALSE(final_seen);
   EXPECT_FALSE(reader->Finish().ok());
-  EXPECT_TRUE(d.WaitMetric("imagegen_calls_closed_total", 4));
+  EXPECT_TRUE(d.CallsBalanced());
   EXPECT_EQ(MetricValue(d.Metrics(), "imagegen_calls_opened_total"), 4);
 }
 
