@@ -1,0 +1,330 @@
+#!/usr/bin/env python3
+"""Soak: the daemon on loopback under many concurrent clients that misbehave in every way a
+client can, for a while; then checks that nothing leaked.
+
+    PYTHONPATH=build/ci/python python3 tests/soak/soak.py --server build/ci/server/imagegen-server \\
+        --streams 64 --seconds 600            # the long form (about 11 minutes)
+    ... --streams 16 --seconds 60             # the short form (CI)
+    ... --leak-control                        # the negative control: must report the leak
+
+Each of --streams client threads loops over scenarios drawn with a fixed seed: a stream read to
+the end, a unary call, a stream with previews (every 1-10 steps, scale 1-16), a stream
+cancelled after a few messages, a call with a deadline of 1 ms to 2 s, a slow reader (50-200 ms
+per message), a stream whose client stops reading (a 1 KiB HTTP/2 window, never read: the
+daemon ends it after --stream-stall-seconds), and, from one more thread, clients in a child
+process killed with SIGKILL mid-stream. Every outcome a scenario may legitimately have is
+listed; any other is an unintended error.
+
+Sampled every 5 s: the daemon's RSS, open file descriptors and threads (/proc), KV slots in
+use, and the calls opened and closed (imagegen_calls_*_total). Passes when: no unintended
+error; after the load, slots 0 and calls opened == closed within 60 s; RSS at the end at most
+50 MB above RSS after the warm-up (the first fifth of the run); file descriptors and threads at
+the end at most 16 above the warm-up's.
+
+--leak-control adds clients that stop reading and never cancel while the daemon's stall limit
+is off (an hour): their calls stay open, so the check must fail. The script then exits 0 only
+if the check caught it.
+"""
+import argparse
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+import grpc
+
+from imagegen.v1 import imagegen_pb2, imagegen_pb2_grpc
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+C = grpc.StatusCode
+
+# Outcomes each scenario may legitimately end with (a status code name).
+ALLOWED = {
+    "stream": {"OK"},
+    "unary": {"OK"},
+    "previews": {"OK"},
+    "cancel": {"CANCELLED", "OK"},
+    "deadline": {"DEADLINE_EXCEEDED", "OK"},
+    "slow": {"OK"},
+    "stalled": {"ABORTED", "CANCELLED"},
+    "killed": {"KILLED", "OK"},
+}
+
+KILLED_CHILD = r"""
+import sys, grpc
+from imagegen.v1 import imagegen_pb2, imagegen_pb2_grpc
+ch = grpc.insecure_channel(sys.argv[1])
+stub = imagegen_pb2_grpc.ImageGenerationStub(ch)
+req = imagegen_pb2.GenerateRequest(class_id=int(sys.argv[2]), seed=int(sys.argv[3]),
+                                   method="sjd", preview_every=2)
+for m in stub.GenerateStream(req):
+    print("step", flush=True)
+"""
+
+
+def metrics(mport):
+    text = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=30).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        name, value = line.rsplit(" ", 1)
+        out[name] = float(value)
+    return out
+
+
+def proc_sample(pid):
+    rss = threads = 0
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1]) / 1024.0
+            if line.startswith("Threads:"):
+                threads = int(line.split()[1])
+    fds = len(os.listdir(f"/proc/{pid}/fd"))
+    return rss, fds, threads
+
+
+class Soak:
+    def __init__(self, args):
+        self.args = args
+        self.dir = tempfile.mkdtemp(prefix="imagegen-soak-")
+        stall = "3600" if args.leak_control else str(args.stream_stall_seconds)
+        ports = os.path.join(self.dir, "ports")
+        self.log = open(os.path.join(self.dir, "server.log"), "w")
+        self.server = subprocess.Popen(
+            [args.server, "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
+             "--port-file", ports, "--max-slots", str(2 * args.streams + 16), "--max-queue",
+             str(4 * args.streams), "--stream-stall-seconds", stall],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        for _ in range(1200):
+            if os.path.exists(ports) and open(ports).read().strip():
+                break
+            time.sleep(0.05)
+        self.port, self.mport = map(int, open(ports).read().split())
+        self.target = f"127.0.0.1:{self.port}"
+        self.channel = grpc.insecure_channel(self.target)
+        self.stub = imagegen_pb2_grpc.ImageGenerationStub(self.channel)
+        end = time.time() + 300
+        while True:
+            try:
+                self.stub.ListModels(imagegen_pb2.ListModelsRequest(), timeout=5)
+                break
+            except grpc.RpcError:
+                if time.time() > end or self.server.poll() is not None:
+                    raise RuntimeError("the daemon did not become ready: " + self.dir)
+                time.sleep(0.2)
+        self.lock = threading.Lock()
+        self.outcomes = {}  # (scenario, code) -> count
+        self.unintended = []
+        self.samples = []  # (t, rss MB, fds, threads, slots, opened, closed)
+        self.stop = threading.Event()
+        self.held = []  # leak-control calls, kept open to the end
+
+    def record(self, scenario, code, detail=""):
+        with self.lock:
+            self.outcomes[(scenario, code)] = self.outcomes.get((scenario, code), 0) + 1
+            if code not in ALLOWED[scenario] and len(self.unintended) < 20:
+                self.unintended.append(f"{scenario}: {code} {detail[:120]}")
+            elif code not in ALLOWED[scenario]:
+                self.unintended.append("...")
+
+    def request(self, rng, **kw):
+        r = imagegen_pb2.GenerateRequest(class_id=rng.randrange(10), seed=rng.randrange(1 << 30),
+                                         method=rng.choice(["ar", "sjd", "scd-mc", "sjd-pac"]))
+        for k, v in kw.items():
+            setattr(r, k, v)
+        return r
+
+    def one(self, rng):
+        kind = rng.choices(["stream", "unary", "previews", "cancel", "deadline", "slow",
+                            "stalled"], weights=[3, 3, 2, 2, 2, 1, 1])[0]
+        if kind == "stalled" and self.args.leak_control:
+            kind = "stream"  # the stall limit is off: such a client would wait for an hour
+        try:
+            if kind == "stream":
+                for _ in self.stub.GenerateStream(self.request(rng), timeout=600):
+                    pass
+            elif kind == "unary":
+                self.stub.Generate(self.request(rng), timeout=600)
+            elif kind == "previews":
+                r = self.request(rng, preview_every=rng.randint(1, 10))
+                r.output.scale = rng.randint(1, 16)
+                for _ in self.stub.GenerateStream(r, timeout=600):
+                    pass
+            elif kind == "cancel":
+                call = self.stub.GenerateStream(self.request(rng), timeout=600)
+                n = rng.randint(1, 30)
+                for i, _ in enumerate(call):
+                    if i + 1 >= n:
+                        call.cancel()
+                        break
+                try:
+                    for _ in call:
+                        pass
+                except grpc.RpcError as e:
+                    if e.code() != C.CANCELLED:
+                        raise
+                    self.record(kind, "CANCELLED")
+                    return
+            elif kind == "deadline":
+                self.stub.Generate(self.request(rng), timeout=rng.uniform(0.001, 2.0))
+            elif kind == "slow":
+                for _ in self.stub.GenerateStream(self.request(rng), timeout=600):
+                    time.sleep(rng.uniform(0.05, 0.2))
+            elif kind == "stalled":
+                opts = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
+                with grpc.insecure_channel(self.target, options=opts) as ch:
+                    stub = imagegen_pb2_grpc.ImageGenerationStub(ch)
+                    r = self.request(rng, preview_every=1)
+                    r.output.scale = 16
+                    call = stub.GenerateStream(r, timeout=600)
+                    # Never read; wait for the daemon to end the call, then read what came.
+                    end = time.time() + self.args.stream_stall_seconds + 300
+                    while call.is_active() and time.time() < end:
+                        time.sleep(0.5)
+                    try:
+                        for _ in call:
+                            pass
+                    except grpc.RpcError as e:
+                        self.record(kind, e.code().name, e.details() or "")
+                        return
+                    self.record(kind, "OK")
+                    return
+            self.record(kind, "OK")
+        except grpc.RpcError as e:
+            self.record(kind, e.code().name, e.details() or "")
+
+    def worker(self, seed):
+        rng = random.Random(seed)
+        while not self.stop.is_set():
+            self.one(rng)
+
+    def killer(self):
+        rng = random.Random(99)
+        env = dict(os.environ)
+        while not self.stop.is_set():
+            p = subprocess.Popen([sys.executable, "-c", KILLED_CHILD, self.target,
+                                  str(rng.randrange(10)), str(rng.randrange(1 << 30))],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+            time.sleep(rng.uniform(0.5, 3.0))
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+                self.record("killed", "KILLED")
+            else:
+                self.record("killed", "OK" if p.returncode == 0 else f"exit {p.returncode}")
+            p.wait()
+            self.stop.wait(rng.uniform(1, 4))
+
+    def leak(self):
+        # Clients that stop reading and never cancel, on channels kept open to the end.
+        opts = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
+        for i in range(4):
+            ch = grpc.insecure_channel(self.target, options=opts)
+            r = imagegen_pb2.GenerateRequest(class_id=i, seed=i, method="ar", preview_every=1)
+            r.output.scale = 16
+            self.held.append((ch, imagegen_pb2_grpc.ImageGenerationStub(ch).GenerateStream(r)))
+
+    def sample(self):
+        rss, fds, threads = proc_sample(self.server.pid)
+        m = metrics(self.mport)
+        slots = m.get('imagegen_kv_cache_slots_in_use{model="fmnist-gpt"}', float("nan"))
+        opened = m.get("imagegen_calls_opened_total", 0)
+        closed = m.get("imagegen_calls_closed_total", 0)
+        self.samples.append((time.time(), rss, fds, threads, slots, opened, closed))
+        return self.samples[-1]
+
+    def run(self):
+        a = self.args
+        t0 = time.time()
+        threads = [threading.Thread(target=self.worker, args=(1000 + i,), daemon=True)
+                   for i in range(a.streams)]
+        threads.append(threading.Thread(target=self.killer, daemon=True))
+        for t in threads:
+            t.start()
+        if a.leak_control:
+            self.leak()
+        while time.time() - t0 < a.seconds:
+            s = self.sample()
+            print(f"t {s[0] - t0:6.0f} s  rss {s[1]:7.1f} MB  fds {s[2]:4d}  threads {s[3]:4d}  "
+                  f"slots {s[4]:4.0f}  calls open {s[5] - s[6]:4.0f}", flush=True)
+            time.sleep(5)
+        self.stop.set()
+        for t in threads:
+            t.join(timeout=900)
+        # Quiescence: slots back to 0 and every call closed.
+        end = time.time() + 60
+        while True:
+            s = self.sample()
+            if (s[4] == 0 and s[5] == s[6]) or time.time() > end:
+                break
+            time.sleep(0.5)
+        return t0
+
+    def verdict(self, t0):
+        a = self.args
+        warm_end = t0 + a.seconds / 5
+        warm = [s for s in self.samples if s[0] <= warm_end][-1]
+        last = self.samples[-1]
+        growth = last[1] - warm[1]
+        checks = [
+            ("no unintended error", not self.unintended, f"{len(self.unintended)}"),
+            ("KV slots back to 0", last[4] == 0, f"{last[4]:.0f}"),
+            ("calls opened == closed", last[5] == last[6],
+             f"{last[5]:.0f} opened, {last[6]:.0f} closed"),
+            ("RSS growth after warm-up < 50 MB", growth < 50,
+             f"{warm[1]:.1f} -> {last[1]:.1f} MB ({growth:+.1f})"),
+            ("file descriptors flat", last[2] <= warm[2] + 16, f"{warm[2]} -> {last[2]}"),
+            ("threads flat", last[3] <= warm[3] + 16, f"{warm[3]} -> {last[3]}"),
+        ]
+        total = sum(self.outcomes.values())
+        print(f"\n{total} calls in {a.seconds:.0f} s with {a.streams} client threads; outcomes:")
+        for (kind, code), n in sorted(self.outcomes.items()):
+            print(f"  {kind:9s} {code:18s} {n}")
+        for u in self.unintended:
+            print(f"  unintended: {u}")
+        ok = True
+        for name, passed, detail in checks:
+            print(f"{'PASS' if passed else 'FAIL'}  {name}: {detail}")
+            ok &= passed
+        return ok
+
+    def close(self):
+        for ch, call in self.held:
+            call.cancel()
+            ch.close()
+        self.server.send_signal(signal.SIGTERM)
+        try:
+            self.server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.server.kill()
+        self.channel.close()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--server", required=True)
+    ap.add_argument("--streams", type=int, default=64)
+    ap.add_argument("--seconds", type=float, default=600)
+    ap.add_argument("--stream-stall-seconds", type=float, default=5)
+    ap.add_argument("--leak-control", action="store_true")
+    args = ap.parse_args()
+    soak = Soak(args)
+    try:
+        ok = soak.verdict(soak.run())
+    finally:
+        soak.close()
+    print(f"server log: {soak.dir}/server.log")
+    if args.leak_control:
+        print("leak control: the check " + ("MISSED the leak" if ok else "caught the leak"))
+        return 1 if ok else 0
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
