@@ -6,7 +6,8 @@
 #   - the engine unit tests minus the long statistical ones (see ENGINE_FILTER below),
 #   - the in-process server start-up tests (tests/server_startup_test.cc),
 #   - the end-to-end tests: the real imagegen-server built with the sanitizers, the CLI (also
-#     instrumented) and the Python client.
+#     instrumented) and the Python client,
+#   - the fuzz targets (fuzz/) over their corpus and 20,000 seeded mutations of each input.
 # One build with both sanitizers, not one each: on 2 cores a build of the engine, the server
 # and the tests costs about 15 CPU-minutes cold and the tests about 6 minutes, so two presets
 # would double both for nothing: ASan and UBSan share one runtime and combine cleanly (only
@@ -68,7 +69,7 @@ ENGINE_FILTER='-*Spec*:*EngineExactTest.*:*EngineStormTest.*:*GoldenGrids*'
 status=0
 echo "== sanitizers: engine unit tests (filter $ENGINE_FILTER)"
 (cd "$build/tests" && ./engine_tests --gtest_filter="$ENGINE_FILTER") || status=1
-echo "== sanitizers: server start-up and end-to-end tests"
+echo "== sanitizers: server start-up, end-to-end tests and fuzz replays"
 ctest --preset asan-ubsan || status=1
 end=$(date +%s)
 

@@ -94,6 +94,55 @@ size_t SafetensorsDtypeSize(const std::string& dtype) {
   return e ? e->size : 0;
 }
 
+StatusOr<SafetensorsHeader> ParseSafetensorsHeader(const uint8_t* bytes, size_t size,
+                                                   const std::string& where) {
+  if (size < 8) {
+    return DataLoss(where + ": truncated: " + std::to_string(size) +
+                    " bytes, a safetensors file needs at least an 8-byte header length");
+  }
+  uint64_t header_len = 0;
+  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | bytes[i];
+  if (header_len > size - 8) {
+    return DataLoss(where + ": truncated or corrupt: header length " + std::to_string(header_len) +
+                    " exceeds the file size " + std::to_string(size));
+  }
+  if (header_len > (uint64_t{100} << 20)) {
+    return DataLoss(where + ": header length " + std::to_string(header_len) +
+                    " exceeds the 100 MiB limit");
+  }
+  SafetensorsHeader h;
+  h.data_start = 8 + header_len;
+  std::string_view text(reinterpret_cast<const char*>(bytes + 8), header_len);
+  StatusOr<Json> parsed = ParseJson(text);
+  if (!parsed.ok()) return DataLoss(where + ": bad header: " + parsed.status().message());
+  const Json& root = parsed.value();
+  if (!root.is_object()) return DataLoss(where + ": bad header: not a JSON object");
+
+  const uint64_t data_size = size - h.data_start;
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;
+  for (const auto& [name, entry] : root.items()) {
+    if (name == "__metadata__") {
+      if (!entry.is_object()) return DataLoss(where + ": __metadata__ is not an object");
+      for (const auto& [k, v] : entry.items()) {
+        if (!v.is_string()) return DataLoss(where + ": __metadata__ values must be strings");
+        h.metadata[k] = v.get<std::string>();
+      }
+      continue;
+    }
+    ASSIGN_OR_RETURN(TensorInfo info,
+                     ParseTensorEntry(entry, where + ": tensor " + Quoted(name), data_size));
+    ranges.emplace_back(info.begin, info.end);
+    h.tensors.emplace(name, std::move(info));
+  }
+  std::sort(ranges.begin(), ranges.end());
+  for (size_t i = 1; i < ranges.size(); ++i) {
+    if (ranges[i].first < ranges[i - 1].second) {
+      return DataLoss(where + ": tensors overlap in the data section");
+    }
+  }
+  return h;
+}
+
 StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
   std::unique_ptr<SafetensorsFile> f(new SafetensorsFile());
   f->path_ = path;
@@ -109,56 +158,20 @@ StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::stri
     return DataLoss(path + ": not a regular file");
   }
   const size_t size = static_cast<size_t>(st.st_size);
-  if (size < 8) {
+  if (size < 8) {  // (mmap of an empty file fails; the parser says what is wrong)
     ::close(fd);
-    return DataLoss(path + ": truncated: " + std::to_string(size) +
-                    " bytes, a safetensors file needs at least an 8-byte header length");
+    const uint8_t none[8] = {};
+    return ParseSafetensorsHeader(none, size, path).status();
   }
   void* m = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
   ::close(fd);
   if (m == MAP_FAILED) return DataLoss(path + ": mmap failed: " + std::strerror(errno));
   f->map_ = static_cast<const uint8_t*>(m);
   f->map_size_ = size;
-
-  uint64_t header_len = 0;
-  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | f->map_[i];
-  if (header_len > size - 8) {
-    return DataLoss(path + ": truncated or corrupt: header length " + std::to_string(header_len) +
-                    " exceeds the file size " + std::to_string(size));
-  }
-  if (header_len > (uint64_t{100} << 20)) {
-    return DataLoss(path + ": header length " + std::to_string(header_len) +
-                    " exceeds the 100 MiB limit");
-  }
-  f->data_start_ = 8 + header_len;
-  std::string_view header(reinterpret_cast<const char*>(f->map_ + 8), header_len);
-  StatusOr<Json> parsed = ParseJson(header);
-  if (!parsed.ok()) return DataLoss(path + ": bad header: " + parsed.status().message());
-  const Json& root = parsed.value();
-  if (!root.is_object()) return DataLoss(path + ": bad header: not a JSON object");
-
-  const uint64_t data_size = size - f->data_start_;
-  std::vector<std::pair<uint64_t, uint64_t>> ranges;
-  for (const auto& [name, entry] : root.items()) {
-    if (name == "__metadata__") {
-      if (!entry.is_object()) return DataLoss(path + ": __metadata__ is not an object");
-      for (const auto& [k, v] : entry.items()) {
-        if (!v.is_string()) return DataLoss(path + ": __metadata__ values must be strings");
-        f->metadata_[k] = v.get<std::string>();
-      }
-      continue;
-    }
-    ASSIGN_OR_RETURN(TensorInfo info,
-                     ParseTensorEntry(entry, path + ": tensor '" + name + "'", data_size));
-    ranges.emplace_back(info.begin, info.end);
-    f->tensors_.emplace(name, std::move(info));
-  }
-  std::sort(ranges.begin(), ranges.end());
-  for (size_t i = 1; i < ranges.size(); ++i) {
-    if (ranges[i].first < ranges[i - 1].second) {
-      return DataLoss(path + ": tensors overlap in the data section");
-    }
-  }
+  ASSIGN_OR_RETURN(SafetensorsHeader h, ParseSafetensorsHeader(f->map_, size, path));
+  f->data_start_ = h.data_start;
+  f->tensors_ = std::move(h.tensors);
+  f->metadata_ = std::move(h.metadata);
   return f;
 }
 

@@ -51,6 +51,17 @@ class SafetensorsFile {
   std::map<std::string, std::string> metadata_;
 };
 
+// The header of a safetensors file held in memory (`size` bytes: the whole file, so that the
+// tensors' offsets are checked against the data section): the same checks and errors as Open,
+// with `where` in place of the path. Pure; the fuzz target's entry point.
+struct SafetensorsHeader {
+  std::map<std::string, TensorInfo> tensors;
+  std::map<std::string, std::string> metadata;
+  size_t data_start = 0;  // 8 + header length
+};
+StatusOr<SafetensorsHeader> ParseSafetensorsHeader(const uint8_t* bytes, size_t size,
+                                                   const std::string& where);
+
 // Writes tensors (any dtype the reader knows) to a safetensors file; used by tests and tools.
 Status WriteSafetensors(const std::string& path, const std::map<std::string, at::Tensor>& tensors);
 
