@@ -53,6 +53,60 @@ if [ "${have_torch%%+*}" != "$TORCH_VERSION" ]; then
   as_root "$VENV/bin/python" -m pip install -q --upgrade pip
   as_root "$VENV/bin/python" -m pip install -q "torch==$TORCH_VERSION"
 fi
-as_root "$VENV/bin/python" -m pip install -q numpy safetensors matplotlib
+# numpy, safetensors, matplotlib (with Pillow): tools/ and bench plots; kubernetes-validate and
+# yamllint: the Kubernetes manifests' check (deploy/k8s/check.py, a ctest).
+as_root "$VENV/bin/python" -m pip install -q numpy safetensors matplotlib \
+  "kubernetes-validate==1.37.0" "yamllint==1.38.0"
+
+# The wheel's LibTorch is the CUDA 13 build, and its CMake config wants a CUDA toolkit even for
+# a CPU-only machine: nvcc, the CUDA headers, the unversioned libcudart.so and libnvrtc.so, and
+# the driver stub libcuda.so. Rather than depend on a system toolkit (which the development
+# machines happen to have and a fresh machine does not), assemble one in the virtualenv from
+# NVIDIA's PyPI wheels of the exact CUDA release torch pins (its cuda-toolkit meta-package, with
+# the nvcc extra). CMake uses it whenever it exists (CMakeLists.txt, IMAGEGEN_CUDA_ROOT), so CI
+# builds the way a fresh machine does. Nothing here needs a GPU or a driver: the binaries do not
+# link libcuda (LibTorch loads the driver at run time, on a GPU host only).
+cuda_meta="$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("cuda-toolkit"))')"
+if ! "$VENV/bin/python" -c 'import importlib.metadata as m; m.version("nvidia-cuda-nvcc"); m.version("nvidia-nvvm")' 2>/dev/null; then
+  echo "install-deps: pip install cuda-toolkit[nvcc]==$cuda_meta (nvcc for LibTorch's CMake config)"
+  as_root "$VENV/bin/python" -m pip install -q "cuda-toolkit[nvcc,cudart]==$cuda_meta"
+fi
+# nvcc's wheel asks for nvidia-nvvm and nvidia-cuda-crt without a version, so pip takes the newest,
+# whose PTX the pinned ptxas rejects ("Unsupported .version 9.5; current version is '9.0'"): pin
+# them to nvcc's own release.
+nvcc_v="$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("nvidia-cuda-nvcc"))')"
+for w in nvidia-nvvm nvidia-cuda-crt; do
+  have="$("$VENV/bin/python" -c "import importlib.metadata as m; print(m.version('$w'))" 2>/dev/null || true)"
+  if [ "$have" != "$nvcc_v" ]; then
+    echo "install-deps: pip install $w==$nvcc_v (found '$have'; nvcc is $nvcc_v)"
+    as_root "$VENV/bin/python" -m pip install -q "$w==$nvcc_v"
+  fi
+done
+site="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+wheel_cuda="$site/nvidia/cu13"
+cuda_root="$VENV/cuda"
+if [ ! -x "$cuda_root/bin/nvcc" ] || [ ! -e "$cuda_root/lib64/stubs/libcuda.so" ]; then
+  echo "install-deps: assembling a CUDA toolkit root in $cuda_root from $wheel_cuda"
+  as_root rm -rf "$cuda_root"
+  as_root mkdir -p "$cuda_root/lib64/stubs"
+  # bin/ holds links to the files, not a link to the folder: nvcc finds the libraries at
+  # bin/../lib64, and through a linked folder '..' would be the wheel's (which has lib/ only).
+  as_root mkdir -p "$cuda_root/bin"
+  for f in "$wheel_cuda"/bin/*; do as_root ln -s "$f" "$cuda_root/bin/$(basename "$f")"; done
+  for d in include nvvm; do as_root ln -s "$wheel_cuda/$d" "$cuda_root/$d"; done
+  as_root ln -s lib64 "$cuda_root/lib"
+  for f in "$wheel_cuda"/lib/*; do as_root ln -s "$f" "$cuda_root/lib64/$(basename "$f")"; done
+  for lib in cudart nvrtc cublas cublasLt cufft curand cusparse cusolver nvJitLink cupti; do
+    v="$(cd "$wheel_cuda/lib" && ls "lib$lib.so."* 2>/dev/null | sort | head -n 1)"
+    [ -n "$v" ] && as_root ln -sf "$v" "$cuda_root/lib64/lib$lib.so"
+  done
+  # The driver is not on PyPI. CMake's FindCUDAToolkit only has to find a file to define its
+  # CUDA::cuda_driver target (which LibTorch's config names); nothing links it, so an empty
+  # library with the driver's soname stands in, as the toolkit's own stubs/libcuda.so does.
+  echo 'void imagegen_cuda_driver_stub(void) {}' > /tmp/imagegen_libcuda_stub.c
+  as_root cc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$cuda_root/lib64/stubs/libcuda.so" \
+    /tmp/imagegen_libcuda_stub.c
+  rm -f /tmp/imagegen_libcuda_stub.c
+fi
 
 echo "install-deps: done. Torch CMake prefix: $("$VENV/bin/python" -c 'import torch; print(torch.utils.cmake_prefix_path)')"
