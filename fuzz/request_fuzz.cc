@@ -23,7 +23,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string label = imagegen::server::MethodLabel(req, "scd-mc");
   if (label.size() > 32) __builtin_trap();  // label values stay bounded, whatever is sent
   if (!st.ok() && st.error_message().size() > 4096) __builtin_trap();
-  for (const char* f : {"class", "top_p", "tree_depth", "window", "cool_nu"}) {
+  for (const char* f : {"class_id", "top_p", "tree_depth", "window", "cool_nu"}) {
     (void)imagegen::server::ProtoField(f, req);
   }
   (void)imagegen::server::ToGrpc(imagegen::FieldError("cfg_scale", "cfg_scale: x"), req, 1.0);

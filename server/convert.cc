@@ -65,16 +65,13 @@ grpc::Status Overloaded(const std::string& message, double retry_seconds) {
 }
 
 std::string ProtoField(const std::string& f, const v1::GenerateRequest& req) {
-  if (f == "class") {
-    return req.class_case() == v1::GenerateRequest::kClassName ? "class_name" : "class_id";
-  }
   if (req.has_policy() && HasPolicyPart(req.policy(), f)) return "policy." + f;
   if (f == "tree_branches" || f == "tree_depth" || f == "coupling" || f == "gsd_group" ||
       f == "gsd_delta" || f == "gsd_distance" || f == "cool_delta" || f == "cool_nu") {
     // A preset's own part that does not fit: the window the client chose, or the method.
     return req.has_window() ? "window" : "method";
   }
-  return f;  // model, seed, cfg_scale, temperature, top_k, top_p, method, window, ...
+  return f;  // model, class_id, class_name, seed, cfg_scale, temperature, top_k, top_p, method, ...
 }
 
 // The engine's codes carry gRPC's numbers, so StatusCodeName names both.
@@ -82,6 +79,7 @@ static_assert(static_cast<int>(Code::kCancelled) == grpc::StatusCode::CANCELLED)
 static_assert(static_cast<int>(Code::kInvalidArgument) == grpc::StatusCode::INVALID_ARGUMENT);
 static_assert(static_cast<int>(Code::kDeadlineExceeded) == grpc::StatusCode::DEADLINE_EXCEEDED);
 static_assert(static_cast<int>(Code::kNotFound) == grpc::StatusCode::NOT_FOUND);
+static_assert(static_cast<int>(Code::kPermissionDenied) == grpc::StatusCode::PERMISSION_DENIED);
 static_assert(static_cast<int>(Code::kResourceExhausted) == grpc::StatusCode::RESOURCE_EXHAUSTED);
 static_assert(static_cast<int>(Code::kFailedPrecondition) == grpc::StatusCode::FAILED_PRECONDITION);
 static_assert(static_cast<int>(Code::kInternal) == grpc::StatusCode::INTERNAL);
@@ -115,6 +113,7 @@ grpc::Status ToGrpc(const Status& s, const v1::GenerateRequest& req, double retr
       return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, s.message());
     case Code::kDataLoss:
     case Code::kInternal:
+    case Code::kPermissionDenied:  // the daemon's own files: not the client's permission
       break;
   }
   return grpc::Status(grpc::StatusCode::INTERNAL, s.message());

@@ -4,6 +4,10 @@
 
 #include <fstream>
 
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include "tests/test_util.h"
 
 namespace imagegen {
@@ -116,6 +120,44 @@ TEST_F(SafetensorsTest, HugeHeaderLengthIsDataLoss) {
 
 TEST_F(SafetensorsTest, MissingFileIsNotFound) {
   EXPECT_EQ(SafetensorsFile::Open(Path("none.safetensors")).status().code(), Code::kNotFound);
+}
+
+// A model file written 0600 by another user (safetensors' save_file writes 0600) is reported as
+// PERMISSION_DENIED naming the mode, not as NOT_FOUND. As root (CI, containers) the open runs in
+// a child that drops to uid 65534 first, since root may read any file.
+TEST_F(SafetensorsTest, UnreadableFileIsPermissionDeniedWithItsMode) {
+  WriteRaw(Path("private.safetensors"),
+           Raw(R"({"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}})", "xy"));
+  ASSERT_EQ(::chmod(dir_.c_str(), 0755), 0);
+  ASSERT_EQ(::chmod(Path("private.safetensors").c_str(), 0600), 0);
+  ASSERT_TRUE(SafetensorsFile::Open(Path("private.safetensors")).ok());  // the owner reads it
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {  // the child: only async-signal-safe work until open, then write and _exit
+    ::close(fds[0]);
+    if (::geteuid() == 0 && ::setuid(65534) != 0) ::_exit(3);
+    if (::geteuid() == 0) ::_exit(4);  // cannot drop privileges: nothing to test
+    Status st = SafetensorsFile::Open(Path("private.safetensors")).status();
+    const std::string out = std::to_string(static_cast<int>(st.code())) + "\n" + st.message();
+    const ssize_t w = ::write(fds[1], out.data(), out.size());
+    ::_exit(w == static_cast<ssize_t>(out.size()) ? 0 : 5);
+  }
+  ::close(fds[1]);
+  std::string got;
+  char buf[512];
+  for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;)
+    got.append(buf, static_cast<size_t>(n));
+  ::close(fds[0]);
+  int wstatus = 0;
+  ASSERT_EQ(::waitpid(pid, &wstatus, 0), pid);
+  ASSERT_TRUE(WIFEXITED(wstatus) && WEXITSTATUS(wstatus) == 0) << "child status " << wstatus;
+  const size_t nl = got.find('\n');
+  ASSERT_NE(nl, std::string::npos) << got;
+  EXPECT_EQ(std::stoi(got.substr(0, nl)), static_cast<int>(Code::kPermissionDenied)) << got;
+  EXPECT_TRUE(Contains(got, "private.safetensors")) << got;
+  EXPECT_TRUE(Contains(got, "mode 0600")) << got;
 }
 
 }  // namespace

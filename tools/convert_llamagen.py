@@ -65,7 +65,13 @@ def write(out_dir: str, config: dict, sd: dict):
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
         f.write("\n")
-    save_file(sd, os.path.join(out_dir, "model.safetensors"))
+    path = os.path.join(out_dir, "model.safetensors")
+    save_file(sd, path)
+    # safetensors writes 0600; a daemon running as another user (the image's, a pod's) must read
+    # it, so give it the mode open() would have given it under this process's umask.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
     print(f"wrote {len(sd)} tensors to {out_dir}")
 
 

@@ -69,6 +69,12 @@ def main():
                            os.path.join(args.out, "gptb-random"), "--preset", "GPT-B",
                            "--image-size", "256"])
     os.remove(os.path.join(args.out, "c2i_B_256.pt"))
+    # A converted model is readable by a daemon running as another user (save_file writes 0600).
+    umask = os.umask(0)
+    os.umask(umask)
+    mode = os.stat(os.path.join(args.out, "gptb-random", "model.safetensors")).st_mode & 0o777
+    if mode != 0o666 & ~umask:
+        raise SystemExit(f"convert_llamagen wrote mode {mode:o}, expected {0o666 & ~umask:o}")
     save_file(gpt_reference(gpt_b, 3, 24), os.path.join(args.out, "gptb_random.safetensors"))
     del gpt_b
 

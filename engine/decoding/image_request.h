@@ -21,7 +21,7 @@ struct ImageRequest {
   DecodingPolicy policy;  // ignored by ArGenerator (always plain AR)
 };
 
-// The condition and sampling against one model; messages name the field ("class",
+// The condition and sampling against one model; messages name the field ("class_id",
 // "cfg_scale", ...).
 Status ValidateSampledRequest(const ImageRequest& r, const GptConfig& cfg);
 

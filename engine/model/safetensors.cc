@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/util/json.h"
+#include "engine/util/read_file.h"
 
 namespace imagegen {
 namespace {
@@ -147,7 +148,7 @@ StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::stri
   std::unique_ptr<SafetensorsFile> f(new SafetensorsFile());
   f->path_ = path;
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  if (fd < 0) return NotFound(path + ": cannot open: " + std::strerror(errno));
+  if (fd < 0) return OpenError(path, errno);
   struct stat st {};
   if (::fstat(fd, &st) != 0) {
     ::close(fd);

@@ -7,22 +7,47 @@
 
 #include <cerrno>
 #include <cstddef>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <limits>
 #include <string>
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include "engine/util/status.h"
 
 namespace imagegen {
 
-// NOT_FOUND when the file cannot be opened, FAILED_PRECONDITION when it is larger than
+// Why `path` could not be opened for reading (`err` is the errno of open): NOT_FOUND when it
+// does not exist, PERMISSION_DENIED when this process may not read it (naming the file's owner
+// and mode and this process's uid: a model written 0600 by another user is the usual cause),
+// FAILED_PRECONDITION for anything else.
+inline Status OpenError(const std::string& path, int err) {
+  const std::string what = path + ": cannot open: " + std::strerror(err);
+  if (err == ENOENT || err == ENOTDIR) return NotFound(what);
+  if (err == EACCES || err == EPERM) {
+    struct stat st {};
+    std::string detail;
+    if (::stat(path.c_str(), &st) == 0) {
+      char mode[8];
+      std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(st.st_mode & 07777));
+      detail = " (owner uid " + std::to_string(st.st_uid) + ", mode " + mode + "; this process";
+      detail += " runs as uid " + std::to_string(::geteuid()) + ")";
+    }
+    return PermissionDenied(what + detail + ": make it readable, e.g. chmod a+r");
+  }
+  return FailedPrecondition(what);
+}
+
+// OpenError when the file cannot be opened, FAILED_PRECONDITION when it is larger than
 // `max_bytes` (a bound on what a wrong path, say a device file, can make us allocate),
 // DATA_LOSS when reading fails (a directory, an I/O error).
 inline StatusOr<std::string> ReadFile(const std::string& path,
                                       size_t max_bytes = std::numeric_limits<size_t>::max()) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) return NotFound(path + ": cannot open: " + std::strerror(errno));
+  if (!in) return OpenError(path, errno);
   std::string data;
   char buf[1 << 16];
   while (in.read(buf, sizeof buf) || in.gcount() > 0) {

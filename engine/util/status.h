@@ -19,6 +19,7 @@ enum class Code {
   kInvalidArgument = 3,  // bad request parameter; message names the field
   kDeadlineExceeded = 4,
   kNotFound = 5,            // unknown model or file
+  kPermissionDenied = 7,    // a model file this process may not read
   kResourceExhausted = 8,   // queue full / no KV slot
   kFailedPrecondition = 9,  // model files present but inconsistent with the config
   kInternal = 13,
@@ -66,7 +67,7 @@ class [[nodiscard]] Status {
   Code code() const { return code_; }
   const std::string& message() const { return message_; }
   // The request field an INVALID_ARGUMENT is about (engine names: "cfg_scale", "window",
-  // "class", ...); empty when the error is not about one field.
+  // "class_id", ...); empty when the error is not about one field.
   const std::string& field() const { return field_; }
   std::string ToString() const;
 
@@ -96,6 +97,7 @@ inline Status FieldError(std::string field, const std::string& text) {
   return Status::Field(std::move(field), text);
 }
 inline Status NotFound(std::string m) { return {Code::kNotFound, std::move(m)}; }
+inline Status PermissionDenied(std::string m) { return {Code::kPermissionDenied, std::move(m)}; }
 inline Status DataLoss(std::string m) { return {Code::kDataLoss, std::move(m)}; }
 inline Status FailedPrecondition(std::string m) {
   return {Code::kFailedPrecondition, std::move(m)};
