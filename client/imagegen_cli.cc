@@ -4,6 +4,7 @@
 //   imagegen generate --class sneaker [--method scd-mc] [--seed 7] --out sneaker.png
 //   imagegen generate --class bag --stream --preview-every 5 --preview-dir frames --out bag.png
 //   imagegen load --concurrency 16 --duration 30 --method scd-mc
+//   imagegen health    (grpc.health.v1: exit 0 when SERVING; the image's HEALTHCHECK)
 //
 // Connection: --target host:port, --tls-ca (TLS), --tls-cert/--tls-key (mTLS), --token-file.
 #include <grpcpp/grpcpp.h>
@@ -31,6 +32,7 @@
 #include "engine/util/percentile.h"
 #include "engine/util/read_file.h"
 #include "engine/util/status.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "imagegen/v1/imagegen.grpc.pb.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "server address");
@@ -61,6 +63,9 @@ ABSL_FLAG(std::string, preview_dir, "", "generate --stream: directory for the pr
 ABSL_FLAG(bool, drafts, false, "generate --stream: also show the drafts of every step");
 ABSL_FLAG(int32_t, concurrency, 4, "load: concurrent clients (closed loop)");
 ABSL_FLAG(double, duration, 10, "load: seconds to keep issuing requests");
+ABSL_FLAG(std::string, service, "imagegen.v1.ImageGeneration",
+          "health: the service to check (\"\": the process; the default is NOT_SERVING while "
+          "the models load and once the daemon drains)");
 
 namespace {
 
@@ -379,12 +384,35 @@ int Load() {
   return latency.empty() ? 1 : 0;
 }
 
+// grpc.health.v1 Check: prints the status and exits 0 only when SERVING (1 otherwise, 2 when
+// the call fails), so that a container HEALTHCHECK or a script can use it as it is. Without
+// --timeout the call gets 5 s: a probe must not hang.
+int Health() {
+  auto stub = grpc::health::v1::Health::NewStub(Connect());
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  if (absl::GetFlag(FLAGS_timeout) <= 0) {
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  }
+  grpc::health::v1::HealthCheckRequest req;
+  req.set_service(absl::GetFlag(FLAGS_service));
+  grpc::health::v1::HealthCheckResponse resp;
+  const grpc::Status st = stub->Check(&ctx, req, &resp);
+  if (!st.ok()) {
+    std::cerr << "imagegen health: " << Describe(st) << "\n";
+    return 2;
+  }
+  std::cout << grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status()) << "\n";
+  return resp.status() == grpc::health::v1::HealthCheckResponse::SERVING ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "imagegen models | generate --class NAME [--stream] [--out FILE] | load [--concurrency N] "
-      "[--duration S]\n  (flags: --target, --method, --seed, --cfg, --window, --token-file, "
+      "[--duration S] | health [--service S]\n  (flags: --target, --method, --seed, --cfg, "
+      "--window, --token-file, "
       "--tls-ca, ...; --help lists all)");
   absl::FlagsUsageConfig usage;  // --help lists this file's flags, not Abseil's or gRPC's
   usage.contains_help_flags = [](absl::string_view file) {
@@ -411,6 +439,7 @@ int main(int argc, char** argv) {
   if (cmd == "models") return Models();
   if (cmd == "generate") return Generate();
   if (cmd == "load") return Load();
-  std::cerr << "imagegen: unknown command '" << cmd << "' (models, generate, load)\n";
+  if (cmd == "health") return Health();
+  std::cerr << "imagegen: unknown command '" << cmd << "' (models, generate, load, health)\n";
   return 2;
 }
