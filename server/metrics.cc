@@ -191,6 +191,13 @@ Metrics::Metrics()
                         .Help("Generate and GenerateStream calls that gRPC is done with")
                         .Register(*registry_)
                         .Add({})),
+      call_retries_(BuildCounter()
+                        .Name("imagegen_call_retries_total")
+                        .Help("Calls that arrived as a gRPC client's retry of a failed attempt "
+                              "(grpc-previous-rpc-attempts > 0): work another replica, or this "
+                              "one, could not do")
+                        .Register(*registry_)
+                        .Add({})),
       stream_stalls_(BuildCounter()
                          .Name("imagegen_stream_stalls_total")
                          .Help("Streams ended because their client read nothing for the stall "
@@ -200,7 +207,10 @@ Metrics::Metrics()
   info_.Add({{"version", "0.1.0"}}).Set(1);
 }
 
-void Metrics::OnCallOpened() { calls_opened_.Increment(); }
+void Metrics::OnCallOpened(bool retry) {
+  calls_opened_.Increment();
+  if (retry) call_retries_.Increment();
+}
 void Metrics::OnCallClosed() { calls_closed_.Increment(); }
 void Metrics::OnStreamStalled() { stream_stalls_.Increment(); }
 

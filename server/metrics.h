@@ -49,7 +49,8 @@ class Metrics : public EngineListener {
                     const RequestResult* result, double total_seconds);
 
   // Call accounting: a call is opened when it arrives and closed when gRPC is done with it.
-  void OnCallOpened();
+  // `retry`: the call is a client's retry of an attempt that failed (grpc-previous-rpc-attempts).
+  void OnCallOpened(bool retry = false);
   void OnCallClosed();
   // A stream was ended because its client stopped reading.
   void OnStreamStalled();
@@ -91,6 +92,7 @@ class Metrics : public EngineListener {
   prometheus::Family<prometheus::Gauge>& info_;
   prometheus::Counter& calls_opened_;
   prometheus::Counter& calls_closed_;
+  prometheus::Counter& call_retries_;
   prometheus::Counter& stream_stalls_;
 
   mutable std::mutex mu_;

@@ -464,7 +464,10 @@ grpc::Status ImageGenerationService::Begin(const std::shared_ptr<Call>& call,
     std::lock_guard<std::mutex> l(mu_);
     open_calls_ += 1;
   }
-  metrics_->OnCallOpened();
+  // gRPC's retry layer marks the second and later attempts of a call (gRFC A6).
+  const auto& md = ctx->client_metadata();
+  const auto attempts = md.find("grpc-previous-rpc-attempts");
+  metrics_->OnCallOpened(attempts != md.end() && attempts->second != "0");
   // The body first (for the metric labels), then who may call, then what it asks.
   grpc::Status parsed = grpc::Status::OK;
   grpc::ByteBuffer copy(request);

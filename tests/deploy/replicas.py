@@ -1,0 +1,258 @@
+#!/usr/bin/env python3
+"""Three replicas behind a client-side round-robin balancer, the way a Kubernetes headless
+Service serves them, under load while one replica is SIGKILLed and another drains on SIGTERM.
+
+    PYTHONPATH=build/ci/python python3 tests/deploy/replicas.py \\
+        --server build/ci/server/imagegen-server [--clients 12] [--seconds 24]
+
+The client is one gRPC channel over the three addresses with the round_robin policy and a
+retry policy for UNAVAILABLE (service config), as a client of the headless Service would use.
+Each replica is started from a flagfile (as the Kubernetes ConfigMap does). Timeline, with
+T = --seconds: load from t=0; at T/4 replica A is SIGKILLed; at T/2 replica B gets SIGTERM;
+once B has exited, C alone for T/4 more; then the clients stop and wait for their calls. Every request must end with an image or a clear status:
+  completed      an image came back (possibly after transparent retries on another replica);
+  retried        attempts that arrived as retries (imagegen_call_retries_total, which counts
+                 calls carrying gRPC's grpc-previous-rpc-attempts; read from A just before
+                 the kill, from B just before SIGTERM and from C at the end);
+  failed         a clear status: UNAVAILABLE for a stream that replica A was serving when it was
+                 killed (a stream that has sent messages cannot be retried transparently);
+  lost           anything else (no answer by the deadline, an unexpected status): must be 0.
+Also checked: requests spread over all three replicas before the kill; replica B's health turns
+NOT_SERVING before its listener closes (sampled every 5 ms); B exits 0 after its drain; replica
+C serves everything after that.
+"""
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+import grpc
+import health_pb2  # grpc.health.v1, generated into the build's python/ folder
+import health_pb2_grpc
+from imagegen.v1 import imagegen_pb2, imagegen_pb2_grpc
+
+SERVICE = "imagegen.v1.ImageGeneration"
+
+
+def metric_sum(mport, name):
+    text = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=30).read().decode()
+    return sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines()
+               if l.startswith(name + "{") or l.startswith(name + " "))
+
+
+class Replica:
+    def __init__(self, name, server, workdir, grace):
+        self.name = name
+        self.dir = os.path.join(workdir, name)
+        os.makedirs(self.dir)
+        ports = os.path.join(self.dir, "ports")
+        flagfile = os.path.join(self.dir, "imagegen.flags")
+        with open(flagfile, "w") as f:
+            f.write("# as deploy/k8s/configmap.yaml, on loopback and the CPU\n")
+            for flag in ("--listen=127.0.0.1:0", "--metrics_listen=127.0.0.1:0",
+                         f"--port_file={ports}", f"--grace_seconds={grace}", "--max_slots=24",
+                         "--max_queue=256", "--default_method=sjd"):
+                f.write(flag + "\n")
+        self.log = open(os.path.join(self.dir, "server.log"), "w")
+        self.proc = subprocess.Popen([server, f"--flagfile={flagfile}"], stdout=self.log,
+                                     stderr=subprocess.STDOUT)
+        for _ in range(2400):
+            if os.path.exists(ports) and open(ports).read().strip():
+                break
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{name} exited: {self.dir}/server.log")
+            time.sleep(0.05)
+        self.port, self.mport = map(int, open(ports).read().split())
+        self.health = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{self.port}"))
+
+    def serving(self, timeout=2.0):
+        try:
+            r = self.health.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=timeout)
+            return r.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            return False
+
+    def wait_serving(self, seconds=300):
+        end = time.time() + seconds
+        while not self.serving():
+            if time.time() > end or self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} did not become ready: {self.dir}/server.log")
+            time.sleep(0.1)
+
+    def accepts_connections(self):
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                return True
+        except OSError:
+            return False
+
+
+def channel_for(replicas):
+    config = {
+        "loadBalancingConfig": [{"round_robin": {}}],
+        "methodConfig": [{
+            "name": [{"service": SERVICE}],
+            "retryPolicy": {
+                "maxAttempts": 5,
+                "initialBackoff": "0.1s",
+                "maxBackoff": "1s",
+                "backoffMultiplier": 2,
+                "retryableStatusCodes": ["UNAVAILABLE"],
+            },
+        }],
+    }
+    target = "ipv4:" + ",".join(f"127.0.0.1:{r.port}" for r in replicas)
+    return grpc.insecure_channel(target, options=[("grpc.service_config", json.dumps(config)),
+                                                  ("grpc.enable_retries", 1)])
+
+
+class Load:
+    def __init__(self, stub, clients, seed):
+        self.stub = stub
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.counts = {"sent": 0, "completed": 0, "failed": 0, "lost": 0}
+        self.failures = {}
+        self.lost = []
+        self.threads = [threading.Thread(target=self.run, args=(seed + i,), daemon=True)
+                        for i in range(clients)]
+
+    def count(self, key, detail=None):
+        with self.lock:
+            self.counts[key] += 1
+            if key == "failed":
+                self.failures[detail] = self.failures.get(detail, 0) + 1
+            if key == "lost":
+                self.lost.append(detail)
+
+    def run(self, seed):
+        rnd = random.Random(seed)
+        while not self.stop.is_set():
+            req = imagegen_pb2.GenerateRequest(class_id=rnd.randrange(10),
+                                               seed=rnd.randrange(1 << 30),
+                                               method=rnd.choice(["sjd", "ar", "scd-mc"]))
+            stream = rnd.random() < 0.3
+            self.count("sent")
+            try:
+                if stream:
+                    final = None
+                    for m in self.stub.GenerateStream(req, timeout=120):
+                        if m.HasField("final"):
+                            final = m.final
+                    ok = final is not None and len(final.image_png) > 0
+                    self.count("completed" if ok else "lost", "stream without a final image")
+                else:
+                    resp = self.stub.Generate(req, timeout=120)
+                    ok = len(resp.image_png) > 0
+                    self.count("completed" if ok else "lost", "unary without an image")
+            except grpc.RpcError as e:
+                code = e.code()
+                # A stream on the replica that was killed (or, past its grace, drained) ends
+                # UNAVAILABLE once it has sent messages: a clear status. Anything else is lost.
+                if code == grpc.StatusCode.UNAVAILABLE:
+                    self.count("failed", f"{'stream' if stream else 'unary'} UNAVAILABLE")
+                else:
+                    self.count("lost", f"{code.name}: {e.details()}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--server", required=True)
+    ap.add_argument("--clients", type=int, default=12)
+    ap.add_argument("--seconds", type=float, default=24)
+    ap.add_argument("--grace", type=float, default=20)
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args()
+
+    work = tempfile.mkdtemp(prefix="imagegen-replicas-")
+    a, b, c = (Replica(n, args.server, work, args.grace) for n in ("a", "b", "c"))
+    for r in (a, b, c):
+        r.wait_serving()
+    stub = imagegen_pb2_grpc.ImageGenerationStub(channel_for([a, b, c]))
+    load = Load(stub, args.clients, args.seed)
+    t0 = time.time()
+    for t in load.threads:
+        t.start()
+    problems = []
+
+    time.sleep(args.seconds * 0.25)
+    spread = {r.name: metric_sum(r.mport, "imagegen_calls_opened_total") for r in (a, b, c)}
+    if min(spread.values()) == 0:
+        problems.append(f"round robin did not reach every replica: {spread}")
+    retries = metric_sum(a.mport, "imagegen_call_retries_total")
+    a.proc.send_signal(signal.SIGKILL)
+    t_kill = time.time() - t0
+
+    time.sleep(args.seconds * 0.25)
+    # B drains: sample its health and its listener every 5 ms from just before SIGTERM.
+    retries += metric_sum(b.mport, "imagegen_call_retries_total")
+    t_term = time.time() - t0
+    b.proc.send_signal(signal.SIGTERM)
+    t_not_serving = t_closed = None
+    while b.proc.poll() is None or t_closed is None:
+        now = time.time() - t0
+        if t_not_serving is None and not b.serving(timeout=0.5):
+            t_not_serving = now
+        if t_closed is None and not b.accepts_connections():
+            t_closed = now
+        if now - t_term > args.grace + 30:
+            break
+        time.sleep(0.005)
+    b_code = b.proc.wait(timeout=60)
+    served_c_before = metric_sum(c.mport, "imagegen_calls_opened_total")
+
+    time.sleep(args.seconds * 0.25)  # C alone
+    load.stop.set()
+    for t in load.threads:
+        t.join(timeout=180)
+    hung = sum(t.is_alive() for t in load.threads)
+    served_c_after = metric_sum(c.mport, "imagegen_calls_opened_total")
+    retries += metric_sum(c.mport, "imagegen_call_retries_total")
+    c.proc.send_signal(signal.SIGTERM)
+    c_code = c.proc.wait(timeout=120)
+
+    k = load.counts
+    print(f"replicas: {args.clients} clients, T = {args.seconds:g} s, 3 replicas "
+          f"(round robin; retry on UNAVAILABLE, up to 5 attempts)")
+    print(f"  calls per replica before the kill: {spread}")
+    print(f"  A SIGKILLed at {t_kill:.1f} s; B SIGTERM at {t_term:.1f} s: NOT_SERVING at "
+          f"+{(t_not_serving or float('nan')) - t_term:.3f} s, listener closed at "
+          f"+{(t_closed or float('nan')) - t_term:.3f} s, exit {b_code}; C served "
+          f"{served_c_after - served_c_before:g} calls after B's drain; C exit {c_code}")
+    print(f"  sent {k['sent']}, completed {k['completed']}, retry attempts {retries:g}, "
+          f"failed with a status {k['failed']} {load.failures}, lost {k['lost']}")
+    if load.lost:
+        problems.append(f"lost requests: {load.lost[:5]}")
+    if hung:
+        problems.append(f"{hung} client threads still waiting")
+    if k["sent"] != k["completed"] + k["failed"] + k["lost"]:
+        problems.append("the counts do not add up")
+    if k["completed"] == 0:
+        problems.append("nothing completed")
+    if any(key != "stream UNAVAILABLE" for key in load.failures):
+        problems.append(f"a unary call failed instead of being retried: {load.failures}")
+    if t_not_serving is None or t_closed is None or not t_not_serving < t_closed:
+        problems.append(f"B: NOT_SERVING at {t_not_serving}, closed at {t_closed}")
+    if b_code != 0 or c_code != 0:
+        problems.append(f"exit codes B {b_code}, C {c_code}")
+    if retries == 0:
+        problems.append("no call was retried: the kill and the drain should have caused some")
+    if served_c_after <= served_c_before:
+        problems.append("C served nothing after the others were gone")
+    for p in problems:
+        print("  PROBLEM", p)
+    print("replicas:", "ok" if not problems else f"FAILED (logs in {work})")
+    return 0 if not problems else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
