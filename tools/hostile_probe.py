@@ -14,6 +14,8 @@ Every probe starts its own daemon on loopback ports (the bundled models). The pr
   help        does --help list the flags (--max_queue)?
   drain       a stream whose client stopped reading, SIGTERM with --grace-seconds 2:
               seconds from the signal to the exit
+  threads     --max-threads 8 and 32 concurrent streams (AR, so that they overlap): how many
+              end OK, and with which codes the others end
 """
 import argparse
 import json
@@ -23,6 +25,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 
@@ -209,6 +212,35 @@ def probe_drain(server):
     return f"exit {d.proc.returncode} {took:.1f} s after SIGTERM (grace 2 s)"
 
 
+def probe_threads(server):
+    d = Daemon(server, flags=["--max-threads", "8"])
+    d.ready()
+    codes = {}
+    lock = threading.Lock()
+
+    def one(i):
+        stub = d.stub()
+
+        def run():
+            for _ in stub.GenerateStream(
+                    imagegen_pb2.GenerateRequest(class_id=i % 10, seed=i, method="ar"),
+                    timeout=600):
+                pass
+
+        code, msg = code_of(run)
+        with lock:
+            key = code if code == "OK" else f"{code} '{msg[:40]}'"
+            codes[key] = codes.get(key, 0) + 1
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    d.stop()
+    return "32 streams with --max-threads 8: " + ", ".join(f"{k} {v}" for k, v in codes.items())
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--server", required=True)
@@ -217,7 +249,7 @@ def main():
     probes = {"reuseport": probe_reuseport, "slowloris": probe_slowloris,
               "long-echo": probe_long_echo, "garbage": probe_garbage,
               "class-id": probe_class_id, "defaults": probe_defaults, "help": probe_help,
-              "drain": probe_drain}
+              "drain": probe_drain, "threads": probe_threads}
     for name, fn in probes.items():
         if args.only and name not in args.only.split(","):
             continue
