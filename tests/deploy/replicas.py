@@ -9,13 +9,15 @@ The client is one gRPC channel over the three addresses with the round_robin pol
 retry policy for UNAVAILABLE (service config), as a client of the headless Service would use.
 Each replica is started from a flagfile (as the Kubernetes ConfigMap does). Timeline, with
 T = --seconds: load from t=0; at T/4 replica A is SIGKILLed; at T/2 replica B gets SIGTERM;
-once B has exited, C alone for T/4 more; then the clients stop and wait for their calls. Every request must end with an image or a clear status:
+once B has exited, C alone for T/4 more (and until it has taken 3 new calls); then the clients
+stop and wait for their calls. Every request must end with an image or a clear status:
   completed      an image came back (possibly after transparent retries on another replica);
   retried        attempts that arrived as retries (imagegen_call_retries_total, which counts
                  calls carrying gRPC's grpc-previous-rpc-attempts; read from A just before
                  the kill, from B just before SIGTERM and from C at the end);
   failed         a clear status: UNAVAILABLE for a stream that replica A was serving when it was
-                 killed (a stream that has sent messages cannot be retried transparently);
+                 killed, or that outlived B's grace (a stream that has sent messages cannot be
+                 retried transparently; a unary call that B ends UNAVAILABLE is retried on C);
   lost           anything else (no answer by the deadline, an unexpected status): must be 0.
 Also checked: requests spread over all three replicas before the kill; replica B's health turns
 NOT_SERVING before its listener closes (sampled every 5 ms); B exits 0 after its drain; replica
@@ -73,12 +75,16 @@ class Replica:
         self.port, self.mport = map(int, open(ports).read().split())
         self.health = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{self.port}"))
 
-    def serving(self, timeout=2.0):
+    def status(self, timeout=2.0):
+        """The health of the generation service, or None when the call fails."""
         try:
-            r = self.health.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=timeout)
-            return r.status == health_pb2.HealthCheckResponse.SERVING
+            return self.health.Check(health_pb2.HealthCheckRequest(service=SERVICE),
+                                     timeout=timeout).status
         except grpc.RpcError:
-            return False
+            return None
+
+    def serving(self, timeout=2.0):
+        return self.status(timeout) == health_pb2.HealthCheckResponse.SERVING
 
     def wait_serving(self, seconds=300):
         end = time.time() + seconds
@@ -95,10 +101,12 @@ class Replica:
             return False
 
 
-def channel_for(replicas):
+def channel_for(replicas, retries=True):
     config = {
         "loadBalancingConfig": [{"round_robin": {}}],
-        "methodConfig": [{
+    }
+    if retries:
+        config["methodConfig"] = [{
             "name": [{"service": SERVICE}],
             "retryPolicy": {
                 "maxAttempts": 5,
@@ -107,8 +115,7 @@ def channel_for(replicas):
                 "backoffMultiplier": 2,
                 "retryableStatusCodes": ["UNAVAILABLE"],
             },
-        }],
-    }
+        }]
     target = "ipv4:" + ",".join(f"127.0.0.1:{r.port}" for r in replicas)
     return grpc.insecure_channel(target, options=[("grpc.service_config", json.dumps(config)),
                                                   ("grpc.enable_retries", 1)])
@@ -171,13 +178,17 @@ def main():
     ap.add_argument("--seconds", type=float, default=24)
     ap.add_argument("--grace", type=float, default=20)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--no-retry-control", action="store_true",
+                    help="the negative control: no retry policy, so the kill and the drain must "
+                         "cost unary calls; exits 0 only if the check caught it")
     args = ap.parse_args()
 
     work = tempfile.mkdtemp(prefix="imagegen-replicas-")
     a, b, c = (Replica(n, args.server, work, args.grace) for n in ("a", "b", "c"))
     for r in (a, b, c):
         r.wait_serving()
-    stub = imagegen_pb2_grpc.ImageGenerationStub(channel_for([a, b, c]))
+    stub = imagegen_pb2_grpc.ImageGenerationStub(
+        channel_for([a, b, c], retries=not args.no_retry_control))
     load = Load(stub, args.clients, args.seed)
     t0 = time.time()
     for t in load.threads:
@@ -200,8 +211,9 @@ def main():
     t_not_serving = t_closed = None
     while b.proc.poll() is None or t_closed is None:
         now = time.time() - t0
-        if t_not_serving is None and not b.serving(timeout=0.5):
-            t_not_serving = now
+        if t_not_serving is None and (
+                b.status(timeout=0.5) == health_pb2.HealthCheckResponse.NOT_SERVING):
+            t_not_serving = now  # an answer, not a failed call
         if t_closed is None and not b.accepts_connections():
             t_closed = now
         if now - t_term > args.grace + 30:
@@ -210,7 +222,13 @@ def main():
     b_code = b.proc.wait(timeout=60)
     served_c_before = metric_sum(c.mport, "imagegen_calls_opened_total")
 
-    time.sleep(args.seconds * 0.25)  # C alone
+    # C alone: for T/4, and until it has taken 3 new calls (a loaded machine is slow to free
+    # the clients, each waits for its call in flight), at most 3 minutes.
+    t_alone = time.time()
+    while time.time() < t_alone + 180 and (
+            time.time() < t_alone + args.seconds * 0.25
+            or metric_sum(c.mport, "imagegen_calls_opened_total") < served_c_before + 3):
+        time.sleep(0.2)
     load.stop.set()
     for t in load.threads:
         t.join(timeout=180)
@@ -222,7 +240,8 @@ def main():
 
     k = load.counts
     print(f"replicas: {args.clients} clients, T = {args.seconds:g} s, 3 replicas "
-          f"(round robin; retry on UNAVAILABLE, up to 5 attempts)")
+          + ("(round robin, no retries: the control)" if args.no_retry_control
+             else "(round robin; retry on UNAVAILABLE, up to 5 attempts)"))
     print(f"  calls per replica before the kill: {spread}")
     print(f"  A SIGKILLed at {t_kill:.1f} s; B SIGTERM at {t_term:.1f} s: NOT_SERVING at "
           f"+{(t_not_serving or float('nan')) - t_term:.3f} s, listener closed at "
@@ -250,6 +269,11 @@ def main():
         problems.append("C served nothing after the others were gone")
     for p in problems:
         print("  PROBLEM", p)
+    if args.no_retry_control:
+        caught = any("instead of being retried" in p for p in problems)
+        print("replicas (control without retries):",
+              "the check caught the lost unary calls" if caught else "NOT CAUGHT")
+        return 0 if caught else 1
     print("replicas:", "ok" if not problems else f"FAILED (logs in {work})")
     return 0 if not problems else 1
 
