@@ -55,6 +55,7 @@ RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends \
 COPY models /models
 RUN chmod -R a+rX,go-w /models
 ARG VERSION=0.1.0
+ARG DEBIAN_BASE
 LABEL org.opencontainers.image.title="imagegen" \
       org.opencontainers.image.description="gRPC daemon for autoregressive image generation with lossless speculative Jacobi decoding" \
       org.opencontainers.image.version="${VERSION}" \

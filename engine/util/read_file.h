@@ -36,7 +36,7 @@ inline Status OpenError(const std::string& path, int err) {
       detail = " (owner uid " + std::to_string(st.st_uid) + ", mode " + mode + "; this process";
       detail += " runs as uid " + std::to_string(::geteuid()) + ")";
     }
-    return PermissionDenied(what + detail + ": make it readable, e.g. chmod a+r");
+    return PermissionDenied(what + detail + ": give this user read access to it");
   }
   return FailedPrecondition(what);
 }
