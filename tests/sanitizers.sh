@@ -25,10 +25,8 @@ root=$PWD
 build=$root/build/asan-ubsan
 start=$(date +%s)
 
-# ccache: share hits between checkouts beside this one, and let it cache the translation units
-# that use CMake's precompiled headers (without pch_defines,time_macros it refuses them all).
-export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$(dirname "$root")}"
-export CCACHE_SLOPPINESS="pch_defines,time_macros${CCACHE_SLOPPINESS:+,$CCACHE_SLOPPINESS}"
+. "$root/tests/sanitizers/common.sh"
+sanitizer_ccache "$root"
 
 echo "== sanitizers: configure and build (preset asan-ubsan)"
 cmake --preset asan-ubsan
@@ -73,14 +71,7 @@ echo "== sanitizers: server start-up, end-to-end tests and fuzz replays"
 ctest --preset asan-ubsan || status=1
 end=$(date +%s)
 
-if compgen -G "$logs/*" >/dev/null; then
-  echo "== sanitizers: reports"
-  for f in "$logs"/*; do
-    echo "--- $f"
-    cat "$f"
-  done
-  status=1
-fi
+sanitizer_reports sanitizers "$logs" || status=1
 echo "== sanitizers: build $((built - start)) s, tests $((end - built)) s, total $((end - start)) s;" \
   "$([ $status = 0 ] && echo passed || echo FAILED)"
 exit $status

@@ -20,8 +20,8 @@ cd "$(dirname "$0")/.."
 root=$PWD
 build=$root/build/tsan
 start=$(date +%s)
-export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$(dirname "$root")}"
-export CCACHE_SLOPPINESS="pch_defines,time_macros${CCACHE_SLOPPINESS:+,$CCACHE_SLOPPINESS}"
+. "$root/tests/sanitizers/common.sh"
+sanitizer_ccache "$root"
 
 echo "== tsan: configure and build (preset tsan: engine_tests)"
 cmake --preset tsan > /dev/null
@@ -64,14 +64,7 @@ export TSAN_OPTIONS="log_path=$logs/tsan:halt_on_error=0:second_deadlock_stack=1
 (cd "$build/tests" && ./engine_tests --gtest_filter='EngineTest.*') || status=1
 end=$(date +%s)
 
-if compgen -G "$logs/*" > /dev/null; then
-  echo "== tsan: reports"
-  for f in "$logs"/*; do
-    echo "--- $f"
-    cat "$f"
-  done
-  status=1
-fi
+sanitizer_reports tsan "$logs" || status=1
 echo "== tsan: build $((built - start)) s, tests $((end - built)) s;" \
   "$([ $status = 0 ] && echo passed || echo FAILED)"
 exit $status
