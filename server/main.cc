@@ -33,7 +33,7 @@ ABSL_FLAG(
     "directory of model directories (default: $IMAGEGEN_MODELS_DIR, else the bundled models)");
 ABSL_FLAG(std::vector<std::string>, models, {"fmnist-gpt"}, "models to load (comma-separated)");
 ABSL_FLAG(std::string, device, "cpu", "cpu, cuda or cuda:N");
-ABSL_FLAG(std::string, dtype, "fp32", "fp32, bf16 or fp16");
+ABSL_FLAG(std::string, dtype, "auto", "auto (bf16 on CUDA, fp32 on the CPU), fp32, bf16 or fp16");
 ABSL_FLAG(std::string, default_method, "scd-mc",
           "decoding method of requests that name none (lossless: ar, sjd, scd-mc, scd-gs, sjd-pac, "
           "pac-gumbel, sd)");

@@ -13,6 +13,7 @@ TEST(DeviceTest, ParsesCpuAndEveryDtype) {
   EXPECT_EQ(o->dtype, at::kFloat);
   EXPECT_EQ(ParseDeviceAndDtype("cpu", "bf16")->dtype, at::kBFloat16);
   EXPECT_EQ(ParseDeviceAndDtype("cpu", "fp16")->dtype, at::kHalf);
+  EXPECT_EQ(ParseDeviceAndDtype("cpu", "auto")->dtype, at::kFloat);  // auto: fp32 on the CPU
 }
 
 TEST(DeviceTest, MalformedValuesNameTheField) {
@@ -30,7 +31,7 @@ TEST(DeviceTest, MalformedValuesNameTheField) {
     ASSERT_FALSE(o.ok()) << bad;
     EXPECT_EQ(o.status().field(), "dtype") << bad;
     EXPECT_EQ(o.status().message(),
-              std::string("dtype: expected fp32, bf16 or fp16, got '") + bad + "'");
+              std::string("dtype: expected auto, fp32, bf16 or fp16, got '") + bad + "'");
   }
 }
 
@@ -44,6 +45,7 @@ TEST(DeviceTest, CudaNamesADevice) {
       EXPECT_TRUE(o->device.is_cuda());
       EXPECT_EQ(o->device.index(), index);
       EXPECT_EQ(o->dtype, at::kBFloat16);
+      EXPECT_EQ(ParseDeviceAndDtype(dev, "auto")->dtype, at::kBFloat16);  // auto: bf16 on CUDA
     } else {
       ASSERT_FALSE(o.ok()) << dev;
       EXPECT_EQ(o.status().field(), "device");

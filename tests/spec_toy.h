@@ -43,11 +43,11 @@ class Toy {
         ", \"tokenizer\": \"toy-vq\", \"draft_model\": \"toy-draft\", "
         "\"class_names\": [\"zero\", \"one\"], \"sampling_defaults\": "
         "{\"cfg_scale\": 1.5, \"top_k\": 2}";
-    auto t = Gpt::Load(WriteTinyGpt(dir + "/toy-gpt", spec, 11, extra), {});
+    auto t = Gpt::Load(WriteTinyGpt(dir + "/toy-gpt", spec, 11, extra), TestLoadOptions());
     spec.dim = 8;
     spec.n_layer = 1;
     spec.n_head = 2;
-    auto d = Gpt::Load(WriteTinyGpt(dir + "/toy-draft", spec, 29), {});
+    auto d = Gpt::Load(WriteTinyGpt(dir + "/toy-draft", spec, 29), TestLoadOptions());
     WriteTinyVq(dir + "/toy-vq", kV, kGrid);
     if (!t.ok() || !d.ok()) throw std::runtime_error("toy models");
     target = std::move(t).value();
@@ -107,7 +107,7 @@ class Toy {
         r.tokens[0] = m.config().null_class();
         rows.push_back(r);
       }
-      at::Tensor l = *m.Forward(rows, cache);
+      at::Tensor l = m.Forward(rows, cache)->cpu();  // tabulated on the host
       at::Tensor last_c = at::arange(len, 2 * count * (len + 1), 2 * (len + 1));
       at::Tensor g = CfgCombine(l.index_select(0, last_c), l.index_select(0, last_c + len + 1),
                                 at::full({count}, static_cast<float>(sampling.cfg_scale)));

@@ -4,7 +4,10 @@
 
 #include <ATen/ATen.h>
 
+#include <torch/cuda.h>
+
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -15,6 +18,17 @@
 #include "tests/temp_dir.h"
 
 namespace imagegen::testing {
+
+// The device the device-aware tests run their models on: the CPU, or the first CUDA device
+// when IMAGEGEN_TEST_DEVICE=cuda and one is present (bench/gpu/run_all.sh sets it).
+inline LoadOptions TestLoadOptions() {
+  LoadOptions o;
+  const char* d = std::getenv("IMAGEGEN_TEST_DEVICE");
+  if (d != nullptr && std::string(d) == "cuda" && torch::cuda::is_available()) {
+    o.device = c10::Device(c10::kCUDA, 0);
+  }
+  return o;
+}
 
 inline void WriteText(const std::string& path, const std::string& text) {
   std::ofstream(path, std::ios::trunc) << text;

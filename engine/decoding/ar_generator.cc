@@ -5,6 +5,7 @@
 #include "engine/decoding/guided_batch.h"
 #include "engine/decoding/philox.h"
 #include "engine/decoding/sampling.h"
+#include "engine/model/transfer.h"
 
 namespace imagegen {
 
@@ -35,7 +36,8 @@ StatusOr<std::vector<ImageResult>> ArGenerator::Generate(
       u[i] = Uniform(r.seed, static_cast<uint32_t>(t), 0, Purpose::kSample);
     }
     ASSIGN_OR_RETURN(at::Tensor logits, gpt_.Forward(batch.rows(), cache));
-    at::Tensor tok = SampleInverseCdf(batch.Probs(logits), at::tensor(u)).to(at::kCPU);
+    at::Tensor tok =
+        ReadBack(SampleInverseCdf(batch.Probs(logits), UploadDoubles(u, logits.device())));
     auto acc = tok.accessor<int64_t, 1>();
     for (size_t i = 0; i < requests.size(); ++i) {
       results[i].tokens.push_back(static_cast<int32_t>(acc[static_cast<int64_t>(i)]));

@@ -13,6 +13,7 @@
 #include <ATen/ATen.h>
 
 #include "engine/decoding/step_phases.h"
+#include "engine/model/transfer.h"
 
 namespace imagegen {
 namespace {
@@ -23,7 +24,7 @@ at::Tensor Pack(const Verdicts& v, const NextDrafts& d, const at::Tensor& entrop
       v.kept.unsqueeze(1).to(at::kDouble), d.fresh.unsqueeze(1).to(at::kDouble)};
   if (tree_k > 1) pack.push_back(d.extra.to(at::kDouble));
   if (entropy.defined()) pack.push_back(entropy);
-  return at::cat(pack, 1).cpu();  // the step's only device-to-host read
+  return ReadBack(at::cat(pack, 1));  // the step's only device-to-host read
 }
 
 // The walk's state for one request.

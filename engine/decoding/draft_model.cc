@@ -8,6 +8,7 @@
 #include "engine/decoding/philox.h"
 #include "engine/decoding/sampling.h"
 #include "engine/decoding/step_phases.h"
+#include "engine/model/transfer.h"
 
 namespace imagegen {
 namespace {
@@ -50,7 +51,7 @@ StatusOr<at::Tensor> DraftOnce(StepContext& ctx, const std::vector<Sequence*>& a
   }
   at::Tensor dev_tokens;
   if (j > 0) {
-    dev_tokens = tokens->index_select(0, at::tensor(tok_src, at::kLong).to(ctx.dev()));
+    dev_tokens = tokens->index_select(0, UploadLongs(tok_src, ctx.dev()));
   }
   ASSIGN_OR_RETURN(at::Tensor logits,
                    ctx.draft->Forward(batch.rows(), ctx.draft_cache, dev_tokens, ctx.fwd()));
@@ -60,7 +61,7 @@ StatusOr<at::Tensor> DraftOnce(StepContext& ctx, const std::vector<Sequence*>& a
     us.push_back(Uniform(s->r.seed, static_cast<uint32_t>(s->n() + j), s->iter, Purpose::kDraft));
     s->stats.draft_forwards += 1;
   }
-  *tokens = SampleInverseCdf(probs, at::tensor(us));
+  *tokens = SampleInverseCdf(probs, UploadDoubles(us, ctx.dev()));
   return probs;
 }
 
@@ -88,8 +89,9 @@ Status DraftWithModel(StepContext& ctx, const std::vector<Sequence*>& drafting) 
     tparts.push_back(tokens);
     who.push_back(std::move(act));
   }
-  // One read of all drafted tokens; their q rows are referenced in the concatenated draft q.
-  at::Tensor all_tokens = at::cat(tparts).cpu();
+  // One read of all drafted tokens (the window's rows are built from them on the host: a
+  // draft-model step reads back twice); their q rows are referenced in the concatenated draft q.
+  at::Tensor all_tokens = ReadBack(at::cat(tparts));
   auto tk = all_tokens.accessor<int64_t, 1>();
   int64_t row = 0;
   for (const auto& act : who) {

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include "engine/decoding/sampling.h"
+#include "engine/model/transfer.h"
 
 namespace imagegen {
 
@@ -29,9 +30,12 @@ void GuidedBatch::Add(BatchRow row, int64_t uncond_slot, const SamplingParams& s
 
 at::Tensor GuidedBatch::Probs(const at::Tensor& logits) const {
   const at::Device dev = logits.device();
-  at::Tensor c = logits.index_select(0, at::tensor(cond_, at::kLong).to(dev));
-  at::Tensor u = logits.index_select(0, at::tensor(uncond_, at::kLong).to(dev));
-  return FinalProbs(CfgCombine(c, u, at::tensor(scale_).to(dev)), params_);
+  std::vector<int64_t> both(cond_);
+  both.insert(both.end(), uncond_.begin(), uncond_.end());
+  const auto n = static_cast<int64_t>(cond_.size());
+  at::Tensor rows = logits.index_select(0, UploadLongs(both, dev));
+  return FinalProbs(
+      CfgCombine(rows.narrow(0, 0, n), rows.narrow(0, n, n), UploadFloats(scale_, dev)), params_);
 }
 
 }  // namespace imagegen

@@ -7,6 +7,7 @@
 #include "engine/decoding/philox.h"
 #include "engine/decoding/sampling.h"
 #include "engine/decoding/step_phases.h"
+#include "engine/model/transfer.h"
 
 namespace imagegen {
 namespace {
@@ -50,9 +51,9 @@ DrawInputs BuildDrawInputs(const StepContext& ctx) {
 // Gumbel top-K of the Gumbel-coupled nodes, written into their rows of d.
 void GumbelDraws(const StepContext& ctx, const DrawInputs& in, NextDrafts& d) {
   const int64_t K = ctx.tree_k, V = ctx.cfg().vocab_size;
-  at::Tensor gi = at::tensor(in.gumbel_nodes, at::kLong).to(ctx.dev());
+  at::Tensor gi = UploadLongs(in.gumbel_nodes, ctx.dev());
   const auto Ag = static_cast<int64_t>(in.gumbel_nodes.size());
-  at::Tensor gu = at::tensor(in.gumbel_u, at::kDouble).to(ctx.dev()).view({Ag, V});
+  at::Tensor gu = UploadDoubles(in.gumbel_u, ctx.dev()).view({Ag, V});
   gu = gu.clamp(1e-300, 1.0 - 1e-16);
   at::Tensor keys = ctx.p.index_select(0, gi).log() - (-gu.log()).log();
   auto [vals, top] = keys.topk(K, 1);
@@ -69,21 +70,21 @@ void GumbelDraws(const StepContext& ctx, const DrawInputs& in, NextDrafts& d) {
 NextDrafts DrawNextDrafts(const StepContext& ctx, const at::Tensor& kept) {
   const int64_t A = ctx.nodes, K = ctx.tree_k, V = ctx.cfg().vocab_size;
   const DrawInputs in = BuildDrawInputs(ctx);
-  at::Tensor uf = at::tensor(in.ufresh, at::kDouble).to(ctx.dev()).view({A, K});
+  at::Tensor uf = UploadDoubles(in.ufresh, ctx.dev()).view({A, K});
   NextDrafts d;
   d.fresh = SampleInverseCdf(ctx.p, uf.select(1, 0));
   d.extra = at::full({A, K - 1}, -1, d.fresh.options());
   if (K > 1) {
     // Tree candidates exclude the column's first candidate: the kept token under maximal
     // coupling, else the fresh draw.
-    at::Tensor maximal = at::tensor(in.maximal, at::kLong).to(ctx.dev()) > 0;
-    at::Tensor mask = at::one_hot(at::where(maximal, kept, d.fresh), V).to(at::kBool);
+    at::Tensor maximal = UploadLongs(in.maximal, ctx.dev()) > 0;
+    at::Tensor mask = OneHot(at::where(maximal, kept, d.fresh), V, at::kBool);
     for (int64_t k = 1; k < K; ++k) {
       at::Tensor pm = RemoveAndNormalise(ctx.p, mask);
       at::Tensor ok = pm.sum(1) > 0;
       at::Tensor e = at::where(ok, SampleInverseCdf(pm, uf.select(1, k)), at::full_like(kept, -1));
       d.extra.select(1, k - 1).copy_(e);
-      mask = mask | (at::one_hot(e.clamp_min(0), V).to(at::kBool) & ok.unsqueeze(1));
+      mask = mask | (OneHot(e.clamp_min(0), V, at::kBool) & ok.unsqueeze(1));
     }
   }
   if (!in.gumbel_nodes.empty()) GumbelDraws(ctx, in, d);

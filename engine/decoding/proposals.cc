@@ -2,7 +2,9 @@
 // the previous step's P and Q, this step's draft-model q, one-hot rows and a uniform row.
 #include <ATen/ATen.h>
 
+#include "engine/decoding/sampling.h"
 #include "engine/decoding/step_phases.h"
+#include "engine/model/transfer.h"
 
 namespace imagegen {
 
@@ -57,12 +59,14 @@ void GatherProposals(StepContext& ctx) {
         break;
     }
   }
+  const auto n_src = static_cast<int64_t>(src.size());
+  src.insert(src.end(), onehot_tokens.begin(), onehot_tokens.end());
+  at::Tensor idx = UploadLongs(src, ctx.dev());  // one upload: gather rows, then one-hot ids
   if (n_onehot > 0) {
-    parts.push_back(
-        at::one_hot(at::tensor(onehot_tokens, at::kLong).to(ctx.dev()), V).to(at::kDouble));
+    parts.push_back(OneHot(idx.narrow(0, n_src, n_onehot), V, at::kDouble));
   }
   parts.push_back(at::full({1, V}, 1.0 / static_cast<double>(V), fopt));
-  ctx.q = at::cat(parts).index_select(0, at::tensor(src, at::kLong).to(ctx.dev()));
+  ctx.q = at::cat(parts).index_select(0, idx.narrow(0, 0, n_src));
 }
 
 }  // namespace imagegen

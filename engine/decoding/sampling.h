@@ -15,14 +15,21 @@
 
 namespace imagegen {
 
-// logits of the unconditional row u and conditional row c -> u + (c - u) * scale; scale [R].
+// logits of the unconditional row u and conditional row c -> u + (c - u) * scale; scale [R] on
+// their device.
 at::Tensor CfgCombine(const at::Tensor& cond, const at::Tensor& uncond, const at::Tensor& scale);
 
 // logits [R, V] float32 -> probabilities [R, V] float32 after temperature, top-k, top-p.
 at::Tensor FinalProbs(const at::Tensor& logits, const std::vector<SamplingParams>& params);
 
 // Inverse-CDF draw: for each row the first id whose cumulative probability exceeds
-// u * total (never an id of probability zero). probs [R, V], uniforms [R] in [0, 1).
+// u * total (never an id of probability zero). probs [R, V], uniforms [R] in [0, 1), on the
+// same device.
 at::Tensor SampleInverseCdf(const at::Tensor& probs, const at::Tensor& uniforms);
+
+// One-hot rows [n, classes] of `dtype` for ids in [0, classes), on the ids' device. Unlike
+// at::one_hot it does not read the ids' range back to the host (a device sync on the CPU
+// path's checks); out-of-range ids are the caller's bug.
+at::Tensor OneHot(const at::Tensor& ids, int64_t classes, at::ScalarType dtype);
 
 }  // namespace imagegen

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <chrono>
 #include <map>
 
 #include "engine/decoding/sequence.h"
@@ -132,11 +133,18 @@ StepContext SpecBatch::Impl::Context(const std::vector<WindowGrant>& grants) {
 Status SpecBatch::Impl::Step(const std::vector<WindowGrant>& grants) {
   StepContext ctx = Context(grants);
   if (ctx.live.empty()) return OkStatus();
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point t0 = opts.timing != nullptr ? Clock::now() : Clock::time_point();
   std::vector<Sequence*> drafting;
   for (Sequence* s : ctx.live) {
     if (s->r.policy.draft == DraftSource::kDraftModel) drafting.push_back(s);
   }
-  if (!drafting.empty()) RETURN_IF_ERROR(DraftWithModel(ctx, drafting));
+  if (!drafting.empty()) {
+    RETURN_IF_ERROR(DraftWithModel(ctx, drafting));
+    if (opts.timing != nullptr) {  // the drafts' readback has synchronised the device
+      opts.timing->draft_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+    }
+  }
   for (Sequence* s : ctx.live) PlanWindow(*s, target.config());
   GatherProposals(ctx);
   RETURN_IF_ERROR(ForwardTarget(ctx));
@@ -149,6 +157,10 @@ Status SpecBatch::Impl::Step(const std::vector<WindowGrant>& grants) {
   for (Sequence* s : ctx.live) CommitWindow(*s, host, ctx);
   prev_p = ctx.p;
   prev_q = ctx.q;
+  if (opts.timing != nullptr) {  // the readback has synchronised the device
+    opts.timing->steps += 1;
+    opts.timing->step_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+  }
   return OkStatus();
 }
 

@@ -49,6 +49,16 @@ struct SpecResult {
   SpecStats stats;
 };
 
+// Where the steps' time goes (SpecOptions::timing), host wall-clock: the target forward alone
+// (Gpt::Forward), the draft model's forwards, and the whole step; everything else (planning,
+// CFG and sampling filters, verification, the next drafts, the readback, the commit walk) is
+// step - forward - draft. To time the forward the device is synchronised before and after it:
+// free on the CPU, two extra syncs per step on CUDA (measure speedups with timing off).
+struct StepTiming {
+  int64_t steps = 0;
+  double step_seconds = 0, forward_seconds = 0, draft_seconds = 0;
+};
+
 struct SpecOptions {
   bool collect_entropy = false;
   // Batch-invariant forwards (ForwardOptions): a request's tokens do not depend on the other
@@ -58,6 +68,8 @@ struct SpecOptions {
   // The acceptance decisions (verify.h); null: the exact rules. Tests inject broken ones.
   // Must outlive the SpecBatch.
   const VerifyRules* rules = nullptr;
+  // When set, each step adds its times here (StepTiming). Must outlive the SpecBatch.
+  StepTiming* timing = nullptr;
 };
 
 // The window the scheduler grants a request for one step (its token budget's share).

@@ -3,8 +3,11 @@
 // distribution P at every node.
 #include <ATen/ATen.h>
 
+#include <chrono>
+
 #include "engine/decoding/guided_batch.h"
 #include "engine/decoding/step_phases.h"
+#include "engine/model/transfer.h"
 
 namespace imagegen {
 namespace {
@@ -41,8 +44,19 @@ Status ForwardTarget(StepContext& ctx) {
     for (size_t i = 0; i < every.size(); ++i) every[i] = static_cast<int64_t>(i);
     batch.Add(WindowRow(*s), s->slot_u, s->r.sampling, every);
   }
+  StepTiming* timing = ctx.opts.timing;
+  std::chrono::steady_clock::time_point t0;
+  if (timing != nullptr) {
+    SynchronizeDevice(ctx.dev());
+    t0 = std::chrono::steady_clock::now();
+  }
   ASSIGN_OR_RETURN(at::Tensor logits,
                    ctx.target.Forward(batch.rows(), ctx.cache, at::Tensor(), ctx.fwd()));
+  if (timing != nullptr) {
+    SynchronizeDevice(ctx.dev());
+    timing->forward_seconds +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
   ctx.p = batch.Probs(logits).to(at::kDouble);  // [nodes, V]
   return OkStatus();
 }

@@ -9,6 +9,7 @@
 #include "engine/decoding/philox.h"
 #include "engine/decoding/sampling.h"
 #include "engine/decoding/step_phases.h"
+#include "engine/model/transfer.h"
 
 namespace imagegen {
 namespace {
@@ -56,12 +57,8 @@ VerifyInputs BuildInputs(const StepContext& ctx) {
   return in;
 }
 
-at::Tensor Long(const std::vector<int64_t>& v, at::Device d) {
-  return at::tensor(v, at::kLong).to(d);
-}
-at::Tensor Double(const std::vector<double>& v, at::Device d) {
-  return at::tensor(v, at::kDouble).to(d);
-}
+at::Tensor Long(const std::vector<int64_t>& v, at::Device d) { return UploadLongs(v, d); }
+at::Tensor Double(const std::vector<double>& v, at::Device d) { return UploadDoubles(v, d); }
 
 // GSD (seed 004 Alg. 3): for the grouped nodes, the cluster of ids around the draft x in
 // p-sorted order, kept where the probability gap and the embedding distance are small, and
@@ -102,10 +99,18 @@ Verdicts VerifyWindows(const StepContext& ctx) {
   const at::Device dev = ctx.dev();
   const int64_t A = ctx.nodes, K = ctx.max_kids, V = ctx.cfg().vocab_size;
   const VerifyInputs in = BuildInputs(ctx);
-  at::Tensor kids = Long(in.kid, dev).view({A, K});
-  at::Tensor uacc = Double(in.uacc, dev).view({A, K});
-  at::Tensor w = Double(in.w, dev);
-  at::Tensor Qa = ctx.q.index_select(0, Long(in.qrow, dev));
+  // Two uploads: [children | q rows] and [acceptance uniforms | COOL weights | residual uniforms].
+  std::vector<int64_t> longs(in.kid);
+  longs.insert(longs.end(), in.qrow.begin(), in.qrow.end());
+  std::vector<double> doubles(in.uacc);
+  doubles.insert(doubles.end(), in.w.begin(), in.w.end());
+  doubles.insert(doubles.end(), in.ures.begin(), in.ures.end());
+  at::Tensor l = Long(longs, dev), d = Double(doubles, dev);
+  at::Tensor kids = l.narrow(0, 0, A * K).view({A, K});
+  at::Tensor uacc = d.narrow(0, 0, A * K).view({A, K});
+  at::Tensor w = d.narrow(0, A * K, A);
+  at::Tensor ures = d.narrow(0, A * K + A, A);
+  at::Tensor Qa = ctx.q.index_select(0, l.narrow(0, A * K, A));
   at::Tensor pk = ctx.p.clone();
   at::Tensor removed = at::zeros({A, V}, at::TensorOptions().dtype(at::kBool).device(dev));
   std::vector<at::Tensor> acc_cols;
@@ -121,11 +126,11 @@ Verdicts VerifyWindows(const StepContext& ctx) {
     }
     acc_cols.push_back(valid & ctx.rules.Accept(uacc.select(1, k), ratio.clamp_max(1.0)));
     pk = at::where(valid.unsqueeze(1), ResidualDistribution(pk, qk, wk), pk);
-    removed = removed | (at::one_hot(x, V).to(at::kBool) & valid.unsqueeze(1));
+    removed = removed | (OneHot(x, V, at::kBool) & valid.unsqueeze(1));
   }
   Verdicts v;
-  v.accepted = at::stack(acc_cols, 1);                      // [A, K]
-  v.residual = SampleInverseCdf(pk, Double(in.ures, dev));  // final residual, or the bonus
+  v.accepted = at::stack(acc_cols, 1);      // [A, K]
+  v.residual = SampleInverseCdf(pk, ures);  // final residual, or the bonus
   at::Tensor first = v.accepted.to(at::kByte).argmax(1, true);
   v.kept = at::where(v.accepted.any(1), kids.gather(1, first).squeeze(1), v.residual);
   return v;

@@ -26,14 +26,16 @@ StatusOr<LoadOptions> ParseDeviceAndDtype(const std::string& device, const std::
   } else {
     return FieldError("device", "expected cpu, cuda or cuda:N, got '" + device + "'");
   }
-  if (dtype == "fp32") {
+  if (dtype == "auto") {  // bf16 where the device computes it natively, else fp32
+    lo.dtype = lo.device.is_cuda() ? at::kBFloat16 : at::kFloat;
+  } else if (dtype == "fp32") {
     lo.dtype = at::kFloat;
   } else if (dtype == "bf16") {
     lo.dtype = at::kBFloat16;
   } else if (dtype == "fp16") {
     lo.dtype = at::kHalf;
   } else {
-    return FieldError("dtype", "expected fp32, bf16 or fp16, got '" + dtype + "'");
+    return FieldError("dtype", "expected auto, fp32, bf16 or fp16, got '" + dtype + "'");
   }
   return lo;
 }

@@ -8,7 +8,8 @@
 
 namespace imagegen {
 
-// device: "cpu", "cuda" (device 0) or "cuda:N"; dtype: "fp32", "bf16" or "fp16". Errors are
+// device: "cpu", "cuda" (device 0) or "cuda:N"; dtype: "auto" (bf16 on CUDA, fp32 on the CPU),
+// "fp32", "bf16" or "fp16". Errors are
 // INVALID_ARGUMENT about the field "device" or "dtype": a malformed value, no CUDA device
 // available, or a device index beyond the devices present.
 StatusOr<LoadOptions> ParseDeviceAndDtype(const std::string& device, const std::string& dtype);

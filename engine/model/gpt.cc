@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/decoding/sampling_params.h"
+#include "engine/model/transfer.h"
 
 namespace imagegen {
 namespace {
@@ -30,19 +31,6 @@ at::Tensor ApplyRope(const at::Tensor& x, const at::Tensor& table) {
   at::Tensor x0 = xs.select(-1, 0), x1 = xs.select(-1, 1);
   at::Tensor out = at::stack({x0 * c - x1 * s, x1 * c + x0 * s}, -1);
   return out.reshape({t, h, hd}).to(x.scalar_type());
-}
-
-// One row's attention mask into a zeroed row-major [n, stride] block: each new token sees the
-// whole cache and, among the new tokens, those the row's mask (or causality) allows.
-void FillAttentionMask(const BatchRow& row, int64_t stride, bool* out) {
-  const auto n = static_cast<int64_t>(row.tokens.size());
-  for (int64_t i = 0; i < n; ++i) {
-    bool* q = out + i * stride;
-    for (int64_t j = 0; j < row.cache_len; ++j) q[j] = true;
-    for (int64_t j = 0; j < n; ++j) {
-      q[row.cache_len + j] = row.mask.empty() ? j <= i : row.mask[i * n + j] != 0;
-    }
-  }
 }
 
 at::Tensor Linear(const at::Tensor& x, const at::Tensor& w, bool invariant) {
@@ -208,6 +196,38 @@ StatusOr<std::unique_ptr<Gpt>> Gpt::FromStoreImpl(const GptConfig& cfg, WeightSt
   return m;
 }
 
+std::unique_ptr<Gpt> Gpt::Random(const GptConfig& cfg, const LoadOptions& opts, uint64_t seed) {
+  at::manual_seed(seed);
+  const auto o = at::TensorOptions().dtype(opts.dtype).device(opts.device);
+  auto w = [&](std::vector<int64_t> shape) { return (at::randn(shape, o) * 0.02).contiguous(); };
+  const int64_t d = cfg.dim, h = cfg.ffn_hidden();
+  const int64_t label_rows = cfg.num_classes + (cfg.has_null_class() ? 1 : 0);
+  std::unique_ptr<Gpt> m(new Gpt());
+  m->cfg_ = cfg;
+  m->opts_ = opts;
+  m->embed_ = w({cfg.vocab_size + label_rows, d});
+  for (int64_t l = 0; l < cfg.n_layer; ++l) {
+    m->layers_.push_back({at::ones({d}, o), w({3 * d, d}), w({d, d}), at::ones({d}, o), w({h, d}),
+                          w({d, h}), w({h, d})});
+  }
+  m->norm_ = at::ones({d}, o);
+  m->output_ = w({cfg.vocab_size, d});
+  m->rope_ =
+      RopeTable2d(cfg.grid(), cfg.head_dim(), cfg.rope_base, cfg.cls_token_num).to(opts.device);
+  return m;
+}
+
+int64_t Gpt::weight_bytes() const {
+  int64_t b = static_cast<int64_t>(output_.nbytes() + norm_.nbytes());
+  for (const Layer& L : layers_) {
+    for (const at::Tensor* t :
+         {&L.attention_norm, &L.wqkv, &L.wo, &L.ffn_norm, &L.w1, &L.w2, &L.w3}) {
+      b += static_cast<int64_t>(t->nbytes());
+    }
+  }
+  return b;
+}
+
 KvCache Gpt::NewCache(int64_t slots, int64_t extra) const {
   KvCache c;
   c.slots = slots;
@@ -306,81 +326,101 @@ at::Tensor Gpt::ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache,
   // Attention calls: the whole batch padded to nmax x kv_max, or (batch-invariant) one call per
   // row group with exactly its own lengths.
   struct Call {
-    int64_t r0 = 0, rows = 0, t0 = 0, n = 0, kv = 0, mask_off = 0;
+    int64_t r0 = 0, rows = 0, t0 = 0, n = 0, kv = 0;
   };
   std::vector<Call> calls;
   if (invariant) {
-    int64_t t = 0, mask_off = 0;
+    int64_t t = 0;
     for (int64_t r = 0; r < R; ++r) {
       const BatchRow& row = batch[r];
       const auto n = static_cast<int64_t>(row.tokens.size());
       if (r > 0 && row.group >= 0 && row.group == batch[r - 1].group) {
         calls.back().rows += 1;
       } else {
-        calls.push_back({r, 1, t, n, row.cache_len + n, 0});
+        calls.push_back({r, 1, t, n, row.cache_len + n});
       }
       t += n;
     }
-    for (Call& c : calls) {
-      c.mask_off = mask_off;
-      mask_off += c.rows * c.n * c.kv;
-    }
   }
 
-  // Host-side index tensors, built once per step and moved to the device together.
-  at::Tensor ids = at::empty({T}, at::kLong), pos = at::empty({T}, at::kLong);
-  at::Tensor dst = at::empty({T}, at::kLong);  // flat cache index slot * capacity + i
-  at::Tensor src = at::empty({T}, at::kLong);  // flat padded index r * nmax + i
-  at::Tensor slots = at::empty({R}, at::kLong);
-  at::Tensor allow;
-  if (invariant) {
-    const Call& last = calls.back();
-    allow = at::zeros({last.mask_off + last.rows * last.n * last.kv}, at::kBool);
-    bool* am = allow.data_ptr<bool>();
-    for (const Call& c : calls) {
-      for (int64_t g = 0; g < c.rows; ++g) {
-        FillAttentionMask(batch[c.r0 + g], c.kv, am + c.mask_off + g * c.n * c.kv);
-      }
-    }
-  } else {
-    allow = at::zeros({R, nmax, kv_max}, at::kBool);
-    bool* am = allow.data_ptr<bool>();
-    for (int64_t r = 0; r < R; ++r) {
-      bool* rows = am + r * nmax * kv_max;
-      FillAttentionMask(batch[r], kv_max, rows);
-      // Padding queries attend to one key so softmax stays finite; their output is dropped.
-      for (auto i = static_cast<int64_t>(batch[r].tokens.size()); i < nmax; ++i) {
-        rows[i * kv_max] = true;
+  // Everything the device needs from the host, in one upload: per new token its id, position,
+  // cache index (slot * capacity + i) and padded index (r * nmax + i); per row its slot,
+  // cache_len, token count and whether it has its own mask; then the flat indices
+  // (r * nmax + i) * nmax + j of the allowed pairs of those masks. The attention mask is built
+  // from these on the device.
+  std::vector<int64_t> host;
+  const bool feed_ids = !device_tokens.defined();
+  int64_t custom_pairs = 0;
+  for (const BatchRow& row : batch) {
+    for (uint8_t m : row.mask) custom_pairs += m != 0 ? 1 : 0;
+  }
+  host.reserve(static_cast<size_t>((feed_ids ? 4 : 3) * T + 4 * R + custom_pairs));
+  if (feed_ids) {
+    for (const BatchRow& row : batch) {
+      for (size_t i = 0; i < row.tokens.size(); ++i) {
+        host.push_back(row.positions[i] < cfg_.cls_token_num ? cfg_.vocab_size + row.tokens[i]
+                                                             : row.tokens[i]);
       }
     }
   }
-  {
-    auto pi = ids.accessor<int64_t, 1>(), pp = pos.accessor<int64_t, 1>();
-    auto pd = dst.accessor<int64_t, 1>(), ps = src.accessor<int64_t, 1>();
-    auto sl = slots.accessor<int64_t, 1>();
-    int64_t t = 0;
-    for (int64_t r = 0; r < R; ++r) {
-      const BatchRow& row = batch[r];
-      const auto n = static_cast<int64_t>(row.tokens.size());
-      sl[r] = row.slot;
-      for (int64_t i = 0; i < n; ++i, ++t) {
-        const bool is_class = row.positions[i] < cfg_.cls_token_num;
-        pi[t] = device_tokens.defined() ? 0
-                : is_class              ? cfg_.vocab_size + row.tokens[i]
-                                        : row.tokens[i];
-        pp[t] = row.positions[i];
-        pd[t] = row.slot * cache.capacity + row.cache_len + i;
-        ps[t] = r * nmax + i;
+  for (const BatchRow& row : batch)
+    host.insert(host.end(), row.positions.begin(), row.positions.end());
+  for (const BatchRow& row : batch) {
+    for (size_t i = 0; i < row.tokens.size(); ++i) {
+      host.push_back(row.slot * cache.capacity + row.cache_len + static_cast<int64_t>(i));
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    for (size_t i = 0; i < batch[r].tokens.size(); ++i) {
+      host.push_back(r * nmax + static_cast<int64_t>(i));
+    }
+  }
+  for (const BatchRow& row : batch) host.push_back(row.slot);
+  for (const BatchRow& row : batch) host.push_back(row.cache_len);
+  for (const BatchRow& row : batch) host.push_back(static_cast<int64_t>(row.tokens.size()));
+  for (const BatchRow& row : batch) host.push_back(row.mask.empty() ? 0 : 1);
+  for (int64_t r = 0; r < R; ++r) {
+    const BatchRow& row = batch[r];
+    const auto n = static_cast<int64_t>(row.tokens.size());
+    for (int64_t i = 0; i < n && !row.mask.empty(); ++i) {
+      for (int64_t j = 0; j < n; ++j) {
+        if (row.mask[i * n + j] != 0) host.push_back((r * nmax + i) * nmax + j);
       }
     }
   }
   const auto dev = opts_.device;
-  ids = device_tokens.defined() ? device_tokens.to(dev, at::kLong).reshape({T}) : ids.to(dev);
-  pos = pos.to(dev);
-  dst = dst.to(dev);
-  src = src.to(dev);
-  slots = slots.to(dev);
-  allow = allow.to(dev);
+  at::Tensor up = UploadLongs(host, dev);
+  int64_t off = 0;
+  auto take = [&](int64_t n) {
+    at::Tensor t = up.narrow(0, off, n);
+    off += n;
+    return t;
+  };
+  at::Tensor ids = feed_ids ? take(T) : device_tokens.to(at::kLong).reshape({T});
+  at::Tensor pos = take(T), dst = take(T), src = take(T), slots = take(R);
+  at::Tensor meta = take(3 * R).view({3, R, 1, 1});  // cache_len, n, has its own mask
+  at::Tensor pairs = take(custom_pairs);
+
+  // allow[r, i, j]: query i of row r may attend cache entry j. A real query attends the
+  // committed prefix (j < cache_len) and, among the new tokens (jj = j - cache_len in [0, n)),
+  // those its mask allows (causal: jj <= i). A padding query (i >= n) attends entry 0 only, so
+  // that its softmax stays finite; its output is dropped.
+  const auto lopt = at::TensorOptions().dtype(at::kLong).device(dev);
+  at::Tensor cl = meta[0], nr = meta[1], own = meta[2] > 0;  // [R, 1, 1]
+  at::Tensor qi = at::arange(nmax, lopt).view({1, nmax, 1});
+  at::Tensor kj = at::arange(kv_max, lopt).view({1, 1, kv_max});
+  at::Tensor jj = kj - cl;  // [R, 1, kv_max]
+  at::Tensor fresh = (jj >= 0) & (jj < nr);
+  at::Tensor lower = jj <= qi;  // [R, nmax, kv_max]
+  if (custom_pairs > 0) {
+    at::Tensor local = at::zeros({R * nmax * nmax}, lopt.dtype(at::kBool))
+                           .index_fill_(0, pairs, true)
+                           .view({R, nmax, nmax});
+    at::Tensor from_mask = local.gather(2, jj.clamp(0, nmax - 1).expand({R, nmax, kv_max}));
+    lower = at::where(own, from_mask, lower);
+  }
+  at::Tensor real = qi < nr;
+  at::Tensor allow = (real & ((kj < cl) | (fresh & lower))) | (~real & (kj == 0));
   if (!invariant) allow = allow.unsqueeze(1);  // [R, 1, nmax, kv_max]
   at::Tensor rope = rope_.index_select(0, pos);
 
@@ -410,7 +450,7 @@ at::Tensor Gpt::ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache,
         at::Tensor kc = ck.narrow(1, 0, c.kv).index_select(0, sc).transpose(1, 2);
         at::Tensor vc = cv.narrow(1, 0, c.kv).index_select(0, sc).transpose(1, 2);
         at::Tensor mc =
-            allow.narrow(0, c.mask_off, c.rows * c.n * c.kv).view({c.rows, 1, c.n, c.kv}).clone();
+            allow.narrow(0, c.r0, c.rows).narrow(1, 0, c.n).narrow(2, 0, c.kv).unsqueeze(1).clone();
         at::Tensor oc = at::scaled_dot_product_attention(qc, kc, vc, mc);
         outs.push_back(oc.transpose(1, 2).reshape({c.rows * c.n, D}));
       }
@@ -440,7 +480,7 @@ at::Tensor Gpt::ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache,
 void MoveCacheEntries(KvCache& cache, int64_t slot, const std::vector<int64_t>& from, int64_t to) {
   if (from.empty()) return;
   const auto n = static_cast<int64_t>(from.size());
-  at::Tensor idx = at::tensor(from, at::kLong).to(cache.k[0].device());
+  at::Tensor idx = UploadLongs(from, cache.k[0].device());
   for (size_t l = 0; l < cache.k.size(); ++l) {
     for (at::Tensor* t : {&cache.k[l], &cache.v[l]}) {
       at::Tensor s = (*t)[slot];

@@ -88,6 +88,13 @@ class Gpt {
   static StatusOr<std::unique_ptr<Gpt>> FromStore(const GptConfig& cfg, WeightStore& store,
                                                   const LoadOptions& opts);
 
+  // A model of `cfg`'s shape with random weights (normal, std 0.02; norms 1), for benchmarks
+  // of shapes no checkpoint is at hand for (GPT-B/L/XL). Deterministic in `seed`.
+  static std::unique_ptr<Gpt> Random(const GptConfig& cfg, const LoadOptions& opts, uint64_t seed);
+
+  // Bytes of the weights a forward reads (all of them but the unused embedding rows).
+  int64_t weight_bytes() const;
+
   const GptConfig& config() const { return cfg_; }
   const LoadOptions& options() const { return opts_; }
 

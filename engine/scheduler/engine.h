@@ -23,7 +23,7 @@ struct EngineOptions {
   std::string models_dir;           // holds one directory per model
   std::vector<std::string> models;  // GPT models to serve; empty: {"fmnist-gpt"}
   std::string device = "cpu";       // "cpu", "cuda" or "cuda:N"
-  std::string dtype = "fp32";       // "fp32", "bf16", "fp16"
+  std::string dtype = "auto";  // "auto" (bf16 on CUDA, fp32 on the CPU), "fp32", "bf16", "fp16"
   // KV-cache memory per model (target and draft caches together); it sets the slot count,
   // capped by max_slots. A request takes one slot, two with CFG.
   int64_t kv_cache_bytes = int64_t{256} << 20;

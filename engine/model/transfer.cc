@@ -1,0 +1,150 @@
+#include "engine/model/transfer.h"
+
+#include <ATen/ATen.h>
+#include <ATen/record_function.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+#include <cstring>
+#include <string_view>
+
+namespace imagegen {
+namespace {
+
+thread_local TransferCounts t_counts;
+thread_local int t_in_helper = 0;  // > 0 inside Upload / ReadBack: their moves are counted there
+
+struct HelperScope {
+  HelperScope() { ++t_in_helper; }
+  ~HelperScope() { --t_in_helper; }
+};
+
+template <typename T>
+at::Tensor UploadVector(const std::vector<T>& v, at::ScalarType type, at::Device device) {
+  const auto n = static_cast<int64_t>(v.size());
+  auto opts = at::TensorOptions().dtype(type);
+  if (device.is_cuda()) opts = opts.pinned_memory(true);
+  at::Tensor host = at::empty({n}, opts);
+  if (n > 0) std::memcpy(host.data_ptr(), v.data(), v.size() * sizeof(T));
+  if (device.is_cpu()) {
+    t_counts.uploads += 1;
+    t_counts.upload_bytes += static_cast<int64_t>(host.nbytes());
+    return host;
+  }
+  return Upload(host, device);
+}
+
+}  // namespace
+
+const TransferCounts& ThreadTransfers() { return t_counts; }
+
+at::Tensor Upload(const at::Tensor& host, at::Device device) {
+  t_counts.uploads += 1;
+  t_counts.upload_bytes += static_cast<int64_t>(host.nbytes());
+  if (device.is_cpu()) return host;
+  HelperScope scope;
+  at::Tensor staged = host;
+  if (!host.is_pinned()) {
+    staged = at::empty(host.sizes(), host.options().pinned_memory(true));
+    staged.copy_(host);
+  }
+  return staged.to(device, /*non_blocking=*/true);
+}
+
+at::Tensor UploadLongs(const std::vector<int64_t>& v, at::Device device) {
+  return UploadVector(v, at::kLong, device);
+}
+at::Tensor UploadDoubles(const std::vector<double>& v, at::Device device) {
+  return UploadVector(v, at::kDouble, device);
+}
+at::Tensor UploadFloats(const std::vector<float>& v, at::Device device) {
+  return UploadVector(v, at::kFloat, device);
+}
+
+at::Tensor ReadBack(const at::Tensor& t) {
+  t_counts.readbacks += 1;
+  t_counts.readback_bytes += static_cast<int64_t>(t.nbytes());
+  HelperScope scope;
+  return t.to(at::kCPU).contiguous();
+}
+
+void SynchronizeDevice(at::Device device) {
+  if (device.is_cpu()) return;
+  c10::impl::VirtualGuardImpl(device.type()).synchronizeDevice(device.index());
+}
+
+// SyncWatch: a thread-local RecordFunction callback (a plain function: its state is
+// thread-local too).
+struct SyncWatch::State {
+  int64_t syncing = 0, stray = 0;
+  std::vector<std::string> seen;
+  at::CallbackHandle handle = 0;
+};
+
+namespace {
+
+thread_local SyncWatch::State* t_watch = nullptr;
+
+bool IsSyncing(std::string_view name) {
+  static constexpr std::string_view kSyncing[] = {
+      "aten::_local_scalar_dense", "aten::is_nonzero", "aten::equal",         "aten::nonzero",
+      "aten::masked_select",       "aten::_unique",    "aten::_unique2",      "aten::unique_dim",
+      "aten::unique_consecutive",  "aten::allclose",   "aten::_assert_async", "aten::is_set_to"};
+  for (std::string_view s : kSyncing) {
+    if (name == s) return true;
+  }
+  return false;
+}
+
+// A device move: to(device), to(other tensor), to(options with a device), cpu(), or copy_
+// between tensors on different devices.
+bool IsMove(const at::RecordFunction& fn) {
+  const std::string_view name = fn.name();
+  const std::string_view overload = fn.overload_name();
+  const auto in = fn.inputs();
+  if (name == "aten::to") {
+    if (overload == "device" || overload == "other") return true;
+    if (overload == "dtype_layout") return in.size() > 3 && !in[3].isNone();
+    return false;
+  }
+  if (name == "aten::cpu" || name == "aten::cuda") return true;
+  if (name == "aten::copy_" && in.size() >= 2 && in[0].isTensor() && in[1].isTensor()) {
+    return in[0].toTensor().device() != in[1].toTensor().device();
+  }
+  return false;
+}
+
+std::unique_ptr<at::ObserverContext> OnCall(const at::RecordFunction& fn) {
+  SyncWatch::State* w = t_watch;
+  if (w == nullptr || t_in_helper > 0) return nullptr;
+  const std::string_view name = fn.name();
+  bool hit = false;
+  if (IsSyncing(name)) {
+    w->syncing += 1;
+    hit = true;
+  } else if (IsMove(fn)) {
+    w->stray += 1;
+    hit = true;
+  }
+  if (hit && w->seen.size() < 16) w->seen.emplace_back(name);
+  return nullptr;
+}
+
+}  // namespace
+
+SyncWatch::SyncWatch() : state_(std::make_unique<State>()) {
+  TORCH_CHECK(t_watch == nullptr, "SyncWatch: one at a time per thread");
+  t_watch = state_.get();
+  state_->handle = at::addThreadLocalCallback(
+      at::RecordFunctionCallback(&OnCall).needsInputs(true).scopes({at::RecordScope::FUNCTION}));
+}
+
+SyncWatch::~SyncWatch() {
+  at::removeCallback(state_->handle);
+  t_watch = nullptr;
+}
+
+int64_t SyncWatch::syncing_calls() const { return state_->syncing; }
+int64_t SyncWatch::stray_moves() const { return state_->stray; }
+std::vector<std::string> SyncWatch::seen() const { return state_->seen; }
+
+}  // namespace imagegen

@@ -1,0 +1,212 @@
+// The host-sync budget of a decoding step (issue 14): every preset's step reads the device back
+// exactly once (HostStep's packed verdicts), makes no other call that would make the host wait
+// for a CUDA device (item(), nonzero, masked_select, unique, a blocking .to()/.cpu()), and sends
+// its host data in a bounded number of non-blocking uploads. Counted on the CPU with
+// SyncWatch and ThreadTransfers (engine/model/transfer.h); on a CUDA device also with
+// LibTorch's own sync debug mode, which sees every synchronizing CUDA call.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/cuda.h>
+
+#ifdef IMAGEGEN_TEST_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/util/Exception.h>
+#endif
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <optional>
+#include <stdexcept>
+
+#include "engine/decoding/speculative.h"
+#include "engine/model/image_model.h"
+#include "engine/model/models_dir.h"
+#include "engine/model/transfer.h"
+#include "tests/test_util.h"
+
+namespace imagegen {
+namespace {
+
+struct StepCounts {
+  int64_t steps = 0, readbacks = 0, syncing = 0, stray = 0, max_uploads = 0, uploads = 0;
+  int64_t max_readbacks = 0, cuda_syncs = 0;
+  std::vector<std::string> seen;
+};
+
+#ifdef IMAGEGEN_TEST_CUDA
+// Counts the warnings of LibTorch's CUDA sync debug mode ("called a synchronizing CUDA
+// operation").
+class SyncWarnings : public c10::WarningHandler {
+ public:
+  void process(const c10::Warning& w) override {
+    if (w.msg().find("synchroniz") != std::string::npos) ++count;
+  }
+  int64_t count = 0;
+};
+#endif
+
+ImageRequest Request(const ImageModel& m, const std::string& preset, int64_t cls, uint64_t seed) {
+  const GptConfig& c = m.gpt->config();
+  ImageRequest r;
+  r.class_id = cls;
+  r.seed = seed;
+  r.sampling = {c.default_cfg_scale, c.default_temperature, c.default_top_k, c.default_top_p};
+  r.policy = *PolicyFromPreset(preset);
+  return r;
+}
+
+// Steps `requests` of `preset` (two images, co-batched) to the end, counting per step.
+StepCounts RunSteps(const ImageModel& m, const std::string& preset,
+                    const VerifyRules* rules = nullptr) {
+  SpecOptions o;
+  o.batch_invariant = true;
+  o.rules = rules;
+  SpecBatch batch(*m.gpt, m.draft.get(), 4, o);
+  EXPECT_TRUE(batch.Add(Request(m, preset, 7, 1)).ok());
+  EXPECT_TRUE(batch.Add(Request(m, preset, 3, 2)).ok());
+  StepCounts c;
+  const bool cuda = m.gpt->options().device.is_cuda();
+  while (batch.active() > 0) {
+    const TransferCounts before = ThreadTransfers();
+    int64_t cuda_syncs = 0;
+    {
+      SyncWatch watch;
+#ifdef IMAGEGEN_TEST_CUDA
+      SyncWarnings warnings;
+      std::optional<c10::WarningUtils::WarningHandlerGuard> guard;
+      if (cuda) {
+        guard.emplace(&warnings);
+        c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_WARN);
+      }
+#endif
+      EXPECT_TRUE(batch.Step().ok());
+#ifdef IMAGEGEN_TEST_CUDA
+      if (cuda) {
+        c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_DISABLED);
+        cuda_syncs = warnings.count;
+      }
+#endif
+      c.syncing += watch.syncing_calls();
+      c.stray += watch.stray_moves();
+      for (const std::string& s : watch.seen()) {
+        if (c.seen.size() < 8) c.seen.push_back(s);
+      }
+    }
+    const TransferCounts& after = ThreadTransfers();
+    const int64_t readbacks = after.readbacks - before.readbacks;
+    const int64_t uploads = after.uploads - before.uploads;
+    c.steps += 1;
+    c.readbacks += readbacks;
+    c.max_readbacks = std::max(c.max_readbacks, readbacks);
+    c.uploads += uploads;
+    c.max_uploads = std::max(c.max_uploads, uploads);
+    c.cuda_syncs = std::max(c.cuda_syncs, cuda_syncs);
+  }
+  (void)cuda;
+  return c;
+}
+
+std::string Seen(const StepCounts& c) {
+  std::string s;
+  for (const std::string& x : c.seen) s += " " + x;
+  return s;
+}
+
+class HostSyncTest : public ::testing::TestWithParam<const char*> {};
+
+const ImageModel& Model() {
+  static const ImageModel* m = [] {
+    auto r = LoadImageModel(DefaultModelsDir(), "fmnist-gpt", testing::TestLoadOptions(),
+                            /*with_draft=*/true);
+    if (!r.ok()) throw std::runtime_error(r.status().ToString());
+    return new ImageModel(std::move(r).value());
+  }();
+  return *m;
+}
+
+TEST_P(HostSyncTest, OneReadBackAndNoOtherSyncPerStep) {
+  const ImageModel& m = Model();
+  const StepCounts c = RunSteps(m, GetParam());
+  // Draft-model steps (sd, cool-sd) read their drafted tokens back before the target forward
+  // (the window rows are built on the host from them): two readbacks per step.
+  const bool draft_model = PolicyFromPreset(GetParam())->draft == DraftSource::kDraftModel;
+  const int64_t per_step = draft_model ? 2 : 1;
+  std::printf(
+      "%-12s on %s: %lld steps, readbacks/step %.2f (max %lld), uploads/step %.1f (max %lld), "
+      "syncing calls %lld, stray moves %lld, CUDA sync warnings/step (max) %lld\n",
+      GetParam(), m.gpt->options().device.str().c_str(), static_cast<long long>(c.steps),
+      static_cast<double>(c.readbacks) / c.steps, static_cast<long long>(c.max_readbacks),
+      static_cast<double>(c.uploads) / c.steps, static_cast<long long>(c.max_uploads),
+      static_cast<long long>(c.syncing), static_cast<long long>(c.stray),
+      static_cast<long long>(c.cuda_syncs));
+  EXPECT_LE(c.readbacks, per_step * c.steps);
+  EXPECT_EQ(c.max_readbacks, per_step);
+  EXPECT_EQ(c.syncing, 0) << Seen(c);
+  EXPECT_EQ(c.stray, 0) << Seen(c);
+  EXPECT_LE(c.cuda_syncs, per_step);  // the readbacks themselves
+  // Uploads are non-blocking on CUDA; the bound keeps them few: a target forward and its
+  // sampling take 4, verification and the next drafts up to 11 more (trees, GSD); a
+  // draft-model step adds 5 per drafted token (window 6 by default).
+  EXPECT_LE(c.max_uploads, draft_model ? 16 + 5 * 5 : 16);
+}
+
+INSTANTIATE_TEST_SUITE_P(Presets, HostSyncTest,
+                         ::testing::Values("ar", "sjd", "scd-mc", "scd-gs", "sjd-pac", "pac-gumbel",
+                                           "gsd", "cool-sd", "sd"),
+                         [](const auto& info) {
+                           std::string s = info.param;
+                           std::replace(s.begin(), s.end(), '-', '_');
+                           return s;
+                         });
+
+// Power: a verifier that reads a value back mid-step (as code that calls item() would) is
+// caught, and so are the other kinds of hidden sync.
+class ReadsBack : public VerifyRules {
+ public:
+  at::Tensor Accept(const at::Tensor& u, const at::Tensor& ratio) const override {
+    if (u.sum().item<double>() < -1) return u < 0;  // never true; the read is the point
+    return VerifyRules::Accept(u, ratio);
+  }
+};
+
+TEST(HostSyncPowerTest, AHiddenReadBackIsCaught) {
+  const ReadsBack rules;
+  const StepCounts c = RunSteps(Model(), "sjd", &rules);
+  EXPECT_GE(c.syncing, c.steps);
+  EXPECT_NE(Seen(c).find("aten::_local_scalar_dense"), std::string::npos) << Seen(c);
+}
+
+TEST(HostSyncPowerTest, SyncWatchSeesEachKind) {
+  at::Tensor x = at::arange(6, at::kLong);
+  struct Probe {
+    const char* what;
+    std::function<void()> fn;
+    bool syncing;
+  };
+  const std::vector<Probe> probes = {
+      {"item", [&] { (void)x.sum().item<int64_t>(); }, true},
+      {"nonzero", [&] { (void)at::nonzero(x > 2); }, true},
+      {"masked_select", [&] { (void)x.masked_select(x > 2); }, true},
+      {"unique", [&] { (void)at::_unique2(x); }, true},
+      {"to(device)", [&] { (void)x.to(at::Device(at::kCPU)); }, false},
+      {"cpu()", [&] { (void)x.cpu(); }, false},
+      {"to(other)", [&] { (void)x.to(at::zeros({1}, at::kDouble)); }, false},
+  };
+  for (const Probe& p : probes) {
+    SyncWatch w;
+    p.fn();
+    EXPECT_EQ(w.syncing_calls() > 0, p.syncing) << p.what;
+    EXPECT_EQ(w.stray_moves() > 0, !p.syncing) << p.what;
+  }
+  // The helpers' own moves, and dtype conversions, are not stray.
+  SyncWatch w;
+  (void)ReadBack(UploadLongs({1, 2, 3}, at::Device(at::kCPU)));
+  (void)x.to(at::kDouble);
+  EXPECT_EQ(w.syncing_calls(), 0);
+  EXPECT_EQ(w.stray_moves(), 0);
+}
+
+}  // namespace
+}  // namespace imagegen
