@@ -31,7 +31,7 @@ int main(int argc, char** argv) {
            {"max-fd", "-1"},
            {"grid-out", ""},
            {"device", "cpu"},
-           {"dtype", "fp32"}},
+           {"dtype", "auto"}},
           "usage: imagegen-eval [--per-class N] [--cfg S] [--min-accuracy A] [--max-fd D]");
   const LoadOptions opts = LoadOptionsFromFlags(f);
   ImageModel model = OrDie(LoadImageModel(f.Str("models-dir"), f.Str("model"), opts));

@@ -26,7 +26,7 @@ int main(int argc, char** argv) {
            {"reps", "20"},
            {"cfg", "true"},
            {"device", "cpu"},
-           {"dtype", "fp32"}},
+           {"dtype", "auto"}},
           "usage: imagegen-forward-latency [--batches 1,16] [--prefix N] [--device cuda]");
   const LoadOptions opts = LoadOptionsFromFlags(f);
   auto gpt = OrDie(Gpt::Load(f.Str("models-dir") + "/" + f.Str("model"), opts));

@@ -29,7 +29,7 @@ int main(int argc, char** argv) {
            {"count", "1"},
            {"out", "image.png"},
            {"device", "cpu"},
-           {"dtype", "fp32"},
+           {"dtype", "auto"},
            {"method", "ar"},
            {"window", "0"},
            {"draft", "fmnist-draft"}},

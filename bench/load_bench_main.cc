@@ -247,7 +247,7 @@ int main(int argc, char** argv) {
           {{"models-dir", DefaultModelsDir()},
            {"model", "fmnist-gpt"},
            {"device", "cpu"},
-           {"dtype", "fp32"},
+           {"dtype", "auto"},
            {"methods", "ar,sjd,scd-mc,sjd-pac"},
            {"concurrency", "1,2,4,8,16,32"},
            {"seconds", "15"},

@@ -37,6 +37,7 @@ struct Row {
   int64_t images = 0;
   double nfe = 0, compression = 0, acceptance = 0, accepted_per_step = 0, draft_forwards = 0;
   double seconds = 0, images_per_s = 0, latency_ratio = 0, accuracy = 0, fd = 0, entropy = 0;
+  StepTiming timing;            // with --split: the target forward vs the rest of each step
   std::map<int, int64_t> hist;  // committed tokens per step -> steps
 };
 
@@ -96,28 +97,30 @@ void WriteAcceptanceMap(const VqDecoder& vq, const SpecResult& r, int64_t grid,
 }  // namespace
 
 int main(int argc, char** argv) {
-  Flags f(argc, argv,
-          {{"models-dir", DefaultModelsDir()},
-           {"model", "fmnist-gpt"},
-           {"draft", "fmnist-draft"},
-           {"classifier", "fmnist-classifier"},
-           {"per-class", "20"},
-           {"seed", "1000"},
-           {"noise-seed", "500000"},
-           {"cfg", "default"},
-           {"temperature", "default"},
-           {"top-k", "default"},
-           {"top-p", "default"},
-           {"batch", "1"},
-           {"windows", "16,32,64"},
-           {"sd-windows", "4,8,16"},
-           {"methods", "all"},
-           {"out-dir", "spec-bench"},
-           {"python", IMAGEGEN_DEFAULT_PYTHON},
-           {"device", "cpu"},
-           {"dtype", "fp32"}},
-          "usage: imagegen-spec-bench [--per-class N] [--batch B] [--windows 16,32,64] "
-          "[--methods all|sjd,scd-mc,...] [--out-dir DIR] [--device cpu|cuda|cuda:N]");
+  Flags f(
+      argc, argv,
+      {{"models-dir", DefaultModelsDir()},
+       {"model", "fmnist-gpt"},
+       {"draft", "fmnist-draft"},
+       {"classifier", "fmnist-classifier"},
+       {"per-class", "20"},
+       {"seed", "1000"},
+       {"noise-seed", "500000"},
+       {"cfg", "default"},
+       {"temperature", "default"},
+       {"top-k", "default"},
+       {"top-p", "default"},
+       {"batch", "1"},
+       {"windows", "16,32,64"},
+       {"sd-windows", "4,8,16"},
+       {"methods", "all"},
+       {"split", "1"},
+       {"out-dir", "spec-bench"},
+       {"python", IMAGEGEN_DEFAULT_PYTHON},
+       {"device", "cpu"},
+       {"dtype", "auto"}},
+      "usage: imagegen-spec-bench [--per-class N] [--batch B] [--windows 16,32,64] "
+      "[--methods all|sjd,scd-mc,...] [--split 0|1] [--out-dir DIR] [--device cpu|cuda|cuda:N]");
   const LoadOptions opts = LoadOptionsFromFlags(f);
   ImageModel model = OrDie(LoadImageModel(f.Str("models-dir"), f.Str("model"), opts));
   auto draft = OrDie(Gpt::Load(f.Str("models-dir") + "/" + f.Str("draft"), opts));
@@ -195,6 +198,7 @@ int main(int argc, char** argv) {
     so.collect_entropy = cfg.policy.draft == DraftSource::kNone;
     Row row;
     row.cfg = cfg;
+    if (f.Int("split") != 0) so.timing = &row.timing;
     std::vector<at::Tensor> feats;
     std::vector<int64_t> labels;
     int64_t nfe = 0, verified = 0, accepted = 0, dfw = 0;
@@ -252,23 +256,37 @@ int main(int argc, char** argv) {
   std::printf("mean entropy of p at AR-sampled tokens: %.3f nats (uniform over %lld ids: %.3f)\n",
               rows[0].entropy, static_cast<long long>(gc.vocab_size),
               std::log(static_cast<double>(gc.vocab_size)));
-  std::printf("%-12s %4s %7s %6s %7s %7s %7s %8s %8s %7s %7s\n", "method", "L", "NFE", "compr",
-              "accept", "acc/st", "dfwd", "img/s", "lat.x", "cls.acc", "FD");
+  if (f.Int("split") != 0) {
+    std::printf(
+        "step split (--split 1): fwd = the target forward, other = the rest of the step (draft "
+        "forwards apart), per step in ms; on CUDA timing adds two device syncs per step\n");
+  }
+  std::printf("%-12s %4s %7s %6s %7s %7s %7s %8s %8s %7s %7s %8s %8s %6s\n", "method", "L", "NFE",
+              "compr", "accept", "acc/st", "dfwd", "img/s", "lat.x", "cls.acc", "FD", "fwd.ms",
+              "other.ms", "other%");
   std::ofstream csv(out + "/results.csv");
   csv << "method,window,policy,images,nfe,step_compression,acceptance_rate,accepted_per_step,"
-         "draft_forwards,seconds,images_per_s,latency_ratio_vs_ar,class_accuracy,frechet,entropy\n";
+         "draft_forwards,seconds,images_per_s,latency_ratio_vs_ar,class_accuracy,frechet,entropy,"
+         "steps_timed,forward_ms_per_step,draft_ms_per_step,other_ms_per_step,other_share\n";
   std::ofstream hist(out + "/hist.csv");
   hist << "method,window,tokens_per_step,steps\n";
   for (const Row& r : rows) {
-    std::printf("%-12s %4lld %7.1f %6.2f %7.3f %7.2f %7.1f %8.2f %8.2f %7.3f %7.2f\n",
-                r.cfg.label.c_str(), static_cast<long long>(r.cfg.policy.window), r.nfe,
-                r.compression, r.acceptance, r.accepted_per_step, r.draft_forwards, r.images_per_s,
-                r.latency_ratio, r.accuracy, r.fd);
+    const StepTiming& t = r.timing;
+    const double n = t.steps > 0 ? static_cast<double>(t.steps) : std::nan("");
+    const double fwd = 1e3 * t.forward_seconds / n, drf = 1e3 * t.draft_seconds / n;
+    const double other = 1e3 * t.step_seconds / n - fwd - drf;
+    const double share = other / (1e3 * t.step_seconds / n);
+    std::printf(
+        "%-12s %4lld %7.1f %6.2f %7.3f %7.2f %7.1f %8.2f %8.2f %7.3f %7.2f %8.3f %8.3f %5.1f%%\n",
+        r.cfg.label.c_str(), static_cast<long long>(r.cfg.policy.window), r.nfe, r.compression,
+        r.acceptance, r.accepted_per_step, r.draft_forwards, r.images_per_s, r.latency_ratio,
+        r.accuracy, r.fd, fwd, other, 100 * share);
     csv << r.cfg.label << "," << r.cfg.policy.window << ",\"" << DescribePolicy(r.cfg.policy)
         << "\"," << r.images << "," << r.nfe << "," << r.compression << "," << r.acceptance << ","
         << r.accepted_per_step << "," << r.draft_forwards << "," << r.seconds << ","
         << r.images_per_s << "," << r.latency_ratio << "," << r.accuracy << "," << r.fd << ","
-        << r.entropy << "\n";
+        << r.entropy << "," << t.steps << "," << fwd << "," << drf << "," << other << "," << share
+        << "\n";
     for (const auto& [k, n] : r.hist) {
       hist << r.cfg.label << "," << r.cfg.policy.window << "," << k << "," << n << "\n";
     }

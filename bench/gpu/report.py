@@ -1,0 +1,163 @@
+#!/usr/bin/env python3
+"""Writes results-gpu.md from what bench/gpu/run_all.sh left in its --out directory.
+
+Standard library only (a GPU host has Python but maybe not pandas). Tables: the machine, the
+test summaries, the step-cost curve (ratio to one token, and to the weight-read limit), the
+speculative bench at batch 1 (compression, wall-clock speedup vs AR, forward vs the rest of a
+step), the load bench (batched vs serial, speculation vs AR). Missing inputs are reported as
+missing, never filled in.
+"""
+import argparse
+import csv
+import os
+import re
+import sys
+
+
+def read_csv(path):
+    if not os.path.exists(path):
+        return None
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def gtest_summary(path):
+    if not os.path.exists(path):
+        return "not run"
+    text = open(path, errors="replace").read()
+    passed = re.search(r"\[  PASSED  \] (\d+) tests?", text)
+    failed = re.search(r"\[  FAILED  \] (\d+) tests?, listed below", text)
+    skipped = re.search(r"\[  SKIPPED \] (\d+) tests?", text)
+    parts = []
+    if passed:
+        parts.append(f"{passed.group(1)} passed")
+    if failed:
+        parts.append(f"**{failed.group(1)} failed**")
+    if skipped:
+        parts.append(f"{skipped.group(1)} skipped")
+    return ", ".join(parts) or "no summary (crashed?)"
+
+
+def f(x, nd=2):
+    try:
+        return f"{float(x):.{nd}f}"
+    except (TypeError, ValueError):
+        return "-"
+
+
+def step_cost_section(rows):
+    out = ["## Step cost (one target forward, CFG: two rows per request)", ""]
+    if not rows:
+        return out + ["step_cost.csv missing.", ""]
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["shape"], r["dtype"]), []).append(r)
+    for (shape, dtype), rs in groups.items():
+        wr = float(rs[0]["weight_read_ms"] or 0)
+        head = f"### {shape}, {dtype} ({float(rs[0]['params_bytes']) / 1e6:.0f} MB of weights"
+        head += f", weight-read limit {wr * 1e3:.0f} us)" if wr > 0 else ")"
+        out += [head, "", "| requests | tokens/step | tokens/request | ms | x one token |"
+                " tokens/s |", "|---:|---:|---:|---:|---:|---:|"]
+        for r in rs:
+            out.append(f"| {r['requests']} | {r['tokens_per_step']} | {r['tokens_per_request']} | "
+                       f"{f(r['median_ms'], 3)} | {f(r['ratio_to_one_token'])} | "
+                       f"{float(r['tokens_per_s']):.0f} |")
+        one = [r for r in rs if r["requests"] == "1" and r["tokens_per_step"] == "1"]
+        if one and wr > 0:
+            ms = float(one[0]["median_ms"])
+            out += ["", f"1 request, 1 token: {ms * 1e3:.0f} us = {ms / wr:.2f} x the weight-read "
+                    "limit."]
+        flat = [r for r in rs if r["requests"] == "1" and int(r["tokens_per_step"]) <= 256]
+        if one and flat:
+            worst = max(float(r["ratio_to_one_token"]) for r in flat)
+            out += ["", f"1 request, 1..256 tokens per step: at most {worst:.2f} x the 1-token "
+                    "step (target: within 1.2 x)."]
+        out.append("")
+    return out
+
+
+def spec_section(rows):
+    out = ["## Speculative decoding at batch 1 (imagegen-spec-bench)", ""]
+    if not rows:
+        return out + ["spec/results.csv missing.", ""]
+    out += ["| method | L | NFE | step compression | wall-clock speedup vs AR | speedup / "
+            "compression | forward ms/step | other ms/step | other share |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        comp = float(r["step_compression"])
+        speed = float(r["latency_ratio_vs_ar"])
+        eff = speed / comp if comp > 0 else 0
+        share = r.get("other_share", "")
+        out.append(f"| {r['method']} | {r['window']} | {f(r['nfe'], 1)} | {f(comp)} | "
+                   f"{f(speed)} | {f(eff)} | {f(r.get('forward_ms_per_step'), 3)} | "
+                   f"{f(r.get('other_ms_per_step'), 3)} | "
+                   f"{f(100 * float(share), 1) + '%' if share not in ('', 'nan') else '-'} |")
+    return out + [""]
+
+
+def load_section(rows):
+    out = ["## Load (imagegen-load-bench: closed loop, continuous batching vs one at a time)", ""]
+    if not rows:
+        return out + ["load/results.csv missing.", ""]
+    out += ["| method | mode | concurrency | images/s | p50 s | p99 s | tokens/step | step ms |",
+            "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        out.append(f"| {r['method']} | {r['mode']} | {r['concurrency']} | {f(r['images_per_s'])} | "
+                   f"{f(r['p50_s'], 3)} | {f(r['p99_s'], 3)} | {f(r['tokens_per_step'], 1)} | "
+                   f"{f(r['step_ms'], 2)} |")
+    return out + [""]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True, help="run_all.sh's output directory")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--docs", help="also write the report here (docs/results-gpu.md)")
+    ap.add_argument("--strict", action="store_true",
+                    help="exit 1 when an input is missing or a test log shows a failure")
+    a = ap.parse_args()
+    problems = []
+    lines = ["# GPU results (bench/gpu/run_all.sh)", "",
+             "Written by bench/gpu/report.py from one run of bench/gpu/run_all.sh "
+             f"(--device {a.device}). Every number below was measured in that run; the raw "
+             "logs and CSVs are beside this file in the run's output directory.", "",
+             "## Machine", "", "```"]
+    mi = os.path.join(a.out, "machine.txt")
+    lines += open(mi).read().strip().splitlines() if os.path.exists(mi) else ["machine.txt missing"]
+    lines += ["```", "", "## Tests on the device", ""]
+    for name in ("engine_tests", "parity_tests", "kernels_tests"):
+        summary = gtest_summary(os.path.join(a.out, name + ".log"))
+        lines.append(f"- {name}: {summary}")
+        if "failed" in summary or "crashed" in summary or (name == "engine_tests" and
+                                                            summary == "not run"):
+            problems.append(f"{name}: {summary}")
+    syncs = os.path.join(a.out, "engine_tests.log")
+    if os.path.exists(syncs):
+        sync_lines = [l.rstrip() for l in open(syncs, errors="replace")
+                      if re.match(r"^\S+\s+on (cpu|cuda)", l)]
+        if sync_lines:
+            lines += ["", "Host syncs per step (HostSyncTest):", "", "```"] + sync_lines + ["```"]
+    lines.append("")
+    inputs = {}
+    for key, rel in (("step", "step_cost.csv"), ("spec", "spec/results.csv"),
+                     ("load", "load/results.csv")):
+        inputs[key] = read_csv(os.path.join(a.out, rel))
+        if not inputs[key]:
+            problems.append(f"{rel} missing or empty")
+    lines += step_cost_section(inputs["step"])
+    lines += spec_section(inputs["spec"])
+    lines += load_section(inputs["load"])
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(a.out, "results-gpu.md"), "w") as fh:
+        fh.write(text)
+    if a.docs:
+        with open(a.docs, "w") as fh:
+            fh.write(text)
+    print(f"wrote {os.path.join(a.out, 'results-gpu.md')}" + (f" and {a.docs}" if a.docs else ""))
+    for p in problems:
+        print(f"report: {p}", file=sys.stderr)
+    return 1 if a.strict and problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

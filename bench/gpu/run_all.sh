@@ -1,0 +1,174 @@
+#!/usr/bin/env bash
+# Every GPU figure of issue 14 from one command, on a fresh GPU machine (PyTorch 2.11 + CUDA 13,
+# nvcc, CMake and ninja; no Debian packages, no gRPC, no network), run from the repository root:
+#
+#   bench/gpu/run_all.sh --phase build     # configure and build the engine, tests and benches
+#   bench/gpu/run_all.sh --phase tests     # CUDA parity, kernels, host syncs, exact distributions
+#   bench/gpu/run_all.sh --phase bench     # step-cost curve, speculative bench, load bench
+#                                          # (= --phase step,spec,load)
+#   bench/gpu/run_all.sh --phase report    # docs/results-gpu.md from what the phases wrote
+#
+# (--phase all, or a list such as tests,bench, runs them in turn; the device tool allows 10
+# minutes per command, so a GPU session runs them as three or four commands.) What a GPU host lacks comes in .deps/debs:
+# bench/gpu/fetch_deps.sh, run on a Debian machine, downloads GoogleTest, libpng, zlib and
+# nlohmann-json there, and this script unpacks them (dpkg -x) into .deps/root.
+#
+# With --device cpu the same script runs on the CPU at a reduced scale (--quick), which is how CI
+# keeps it from rotting (ctest: gpu_script_cpu, reusing the CI build with --build-dir).
+# Outputs: logs and CSVs under --out (default build/gpu-results); the report goes to
+# --out/results-gpu.md, and to docs/results-gpu.md with --write-docs.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+ROOT=$PWD
+
+device=cuda phase=all quick=0 build=build/gpu out=build/gpu-results write_docs=0
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --device) device=$2; shift 2 ;;
+    --phase) phase=$2; shift 2 ;;
+    --quick) quick=1; shift ;;
+    --build-dir) build=$2; shift 2 ;;
+    --out) out=$2; shift 2 ;;
+    --write-docs) write_docs=1; shift ;;
+    *) echo "usage: $0 [--device cuda|cpu] [--phase all|build,tests,bench,report] [--quick]" \
+            "[--build-dir DIR] [--out DIR] [--write-docs]" >&2; exit 2 ;;
+  esac
+done
+case "$device" in cuda|cpu) ;; *) echo "--device: expected cuda or cpu, got '$device'" >&2; exit 2 ;; esac
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+# The Python that holds PyTorch: IMAGEGEN_PYTHON, the project's virtualenv, or python3 (a GPU
+# host's).
+if [[ -n ${IMAGEGEN_PYTHON:-} ]]; then PY=$IMAGEGEN_PYTHON
+elif [[ -x /opt/imagegen/venv/bin/python ]]; then PY=/opt/imagegen/venv/bin/python
+else PY=$(command -v python3); fi
+log() { echo "== $(date +%H:%M:%S) $*" | tee -a "$out/run_all.log"; }
+
+# Debian packages carried as .deb files (a GPU host has none of them).
+if compgen -G ".deps/debs/*.deb" >/dev/null; then
+  if [[ ! -f .deps/root/.unpacked ]]; then
+    mkdir -p .deps/root
+    for d in .deps/debs/*.deb; do dpkg -x "$d" .deps/root; done
+    touch .deps/root/.unpacked
+  fi
+  export CMAKE_PREFIX_PATH="$ROOT/.deps/root/usr${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}"
+  export LD_LIBRARY_PATH="$ROOT/.deps/root/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+
+machine_info() {
+  {
+    echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    echo "host: $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo)"
+    echo "cpu: $(awk -F': ' '/model name/ {print $2; exit}' /proc/cpuinfo)"
+    "$PY" -c "import torch; print('torch:', torch.__version__, '| cuda:', torch.version.cuda, '| gpu:', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none')"
+    if command -v nvidia-smi >/dev/null; then
+      nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
+    fi
+  } > "$out/machine.txt" 2>&1 || true
+}
+
+phase_build() {
+  log "build ($build)"
+  local jobs; jobs=$(nproc)
+  if [[ ! -f "$build/CMakeCache.txt" ]]; then
+    cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DIMAGEGEN_BUILD_SERVER=OFF \
+      -DIMAGEGEN_PYTHON="$PY" 2>&1 | tee -a "$out/build.log" | tail -5
+  fi
+  local targets=(engine_tests parity_tests imagegen-step-cost imagegen-spec-bench
+                 imagegen-load-bench)
+  if grep -q "^kernels_tests:" <(ninja -C "$build" -t targets all 2>/dev/null | sed 's/: .*/:/'); then
+    targets+=(kernels_tests)
+  fi
+  cmake --build "$build" -j "$jobs" --target "${targets[@]}" 2>&1 | tee -a "$out/build.log" | tail -3
+}
+
+phase_tests() {
+  log "tests on $device"
+  export IMAGEGEN_TEST_DEVICE=$device
+  local t="$build/tests"
+  local filter='HostSync*:HostSyncPower*:Presets/SpecLossless*:SpeculativePowerTest*:GptTest*'
+  [[ $quick == 1 ]] && filter='HostSync*:HostSyncPower*:GptTest*'
+  "$t/engine_tests" --gtest_filter="$filter" 2>&1 | tee "$out/engine_tests.log" | tail -3
+  if [[ $device == cuda ]]; then
+    # The parity references (tools/parity.py, the checkpoints' own Python code paths) are written
+    # by the CPU's PyTorch; the CUDA checks compare the GPU's logits with them.
+    "$PY" tools/parity.py --out "$build/tests/parity" > "$out/parity_reference.log" 2>&1
+    IMAGEGEN_PARITY_DIR="$build/tests/parity" "$t/parity_tests" 2>&1 | tee "$out/parity_tests.log" | tail -3
+    if [[ -x "$t/kernels_tests" ]]; then
+      "$t/kernels_tests" 2>&1 | tee "$out/kernels_tests.log" | tail -3
+    fi
+  fi
+}
+
+gbps() {  # HBM bandwidth of the GPU, for the weight-read limit
+  case "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)" in
+    *H200*) echo 4800 ;;
+    *H100*) echo 3350 ;;
+    *) echo 0 ;;
+  esac
+}
+
+phase_step() {
+  log "step-cost curve on $device"
+  local b="$build/bench"
+  if [[ $quick == 1 ]]; then
+    "$b/imagegen-step-cost" --device "$device" --shapes bundled,tiny --requests 1,4 \
+      --tokens 1,4,16,64 --reps 3 --csv "$out/step_cost.csv" > "$out/step_cost.log" 2>&1
+  else
+    "$b/imagegen-step-cost" --device "$device" --shapes bundled,gpt-b,gpt-l,gpt-xl \
+      --dtypes bf16,fp32 --hbm-gbps "$(gbps)" --csv "$out/step_cost.csv" > "$out/step_cost.log" 2>&1
+  fi
+  tail -n 3 "$out/step_cost.log"
+}
+
+phase_spec() {
+  log "speculative bench (batch 1) on $device"
+  local b="$build/bench"
+  if [[ $quick == 1 ]]; then
+    "$b/imagegen-spec-bench" --device "$device" --per-class 1 --windows 16 --sd-windows 4 \
+      --methods sjd,scd-mc,sd --out-dir "$out/spec" > "$out/spec_bench.log" 2>&1
+  else
+    "$b/imagegen-spec-bench" --device "$device" --dtype bf16 --per-class 5 --windows 32 \
+      --sd-windows 8 --out-dir "$out/spec" > "$out/spec_bench.log" 2>&1
+  fi
+  tail -n 12 "$out/spec_bench.log"
+}
+
+phase_load() {
+  log "load bench on $device"
+  local b="$build/bench"
+  if [[ $quick == 1 ]]; then
+    "$b/imagegen-load-bench" --device "$device" --methods ar,scd-mc --concurrency 1,2 \
+      --seconds 2 --sweep-budgets 0,256 --sweep-concurrency 2 --sweep-methods ar \
+      --out-dir "$out/load" > "$out/load_bench.log" 2>&1
+  else
+    "$b/imagegen-load-bench" --device "$device" --dtype bf16 --methods ar,sjd,scd-mc,sjd-pac \
+      --concurrency 1,4,16,64 --seconds 5 --sweep-concurrency 16 \
+      --out-dir "$out/load" > "$out/load_bench.log" 2>&1
+  fi
+  tail -n 3 "$out/load_bench.log"
+}
+
+phase_bench() { phase_step; phase_spec; phase_load; }
+
+phase_report() {
+  log "report"
+  local args=(--out "$out" --device "$device")
+  [[ $quick == 1 ]] && args+=(--strict)
+  [[ $write_docs == 1 ]] && args+=(--docs "$ROOT/docs/results-gpu.md")
+  "$PY" bench/gpu/report.py "${args[@]}"
+}
+
+machine_info
+[[ $phase == all ]] && phase=build,tests,bench,report
+IFS=, read -r -a phases <<< "$phase"
+for p in "${phases[@]}"; do
+  case "$p" in
+    build|tests|bench|step|spec|load|report) ;;
+    *) echo "--phase: expected all or a list of build, tests, bench (= step, spec, load)," \
+            "report; got '$p'" >&2; exit 2 ;;
+  esac
+done
+for p in "${phases[@]}"; do "phase_$p"; done
+log "done ($phase)"

@@ -1,0 +1,177 @@
+// imagegen-step-cost: the cost of one target forward as a function of the tokens it carries and
+// of how many requests they are spread over (issue 14's step-cost curve). For each model shape
+// (the bundled model, or random LlamaGen GPT-B/L/XL shapes), dtype, request count r and tokens
+// per step t (t / r new tokens per request, on top of a committed prefix, two rows per request
+// with CFG), it times the forward (median of --reps, the device synchronised around each) and
+// reports milliseconds, tokens/s, and the time relative to one token for one request. With
+// --hbm-gbps it also gives the weight-read limit of a step (weights / bandwidth) and the ratio
+// of the 1-request, 1-token step to it.
+//
+//   imagegen-step-cost --device cuda --shapes bundled,gpt-b,gpt-l,gpt-xl --dtypes bf16,fp32
+//       --hbm-gbps 3350 --csv step_cost.csv   (one line)
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include "bench/common.h"  // flags, OrDie (header-only: no libpng needed)
+#include "engine/model/device.h"
+#include "engine/model/gpt.h"
+#include "engine/model/models_dir.h"
+#include "engine/model/transfer.h"
+
+using namespace imagegen;
+
+namespace {
+
+std::vector<int64_t> Ints(const std::string& s) {
+  std::vector<int64_t> out;
+  std::stringstream ss(s);
+  for (std::string item; std::getline(ss, item, ',');) {
+    if (!item.empty()) out.push_back(std::stoll(item));
+  }
+  return out;
+}
+
+std::vector<std::string> Strings(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  for (std::string item; std::getline(ss, item, ',');) {
+    if (!item.empty()) out.push_back(item);
+  }
+  return out;
+}
+
+// LlamaGen's c2i shapes (gpt.py GPT_B/L/XL: dim, layers, heads), 1000 classes, VQ-16 vocab.
+bool Shape(const std::string& name, int64_t grid, GptConfig* c) {
+  struct S {
+    const char* name;
+    int64_t dim, layers, heads;
+  };
+  static const S kShapes[] = {{"gpt-b", 768, 12, 12},
+                              {"gpt-l", 1024, 24, 16},
+                              {"gpt-xl", 1280, 36, 20},
+                              {"tiny", 64, 2, 2}};
+  for (const S& s : kShapes) {
+    if (name != s.name) continue;
+    *c = GptConfig();
+    c->dim = s.dim;
+    c->n_layer = s.layers;
+    c->n_head = s.heads;
+    c->vocab_size = 16384;
+    c->num_classes = 1000;
+    c->block_size = grid * grid;
+    return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Flags f(argc, argv,
+          {{"models-dir", DefaultModelsDir()},
+           {"shapes", "bundled"},
+           {"grid", "16"},
+           {"dtypes", "fp32"},
+           {"device", "cpu"},
+           {"requests", "1,2,4,8,16,32,64"},
+           {"tokens", "1,2,4,8,16,32,64,128,256,512,1024,2048,4096"},
+           {"prefix", "-1"},
+           {"reps", "10"},
+           {"batch-invariant", "1"},
+           {"hbm-gbps", "0"},
+           {"csv", ""}},
+          "usage: imagegen-step-cost [--shapes bundled,gpt-b,gpt-l,gpt-xl,tiny] [--dtypes "
+          "bf16,fp32] [--device cuda] [--requests 1,2,..] [--tokens 1,2,..] [--csv FILE]");
+  std::ofstream csv;
+  if (!f.Str("csv").empty()) {
+    csv.open(f.Str("csv"));
+    if (!csv) f.Fail("cannot write --csv " + f.Str("csv"));
+    csv << "shape,dtype,device,params_bytes,requests,rows,tokens_per_step,tokens_per_request,"
+           "committed_prefix,median_ms,tokens_per_s,ratio_to_one_token,weight_read_ms\n";
+  }
+  const double gbps = std::stod(f.Str("hbm-gbps"));
+  const bool invariant = f.Int("batch-invariant") != 0;
+  for (const std::string& dtype : Strings(f.Str("dtypes"))) {
+    auto lo = ParseDeviceAndDtype(f.Str("device"), dtype);
+    if (!lo.ok()) f.Fail(lo.status().message());
+    for (const std::string& shape : Strings(f.Str("shapes"))) {
+      std::unique_ptr<Gpt> gpt;
+      if (shape == "bundled") {
+        gpt = OrDie(Gpt::Load(f.Str("models-dir") + "/fmnist-gpt", *lo));
+      } else {
+        GptConfig c;
+        if (!Shape(shape, f.Int("grid"), &c)) f.Fail("unknown shape " + shape);
+        gpt = Gpt::Random(c, *lo, 7);
+      }
+      const GptConfig& cfg = gpt->config();
+      const double weight_ms = gbps > 0 ? gpt->weight_bytes() / (gbps * 1e9) * 1e3 : 0;
+      std::printf(
+          "\n%s %s on %s: dim %lld, %lld layers, %lld image tokens, weights %.1f MB%s\n",
+          shape.c_str(), dtype.c_str(), f.Str("device").c_str(), static_cast<long long>(cfg.dim),
+          static_cast<long long>(cfg.n_layer), static_cast<long long>(cfg.block_size),
+          gpt->weight_bytes() / 1e6,
+          gbps > 0 ? (", weight-read limit " + std::to_string(weight_ms) + " ms").c_str() : "");
+      std::printf("%8s %6s %8s %8s %10s %12s %8s\n", "requests", "rows", "tokens", "tok/req",
+                  "median ms", "tokens/s", "x 1 tok");
+      double one_token_ms = 0;
+      for (int64_t r : Ints(f.Str("requests"))) {
+        const int64_t rows = 2 * r;  // CFG: conditional and unconditional
+        KvCache cache = gpt->NewCache(rows);
+        for (int64_t t : Ints(f.Str("tokens"))) {
+          if (t < r || t % r != 0) continue;
+          const int64_t n = t / r;
+          if (n > cfg.block_size) continue;
+          int64_t prefix = f.Int("prefix") < 0 ? cfg.block_size / 2 : f.Int("prefix");
+          prefix = std::max<int64_t>(1, std::min(prefix, cfg.seq_len() - n));
+          std::vector<BatchRow> step(static_cast<size_t>(rows));
+          for (int64_t i = 0; i < rows; ++i) {
+            BatchRow& b = step[static_cast<size_t>(i)];
+            b.slot = i;
+            b.cache_len = prefix;  // the cache's content does not matter for timing
+            b.group = i / 2;
+            for (int64_t k = 0; k < n; ++k) {
+              b.tokens.push_back((i * 131 + k * 7) % cfg.vocab_size);
+              b.positions.push_back(prefix + k);
+            }
+          }
+          std::vector<double> ms;
+          const int64_t reps = std::max<int64_t>(1, f.Int("reps"));
+          for (int64_t i = 0; i < reps + 2; ++i) {
+            SynchronizeDevice(lo->device);
+            const auto t0 = std::chrono::steady_clock::now();
+            OrDie(gpt->Forward(step, cache, at::Tensor(), ForwardOptions{invariant}));
+            SynchronizeDevice(lo->device);
+            if (i >= 2) {
+              ms.push_back(
+                  std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                      .count());
+            }
+          }
+          std::sort(ms.begin(), ms.end());
+          const double med = ms[ms.size() / 2];
+          if (r == 1 && t == 1) one_token_ms = med;
+          const double ratio = one_token_ms > 0 ? med / one_token_ms : 0;
+          std::printf("%8lld %6lld %8lld %8lld %10.3f %12.0f %8.2f\n", static_cast<long long>(r),
+                      static_cast<long long>(rows), static_cast<long long>(t),
+                      static_cast<long long>(n), med, t / (med / 1e3), ratio);
+          if (csv) {
+            csv << shape << "," << dtype << "," << f.Str("device") << "," << gpt->weight_bytes()
+                << "," << r << "," << rows << "," << t << "," << n << "," << prefix << "," << med
+                << "," << t / (med / 1e3) << "," << ratio << "," << weight_ms << "\n";
+          }
+        }
+      }
+      if (gbps > 0 && one_token_ms > 0) {
+        std::printf(
+            "1 request, 1 token: %.3f ms = %.2f x the weight-read limit (%.3f ms at %.0f GB/s)\n",
+            one_token_ms, one_token_ms / weight_ms, weight_ms, gbps);
+      }
+    }
+  }
+  return 0;
+}
