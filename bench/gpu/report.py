@@ -147,6 +147,13 @@ def main():
     lines += step_cost_section(inputs["step"])
     lines += spec_section(inputs["spec"])
     lines += load_section(inputs["load"])
+    serve = os.path.join(a.out, "serve.log")
+    lines += ["## The daemon on the device (--phase serve: generate, classify, load ar and scd-mc, "
+              "SIGTERM)", ""]
+    if os.path.exists(serve):
+        lines += ["```"] + open(serve, errors="replace").read().strip().splitlines() + ["```", ""]
+    else:
+        lines += ["not run (bench/gpu/pack_server.sh, then --phase serve).", ""]
     text = "\n".join(lines) + "\n"
     with open(os.path.join(a.out, "results-gpu.md"), "w") as fh:
         fh.write(text)

@@ -6,12 +6,15 @@
 #   bench/gpu/run_all.sh --phase tests     # CUDA parity, kernels, host syncs, exact distributions
 #   bench/gpu/run_all.sh --phase bench     # step-cost curve, speculative bench, load bench
 #                                          # (= --phase step,spec,load)
+#   bench/gpu/run_all.sh --phase serve     # the daemon on the device (bench/gpu/pack_server.sh)
 #   bench/gpu/run_all.sh --phase report    # docs/results-gpu.md from what the phases wrote
 #
 # (--phase all, or a list such as tests,bench, runs them in turn; the device tool allows 10
-# minutes per command, so a GPU session runs them as three or four commands.) What a GPU host lacks comes in .deps/debs:
-# bench/gpu/fetch_deps.sh, run on a Debian machine, downloads GoogleTest, libpng, zlib and
-# nlohmann-json there, and this script unpacks them (dpkg -x) into .deps/root.
+# minutes per command, so a GPU session runs them as three commands: docs/gpu.md.) What a GPU
+# host lacks comes in .deps: bench/gpu/fetch_deps.sh, run on a Debian machine, downloads
+# GoogleTest, libpng, zlib and nlohmann-json into .deps/debs, which this script unpacks
+# (dpkg -x) into .deps/root; bench/gpu/pack_server.sh packs the daemon and its gRPC libraries
+# into .deps/server for the serve phase.
 #
 # With --device cpu the same script runs on the CPU at a reduced scale (--quick), which is how CI
 # keeps it from rotting (ctest: gpu_script_cpu, reusing the CI build with --build-dir).
@@ -152,6 +155,56 @@ phase_load() {
 
 phase_bench() { phase_step; phase_spec; phase_load; }
 
+# The daemon itself on the device: packed here by bench/gpu/pack_server.sh (the GPU host has no
+# gRPC), LibTorch from the host's wheel. Health, one image classified by the bundled classifier,
+# `imagegen load` on loopback, /metrics, then a SIGTERM drain that must exit 0.
+phase_serve() {
+  log "daemon on $device"
+  local pack=${IMAGEGEN_SERVER_PACK:-$ROOT/.deps/server}
+  local bin="$pack/bin"
+  if [[ ! -x $bin/imagegen-server ]]; then
+    echo "serve: $pack is missing: run bench/gpu/pack_server.sh on the build machine" >&2
+    return 1
+  fi
+  local torch_lib
+  torch_lib=$("$PY" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')
+  local lp="$pack/lib:$torch_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  local S=(env LD_LIBRARY_PATH="$lp" "$bin/imagegen-server")
+  local C=(env LD_LIBRARY_PATH="$lp" "$bin/imagegen")
+  rm -f "$out/ports"
+  "${S[@]}" --device "$device" --models_dir "$ROOT/models" --listen 127.0.0.1:0 \
+    --metrics_listen 127.0.0.1:0 \
+    --port_file "$out/ports" --grace_seconds 60 > "$out/daemon.log" 2>&1 &
+  local pid=$! port="" i
+  for i in $(seq 1 240); do  # up to 120 s for the models to load
+    if [[ -s $out/ports ]] && "${C[@]}" --target "127.0.0.1:$(cut -d' ' -f1 "$out/ports")" health \
+         > /dev/null 2>&1; then
+      port=$(cut -d' ' -f1 "$out/ports")
+      break
+    fi
+    kill -0 "$pid" 2>/dev/null || { cat "$out/daemon.log" >&2; return 1; }
+    sleep 0.5
+  done
+  [[ -n $port ]] || { echo "serve: not SERVING after 120 s" >&2; kill "$pid"; return 1; }
+  local t=(--target "127.0.0.1:$port")
+  "${C[@]}" "${t[@]}" generate --cls sneaker --seed 1 --out "$out/sneaker.png" | tee "$out/serve.log"
+  "$PY" tools/classify_png.py --expect sneaker "$out/sneaker.png" | tee -a "$out/serve.log"
+  local c=16 d=20
+  [[ $quick == 1 ]] && c=2 d=3
+  "${C[@]}" "${t[@]}" load --concurrency "$c" --duration "$d" --method ar 2>&1 \
+    | tee -a "$out/serve.log"
+  "${C[@]}" "${t[@]}" load --concurrency "$c" --duration "$d" --method scd-mc 2>&1 \
+    | tee -a "$out/serve.log"
+  if command -v curl >/dev/null; then
+    curl -s "http://127.0.0.1:$(cut -d' ' -f2 "$out/ports")/metrics" > "$out/metrics.txt" || true
+  fi
+  kill -TERM "$pid"
+  local rc=0
+  wait "$pid" || rc=$?
+  echo "daemon exit status after SIGTERM: $rc" | tee -a "$out/serve.log"
+  [[ $rc == 0 ]]
+}
+
 phase_report() {
   log "report"
   local args=(--out "$out" --device "$device")
@@ -161,13 +214,17 @@ phase_report() {
 }
 
 machine_info
-[[ $phase == all ]] && phase=build,tests,bench,report
+if [[ $phase == all ]]; then
+  phase=build,tests,bench
+  [[ -x .deps/server/bin/imagegen-server ]] && phase+=,serve
+  phase+=,report
+fi
 IFS=, read -r -a phases <<< "$phase"
 for p in "${phases[@]}"; do
   case "$p" in
-    build|tests|bench|step|spec|load|report) ;;
+    build|tests|bench|step|spec|load|serve|report) ;;
     *) echo "--phase: expected all or a list of build, tests, bench (= step, spec, load)," \
-            "report; got '$p'" >&2; exit 2 ;;
+            "serve, report; got '$p'" >&2; exit 2 ;;
   esac
 done
 for p in "${phases[@]}"; do "phase_$p"; done
