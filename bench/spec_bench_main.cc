@@ -259,7 +259,7 @@ int main(int argc, char** argv) {
   if (f.Int("split") != 0) {
     std::printf(
         "step split (--split 1): fwd = the target forward, other = the rest of the step (draft "
-        "forwards apart), per step in ms; on CUDA timing adds two device syncs per step\n");
+        "forwards apart), per step in ms; on CUDA timing adds up to three device syncs per step\n");
   }
   std::printf("%-12s %4s %7s %6s %7s %7s %7s %8s %8s %7s %7s %8s %8s %6s\n", "method", "L", "NFE",
               "compr", "accept", "acc/st", "dfwd", "img/s", "lat.x", "cls.acc", "FD", "fwd.ms",

@@ -18,12 +18,16 @@
 namespace imagegen {
 namespace {
 
-at::Tensor Pack(const Verdicts& v, const NextDrafts& d, const at::Tensor& entropy, int64_t tree_k) {
+at::Tensor Pack(const Verdicts& v, const NextDrafts& d, const at::Tensor& entropy,
+                const at::Tensor& node_tokens, int64_t tree_k) {
   std::vector<at::Tensor> pack = {
       v.accepted.to(at::kDouble), v.residual.unsqueeze(1).to(at::kDouble),
       v.kept.unsqueeze(1).to(at::kDouble), d.fresh.unsqueeze(1).to(at::kDouble)};
   if (tree_k > 1) pack.push_back(d.extra.to(at::kDouble));
   if (entropy.defined()) pack.push_back(entropy);
+  if (node_tokens.defined()) {
+    pack.push_back(node_tokens.narrow(0, 0, v.residual.size(0)).unsqueeze(1).to(at::kDouble));
+  }
   return ReadBack(at::cat(pack, 1));  // the step's only device-to-host read
 }
 
@@ -70,7 +74,8 @@ int64_t Walk::Accept(int64_t a) {
     if (h.accepted(ga, k)) {
       s.stats.drafts_accepted += 1;
       s.stats.accepted_at_depth[depth] += 1;
-      Commit(s.nodes[nd.kids[k]].token, ga);
+      const int64_t kid = nd.kids[k];
+      Commit(h.has_tokens() ? h.token(s.node_off + kid) : s.nodes[kid].token, ga);
       path.push_back(nd.kids[k]);
       return k;
     }
@@ -148,11 +153,12 @@ void CompactKv(const Sequence& s, int64_t n, const std::vector<int64_t>& path, K
 }  // namespace
 
 HostStep::HostStep(const Verdicts& v, const NextDrafts& d, const at::Tensor& entropy,
-                   int64_t max_kids, int64_t tree_k)
-    : host_(Pack(v, d, entropy, tree_k)),
+                   const at::Tensor& node_tokens, int64_t max_kids, int64_t tree_k)
+    : host_(Pack(v, d, entropy, node_tokens, tree_k)),
       h_(host_.accessor<double, 2>()),
       max_kids_(max_kids),
-      tree_k_(tree_k) {}
+      tree_k_(tree_k),
+      token_col_(node_tokens.defined() ? host_.size(1) - 1 : -1) {}
 
 void CommitWindow(Sequence& s, const HostStep& h, const StepContext& ctx) {
   const int64_t n = s.n();

@@ -1,7 +1,8 @@
 // DraftWithModel: gamma = min(L - 1, tokens left - 1) autoregressive draft forwards, batched
 // over the draft-model requests; the first one also feeds the committed tokens the draft has
-// not seen. Drafts are sampled on the device and fed back without a host round trip; one read
-// at the end brings every drafted token to the host.
+// not seen. Drafts are sampled on the device and fed back without a host round trip, and stay
+// there: the target forward, the verification and the step's one readback take them from
+// StepContext::draft_tokens (NodeTokens).
 #include <ATen/ATen.h>
 
 #include "engine/decoding/guided_batch.h"
@@ -89,21 +90,20 @@ Status DraftWithModel(StepContext& ctx, const std::vector<Sequence*>& drafting) 
     tparts.push_back(tokens);
     who.push_back(std::move(act));
   }
-  // One read of all drafted tokens (the window's rows are built from them on the host: a
-  // draft-model step reads back twice); their q rows are referenced in the concatenated draft q.
-  at::Tensor all_tokens = ReadBack(at::cat(tparts));
-  auto tk = all_tokens.accessor<int64_t, 1>();
+  // Column j of each request refers to its row of the concatenated draft q and tokens; the
+  // token itself is not known on the host (cand 0 is a placeholder).
   int64_t row = 0;
   for (const auto& act : who) {
     for (Sequence* s : act) {
       Column col;
-      col.cand = {tk[row]};
+      col.cand = {0};
       col.q = {ProposalRef::kDraftModel, row};
       s->cols.push_back(col);
       ++row;
     }
   }
   ctx.draft_q = at::cat(qparts);
+  ctx.draft_tokens = at::cat(tparts).to(at::kLong);
   return OkStatus();
 }
 

@@ -7,6 +7,7 @@
 
 #include "engine/decoding/sequence.h"
 #include "engine/decoding/step_phases.h"
+#include "engine/model/transfer.h"
 
 namespace imagegen {
 
@@ -141,19 +142,21 @@ Status SpecBatch::Impl::Step(const std::vector<WindowGrant>& grants) {
   }
   if (!drafting.empty()) {
     RETURN_IF_ERROR(DraftWithModel(ctx, drafting));
-    if (opts.timing != nullptr) {  // the drafts' readback has synchronised the device
+    if (opts.timing != nullptr) {
+      SynchronizeDevice(target.options().device);
       opts.timing->draft_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
     }
   }
   for (Sequence* s : ctx.live) PlanWindow(*s, target.config());
   GatherProposals(ctx);
+  NodeTokens(ctx);
   RETURN_IF_ERROR(ForwardTarget(ctx));
 
   const Verdicts verdicts = VerifyWindows(ctx);
   const NextDrafts next = DrawNextDrafts(ctx, verdicts.kept);
   at::Tensor entropy;
   if (opts.collect_entropy) entropy = -(ctx.p * ctx.p.clamp_min(1e-300).log()).sum(1, true);
-  const HostStep host(verdicts, next, entropy, ctx.max_kids, ctx.tree_k);
+  const HostStep host(verdicts, next, entropy, ctx.node_tokens, ctx.max_kids, ctx.tree_k);
   for (Sequence* s : ctx.live) CommitWindow(*s, host, ctx);
   prev_p = ctx.p;
   prev_q = ctx.q;

@@ -52,8 +52,9 @@ struct SpecResult {
 // Where the steps' time goes (SpecOptions::timing), host wall-clock: the target forward alone
 // (Gpt::Forward), the draft model's forwards, and the whole step; everything else (planning,
 // CFG and sampling filters, verification, the next drafts, the readback, the commit walk) is
-// step - forward - draft. To time the forward the device is synchronised before and after it:
-// free on the CPU, two extra syncs per step on CUDA (measure speedups with timing off).
+// step - forward - draft. To time them the device is synchronised after the drafts and before
+// and after the forward: free on the CPU, up to three extra syncs per step on CUDA (measure
+// speedups with timing off).
 struct StepTiming {
   int64_t steps = 0;
   double step_seconds = 0, forward_seconds = 0, draft_seconds = 0;

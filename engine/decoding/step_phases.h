@@ -3,6 +3,7 @@
 //   DraftWithModel   draft-model requests draft their chains (batched draft forwards)
 //   PlanWindow       each request lays out its window: root, proactive tree, chain
 //   GatherProposals  one gather of the proposal q of every draft column
+//   NodeTokens       (draft-model steps) every node's input token on the device
 //   ForwardTarget    one ragged target forward over every window -> final distributions P
 //   VerifyWindows    every node's children verified against P (the exact rule, verify.h)
 //   DrawNextDrafts   fresh draws, tree candidates and Gumbel redraws from P
@@ -37,12 +38,17 @@ struct StepContext {
   std::vector<Sequence*> live;  // unfinished requests, in handle order
   at::Tensor prev_p, prev_q;    // the previous step's P and Q (Jacobi draft sources)
   at::Tensor draft_q;           // q of this step's draft-model drafts, one row per draft
-  at::Tensor q;                 // [columns, V] proposal of every draft column
-  at::Tensor p;                 // [nodes, V] final distribution at every node (float64)
-  at::Tensor embeddings;        // float64 token embeddings, when a request uses GSD
-  int64_t nodes = 0;            // rows of p
-  int64_t max_kids = 1;         // most children of any node
-  int64_t tree_k = 1;           // candidates per tree column (largest K in the batch)
+  at::Tensor draft_tokens;      // the drafts themselves, int64 on the device, one per q row
+  // Draft-model steps only (else undefined): every node's input token, in node order, then the
+  // null class (the unconditional root of an empty image), int64 on the device. Draft-model
+  // drafts stay on the device: the forward, the verification and the readback take them here.
+  at::Tensor node_tokens;
+  at::Tensor q;           // [columns, V] proposal of every draft column
+  at::Tensor p;           // [nodes, V] final distribution at every node (float64)
+  at::Tensor embeddings;  // float64 token embeddings, when a request uses GSD
+  int64_t nodes = 0;      // rows of p
+  int64_t max_kids = 1;   // most children of any node
+  int64_t tree_k = 1;     // candidates per tree column (largest K in the batch)
 
   const GptConfig& cfg() const { return target.config(); }
   at::Device dev() const { return target.options().device; }
@@ -65,25 +71,29 @@ struct NextDrafts {
 // The step's results on the host, one row per node.
 class HostStep {
  public:
-  HostStep(const Verdicts& v, const NextDrafts& d, const at::Tensor& entropy, int64_t max_kids,
-           int64_t tree_k);
+  HostStep(const Verdicts& v, const NextDrafts& d, const at::Tensor& entropy,
+           const at::Tensor& node_tokens, int64_t max_kids, int64_t tree_k);
   bool accepted(int64_t node, int64_t kid) const { return h_[node][kid] > 0.5; }
   int64_t residual(int64_t node) const { return Get(node, max_kids_); }
   int64_t kept(int64_t node) const { return Get(node, max_kids_ + 1); }
   int64_t fresh(int64_t node) const { return Get(node, max_kids_ + 2); }
   int64_t extra(int64_t node, int64_t k) const { return Get(node, max_kids_ + 3 + k); }
   double entropy(int64_t node) const { return h_[node][max_kids_ + 2 + tree_k_]; }
+  // The node's input token (StepContext::node_tokens), where the step had them.
+  bool has_tokens() const { return token_col_ >= 0; }
+  int64_t token(int64_t node) const { return Get(node, token_col_); }
 
  private:
   int64_t Get(int64_t node, int64_t col) const { return static_cast<int64_t>(h_[node][col]); }
   at::Tensor host_;
   at::TensorAccessor<double, 2> h_;
-  int64_t max_kids_, tree_k_;
+  int64_t max_kids_, tree_k_, token_col_;
 };
 
 Status DraftWithModel(StepContext& ctx, const std::vector<Sequence*>& drafting);
 void PlanWindow(Sequence& s, const GptConfig& cfg);
 void GatherProposals(StepContext& ctx);
+void NodeTokens(StepContext& ctx);
 Status ForwardTarget(StepContext& ctx);
 Verdicts VerifyWindows(const StepContext& ctx);
 NextDrafts DrawNextDrafts(const StepContext& ctx, const at::Tensor& kept);

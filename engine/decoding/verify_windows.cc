@@ -41,7 +41,9 @@ VerifyInputs BuildInputs(const StepContext& ctx) {
       if (nd.kids.empty()) continue;
       in.qrow[a] = s->q_off + col;
       for (size_t k = 0; k < nd.kids.size(); ++k) {
-        in.kid[a * K + static_cast<int64_t>(k)] = s->nodes[nd.kids[k]].token;
+        // With node tokens on the device, the child's node index (its token is looked up there).
+        in.kid[a * K + static_cast<int64_t>(k)] =
+            ctx.node_tokens.defined() ? s->node_off + nd.kids[k] : s->nodes[nd.kids[k]].token;
         in.uacc[a * K + static_cast<int64_t>(k)] =
             Uniform(s->r.seed, t, s->iter, Purpose::kAccept, static_cast<uint32_t>(k));
       }
@@ -107,6 +109,11 @@ Verdicts VerifyWindows(const StepContext& ctx) {
   doubles.insert(doubles.end(), in.ures.begin(), in.ures.end());
   at::Tensor l = Long(longs, dev), d = Double(doubles, dev);
   at::Tensor kids = l.narrow(0, 0, A * K).view({A, K});
+  if (ctx.node_tokens.defined()) {  // child node indices -> their tokens (-1: no child)
+    kids = at::where(kids >= 0,
+                     ctx.node_tokens.index_select(0, kids.reshape(-1).clamp_min(0)).view({A, K}),
+                     kids);
+  }
   at::Tensor uacc = d.narrow(0, 0, A * K).view({A, K});
   at::Tensor w = d.narrow(0, A * K, A);
   at::Tensor ures = d.narrow(0, A * K + A, A);

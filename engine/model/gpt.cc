@@ -269,11 +269,8 @@ Status Gpt::Validate(const std::vector<BatchRow>& batch, const KvCache& cache,
     for (int64_t i = 0; i < n; ++i) {
       const int64_t pos = row.positions[i], tok = row.tokens[i];
       if (pos < 0 || pos >= cfg_.seq_len()) return InvalidArgument(where + "position out of range");
-      if (!check_tokens) {
-        if (pos < cfg_.cls_token_num)
-          return InvalidArgument(where + "device tokens at a class position");
-        continue;
-      }
+      // With device tokens only the class labels are known here (the rows carry them too).
+      if (!check_tokens && pos >= cfg_.cls_token_num) continue;
       const int64_t limit = pos < cfg_.cls_token_num ? label_rows : cfg_.vocab_size;
       if (tok < 0 || tok >= limit) return InvalidArgument(where + "token id out of range");
     }
@@ -398,6 +395,11 @@ at::Tensor Gpt::ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache,
   };
   at::Tensor ids = feed_ids ? take(T) : device_tokens.to(at::kLong).reshape({T});
   at::Tensor pos = take(T), dst = take(T), src = take(T), slots = take(R);
+  if (!feed_ids) {  // class labels among the device tokens: their embedding rows follow the vocab
+    bool labels = false;
+    for (const BatchRow& row : batch) labels |= row.positions[0] < cfg_.cls_token_num;
+    if (labels) ids = at::where(pos < cfg_.cls_token_num, ids + cfg_.vocab_size, ids);
+  }
   at::Tensor meta = take(3 * R).view({3, R, 1, 1});  // cache_len, n, has its own mask
   at::Tensor pairs = take(custom_pairs);
 

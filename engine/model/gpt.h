@@ -105,9 +105,10 @@ class Gpt {
   // Logits [total new tokens, vocab] in float32, rows in batch order. Throws c10::Error only
   // on internal errors; inputs are validated and reported as a Status.
   // `device_tokens`, when defined, is an int64 tensor [total new tokens] on the model's device
-  // that replaces the rows' token ids (image tokens only, not validated): drafts sampled on the
-  // device are fed back without a host round trip. The rows' token vectors then only give the
-  // lengths.
+  // that replaces the rows' token ids: drafts sampled on the device are fed back without a host
+  // round trip. Image tokens there are not validated and the rows' token vectors only give the
+  // lengths, except at positions below cls_token_num, where both hold the class label (the
+  // row's copy is validated).
   StatusOr<at::Tensor> Forward(const std::vector<BatchRow>& batch, KvCache& cache,
                                const at::Tensor& device_tokens = at::Tensor(),
                                ForwardOptions fopts = {}) const;
