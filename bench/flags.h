@@ -2,10 +2,13 @@
 // which must build on GPU hosts with only LibTorch).
 #pragma once
 
+#include <cstdint>
 #include <cstdlib>
 #include <iostream>
 #include <map>
+#include <sstream>
 #include <string>
+#include <vector>
 
 namespace imagegen {
 
@@ -45,6 +48,26 @@ class Flags {
     long long n = std::strtoll(v.c_str(), &end, 10);
     if (v.empty() || *end != '\0') Fail("--" + k + " must be an integer, got '" + v + "'");
     return n;
+  }
+  // A comma-separated flag's non-empty items.
+  std::vector<std::string> List(const std::string& k) const {
+    std::vector<std::string> out;
+    std::stringstream ss(values_.at(k));
+    for (std::string item; std::getline(ss, item, ',');) {
+      if (!item.empty()) out.push_back(item);
+    }
+    return out;
+  }
+  // The same, as integers.
+  std::vector<int64_t> Ints(const std::string& k) const {
+    std::vector<int64_t> out;
+    for (const std::string& item : List(k)) {
+      char* end = nullptr;
+      const long long n = std::strtoll(item.c_str(), &end, 10);
+      if (*end != '\0') Fail("--" + k + ": '" + item + "' is not an integer");
+      out.push_back(n);
+    }
+    return out;
   }
   [[noreturn]] void Fail(const std::string& msg) const {
     std::cerr << "error: " << msg << "\n";

@@ -17,7 +17,6 @@
 #include <fstream>
 #include <map>
 #include <mutex>
-#include <sstream>
 #include <thread>
 
 #include "bench/flags.h"
@@ -28,16 +27,6 @@
 using namespace imagegen;
 
 namespace {
-
-std::vector<std::string> Split(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    if (!item.empty()) out.push_back(item);
-  }
-  return out;
-}
 
 class Waiter : public RequestObserver {
  public:
@@ -273,8 +262,7 @@ int main(int argc, char** argv) {
   base.batch_invariant = f.Int("batch-invariant") != 0;
   base.kv_cache_bytes = int64_t{8} << 30;
   const double seconds = f.Num("seconds");
-  std::vector<int64_t> conc;
-  for (const auto& s : Split(f.Str("concurrency"))) conc.push_back(std::stoll(s));
+  const std::vector<int64_t> conc = f.Ints("concurrency");
 
   // Warm-up (allocator, thread pools), not reported.
   RunCell(base, "ar", "batched", 2, f.Int("budget"), 2, 1u << 30);
@@ -284,7 +272,7 @@ int main(int argc, char** argv) {
   PrintHeader();
   uint64_t seed = 0;
   const int repeats = static_cast<int>(std::max<int64_t>(1, f.Int("repeat")));
-  for (const auto& m : Split(f.Str("methods"))) {
+  for (const auto& m : f.List("methods")) {
     for (int64_t c : conc) {
       // Batched and serial runs alternate, so slow drifts of the machine hit both alike.
       std::vector<Cell> bs, ss;
@@ -325,11 +313,11 @@ int main(int argc, char** argv) {
 
   std::vector<Cell> sweep;
   const int64_t sc = f.Int("sweep-concurrency");
-  if (!Split(f.Str("sweep-budgets")).empty()) {
+  if (!f.List("sweep-budgets").empty()) {
     std::printf("\nToken budget sweep at concurrency %lld:\n", static_cast<long long>(sc));
     PrintHeader();
-    const auto budgets = Split(f.Str("sweep-budgets"));
-    for (const auto& m : Split(f.Str("sweep-methods"))) {
+    const auto budgets = f.List("sweep-budgets");
+    for (const auto& m : f.List("sweep-methods")) {
       std::vector<std::vector<Cell>> runs(budgets.size());
       for (int r = 0; r < repeats; ++r) {
         for (size_t k = 0; k < budgets.size(); ++k) {

@@ -16,7 +16,6 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <sstream>
 
 #include "bench/common.h"
 #include "engine/decoding/speculative.h"
@@ -40,16 +39,6 @@ struct Row {
   StepTiming timing;            // with --split: the target forward vs the rest of each step
   std::map<int, int64_t> hist;  // committed tokens per step -> steps
 };
-
-std::vector<int64_t> ParseList(const std::string& s) {
-  std::vector<int64_t> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    if (!item.empty()) out.push_back(std::stoll(item));
-  }
-  return out;
-}
 
 // A viridis-like ramp through five anchors, t in [0, 1].
 std::array<uint8_t, 3> Ramp(double t) {
@@ -145,18 +134,18 @@ int main(int argc, char** argv) {
     return;
   };
   add("ar", 1, "");
-  for (int64_t L : ParseList(f.Str("windows"))) {
+  for (int64_t L : f.Ints("windows")) {
     for (const char* m : {"sjd", "scd-mc", "scd-gs", "sjd-pac", "pac-gumbel", "gsd", "cool-sjd"}) {
       if (want(m)) add(m, L, "");
     }
   }
-  for (int64_t L : ParseList(f.Str("sd-windows"))) {
+  for (int64_t L : f.Ints("sd-windows")) {
     for (const char* m : {"sd", "cool-sd"}) {
       if (want(m)) add(m, L, "");
     }
   }
   if (want("sjd-pac")) {  // ablation: adaptive continuation with PAC's uniform q, no tree
-    for (int64_t L : ParseList(f.Str("windows"))) {
+    for (int64_t L : f.Ints("windows")) {
       add("scd-mc", L, "ac-uniform-q");
       configs.back().policy.uniform_init_q = true;
     }

@@ -15,7 +15,6 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
-#include <sstream>
 
 #include "bench/common.h"  // flags, OrDie (header-only: no libpng needed)
 #include "engine/model/device.h"
@@ -26,24 +25,6 @@
 using namespace imagegen;
 
 namespace {
-
-std::vector<int64_t> Ints(const std::string& s) {
-  std::vector<int64_t> out;
-  std::stringstream ss(s);
-  for (std::string item; std::getline(ss, item, ',');) {
-    if (!item.empty()) out.push_back(std::stoll(item));
-  }
-  return out;
-}
-
-std::vector<std::string> Strings(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  for (std::string item; std::getline(ss, item, ',');) {
-    if (!item.empty()) out.push_back(item);
-  }
-  return out;
-}
 
 // LlamaGen's c2i shapes (gpt.py GPT_B/L/XL: dim, layers, heads), 1000 classes, VQ-16 vocab.
 bool Shape(const std::string& name, int64_t grid, GptConfig* c) {
@@ -96,10 +77,10 @@ int main(int argc, char** argv) {
   }
   const double gbps = std::stod(f.Str("hbm-gbps"));
   const bool invariant = f.Int("batch-invariant") != 0;
-  for (const std::string& dtype : Strings(f.Str("dtypes"))) {
+  for (const std::string& dtype : f.List("dtypes")) {
     auto lo = ParseDeviceAndDtype(f.Str("device"), dtype);
     if (!lo.ok()) f.Fail(lo.status().message());
-    for (const std::string& shape : Strings(f.Str("shapes"))) {
+    for (const std::string& shape : f.List("shapes")) {
       std::unique_ptr<Gpt> gpt;
       if (shape == "bundled") {
         gpt = OrDie(Gpt::Load(f.Str("models-dir") + "/fmnist-gpt", *lo));
@@ -119,10 +100,10 @@ int main(int argc, char** argv) {
       std::printf("%8s %6s %8s %8s %10s %12s %8s\n", "requests", "rows", "tokens", "tok/req",
                   "median ms", "tokens/s", "x 1 tok");
       double one_token_ms = 0;
-      for (int64_t r : Ints(f.Str("requests"))) {
+      for (int64_t r : f.Ints("requests")) {
         const int64_t rows = 2 * r;  // CFG: conditional and unconditional
         KvCache cache = gpt->NewCache(rows);
-        for (int64_t t : Ints(f.Str("tokens"))) {
+        for (int64_t t : f.Ints("tokens")) {
           if (t < r || t % r != 0) continue;
           const int64_t n = t / r;
           if (n > cfg.block_size) continue;

@@ -6,7 +6,6 @@
 // also with LibTorch's own sync debug mode, which sees every synchronizing CUDA call.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
-#include <torch/cuda.h>
 
 #ifdef IMAGEGEN_TEST_CUDA
 #include <c10/cuda/CUDAFunctions.h>

@@ -58,7 +58,7 @@ void NodeTokens(StepContext& ctx) {
   host.insert(host.end(), node.begin(), node.end());
   host.insert(host.end(), row.begin(), row.end());
   at::Tensor up = UploadLongs(host, ctx.dev());
-  ctx.node_tokens = up.narrow(0, 0, n).clone();
+  ctx.node_tokens = up.narrow(0, 0, n);  // a view of this step's own upload
   if (d > 0) {
     ctx.node_tokens.index_copy_(0, up.narrow(0, n, d),
                                 ctx.draft_tokens.index_select(0, up.narrow(0, n + d, d)));

@@ -59,17 +59,13 @@ VerifyInputs BuildInputs(const StepContext& ctx) {
   return in;
 }
 
-at::Tensor Long(const std::vector<int64_t>& v, at::Device d) { return UploadLongs(v, d); }
-at::Tensor Double(const std::vector<double>& v, at::Device d) { return UploadDoubles(v, d); }
-
 // GSD (seed 004 Alg. 3): for the grouped nodes, the cluster of ids around the draft x in
 // p-sorted order, kept where the probability gap and the embedding distance are small, and
-// the ratio of the cluster's masses under p and q.
-at::Tensor GroupedRatio(const StepContext& ctx, const VerifyInputs& in, const at::Tensor& Qa,
-                        const at::Tensor& x) {
+// the ratio of the cluster's masses under p and q. `gi`: in.grouped on the device.
+at::Tensor GroupedRatio(const StepContext& ctx, const VerifyInputs& in, const at::Tensor& gi,
+                        const at::Tensor& Qa, const at::Tensor& x) {
   const at::Device dev = ctx.dev();
   const int64_t V = ctx.cfg().vocab_size;
-  at::Tensor gi = Long(in.grouped, dev);
   at::Tensor pg = ctx.p.index_select(0, gi), qg = Qa.index_select(0, gi);
   at::Tensor xg = x.index_select(0, gi);
   const int64_t G = *std::max_element(in.group_size.begin(), in.group_size.end());
@@ -78,7 +74,7 @@ at::Tensor GroupedRatio(const StepContext& ctx, const VerifyInputs& in, const at
   at::Tensor offs =
       at::arange(-(G / 2), G - G / 2, at::TensorOptions().dtype(at::kLong).device(dev))
           .unsqueeze(0);
-  at::Tensor gn = Long(in.group_size, dev).unsqueeze(1);
+  at::Tensor gn = UploadLongs(in.group_size, dev).unsqueeze(1);
   at::Tensor rk = rank + offs;
   // Each node's own G: ranks r - G/2 .. r + G - G/2 - 1 (7 below, 6 above for G = 14).
   at::Tensor inside = (rk >= 0) & (rk < V) & (offs >= -at::floor_divide(gn, 2)) &
@@ -89,8 +85,9 @@ at::Tensor GroupedRatio(const StepContext& ctx, const VerifyInputs& in, const at
   at::Tensor ex = ctx.embeddings.index_select(0, xg).unsqueeze(1);
   at::Tensor ej = ctx.embeddings.index_select(0, ids.reshape(-1)).view({ids.size(0), G, -1});
   at::Tensor dist = (ej - ex).pow(2).sum(-1);
-  at::Tensor keep = inside & ((pids - pxg).abs() < Double(in.group_delta, dev).unsqueeze(1)) &
-                    (dist < Double(in.group_dist, dev).unsqueeze(1));
+  at::Tensor keep = inside &
+                    ((pids - pxg).abs() < UploadDoubles(in.group_delta, dev).unsqueeze(1)) &
+                    (dist < UploadDoubles(in.group_dist, dev).unsqueeze(1));
   at::Tensor num = (pids * keep).sum(1), den = (qids * keep).sum(1);
   return at::where(den > 0, num / den.clamp_min(1e-300), (num > 0).to(at::kDouble));
 }
@@ -107,7 +104,7 @@ Verdicts VerifyWindows(const StepContext& ctx) {
   std::vector<double> doubles(in.uacc);
   doubles.insert(doubles.end(), in.w.begin(), in.w.end());
   doubles.insert(doubles.end(), in.ures.begin(), in.ures.end());
-  at::Tensor l = Long(longs, dev), d = Double(doubles, dev);
+  at::Tensor l = UploadLongs(longs, dev), d = UploadDoubles(doubles, dev);
   at::Tensor kids = l.narrow(0, 0, A * K).view({A, K});
   if (ctx.node_tokens.defined()) {  // child node indices -> their tokens (-1: no child)
     kids = at::where(kids >= 0,
@@ -129,7 +126,8 @@ Verdicts VerifyWindows(const StepContext& ctx) {
     at::Tensor wk = k == 0 ? w : at::Tensor();  // COOL-SD weighs the first sibling only
     at::Tensor ratio = AcceptRatio(pk, qk, x, wk);
     if (k == 0 && !in.grouped.empty()) {
-      ratio = ratio.index_copy(0, Long(in.grouped, dev), GroupedRatio(ctx, in, Qa, x));
+      const at::Tensor gi = UploadLongs(in.grouped, dev);
+      ratio = ratio.index_copy(0, gi, GroupedRatio(ctx, in, gi, Qa, x));
     }
     acc_cols.push_back(valid & ctx.rules.Accept(uacc.select(1, k), ratio.clamp_max(1.0)));
     pk = at::where(valid.unsqueeze(1), ResidualDistribution(pk, qk, wk), pk);

@@ -25,11 +25,6 @@ at::Tensor UploadVector(const std::vector<T>& v, at::ScalarType type, at::Device
   if (device.is_cuda()) opts = opts.pinned_memory(true);
   at::Tensor host = at::empty({n}, opts);
   if (n > 0) std::memcpy(host.data_ptr(), v.data(), v.size() * sizeof(T));
-  if (device.is_cpu()) {
-    t_counts.uploads += 1;
-    t_counts.upload_bytes += static_cast<int64_t>(host.nbytes());
-    return host;
-  }
   return Upload(host, device);
 }
 
