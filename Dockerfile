@@ -60,7 +60,10 @@ LABEL org.opencontainers.image.title="imagegen" \
       org.opencontainers.image.description="gRPC daemon for autoregressive image generation with lossless speculative Jacobi decoding" \
       org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.base.name="${DEBIAN_BASE}"
-ENV IMAGEGEN_MODELS_DIR=/models IMAGEGEN_PORT=50051 IMAGEGEN_METRICS_PORT=9464
+# XDG_CACHE_HOME: where the daemon keeps its step-cost calibration between starts (the user
+# has no home directory; /tmp is writable, also under a read-only root with an emptyDir).
+ENV IMAGEGEN_MODELS_DIR=/models IMAGEGEN_PORT=50051 IMAGEGEN_METRICS_PORT=9464 \
+    XDG_CACHE_HOME=/tmp/.cache
 USER 10001:10001
 EXPOSE 50051 9464
 STOPSIGNAL SIGTERM

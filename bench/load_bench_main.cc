@@ -1,14 +1,19 @@
 // imagegen-load-bench: closed-loop load on the serving engine (no gRPC). For each method and
 // concurrency c, c client threads each submit a request, wait for its image, and submit the
-// next, for --seconds; the same load then runs on an engine that serves one request at a time
-// (two KV slots: one CFG request), which is what continuous batching is compared with. A
-// second part sweeps the token budget at one concurrency. With --repeat R every cell runs R
-// times, alternating with its counterpart, and the median rate is reported. Prints one table
-// with the ratios measured in this run and writes results.csv, budget.csv and plots
-// (tools/plot_load_bench.py).
+// next, for --seconds (at least; --seconds-per-client more per client, so that high
+// concurrency completes enough images). Every (method, c) runs under each window-control mode
+// side by side (--modes): "none" (whole windows), "budget:N" (the fixed token budget N),
+// "goodput" (the controller, goodput.h), and "serial" (one request at a time: two KV slots).
+// With --repeat R every cell runs R times, the modes' order alternating, and the median rate is
+// reported. A mixed load (--mixed-methods: each client its own method) runs under
+// --mixed-modes. Prints the tables with the ratios measured in this run and writes
+// results.csv, mixed.csv and plots (tools/plot_load_bench.py).
 //
-//   imagegen-load-bench --methods ar,sjd,scd-mc,sjd-pac --concurrency 1,2,4,8,16,32 --out-dir out
+//   imagegen-load-bench --methods ar,sjd,scd-mc,sjd-pac --concurrency 1,2,4,8,16,32,64 --out-dir
+//   out
 #include <algorithm>
+#include <cmath>
+#include <cstdlib>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -32,7 +37,7 @@ class Waiter : public RequestObserver {
  public:
   void OnComplete(RequestResult r) override {
     std::lock_guard<std::mutex> l(mu_);
-    nfe_ = r.stats.counters.nfe;
+    stats_ = r.stats;
     ok_ = true;
     done_ = true;
     cv_.notify_all();
@@ -43,10 +48,10 @@ class Waiter : public RequestObserver {
     done_ = true;
     cv_.notify_all();
   }
-  bool Wait(int64_t* nfe, std::string* err) {
+  bool Wait(RequestStats* stats, std::string* err) {
     std::unique_lock<std::mutex> l(mu_);
     cv_.wait(l, [&] { return done_; });
-    *nfe = nfe_;
+    *stats = stats_;
     *err = error_;
     return ok_;
   }
@@ -55,7 +60,7 @@ class Waiter : public RequestObserver {
   std::mutex mu_;
   std::condition_variable cv_;
   bool done_ = false, ok_ = false;
-  int64_t nfe_ = 0;
+  RequestStats stats_;
   std::string error_;
 };
 
@@ -67,11 +72,52 @@ struct StepTotals : EngineListener {
     requests += s.requests;
     limited += s.budget_limited ? 1 : 0;
     seconds += s.seconds;
+    if (s.predicted_seconds > 0) {
+      cost_error.push_back(std::abs(s.step_seconds / s.predicted_seconds - 1));
+    }
+    expected += s.expected_committed;
+    if (s.expected_committed > 0) planned_committed += s.committed;
+    plan_seconds += s.plan_seconds;
+    if (Clock::now() < stop) committed_before_stop += s.committed;
   }
+  Clock::time_point stop = Clock::time_point::max();  // set before the clients start
   std::mutex mu;
-  int64_t steps = 0, tokens = 0, requests = 0, limited = 0;
-  double seconds = 0;
+  int64_t steps = 0, tokens = 0, requests = 0, limited = 0, planned_committed = 0;
+  int64_t committed_before_stop = 0;
+  double seconds = 0, expected = 0, plan_seconds = 0;
+  std::vector<double> cost_error;  // |measured / predicted - 1| per step
 };
+
+// A window-control mode: "none", "budget:N", "goodput" or "serial".
+struct Mode {
+  std::string name, policy = "full";
+  int64_t budget = 0;
+  bool serial = false;
+};
+
+Mode ParseMode(const std::string& m) {
+  Mode mode;
+  mode.name = m;
+  if (m == "none") return mode;
+  if (m == "goodput") {
+    mode.policy = "goodput";
+    mode.budget = -1;
+    return mode;
+  }
+  if (m == "serial") {
+    mode.serial = true;
+    return mode;
+  }
+  if (m.rfind("budget:", 0) == 0) {
+    mode.policy = "budget";
+    char* end = nullptr;
+    mode.budget = std::strtoll(m.c_str() + 7, &end, 10);
+    if (*end == '\0' && mode.budget >= 2) return mode;
+  }
+  std::fprintf(stderr, "error: --modes: '%s' is not none, goodput, serial or budget:N (N >= 2)\n",
+               m.c_str());
+  std::exit(2);
+}
 
 struct Cell {
   std::string method, mode;
@@ -79,16 +125,21 @@ struct Cell {
   int64_t images = 0;
   double seconds = 0, images_per_s = 0, p50 = 0, p99 = 0, mean_latency = 0, nfe = 0;
   double tokens_per_step = 0, requests_per_step = 0, limited_frac = 0, step_ms = 0;
-  std::vector<double> latencies;
+  double mean_window = 0, cost_err_p50 = 0, cost_err_p90 = 0, expected_vs_committed = 0;
+  double plan_ms = 0;  // choosing the windows, per step
+  std::vector<double> latencies, cost_errors;
+  std::map<std::string, std::vector<double>> by_method;  // latencies per method (mixed load)
   int repeats = 1;
 };
 
-Cell RunCell(const EngineOptions& base, const std::string& method, const std::string& mode,
-             int64_t c, int64_t budget, double seconds, uint64_t seed0) {
+Cell RunCell(const EngineOptions& base, const std::vector<DecodingPolicy>& policies,
+             const std::string& label, const Mode& mode, int64_t c, double seconds,
+             uint64_t seed0) {
   EngineOptions o = base;
-  o.max_tokens_per_step = budget;
+  o.window_policy = mode.policy;
+  o.max_tokens_per_step = mode.budget;
   o.max_queue = std::max<int64_t>(c, 1);
-  o.max_slots = mode == "serial" ? 2 : std::max<int64_t>(2 * c, 2);
+  o.max_slots = mode.serial ? 2 : std::max<int64_t>(2 * c, 2);
   StepTotals totals;
   auto started = Engine::Start(o, &totals);
   if (!started.ok()) {
@@ -96,28 +147,30 @@ Cell RunCell(const EngineOptions& base, const std::string& method, const std::st
     std::exit(1);
   }
   Engine& engine = **started;
-  auto policy = PolicyFromPreset(method);
-  if (!policy.ok()) {
-    std::fprintf(stderr, "error: %s\n", policy.status().ToString().c_str());
-    std::exit(2);
-  }
   std::mutex mu;
-  std::vector<double> latencies;
+  Cell cell;
   std::vector<int64_t> nfes;
+  double window_sum = 0;
   std::atomic<uint64_t> next_seed{seed0};
   const auto t0 = Clock::now();
   const auto stop =
       t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+  {
+    std::lock_guard<std::mutex> l(totals.mu);
+    totals.stop = stop;
+  }
   Clock::time_point last_end = t0;
   std::vector<std::thread> clients;
   for (int64_t k = 0; k < c; ++k) {
     clients.emplace_back([&, k] {
+      const DecodingPolicy& policy = policies[static_cast<size_t>(k) % policies.size()];
       while (Clock::now() < stop) {
         GenerateParams p;
         const uint64_t seed = next_seed.fetch_add(1);
         p.class_id = static_cast<int64_t>(seed % 10);
         p.seed = seed;
-        p.policy = *policy;
+        p.policy = policy;
+        p.decode_image = true;
         auto w = std::make_shared<Waiter>();
         const auto s0 = Clock::now();
         auto id = engine.Submit(p, w);
@@ -125,45 +178,58 @@ Cell RunCell(const EngineOptions& base, const std::string& method, const std::st
           std::fprintf(stderr, "submit: %s\n", id.status().ToString().c_str());
           std::exit(1);
         }
-        int64_t nfe = 0;
+        RequestStats st;
         std::string err;
-        if (!w->Wait(&nfe, &err)) {
+        if (!w->Wait(&st, &err)) {
           std::fprintf(stderr, "request failed: %s\n", err.c_str());
           std::exit(1);
         }
         const auto s1 = Clock::now();
+        const double latency = std::chrono::duration<double>(s1 - s0).count();
         std::lock_guard<std::mutex> l(mu);
-        latencies.push_back(std::chrono::duration<double>(s1 - s0).count());
-        nfes.push_back(nfe);
+        cell.latencies.push_back(latency);
+        cell.by_method[policy.preset].push_back(latency);
+        nfes.push_back(st.counters.nfe);
+        window_sum += st.mean_window;
         last_end = std::max(last_end, s1);
       }
-      (void)k;
     });
   }
   for (auto& t : clients) t.join();
+  const int64_t per_image = engine.Models()[0].grid * engine.Models()[0].grid;
   engine.Shutdown(std::chrono::seconds(0));
-  Cell cell;
-  cell.method = method;
-  cell.mode = mode;
+  cell.method = label;
+  cell.mode = mode.name;
   cell.concurrency = c;
-  cell.budget = budget;
-  cell.images = static_cast<int64_t>(latencies.size());
-  cell.latencies = latencies;
+  cell.budget = mode.budget;
+  cell.images = static_cast<int64_t>(cell.latencies.size());
   cell.seconds = std::chrono::duration<double>(last_end - t0).count();
-  cell.images_per_s = cell.images / cell.seconds;
-  cell.p50 = Percentile(latencies, 0.5);
-  cell.p99 = Percentile(latencies, 0.99);
+  // Throughput under the full load: image tokens committed until the clients stop
+  // submitting, in images (completed images alone come in waves of c at high concurrency).
+
+  cell.p50 = Percentile(cell.latencies, 0.5);
+  cell.p99 = Percentile(cell.latencies, 0.99);
   double sum = 0, nsum = 0;
-  for (double l : latencies) sum += l;
+  for (double l : cell.latencies) sum += l;
   for (int64_t n : nfes) nsum += static_cast<double>(n);
-  cell.mean_latency = sum / std::max<int64_t>(cell.images, 1);
-  cell.nfe = nsum / std::max<int64_t>(cell.images, 1);
+  const double images = static_cast<double>(std::max<int64_t>(cell.images, 1));
+  cell.mean_latency = sum / images;
+  cell.nfe = nsum / images;
+  cell.mean_window = window_sum / images;
   std::lock_guard<std::mutex> l(totals.mu);
+  cell.images_per_s = static_cast<double>(totals.committed_before_stop) /
+                      static_cast<double>(per_image) / seconds;
   const double steps = static_cast<double>(std::max<int64_t>(totals.steps, 1));
   cell.tokens_per_step = totals.tokens / steps;
   cell.requests_per_step = totals.requests / steps;
   cell.limited_frac = totals.limited / steps;
   cell.step_ms = 1000 * totals.seconds / steps;
+  cell.plan_ms = 1000 * totals.plan_seconds / steps;
+  cell.cost_errors = totals.cost_error;
+  cell.cost_err_p50 = Percentile(cell.cost_errors, 0.5);
+  cell.cost_err_p90 = Percentile(cell.cost_errors, 0.9);
+  cell.expected_vs_committed =
+      totals.expected > 0 ? static_cast<double>(totals.planned_committed) / totals.expected : 0;
   return cell;
 }
 
@@ -174,59 +240,88 @@ Cell Combine(const std::vector<Cell>& runs) {
   c.repeats = static_cast<int>(runs.size());
   std::vector<double> rates;
   c.latencies.clear();
-  double nfe = 0, tps = 0, rps = 0, lim = 0, ms = 0;
+  c.cost_errors.clear();
+  c.by_method.clear();
+  double nfe = 0, tps = 0, rps = 0, lim = 0, ms = 0, win = 0, evc = 0, plan = 0;
   c.images = 0;
   c.seconds = 0;
   for (const Cell& r : runs) {
     rates.push_back(r.images_per_s);
     c.latencies.insert(c.latencies.end(), r.latencies.begin(), r.latencies.end());
+    c.cost_errors.insert(c.cost_errors.end(), r.cost_errors.begin(), r.cost_errors.end());
+    for (const auto& [m, ls] : r.by_method) {
+      c.by_method[m].insert(c.by_method[m].end(), ls.begin(), ls.end());
+    }
     c.images += r.images;
     c.seconds += r.seconds;
     nfe += r.nfe * static_cast<double>(r.images);
+    win += r.mean_window * static_cast<double>(r.images);
     tps += r.tokens_per_step;
     rps += r.requests_per_step;
     lim += r.limited_frac;
     ms += r.step_ms;
+    plan += r.plan_ms;
+    evc += r.expected_vs_committed;
   }
   const double n = static_cast<double>(runs.size());
+  const double images = std::max<double>(static_cast<double>(c.images), 1);
   c.images_per_s = Percentile(rates, 0.5);
   c.p50 = Percentile(c.latencies, 0.5);
   c.p99 = Percentile(c.latencies, 0.99);
   double sum = 0;
   for (double l : c.latencies) sum += l;
   c.mean_latency = sum / std::max<double>(static_cast<double>(c.latencies.size()), 1);
-  c.nfe = nfe / std::max<double>(static_cast<double>(c.images), 1);
+  c.nfe = nfe / images;
+  c.mean_window = win / images;
   c.tokens_per_step = tps / n;
   c.requests_per_step = rps / n;
   c.limited_frac = lim / n;
   c.step_ms = ms / n;
+  c.plan_ms = plan / n;
+  c.expected_vs_committed = evc / n;
+  c.cost_err_p50 = Percentile(c.cost_errors, 0.5);
+  c.cost_err_p90 = Percentile(c.cost_errors, 0.9);
   return c;
 }
 
 void PrintHeader() {
-  std::printf("%-8s %-7s %4s %6s %6s %8s %8s %8s %7s %8s %7s %7s\n", "method", "mode", "c",
-              "budget", "images", "img/s", "p50 s", "p99 s", "NFE", "tok/step", "req/st",
-              "step ms");
+  std::printf("%-8s %-11s %4s %6s %8s %7s %7s %7s %6s %8s %6s %7s %7s %6s\n", "method", "mode", "c",
+              "images", "img/s", "p50 s", "p99 s", "NFE", "window", "tok/step", "req/st", "step ms",
+              "plan ms", "err50");
 }
 
 void Print(const Cell& r) {
-  std::printf("%-8s %-7s %4lld %6lld %6lld %8.2f %8.2f %8.2f %7.1f %8.1f %7.1f %7.1f\n",
+  std::printf("%-8s %-11s %4lld %6lld %8.2f %7.2f %7.2f %7.1f %6.1f %8.1f %6.1f %7.1f %7.3f %6s\n",
               r.method.c_str(), r.mode.c_str(), static_cast<long long>(r.concurrency),
-              static_cast<long long>(r.budget), static_cast<long long>(r.images), r.images_per_s,
-              r.p50, r.p99, r.nfe, r.tokens_per_step, r.requests_per_step, r.step_ms);
+              static_cast<long long>(r.images), r.images_per_s, r.p50, r.p99, r.nfe, r.mean_window,
+              r.tokens_per_step, r.requests_per_step, r.step_ms, r.plan_ms,
+              r.cost_errors.empty()
+                  ? "-"
+                  : (std::to_string(static_cast<int>(100 * r.cost_err_p50 + 0.5)) + "%").c_str());
   std::fflush(stdout);
 }
 
 void WriteCsv(const std::string& path, const std::vector<Cell>& cells) {
   std::ofstream f(path);
   f << "method,mode,concurrency,budget,images,seconds,images_per_s,p50_s,p99_s,mean_latency_s,"
-       "nfe,tokens_per_step,requests_per_step,budget_limited_steps,step_ms\n";
+       "nfe,mean_window,tokens_per_step,requests_per_step,window_limited_steps,step_ms,"
+       "plan_ms,cost_error_p50,cost_error_p90,committed_over_expected\n";
   for (const Cell& r : cells) {
     f << r.method << "," << r.mode << "," << r.concurrency << "," << r.budget << "," << r.images
       << "," << r.seconds << "," << r.images_per_s << "," << r.p50 << "," << r.p99 << ","
-      << r.mean_latency << "," << r.nfe << "," << r.tokens_per_step << "," << r.requests_per_step
-      << "," << r.limited_frac << "," << r.step_ms << "\n";
+      << r.mean_latency << "," << r.nfe << "," << r.mean_window << "," << r.tokens_per_step << ","
+      << r.requests_per_step << "," << r.limited_frac << "," << r.step_ms << "," << r.plan_ms << ","
+      << r.cost_err_p50 << "," << r.cost_err_p90 << "," << r.expected_vs_committed << "\n";
   }
+}
+
+DecodingPolicy PolicyOrDie(const std::string& method) {
+  auto policy = PolicyFromPreset(method);
+  if (!policy.ok()) {
+    std::fprintf(stderr, "error: %s\n", policy.status().ToString().c_str());
+    std::exit(2);
+  }
+  return *policy;
 }
 
 }  // namespace
@@ -238,18 +333,20 @@ int main(int argc, char** argv) {
            {"device", "cpu"},
            {"dtype", "auto"},
            {"methods", "ar,sjd,scd-mc,sjd-pac"},
-           {"concurrency", "1,2,4,8,16,32"},
-           {"seconds", "15"},
-           {"budget", "-1"},
-           {"serial", "1"},
-           {"sweep-budgets", "0,2048,512,256,128,64"},
-           {"sweep-concurrency", "16"},
-           {"sweep-methods", "ar,sjd,scd-mc"},
+           {"concurrency", "1,2,4,8,16,32,64"},
+           {"seconds", "8"},
+           {"seconds-per-client", "0.35"},
+           {"modes", "none,budget:128,budget:256,budget:512,goodput"},
+           {"mixed-methods", "ar,scd-mc,sjd-pac,sd"},
+           {"mixed-concurrency", "4,16,64"},
+           {"mixed-modes", "none,budget:256,goodput"},
+           {"max-slowdown", "0.25"},
+           {"cache-dir", ""},
            {"batch-invariant", "1"},
            {"repeat", "1"},
            {"out-dir", "load-bench"}},
-          "usage: imagegen-load-bench [--methods LIST] [--concurrency LIST] [--seconds S] "
-          "[--budget TOKENS] [--sweep-budgets LIST] --out-dir DIR");
+          "usage: imagegen-load-bench [--methods LIST] [--concurrency LIST] [--modes LIST] "
+          "[--seconds S] [--mixed-methods LIST] --out-dir DIR");
   const std::string out = f.Str("out-dir");
   if (std::error_code ec; !std::filesystem::create_directories(out, ec) && ec) {
     f.Fail("cannot create --out-dir " + out + ": " + ec.message());
@@ -261,78 +358,143 @@ int main(int argc, char** argv) {
   base.dtype = f.Str("dtype");
   base.batch_invariant = f.Int("batch-invariant") != 0;
   base.kv_cache_bytes = int64_t{8} << 30;
-  const double seconds = f.Num("seconds");
-  const std::vector<int64_t> conc = f.Ints("concurrency");
+  base.max_slowdown = f.Num("max-slowdown");
+  // The goodput cells share one calibration (measured by the warm-up below).
+  base.cache_dir = f.Str("cache-dir").empty() ? out + "/cache" : f.Str("cache-dir");
+  const double seconds = f.Num("seconds"), per_client = f.Num("seconds-per-client");
+  auto cell_seconds = [&](int64_t c) {
+    return std::max(seconds, per_client * static_cast<double>(c));
+  };
+  std::vector<Mode> modes;
+  for (const auto& m : f.List("modes")) modes.push_back(ParseMode(m));
+  const int repeats = static_cast<int>(std::max<int64_t>(1, f.Int("repeat")));
 
-  // Warm-up (allocator, thread pools), not reported.
-  RunCell(base, "ar", "batched", 2, f.Int("budget"), 2, 1u << 30);
+  // Warm-up (allocator, thread pools, the goodput calibration), not reported.
+  RunCell(base, {PolicyOrDie("scd-mc")}, "warm-up", ParseMode("goodput"), 2, 2, 1u << 30);
+
+  uint64_t seed = 0;
+  // Runs every mode for one (policies, c), alternating their order on repeats.
+  auto run_modes = [&](const std::vector<DecodingPolicy>& policies, const std::string& label,
+                       const std::vector<Mode>& ms, int64_t c) {
+    std::vector<std::vector<Cell>> runs(ms.size());
+    for (int r = 0; r < repeats; ++r) {
+      for (size_t k = 0; k < ms.size(); ++k) {
+        const size_t i = r % 2 == 0 ? k : ms.size() - 1 - k;
+        runs[i].push_back(
+            RunCell(base, policies, label, ms[i], c, cell_seconds(c), seed += 100000));
+      }
+    }
+    std::vector<Cell> cells;
+    for (const auto& rs : runs) {
+      cells.push_back(Combine(rs));
+      Print(cells.back());
+    }
+    return cells;
+  };
 
   std::vector<Cell> cells;
-  std::map<std::pair<std::string, int64_t>, Cell> batched, serial;
+  std::map<std::pair<std::string, int64_t>, std::map<std::string, Cell>> grid;
   PrintHeader();
-  uint64_t seed = 0;
-  const int repeats = static_cast<int>(std::max<int64_t>(1, f.Int("repeat")));
-  for (const auto& m : f.List("methods")) {
-    for (int64_t c : conc) {
-      // Batched and serial runs alternate, so slow drifts of the machine hit both alike.
-      std::vector<Cell> bs, ss;
-      for (int r = 0; r < repeats; ++r) {
-        const bool serial_first = r % 2 == 1 && f.Int("serial") != 0;
-        if (serial_first)
-          ss.push_back(RunCell(base, m, "serial", c, f.Int("budget"), seconds, seed += 100000));
-        bs.push_back(RunCell(base, m, "batched", c, f.Int("budget"), seconds, seed += 100000));
-        if (!serial_first && f.Int("serial") != 0) {
-          ss.push_back(RunCell(base, m, "serial", c, f.Int("budget"), seconds, seed += 100000));
-        }
+  // Concurrency outermost: the methods' cells at one concurrency run close together in time,
+  // so that a slow drift of the machine does not fall between AR and the method it is
+  // compared with.
+  for (int64_t c : f.Ints("concurrency")) {
+    for (const auto& m : f.List("methods")) {
+      const DecodingPolicy policy = PolicyOrDie(m);
+      // A method without drafts feeds one token whatever the mode: "none" and "goodput" only
+      // (their difference is the noise of one cell), plus "serial" if asked for.
+      std::vector<Mode> ms;
+      for (const Mode& mode : modes) {
+        if (policy.draft == DraftSource::kNone && mode.policy == "budget") continue;
+        ms.push_back(mode);
       }
-      Cell b = Combine(bs);
-      Print(b);
-      cells.push_back(b);
-      batched[{m, c}] = b;
-      if (!ss.empty()) {
-        Cell s = Combine(ss);
-        Print(s);
-        cells.push_back(s);
-        serial[{m, c}] = s;
+      for (Cell& cell : run_modes({policy}, m, ms, c)) {
+        grid[{m, c}][cell.mode] = cell;
+        cells.push_back(std::move(cell));
       }
     }
   }
   WriteCsv(out + "/results.csv", cells);
 
-  std::printf("\nRatios measured in this run (throughput, images/s):\n%-8s %4s %16s %14s %14s\n",
-              "method", "c", "batched/serial", "vs ar batched", "p50 vs ar");
-  for (const auto& [key, b] : batched) {
-    const auto ar = batched.find({"ar", key.second});
-    const auto s = serial.find(key);
-    std::printf("%-8s %4lld %16.2f %14.2f %14.2f\n", key.first.c_str(),
-                static_cast<long long>(key.second),
-                s != serial.end() ? b.images_per_s / s->second.images_per_s : 0.0,
-                ar != batched.end() ? b.images_per_s / ar->second.images_per_s : 0.0,
-                ar != batched.end() ? b.p50 / ar->second.p50 : 0.0);
+  // Side by side: AR, whole windows, the best fixed budget of the sweep, the controller.
+  std::printf(
+      "\nRatios measured in this run (images/s; \"best budget\" is the best of this run's "
+      "budget modes for the cell):\n%-8s %4s %8s %8s %14s %8s %9s %14s %12s\n",
+      "method", "c", "ar", "none", "best budget", "goodput", "gp/none", "gp/max(ar,bb)",
+      "p50 gp/ar");
+  std::vector<double> noise;
+  for (const auto& [key, by_mode] : grid) {
+    const auto ar = grid.find({"ar", key.second});
+    const auto gp = by_mode.find("goodput");
+    if (key.first == "ar") {
+      const auto none = by_mode.find("none");
+      if (gp != by_mode.end() && none != by_mode.end()) {
+        noise.push_back(std::abs(gp->second.images_per_s / none->second.images_per_s - 1));
+      }
+      continue;
+    }
+    const Cell* best = nullptr;
+    for (const auto& [name, cell] : by_mode) {
+      if (name.rfind("budget:", 0) == 0 &&
+          (best == nullptr || cell.images_per_s > best->images_per_s))
+        best = &cell;
+    }
+    const double ar_rate =
+        ar != grid.end() && ar->second.count("none") ? ar->second.at("none").images_per_s : 0;
+    const double ar_p50 =
+        ar != grid.end() && ar->second.count("none") ? ar->second.at("none").p50 : 0;
+    const double none = by_mode.count("none") ? by_mode.at("none").images_per_s : 0;
+    const double g = gp != by_mode.end() ? gp->second.images_per_s : 0;
+    const double bb = best != nullptr ? best->images_per_s : 0;
+    std::printf("%-8s %4lld %8.2f %8.2f %8.2f %-5s %8.2f %9.2f %14.2f %12.2f\n", key.first.c_str(),
+                static_cast<long long>(key.second), ar_rate, none, bb,
+                best != nullptr ? best->mode.substr(7).c_str() : "-", g, none > 0 ? g / none : 0,
+                std::max(ar_rate, bb) > 0 ? g / std::max(ar_rate, bb) : 0,
+                gp != by_mode.end() && ar_p50 > 0 ? gp->second.p50 / ar_p50 : 0);
+  }
+  if (!noise.empty()) {
+    std::printf(
+        "noise: ar under goodput vs none (the same configuration): median |diff| %.0f%%, "
+        "max %.0f%% over %zu cells\n",
+        100 * Percentile(noise, 0.5), 100 * Percentile(noise, 1.0), noise.size());
+  }
+  std::vector<double> errors;
+  for (const Cell& c : cells) {
+    if (c.mode == "goodput")
+      errors.insert(errors.end(), c.cost_errors.begin(), c.cost_errors.end());
+  }
+  if (!errors.empty()) {
+    std::printf(
+        "step-cost model, |measured / predicted - 1| over %zu goodput steps: median %.1f%%, "
+        "p90 %.1f%%\n",
+        errors.size(), 100 * Percentile(errors, 0.5), 100 * Percentile(errors, 0.9));
   }
 
-  std::vector<Cell> sweep;
-  const int64_t sc = f.Int("sweep-concurrency");
-  if (!f.List("sweep-budgets").empty()) {
-    std::printf("\nToken budget sweep at concurrency %lld:\n", static_cast<long long>(sc));
+  // The mixed load: client k runs method k mod M.
+  std::vector<DecodingPolicy> mixed;
+  for (const auto& m : f.List("mixed-methods")) mixed.push_back(PolicyOrDie(m));
+  std::vector<Mode> mixed_modes;
+  for (const auto& m : f.List("mixed-modes")) mixed_modes.push_back(ParseMode(m));
+  if (!mixed.empty() && !mixed_modes.empty()) {
+    std::printf("\nMixed load (client k runs %s[k mod %zu]):\n", f.Str("mixed-methods").c_str(),
+                mixed.size());
     PrintHeader();
-    const auto budgets = f.List("sweep-budgets");
-    for (const auto& m : f.List("sweep-methods")) {
-      std::vector<std::vector<Cell>> runs(budgets.size());
-      for (int r = 0; r < repeats; ++r) {
-        for (size_t k = 0; k < budgets.size(); ++k) {
-          const size_t i = r % 2 == 0 ? k : budgets.size() - 1 - k;
-          runs[i].push_back(
-              RunCell(base, m, "batched", sc, std::stoll(budgets[i]), seconds, seed += 100000));
+    std::ofstream mf(out + "/mixed.csv");
+    mf << "mode,concurrency,method,images,images_per_s,p50_s,p99_s\n";
+    for (int64_t c : f.Ints("mixed-concurrency")) {
+      for (const Cell& cell : run_modes(mixed, "mixed", mixed_modes, c)) {
+        mf << cell.mode << "," << c << ",all," << cell.images << "," << cell.images_per_s << ","
+           << cell.p50 << "," << cell.p99 << "\n";
+        for (const auto& [m, ls] : cell.by_method) {
+          const double rate = static_cast<double>(ls.size()) / std::max(cell.seconds, 1e-9) *
+                              static_cast<double>(cell.repeats);
+          std::printf("    %-8s %6zu images %8.2f img/s  p50 %6.2f s  p99 %6.2f s\n", m.c_str(),
+                      ls.size(), rate, Percentile(ls, 0.5), Percentile(ls, 0.99));
+          mf << cell.mode << "," << c << "," << m << "," << ls.size() << "," << rate << ","
+             << Percentile(ls, 0.5) << "," << Percentile(ls, 0.99) << "\n";
         }
       }
-      for (const auto& rs : runs) {
-        Cell cell = Combine(rs);
-        Print(cell);
-        sweep.push_back(cell);
-      }
     }
-    WriteCsv(out + "/budget.csv", sweep);
   }
   const std::string plot = std::string("'") + IMAGEGEN_DEFAULT_PYTHON + "' '" +
                            IMAGEGEN_SOURCE_DIR + "/tools/plot_load_bench.py' '" + out + "'";

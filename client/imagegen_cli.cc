@@ -317,7 +317,8 @@ int Load() {
   std::mutex mu;
   std::vector<double> latency, first;
   std::map<std::string, int64_t> errors;
-  int64_t nfe = 0;
+  int64_t nfe = 0, tokens = 0;
+  double window = 0, expected = 0, predicted = 0, measured = 0;
   std::atomic<int64_t> counter{0};
   Clock::time_point last = t0;
   const v1::GenerateRequest base = BuildRequest(false);
@@ -361,6 +362,11 @@ int Load() {
         latency.push_back(std::chrono::duration<double>(s1 - s0).count());
         if (ttft >= 0) first.push_back(ttft);
         nfe += stats.nfe();
+        tokens += static_cast<int64_t>(stats.step_compression() * stats.nfe() + 0.5);
+        window += stats.mean_window();
+        expected += stats.expected_tokens();
+        predicted += stats.predicted_step_seconds();
+        measured += stats.measured_step_seconds();
         last = std::max(last, s1);
       }
     });
@@ -377,7 +383,18 @@ int Load() {
     std::printf("  | first step s: p50 %.3f  p99 %.3f", Percentile(first, 0.5),
                 Percentile(first, 0.99));
   }
-  std::printf("\nmean NFE per image %.1f\n", n > 0 ? static_cast<double>(nfe) / n : 0.0);
+  std::printf("\nmean NFE per image %.1f; mean window %.1f nodes per step\n",
+              n > 0 ? static_cast<double>(nfe) / n : 0.0, n > 0 ? window / n : 0.0);
+  if (expected > 0) {  // the goodput controller planned these steps
+    std::printf("controller: expected %.0f tokens, committed %lld (%.2fx)", expected,
+                static_cast<long long>(tokens), static_cast<double>(tokens) / expected);
+  }
+  if (predicted > 0) {
+    std::printf("%sstep time predicted %.2f s, measured %.2f s (%.2fx)\n", expected > 0 ? "; " : "",
+                predicted, measured, measured / predicted);
+  } else if (expected > 0) {
+    std::printf("\n");
+  }
   for (const auto& [code, count] : errors) {
     std::printf("errors %s: %lld\n", code.c_str(), static_cast<long long>(count));
   }

@@ -264,6 +264,10 @@ grpc::Status FillResponse(const RequestResult& r, int scale, bool include_tokens
   s->set_generation_seconds(st.generation_seconds);
   s->set_first_token_seconds(st.first_token_seconds);
   s->set_total_seconds(total_seconds);
+  s->set_mean_window(st.mean_window);
+  s->set_expected_tokens(st.expected_tokens);
+  s->set_predicted_step_seconds(st.predicted_step_seconds);
+  s->set_measured_step_seconds(st.measured_step_seconds);
   return grpc::Status::OK;
 }
 

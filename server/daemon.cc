@@ -1,6 +1,7 @@
 #include "server/daemon.h"
 
 #include <algorithm>
+#include <cstdio>
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -122,8 +123,18 @@ std::string Daemon::Describe() const {
     names +=
         (names.empty() ? "" : ", ") + m.name + " (" + std::to_string(m.kv_slots) + " KV slots)";
   }
-  return names + " on " + options_.engine.device + "; token budget " +
-         std::to_string(engine_->max_tokens_per_step()) + " per step; default method " +
+  const std::string& policy = options_.engine.window_policy;
+  const int64_t tokens = engine_->max_tokens_per_step();
+  std::string windows = "windows: " + policy;
+  if (policy == "goodput") {
+    char bound[32];
+    std::snprintf(bound, sizeof bound, "%.2f", 1 + options_.engine.max_slowdown);
+    windows += std::string(" (fairness bound ") + bound + "x, ceiling " +
+               (tokens > 0 ? std::to_string(tokens) : "none") + " tokens per step)";
+  } else if (policy == "budget") {
+    windows += " " + (tokens > 0 ? std::to_string(tokens) : "none") + " tokens per step";
+  }
+  return names + " on " + options_.engine.device + "; " + windows + "; default method " +
          options_.default_method;
 }
 

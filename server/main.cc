@@ -40,9 +40,20 @@ ABSL_FLAG(std::string, default_method, "scd-mc",
 ABSL_FLAG(int64_t, max_queue, 256, "requests waiting per model before RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, max_slots, 64, "KV-cache slots per model (a request with guidance takes 2)");
 ABSL_FLAG(int64_t, kv_cache_mb, 256, "KV-cache memory per model, MiB (caps the slots)");
+ABSL_FLAG(std::string, window_policy, "goodput",
+          "how each step's windows are chosen: goodput (maximise expected tokens per second from "
+          "a calibrated step-cost model and learned acceptance), budget (the fixed "
+          "--max-tokens-per-step), full (every request its whole window)");
+ABSL_FLAG(double, max_slowdown, 0.25,
+          "goodput fairness bound: no request's expected time per token may exceed (1 + this) "
+          "times what it would be if every request in the step fed one token");
 ABSL_FLAG(int64_t, max_tokens_per_step, -1,
-          "target-forward tokens per engine step; windows shrink under load (0: no budget, "
-          "-1: 256 on the CPU, 2048 on CUDA)");
+          "forward tokens per engine step (CFG rows count). With --window-policy=budget the "
+          "budget (-1: 256 on the CPU, 2048 on CUDA); with goodput a memory ceiling (-1: 4096); "
+          "0: none");
+ABSL_FLAG(std::string, cache_dir, "",
+          "where the step-cost calibration is kept between starts (default: "
+          "$XDG_CACHE_HOME/imagegen, else $HOME/.cache/imagegen; 'none': not kept)");
 ABSL_FLAG(bool, batch_invariant, true,
           "a request's image does not depend on the requests beside it (costs some throughput)");
 ABSL_FLAG(int64_t, cpu_threads, 0, "LibTorch intra-op threads of the engine (0: default)");
@@ -124,6 +135,20 @@ int main(int argc, char** argv) {
   eo.max_slots = absl::GetFlag(FLAGS_max_slots);
   eo.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_mb) << 20;
   eo.max_tokens_per_step = absl::GetFlag(FLAGS_max_tokens_per_step);
+  eo.window_policy = absl::GetFlag(FLAGS_window_policy);
+  eo.max_slowdown = absl::GetFlag(FLAGS_max_slowdown);
+  eo.cache_dir = absl::GetFlag(FLAGS_cache_dir);
+  if (eo.cache_dir == "none") {
+    eo.cache_dir.clear();
+  } else if (eo.cache_dir.empty()) {
+    const char* xdg = std::getenv("XDG_CACHE_HOME");
+    const char* home = std::getenv("HOME");
+    if (xdg != nullptr && *xdg != '\0') {
+      eo.cache_dir = std::string(xdg) + "/imagegen";
+    } else if (home != nullptr && *home != '\0') {
+      eo.cache_dir = std::string(home) + "/.cache/imagegen";
+    }
+  }
   eo.batch_invariant = absl::GetFlag(FLAGS_batch_invariant);
   eo.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
   eo.preview_share = absl::GetFlag(FLAGS_preview_share);

@@ -21,6 +21,8 @@ const Histogram::BucketBoundaries kStep = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0
 const Histogram::BucketBoundaries kStepTokens = {1,   2,   4,   8,    16,   32,  64,
                                                  128, 256, 512, 1024, 2048, 4096};
 const Histogram::BucketBoundaries kStepRequests = {1, 2, 4, 8, 16, 32, 64, 128};
+const Histogram::BucketBoundaries kWindow = {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256};
+const Histogram::BucketBoundaries kCostRatio = {0.5, 0.67, 0.8, 0.9, 1, 1.11, 1.25, 1.5, 2, 3};
 const Histogram::BucketBoundaries kAccepted = {1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64};
 const Histogram::BucketBoundaries kNfe = {8,   16,  32,  48,  64,  96,  128,
                                           160, 196, 256, 384, 512, 1024};
@@ -176,6 +178,39 @@ Metrics::Metrics()
                          .Name("imagegen_step_requests")
                          .Help("Requests sharing one step")
                          .Register(*registry_)),
+      window_(BuildHistogram()
+                  .Name("imagegen_request_window_tokens")
+                  .Help("Nodes one request fed the target in one step: the window its method "
+                        "wanted, or what the window control granted")
+                  .Register(*registry_)),
+      step_cost_ratio_(BuildHistogram()
+                           .Name("imagegen_step_cost_ratio")
+                           .Help("Measured over predicted time of a step (the step-cost model "
+                                 "of the goodput controller; 1 = exact)")
+                           .Register(*registry_)),
+      step_predicted_(BuildCounter()
+                          .Name("imagegen_step_predicted_seconds_total")
+                          .Help("Step time the step-cost model predicted, for the steps it "
+                                "predicted")
+                          .Register(*registry_)),
+      step_measured_(BuildCounter()
+                         .Name("imagegen_step_measured_seconds_total")
+                         .Help("Measured time of the same steps (the batch step alone)")
+                         .Register(*registry_)),
+      expected_tokens_(BuildCounter()
+                           .Name("imagegen_controller_expected_tokens_total")
+                           .Help("Image tokens the goodput controller expected its steps to "
+                                 "commit")
+                           .Register(*registry_)),
+      realised_tokens_(BuildCounter()
+                           .Name("imagegen_controller_committed_tokens_total")
+                           .Help("Image tokens those steps committed")
+                           .Register(*registry_)),
+      window_limited_(BuildCounter()
+                          .Name("imagegen_steps_window_limited_total")
+                          .Help("Steps in which some request was granted less than its "
+                                "whole window (by the controller or the token budget)")
+                          .Register(*registry_)),
       info_(BuildGauge()
                 .Name("imagegen_build_info")
                 .Help("Always 1; the version in a label")
@@ -252,6 +287,7 @@ Metrics::PerMethod& Metrics::For(const std::string& model, const std::string& me
   p.latency = &latency_.Add(lb, kLatency);
   p.queue_time = &queue_time_.Add(lb, kQueue);
   p.generation = &generation_.Add(lb, kLatency);
+  p.window = &window_.Add(lb, kWindow);
   return per_method_.emplace(key, std::move(p)).first->second;
 }
 
@@ -261,6 +297,16 @@ void Metrics::OnStep(const StepSample& s) {
   step_duration_.Add(lb, kStep).Observe(s.seconds);
   step_tokens_.Add(lb, kStepTokens).Observe(static_cast<double>(s.tokens));
   step_requests_.Add(lb, kStepRequests).Observe(static_cast<double>(s.requests));
+  if (s.budget_limited) window_limited_.Add(lb).Increment();
+  if (s.predicted_seconds > 0) {
+    step_cost_ratio_.Add(lb, kCostRatio).Observe(s.step_seconds / s.predicted_seconds);
+    step_predicted_.Add(lb).Increment(s.predicted_seconds);
+    step_measured_.Add(lb).Increment(s.step_seconds);
+  }
+  if (s.expected_committed > 0) {
+    expected_tokens_.Add(lb).Increment(s.expected_committed);
+    realised_tokens_.Add(lb).Increment(static_cast<double>(s.committed));
+  }
 }
 
 void Metrics::OnRequestStep(const std::string& model, const std::string& method,
@@ -269,6 +315,7 @@ void Metrics::OnRequestStep(const std::string& model, const std::string& method,
   PerMethod& p = For(ml, method);
   p.nfe->Increment();
   p.accepted_length->Observe(static_cast<double>(e.positions.size()));
+  p.window->Observe(static_cast<double>(e.window));
   if (e.verified > 0) p.drafted->Increment(static_cast<double>(e.verified));
   if (e.accepted > 0) p.accepted->Increment(static_cast<double>(e.accepted));
   for (size_t d = 0; d < e.verified_at_depth.size(); ++d) {

@@ -62,7 +62,7 @@ class Metrics : public EngineListener {
   struct PerMethod {
     prometheus::Counter *drafted, *accepted, *nfe, *draft_forwards, *images;
     prometheus::Histogram *accepted_length, *nfe_per_image, *compression, *first_token, *latency,
-        *queue_time, *generation;
+        *queue_time, *generation, *window;
     std::map<std::string, prometheus::Counter*> drafted_at, accepted_at;
   };
   PerMethod& For(const std::string& model, const std::string& method);
@@ -89,6 +89,13 @@ class Metrics : public EngineListener {
   prometheus::Family<prometheus::Histogram>& step_duration_;
   prometheus::Family<prometheus::Histogram>& step_tokens_;
   prometheus::Family<prometheus::Histogram>& step_requests_;
+  prometheus::Family<prometheus::Histogram>& window_;
+  prometheus::Family<prometheus::Histogram>& step_cost_ratio_;
+  prometheus::Family<prometheus::Counter>& step_predicted_;
+  prometheus::Family<prometheus::Counter>& step_measured_;
+  prometheus::Family<prometheus::Counter>& expected_tokens_;
+  prometheus::Family<prometheus::Counter>& realised_tokens_;
+  prometheus::Family<prometheus::Counter>& window_limited_;
   prometheus::Family<prometheus::Gauge>& info_;
   prometheus::Counter& calls_opened_;
   prometheus::Counter& calls_closed_;

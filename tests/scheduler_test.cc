@@ -49,6 +49,8 @@ TEST(WindowBudgetTest, WindowsShrinkEvenlyAndTheOldestGetTheRemainder) {
 EngineOptions BundledOptions() {
   EngineOptions o;
   o.models_dir = IMAGEGEN_TEST_MODELS_DIR;
+  // One step-cost calibration for all the tests' engines (goodput window control).
+  o.cache_dir = ::testing::TempDir() + "imagegen-test-step-cost";
   return o;
 }
 
@@ -92,6 +94,9 @@ TEST(EngineTest, MixedMethodsRunTogetherAndTheStreamReassemblesTheGrid) {
   StepLog log;
   EngineOptions o = BundledOptions();
   o.preview_share = 0;  // every due preview, so that the test knows the steps that have one
+  // Whole windows: every speculative method must speculate here (under load the goodput
+  // controller may rightly hold a 21-node tree to AR on the CPU).
+  o.window_policy = "full";
   auto engine = StartOrDie(o, &log);
   ASSERT_EQ(engine->Models().size(), 1u);
   const ModelInfo& info = engine->Models()[0];
@@ -181,7 +186,7 @@ TEST(EngineTest, MixedMethodsRunTogetherAndTheStreamReassemblesTheGrid) {
 TEST(EngineTest, BatchInvarianceAloneVersusFifteenMixedNeighbours) {
   StepLog log;
   EngineOptions o = BundledOptions();
-  o.max_tokens_per_step = 0;  // the guarantee holds while no window is shrunk
+  o.window_policy = "full";  // the guarantee holds while no window is shrunk
   auto engine = StartOrDie(o, &log);
   const auto& methods = PresetNames();
   std::vector<GenerateParams> ps;
@@ -453,7 +458,7 @@ TEST(EngineTest, ClassIdIsAnIdEvenWhenClassNamesAreNumbers) {
   for (int c = 9; c >= 0; --c) j["class_names"].push_back(std::to_string(c));
   testing::WriteText(dir + "/fmnist-gpt/config.json", j.dump(2));
 
-  EngineOptions o;
+  EngineOptions o = BundledOptions();
   o.models_dir = dir;
   auto engine = StartOrDie(o);
   auto run = [&](GenerateParams p) {
@@ -471,8 +476,98 @@ TEST(EngineTest, ClassIdIsAnIdEvenWhenClassNamesAreNumbers) {
   testing::RemoveTree(dir);
 }
 
+// The goodput controller (the default) with a step cost where every token counts: 16
+// concurrent scd-mc requests get windows below their 32, and report what the controller
+// expected and predicted; a request alone keeps its whole window, so its seed gives the same
+// image as under whole windows.
+TEST(EngineTest, GoodputShrinksWindowsUnderLoadAndKeepsALoneRequestWhole) {
+  EngineOptions o = BundledOptions();
+  // A step whose tokens cost (10 ms + 20 us per row + 0.1 ms per request): 16 whole windows
+  // of 32 would take 32 ms for about 58 tokens, windows of 12-16 take 19-22 ms for 40-46.
+  o.fixed_step_cost = {10e-3, 2e-5, 1e-4};
+  StepLog log;
+  auto engine = StartOrDie(o, &log);
+  std::vector<std::shared_ptr<Recorder>> rec;
+  for (int i = 0; i < 16; ++i) {
+    rec.push_back(std::make_shared<Recorder>());
+    ASSERT_TRUE(engine->Submit(Params("scd-mc", i % 10, 40 + i), rec.back()).ok());
+  }
+  double windows = 0;
+  for (auto& r : rec) {
+    ASSERT_TRUE(r->Wait());
+    ASSERT_TRUE(r->result.has_value());
+    const RequestStats& st = r->result->stats;
+    EXPECT_GT(st.mean_window, 1.0);
+    EXPECT_GT(st.expected_tokens, 0.0);
+    EXPECT_GT(st.predicted_step_seconds, 0.0);
+    EXPECT_GT(st.measured_step_seconds, 0.0);
+    windows += st.mean_window;
+  }
+  EXPECT_LT(windows / 16, 20.0);  // shrunk: whole windows would average about 31
+  WaitIdle(*engine);
+  {
+    std::lock_guard<std::mutex> l(log.mu);
+    int64_t limited = 0;
+    for (const StepSample& s : log.samples) {
+      limited += s.budget_limited ? 1 : 0;
+      if (s.requests > 1) {
+        EXPECT_GT(s.expected_committed, 0.0);
+      }
+      EXPECT_GT(s.predicted_seconds, 0.0);
+    }
+    EXPECT_GT(limited, 0);
+  }
+  auto alone = [&](Engine& e) {
+    auto r = std::make_shared<Recorder>();
+    EXPECT_TRUE(e.Submit(Params("scd-mc", 3, 77), r).ok());
+    EXPECT_TRUE(r->Wait());
+    return r->result.value_or(RequestResult{});
+  };
+  const RequestResult g = alone(*engine);
+  engine.reset();
+  EngineOptions full = BundledOptions();
+  full.window_policy = "full";
+  auto whole = StartOrDie(full);
+  const RequestResult f = alone(*whole);
+  EXPECT_EQ(g.tokens, f.tokens);
+  EXPECT_EQ(g.stats.counters.nfe, f.stats.counters.nfe);
+  EXPECT_DOUBLE_EQ(g.stats.mean_window, f.stats.mean_window);
+}
+
+// The calibration is measured once and kept in cache_dir, keyed by model, device and dtype: a
+// restart reads it (the file is not rewritten), and a file for something else is replaced.
+TEST(EngineTest, StepCostCalibrationIsCachedAndAForeignOneReplaced) {
+  namespace fs = std::filesystem;
+  const std::string dir = testing::TempDir("step_cost_cache");
+  EngineOptions o = BundledOptions();
+  o.cache_dir = dir + "/cache";
+  StartOrDie(o).reset();
+  std::vector<fs::path> files;
+  for (const auto& e : fs::directory_iterator(o.cache_dir)) files.push_back(e.path());
+  ASSERT_EQ(files.size(), 1u);
+  const std::string file = files[0].string();
+  EXPECT_NE(file.find("step-cost-fmnist-gpt-cpu"), std::string::npos) << file;
+  auto first = ReadFile(file);
+  ASSERT_TRUE(first.ok());
+  EXPECT_NE(first->find("fmnist-gpt (dim 192"), std::string::npos) << *first;
+  const auto written = fs::last_write_time(file);
+  StartOrDie(o).reset();
+  EXPECT_EQ(fs::last_write_time(file), written);
+  EXPECT_EQ(*ReadFile(file), *first);
+  std::string foreign = *first;
+  foreign.replace(foreign.find("fmnist-gpt (dim"), 10, "other-gpt!");
+  testing::WriteText(file, foreign);
+  StartOrDie(o).reset();
+  auto again = ReadFile(file);
+  ASSERT_TRUE(again.ok());
+  EXPECT_NE(again->find("fmnist-gpt (dim 192"), std::string::npos);
+  EXPECT_EQ(again->find("other-gpt!"), std::string::npos);
+  testing::RemoveTree(dir);
+}
+
 TEST(EngineTest, TokenBudgetShrinksWindowsAndBoundsAdmission) {
   EngineOptions o = BundledOptions();
+  o.window_policy = "budget";
   o.max_tokens_per_step = 12;  // 6 CFG tokens: at most 6 requests feed one token each
   StepLog log;
   auto engine = StartOrDie(o, &log);
@@ -536,6 +631,15 @@ TEST(EngineTest, BadEngineOptionsAreRejected) {
   EXPECT_NE(Engine::Start(o).status().message().find("max_tokens_per_step"), std::string::npos);
   o.max_tokens_per_step = -2;
   EXPECT_NE(Engine::Start(o).status().message().find("max_tokens_per_step"), std::string::npos);
+  o = BundledOptions();
+  o.window_policy = "fastest";
+  EXPECT_NE(Engine::Start(o).status().message().find("window_policy"), std::string::npos);
+  o = BundledOptions();
+  o.max_slowdown = -0.5;
+  EXPECT_NE(Engine::Start(o).status().message().find("max_slowdown"), std::string::npos);
+  o = BundledOptions();
+  o.fixed_step_cost = {1.0};
+  EXPECT_NE(Engine::Start(o).status().message().find("fixed_step_cost"), std::string::npos);
 }
 
 }  // namespace

@@ -143,11 +143,13 @@ phase_load() {
   local b="$build/bench"
   if [[ $quick == 1 ]]; then
     "$b/imagegen-load-bench" --device "$device" --methods ar,scd-mc --concurrency 1,2 \
-      --seconds 2 --sweep-budgets 0,256 --sweep-concurrency 2 --sweep-methods ar \
+      --seconds 2 --seconds-per-client 0 --modes none,budget:256,goodput \
+      --mixed-methods ar,scd-mc --mixed-concurrency 2 --mixed-modes goodput \
       --out-dir "$out/load" > "$out/load_bench.log" 2>&1
   else
     "$b/imagegen-load-bench" --device "$device" --dtype bf16 --methods ar,sjd,scd-mc,sjd-pac \
-      --concurrency 1,4,16,64 --seconds 5 --sweep-concurrency 16 \
+      --concurrency 1,4,16,64 --seconds 4 --seconds-per-client 0.1 \
+      --modes none,budget:512,budget:2048,goodput --mixed-concurrency 16,64 \
       --out-dir "$out/load" > "$out/load_bench.log" 2>&1
   fi
   tail -n 3 "$out/load_bench.log"

@@ -73,6 +73,16 @@ StatusOr<std::unique_ptr<Engine>> Engine::Start(const EngineOptions& options,
   if (o.max_tokens_per_step != 0 && o.max_tokens_per_step != -1 && o.max_tokens_per_step < 2) {
     return InvalidArgument("max_tokens_per_step: must be -1 (by device), 0 (no budget) or >= 2");
   }
+  if (o.window_policy != "goodput" && o.window_policy != "budget" && o.window_policy != "full") {
+    return InvalidArgument("window_policy: must be goodput, budget or full, got '" +
+                           o.window_policy.substr(0, 64) + "'");
+  }
+  if (!(o.max_slowdown >= 0 && o.max_slowdown <= 100)) {
+    return InvalidArgument("max_slowdown: must be in [0, 100]");
+  }
+  if (!o.fixed_step_cost.empty() && o.fixed_step_cost.size() != 3) {
+    return InvalidArgument("fixed_step_cost: must be empty or {base, per_token, per_request}");
+  }
   if (o.cpu_threads < 0) return InvalidArgument("cpu_threads: must be >= 0");
   if (!(o.preview_share >= 0 && o.preview_share <= 1)) {
     return InvalidArgument("preview_share: must be in [0, 1]");
@@ -102,7 +112,11 @@ StatusOr<std::unique_ptr<Engine>> Engine::Start(const EngineOptions& options,
 
 Status Engine::Impl::Load() {
   ASSIGN_OR_RETURN(LoadOptions lo, ParseDeviceAndDtype(opts.device, opts.dtype));
-  if (opts.max_tokens_per_step < 0) opts.max_tokens_per_step = lo.device.is_cuda() ? 2048 : 256;
+  if (opts.max_tokens_per_step < 0) {
+    opts.max_tokens_per_step = opts.window_policy == "goodput" ? 4096
+                               : lo.device.is_cuda()           ? 2048
+                                                               : 256;
+  }
   const EngineOptions& o = opts;
   for (const std::string& name : o.models) {
     for (const auto& m : models) {
@@ -125,6 +139,7 @@ Status Engine::Impl::Load() {
       return ResourceExhausted("KV cache of model '" + name + "' (" + std::to_string(slots) +
                                " slots): " + e.what());
     }
+    RETURN_IF_ERROR(schedulers.back()->Calibrate(lo));
     ModelInfo info;
     info.name = name;
     info.grid = c.grid();

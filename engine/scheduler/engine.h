@@ -35,6 +35,24 @@ struct EngineOptions {
   // CPU (measured best on the bundled model, docs/results-serving.md), 2048 on CUDA (not
   // measured: a GPU forward costs about the same up to thousands of tokens).
   int64_t max_tokens_per_step = -1;
+  // How each step's windows are chosen (docs/serving.md, "Window control"):
+  // - "goodput" (the default): the controller (goodput.h) gives each request the window that
+  //   maximises the tokens the step is expected to commit per second, from a step-cost model
+  //   calibrated at start-up (cached in cache_dir) and refined by every step, and acceptance
+  //   per draft depth learned online. Fairness bound: no request's expected time per token
+  //   exceeds (1 + max_slowdown) times what it would be if every request fed one token. A
+  //   request alone gets its whole window. max_tokens_per_step is then a ceiling on a step's
+  //   forward rows (memory): -1 means 4096, 0 none.
+  // - "budget": the fixed token budget max_tokens_per_step (window_budget.h).
+  // - "full": every request feeds its whole window (budget 0).
+  std::string window_policy = "goodput";
+  double max_slowdown = 0.25;
+  // Where the step-cost calibration is kept (one JSON file per model, device and dtype, reused
+  // at the next start); empty: not kept (calibrated at every start).
+  std::string cache_dir;
+  // Instead of the calibration, t = base + per_token * T + per_request * (R - 1) seconds,
+  // fixed (tests). Empty: calibrate.
+  std::vector<double> fixed_step_cost;
   // A request's image does not depend on what else runs (ForwardOptions::batch_invariant).
   bool batch_invariant = true;
   // Intra-op threads of the engine thread (at::set_num_threads); 0 keeps LibTorch's default.
@@ -56,7 +74,13 @@ struct StepSample {
   int64_t requests = 0;         // requests in the step
   int64_t tokens = 0;           // target-forward tokens (CFG rows included)
   int64_t committed = 0;        // image tokens committed by the step
-  bool budget_limited = false;  // some window was shrunk by the token budget
+  bool budget_limited = false;  // some window was shrunk (by the budget or the controller)
+  // What the step-cost model predicts: planning, the SpecBatch step, events and observers
+  // (not previews, nor decoding finished images).
+  double step_seconds = 0;
+  double predicted_seconds = 0;   // the step-cost model's prediction (0: no model)
+  double expected_committed = 0;  // the controller's expectation of `committed` (goodput)
+  double plan_seconds = 0;        // choosing the windows (the controller's own cost)
 };
 
 class EngineListener {

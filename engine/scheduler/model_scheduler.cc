@@ -1,11 +1,18 @@
 #include "engine/scheduler/model_scheduler.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cctype>
+#include <cstdio>
 #include <exception>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <unistd.h>
 
-#include "engine/scheduler/window_budget.h"
+#include "engine/util/read_file.h"
 
 namespace imagegen {
 namespace {
@@ -30,6 +37,13 @@ void AddDeltas(const std::vector<int64_t>& now, std::vector<int64_t>& seen,
   }
 }
 
+// A file-name-safe form of a model or device name.
+std::string FileSafe(const std::string& s) {
+  std::string out;
+  for (char ch : s) out += std::isalnum(static_cast<unsigned char>(ch)) || ch == '-' ? ch : '_';
+  return out;
+}
+
 }  // namespace
 
 ModelScheduler::ModelScheduler(const ImageModel& model, int64_t slots, const EngineOptions& opts,
@@ -41,6 +55,131 @@ ModelScheduler::ModelScheduler(const ImageModel& model, int64_t slots, const Eng
       batch_(*model.gpt, model.draft.get(), slots, BatchOptions(opts)) {}
 
 void ModelScheduler::Enqueue(std::unique_ptr<Job> job) { waiting_.push_back(std::move(job)); }
+
+Status ModelScheduler::Calibrate(const LoadOptions& load) {
+  if (opts_.window_policy != "goodput") return OkStatus();
+  if (!opts_.fixed_step_cost.empty()) {
+    cost_ = StepCostModel::Linear(opts_.fixed_step_cost[0], opts_.fixed_step_cost[1],
+                                  opts_.fixed_step_cost[2]);
+    return OkStatus();
+  }
+  // What the step time depends on besides the step's shape: the model, where and how it runs.
+  const GptConfig& c = model_.gpt->config();
+  const std::string device = load.device.str();
+  const std::string dtype = c10::toString(load.dtype);
+  std::ostringstream key;
+  key << model_.name << " (dim " << c.dim << ", layers " << c.n_layer << ", vocab " << c.vocab_size
+      << ", tokens " << c.block_size << ", weights " << model_.gpt->weight_bytes() << " B"
+      << (model_.draft ? ", draft " + c.draft_model : std::string()) << ") on " << device << " "
+      << dtype
+      << (load.device.is_cpu() ? ", " + std::to_string(at::get_num_threads()) + " threads"
+                               : std::string())
+      << (opts_.batch_invariant ? ", batch-invariant" : "");
+  std::string path;
+  if (!opts_.cache_dir.empty()) {
+    path = opts_.cache_dir + "/step-cost-" + FileSafe(model_.name) + "-" + FileSafe(device) + "-" +
+           FileSafe(dtype) + ".json";
+    StatusOr<std::string> text = ReadFile(path);
+    if (text.ok()) {
+      Status st = cost_.Deserialize(*text, key.str(), path);
+      if (st.ok()) return OkStatus();
+      std::fprintf(stderr, "imagegen: recalibrating the step cost: %s\n", st.ToString().c_str());
+    }
+  }
+  RETURN_IF_ERROR(cost_.Calibrate(MeasureStepCost()));
+  if (!path.empty()) {  // written whole, then renamed: a concurrent reader sees all or nothing
+    std::error_code ec;
+    std::filesystem::create_directories(opts_.cache_dir, ec);
+    const std::string tmp = path + ".tmp" + std::to_string(::getpid());
+    {
+      std::ofstream f(tmp);
+      f << cost_.Serialize(key.str());
+    }
+    std::filesystem::rename(tmp, path, ec);
+    if (ec) {
+      std::filesystem::remove(tmp, ec);
+      std::fprintf(stderr, "imagegen: the step-cost calibration is not cached (%s not writable)\n",
+                   path.c_str());
+    }
+  }
+  return OkStatus();
+}
+
+// Real steps of Jacobi requests (sjd) with windows of 1, 4, 16 and 64 nodes, for 1, 4 and 16
+// requests at a time (as the KV slots allow): 12 shapes, the first step of each untimed, the
+// next two timed. Stops early past 20 seconds (a slow device then leans on online refinement).
+std::vector<StepCostSample> ModelScheduler::MeasureStepCost() {
+  const GptConfig& c = model_.gpt->config();
+  const int64_t wmax = std::min<int64_t>(64, c.block_size);
+  ImageRequest req;
+  req.sampling.cfg_scale = c.default_cfg_scale;
+  req.sampling.temperature = c.default_temperature;
+  req.sampling.top_k = c.default_top_k;
+  req.sampling.top_p = c.default_top_p;
+  req.policy = *PolicyFromPreset("sjd", std::max<int64_t>(wmax, 2));
+  if (!ValidateImageRequest(req, *model_.gpt, nullptr).ok()) req.policy = *PolicyFromPreset("ar");
+  const int64_t rows = req.sampling.uses_cfg() ? 2 : 1;
+  std::vector<StepCostSample> samples;
+  const auto start = Clock::now();
+  for (int64_t R : {1, 4, 16}) {
+    if (R * rows > batch_.free_slots()) break;
+    std::vector<int64_t> handles;
+    for (int64_t i = 0; i < R; ++i) {
+      req.seed = static_cast<uint64_t>(i);
+      StatusOr<int64_t> h = batch_.Add(req);
+      if (h.ok()) handles.push_back(*h);
+    }
+    for (int64_t w : {1, 4, 16, 64}) {
+      if (w > wmax && w != 1) break;
+      for (int rep = 0; rep < 3; ++rep) {
+        std::vector<WindowGrant> grants;
+        int64_t tokens = 0;
+        bool done = false;
+        for (int64_t h : handles) {
+          done |= batch_.done(h);
+          const int64_t g = std::max<int64_t>(1, std::min(w, batch_.WantedNodes(h)));
+          grants.push_back({h, g});
+          tokens += g * rows;
+        }
+        if (done) break;
+        const auto t0 = Clock::now();
+        if (!batch_.Step(grants).ok()) break;
+        const double s = Seconds(t0, Clock::now());
+        if (rep > 0) samples.push_back({tokens, static_cast<int64_t>(handles.size()), s});
+      }
+      if (Seconds(start, Clock::now()) > 20) break;
+    }
+    for (int64_t h : handles) batch_.Remove(h);
+    if (Seconds(start, Clock::now()) > 20) break;
+  }
+  return samples;
+}
+
+std::vector<int64_t> ModelScheduler::ChooseWindows(const std::vector<WindowDemand>& demand,
+                                                   std::vector<double>& expected,
+                                                   GoodputPlan& plan) {
+  expected.assign(active_.size(), 0);
+  if (opts_.window_policy != "goodput") {
+    std::vector<int64_t> w =
+        AllocateWindows(demand, opts_.window_policy == "budget" ? opts_.max_tokens_per_step : 0);
+    plan.tokens = 0;
+    for (size_t i = 0; i < w.size(); ++i) plan.tokens += w[i] * demand[i].rows;
+    return w;
+  }
+  std::vector<GoodputRequest> reqs;
+  for (size_t i = 0; i < active_.size(); ++i) {
+    const Job& j = *active_[i];
+    const int64_t wanted = std::max<int64_t>(demand[i].wanted, 1);
+    reqs.push_back({demand[i].rows,
+                    ExpectedCommits(commits_, j.request.policy, wanted, j.commits.Factor())});
+  }
+  GoodputOptions go;
+  go.max_slowdown = opts_.max_slowdown;
+  go.max_tokens = opts_.max_tokens_per_step;
+  plan = PlanGoodput(reqs, cost_, go);
+  for (size_t i = 0; i < reqs.size(); ++i) expected[i] = reqs[i].expected[plan.windows[i] - 1];
+  return plan.windows;
+}
 
 Clock::time_point ModelScheduler::next_deadline() const {
   Clock::time_point t = Clock::time_point::max();
@@ -127,9 +266,12 @@ void ModelScheduler::Step(Outcomes& out) {
   for (const auto& j : active_) {
     demand.push_back({batch_.WantedNodes(j->handle), batch_.RowsPerNode(j->handle)});
   }
-  const std::vector<int64_t> windows = AllocateWindows(demand, opts_.max_tokens_per_step);
+  std::vector<double> expected;
+  GoodputPlan plan;
+  const std::vector<int64_t> windows = ChooseWindows(demand, expected, plan);
   std::vector<WindowGrant> grants;
   StepSample sample;
+  sample.plan_seconds = Seconds(t0, Clock::now());
   sample.model = model_.name;
   sample.requests = static_cast<int64_t>(active_.size());
   for (size_t i = 0; i < active_.size(); ++i) {
@@ -152,6 +294,11 @@ void ModelScheduler::Step(Outcomes& out) {
     return;
   }
   const auto t1 = Clock::now();
+  if (cost_.calibrated()) {
+    sample.predicted_seconds =
+        plan.seconds > 0 ? plan.seconds : cost_.Predict(sample.tokens, sample.requests);
+  }
+  sample.expected_committed = plan.expected;
   std::vector<StepEvent> events;
   std::vector<size_t> due;  // requests whose preview is due this step
   for (size_t i = 0; i < active_.size(); ++i) {
@@ -159,13 +306,25 @@ void ModelScheduler::Step(Outcomes& out) {
     if (j.first_token == Clock::time_point()) j.first_token = t1;
     sample.committed += static_cast<int64_t>(batch_.tokens(j.handle).size() - j.reported);
     events.push_back(Event(j, windows[i]));
+    const auto committed = static_cast<int64_t>(events.back().positions.size());
+    if (j.request.policy.draft != DraftSource::kNone) {
+      // The request against its method's expectation (without its own factor), then the
+      // method's table.
+      j.commits.extra += static_cast<double>(committed - 1);
+      j.commits.expected_extra += commits_.Expected(j.request.policy.preset, windows[i]) - 1;
+      commits_.Observe(j.request.policy.preset, windows[i], committed);
+    }
+    j.steps += 1;
+    j.window_sum += windows[i];
+    j.expected_sum += expected[i];
     if (PreviewDue(j)) due.push_back(i);
   }
   due = PreviewsThisStep(std::move(due), Seconds(t0, t1));
+  double spent = 0;
   if (!due.empty()) {
     const auto p0 = Clock::now();
     AddPreviews(due, events);
-    const double spent = Seconds(p0, Clock::now());
+    spent = Seconds(p0, Clock::now());
     const double each = spent / static_cast<double>(due.size());
     preview_credit_ -= spent;
     preview_cost_ = preview_cost_ == 0 ? each : 0.8 * preview_cost_ + 0.2 * each;
@@ -175,6 +334,14 @@ void ModelScheduler::Step(Outcomes& out) {
     }
   }
   for (size_t i = 0; i < active_.size(); ++i) active_[i]->observer->OnStep(events[i]);
+  // What the step-cost model predicts: the step from planning to the observers, previews
+  // excluded (they have their own budget) and so is decoding the finished images.
+  sample.step_seconds = Seconds(t0, Clock::now()) - spent;
+  if (cost_.calibrated()) cost_.Observe(sample.tokens, sample.requests, sample.step_seconds);
+  for (auto& j : active_) {
+    j->predicted_sum += sample.predicted_seconds;
+    j->measured_sum += sample.step_seconds;
+  }
   std::erase_if(active_, [&](std::unique_ptr<Job>& j) {
     if (!batch_.done(j->handle)) return false;
     Finish(*j, out);
@@ -291,6 +458,11 @@ void ModelScheduler::Finish(Job& j, Outcomes& out) {
   st.generation_seconds = Seconds(j.started, t_end);
   st.first_token_seconds = Seconds(j.submitted, j.first_token);
   st.decode_seconds = Seconds(t_end, Clock::now());
+  st.mean_window =
+      j.steps > 0 ? static_cast<double>(j.window_sum) / static_cast<double>(j.steps) : 0;
+  st.expected_tokens = j.expected_sum;
+  st.predicted_step_seconds = j.predicted_sum;
+  st.measured_step_seconds = j.measured_sum;
   j.observer->OnComplete(std::move(res));
   out.completed += 1;
 }

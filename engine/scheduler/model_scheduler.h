@@ -10,6 +10,9 @@
 #include "engine/decoding/speculative.h"
 #include "engine/model/image_model.h"
 #include "engine/scheduler/engine.h"
+#include "engine/scheduler/goodput.h"
+#include "engine/scheduler/step_cost.h"
+#include "engine/scheduler/window_budget.h"
 
 namespace imagegen {
 
@@ -28,6 +31,10 @@ struct Job {
   // The step (nfe) and time of the last preview; 0 and `started` before the first.
   int64_t last_preview_nfe = 0;
   Clock::time_point last_preview;
+  // Window control: the request's commits against expectation, and sums over its steps.
+  RequestCommits commits;
+  int64_t steps = 0, window_sum = 0;
+  double expected_sum = 0, predicted_sum = 0, measured_sum = 0;
 };
 
 struct Outcomes {
@@ -40,6 +47,12 @@ class ModelScheduler {
   // scheduler (the Engine owns all four).
   ModelScheduler(const ImageModel& model, int64_t slots, const EngineOptions& opts,
                  EngineListener* listener);
+
+  // With the goodput window policy: the step-cost model, read from the cache
+  // (EngineOptions::cache_dir) when it holds one for this model, device and dtype, else
+  // measured now with a few real steps (and cached). Call once, before the first Tick.
+  Status Calibrate(const LoadOptions& load);
+  const StepCostModel& step_cost() const { return cost_; }
 
   void Enqueue(std::unique_ptr<Job> job);
 
@@ -60,6 +73,11 @@ class ModelScheduler {
 
  private:
   void Admit(Outcomes& out);
+  std::vector<StepCostSample> MeasureStepCost();
+  // This step's windows, in active_ order; `expected` gets each request's expected commits
+  // (goodput) and `plan` the predicted step time and expected total.
+  std::vector<int64_t> ChooseWindows(const std::vector<WindowDemand>& demand,
+                                     std::vector<double>& expected, GoodputPlan& plan);
   void Step(Outcomes& out);
   StepEvent Event(Job& job, int64_t window);  // counters are deltas since the last event
   bool PreviewDue(const Job& job) const;
@@ -79,6 +97,8 @@ class ModelScheduler {
   // The preview budget (EngineOptions::preview_share): seconds of decoding earned and not yet
   // spent, and the recent cost of one preview.
   double preview_credit_ = 0, preview_cost_ = 0;
+  StepCostModel cost_;
+  CommitModel commits_;
 };
 
 }  // namespace imagegen

@@ -72,6 +72,12 @@ struct RequestStats {
   double generation_seconds = 0;   // first step to the last token
   double first_token_seconds = 0;  // submission to the first committed token
   double decode_seconds = 0;       // decoding tokens into pixels (VQ)
+  // Window control, over the request's steps: nodes fed per step on average; with the goodput
+  // controller, the tokens it expected the request to commit (compare counters.tokens), and
+  // the predicted and measured times of those steps.
+  double mean_window = 0;
+  double expected_tokens = 0;
+  double predicted_step_seconds = 0, measured_step_seconds = 0;
 };
 
 struct RequestResult {

@@ -40,9 +40,10 @@ class Daemon {
   explicit Daemon(const std::string& name, std::vector<std::string> flags = {})
       : dir_(TempDir(name)) {
     std::vector<std::string> argv = {
-        IMAGEGEN_SERVER_BINARY, "--listen",     "127.0.0.1:0",
-        "--metrics-listen",     "127.0.0.1:0",  "--port-file",
-        dir_ + "/ports",        "--models-dir", IMAGEGEN_TEST_MODELS_DIR};
+        IMAGEGEN_SERVER_BINARY, "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
+        "--port-file", dir_ + "/ports", "--models-dir", IMAGEGEN_TEST_MODELS_DIR,
+        // One step-cost calibration shared by the tests' daemons (and the engine tests).
+        "--cache-dir", "/tmp/imagegen-test-step-cost"};
     argv.insert(argv.end(), flags.begin(), flags.end());
     proc_ = std::make_unique<Process>(argv, dir_ + "/server.log");
     for (int i = 0; i < 600 && port_ == 0; ++i) {
@@ -660,6 +661,16 @@ TEST(E2eTest, PrometheusScrapesAcceptanceRateAndNfe) {
             0)
       << lint;
   EXPECT_EQ(lint, "");
+  // The goodput controller's series (the default window policy).
+  const std::string text = Slurp(dir + "/metrics.txt");
+  for (const char* series : {"imagegen_step_cost_ratio_count{model=\"fmnist-gpt\"}",
+                             "imagegen_step_predicted_seconds_total{model=\"fmnist-gpt\"}",
+                             "imagegen_controller_expected_tokens_total{model=\"fmnist-gpt\"}",
+                             "imagegen_controller_committed_tokens_total{model=\"fmnist-gpt\"}",
+                             "imagegen_request_window_tokens_bucket{method=\"scd-mc\",model="
+                             "\"fmnist-gpt\",le=\"32\"}"}) {
+    EXPECT_NE(text.find(series), std::string::npos) << series;
+  }
 
   std::string config = Slurp(std::string(IMAGEGEN_SOURCE_DIR) + "/deploy/prometheus.yml");
   config = std::regex_replace(config, std::regex("imagegen:9464"),
@@ -761,6 +772,9 @@ TEST(E2eTest, CliAndPythonClientsWork) {
             0)
       << out;
   EXPECT_NE(out.find("images/s"), std::string::npos);
+  EXPECT_NE(out.find("mean window"), std::string::npos) << out;
+  EXPECT_NE(out.find("controller: expected"), std::string::npos) << out;
+  EXPECT_NE(out.find("step time predicted"), std::string::npos) << out;
 
   ASSERT_EQ(RunCommand({"/usr/bin/python3",
                         std::string(IMAGEGEN_SOURCE_DIR) + "/client/python/example_client.py",

@@ -1,0 +1,89 @@
+// Goodput control (docs/serving.md, "Window control"): each step, every request's window is
+// chosen to maximise the tokens the batch is expected to commit per second of step time,
+// from a step-cost model (step_cost.h) and per-depth acceptance statistics learned online.
+// Plain C++; the engine thread owns the state (not thread-safe).
+//
+// The planner is pure: given each request's expected commits for every window n (from
+// AcceptanceModel and the policy's shape) and the cost model, it returns the windows. A
+// window never changes the distribution of a lossless method, only which drafts are tested.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "engine/decoding/policy.h"
+#include "engine/scheduler/step_cost.h"
+
+namespace imagegen {
+
+// Expected tokens committed by a step that grants a request n nodes, per method (the preset
+// name). A Jacobi draft is only as good as the iterations it has been refined through, and a
+// window cut short loses its tail, so acceptance at depth d depends on the window the request
+// keeps, not on d alone: a model of per-depth survival fitted on whole windows predicted 2.9
+// tokens per step for scd-mc at 5 nodes where 1.7 were committed (docs/results-serving.md).
+// So the commits themselves are learned per window: a table over n = 1, 2, 4, ..., 256
+// (interpolated in log2 n), each step adding its commits to the two neighbouring knots, from a
+// prior per preset measured on the bundled model with whole windows of 2..64 nodes
+// (imagegen-spec-bench; docs/results-serving.md lists it).
+class CommitModel {
+ public:
+  double Expected(const std::string& method, int64_t nodes) const;
+  // One step of one request of `method` that was granted `nodes` and committed `committed`.
+  void Observe(const std::string& method, int64_t nodes, int64_t committed);
+  // The bundled model's step compression at a sustained window of n nodes (1 for n = 1).
+  static double Prior(const std::string& method, int64_t nodes);
+
+  double prior_weight = 30;  // pseudo-steps of the prior per knot
+  double decay = 0.999;      // weight of the past at each step of the method
+
+ private:
+  struct Table {
+    std::vector<double> commits, weight;  // per knot: weighted sum of commits, and weights
+  };
+  std::map<std::string, Table> methods_;
+};
+
+// One request's commits against what the controller expected of it: its content can make its
+// drafts much better or worse than its method's average.
+struct RequestCommits {
+  // Sums over its steps of (committed - 1) and of (the method's expectation - 1).
+  double extra = 0, expected_extra = 0;
+  // The factor on the method's expected extra tokens: realised / expected, with 4 pseudo-tokens
+  // of each, in [0.25, 4].
+  double Factor() const;
+};
+
+// expected[n - 1] for n = 1..wanted: 1 + factor * (model.Expected(method, n) - 1); {1} for
+// methods that do not draft.
+std::vector<double> ExpectedCommits(const CommitModel& model, const DecodingPolicy& policy,
+                                    int64_t wanted, double factor);
+
+struct GoodputRequest {
+  int64_t rows = 1;              // forward rows per node (2 with CFG)
+  std::vector<double> expected;  // as ExpectedCommits: size = the wanted window (>= 1)
+};
+
+struct GoodputOptions {
+  // Fairness bound: no request's expected time per token may exceed (1 + max_slowdown) times
+  // what it would be if every request in the step fed one token (plain AR for all).
+  double max_slowdown = 0.25;
+  int64_t max_tokens = 0;  // forward rows per step, a memory ceiling; 0: none
+  // A request alone gets its whole window: what it draws for a seed then does not depend on a
+  // calibration measured on a noisy machine.
+  bool lone_request_full_window = true;
+};
+
+struct GoodputPlan {
+  std::vector<int64_t> windows;  // nodes per request, in the order given
+  int64_t tokens = 0;            // forward rows
+  double seconds = 0;            // predicted step time
+  double expected = 0;           // expected commits, all requests
+  double ar_seconds = 0;         // predicted step time with one node each
+};
+
+GoodputPlan PlanGoodput(const std::vector<GoodputRequest>& requests, const StepCostModel& cost,
+                        const GoodputOptions& options);
+
+}  // namespace imagegen

@@ -1,0 +1,228 @@
+#include "engine/scheduler/step_cost.h"
+
+#include <algorithm>
+#include <cmath>
+#include <nlohmann/json.hpp>
+
+#include "engine/util/json.h"
+
+namespace imagegen {
+namespace {
+
+constexpr char kFormat[] = "imagegen-step-cost";
+constexpr int64_t kVersion = 1;
+
+bool Valid(const StepCostSample& s) {
+  return s.tokens >= 1 && s.requests >= 1 && std::isfinite(s.seconds) && s.seconds > 0;
+}
+
+// Solves a x = b (n x n, row-major) by Gaussian elimination with partial pivoting; false when
+// singular.
+bool Solve(std::vector<double> a, std::vector<double> b, int64_t n, std::vector<double>& x) {
+  for (int64_t c = 0; c < n; ++c) {
+    int64_t piv = c;
+    for (int64_t r = c + 1; r < n; ++r) {
+      if (std::abs(a[r * n + c]) > std::abs(a[piv * n + c])) piv = r;
+    }
+    if (std::abs(a[piv * n + c]) < 1e-300) return false;
+    if (piv != c) {
+      for (int64_t k = 0; k < n; ++k) std::swap(a[c * n + k], a[piv * n + k]);
+      std::swap(b[c], b[piv]);
+    }
+    for (int64_t r = c + 1; r < n; ++r) {
+      const double f = a[r * n + c] / a[c * n + c];
+      if (f == 0) continue;
+      for (int64_t k = c; k < n; ++k) a[r * n + k] -= f * a[c * n + k];
+      b[r] -= f * b[c];
+    }
+  }
+  x.assign(static_cast<size_t>(n), 0);
+  for (int64_t r = n - 1; r >= 0; --r) {
+    double s = b[r];
+    for (int64_t k = r + 1; k < n; ++k) s -= a[r * n + k] * x[k];
+    x[r] = s / a[r * n + r];
+  }
+  return true;
+}
+
+}  // namespace
+
+StepCostModel::StepCostModel(int64_t max_tokens) {
+  int64_t t = 1;
+  knots_.push_back(t);
+  while (t < std::max<int64_t>(max_tokens, 2)) knots_.push_back(t *= 2);
+  values_.assign(knots_.size(), 0);
+  const auto p = static_cast<size_t>(Params());
+  prior_a_.assign(p * p, 0);
+  online_a_.assign(p * p, 0);
+  prior_b_.assign(p, 0);
+  online_b_.assign(p, 0);
+}
+
+StepCostModel StepCostModel::Linear(double base, double per_token, double per_request) {
+  StepCostModel m(2);
+  m.fixed_ = true;
+  m.fixed_base_ = base;
+  m.fixed_per_token_ = per_token;
+  m.per_request_ = per_request;
+  return m;
+}
+
+void StepCostModel::Features(int64_t tokens, int64_t requests, std::vector<double>& phi) const {
+  phi.assign(static_cast<size_t>(Params()), 0);
+  const auto K = static_cast<int64_t>(knots_.size());
+  const double t = static_cast<double>(std::max<int64_t>(tokens, 1));
+  int64_t k = 0;  // the segment [knots_[k], knots_[k + 1]] (the last one extrapolates)
+  while (k + 2 < K && static_cast<double>(knots_[k + 1]) < t) ++k;
+  const double lo = static_cast<double>(knots_[k]), hi = static_cast<double>(knots_[k + 1]);
+  const double w = (t - lo) / (hi - lo);
+  phi[k] = 1 - w;
+  phi[k + 1] = w;
+  phi[K] = static_cast<double>(std::max<int64_t>(requests, 1) - 1);
+}
+
+void StepCostModel::Accumulate(std::vector<double>& a, std::vector<double>& b,
+                               const StepCostSample& s, double w) const {
+  std::vector<double> phi;
+  Features(s.tokens, s.requests, phi);
+  const int64_t n = Params();
+  for (int64_t i = 0; i < n; ++i) {
+    if (phi[i] == 0) continue;
+    b[i] += w * phi[i] * s.seconds;
+    for (int64_t j = 0; j < n; ++j) a[i * n + j] += w * phi[i] * phi[j];
+  }
+}
+
+Status StepCostModel::Calibrate(const std::vector<StepCostSample>& samples) {
+  if (samples.empty()) return InvalidArgument("step cost calibration: no samples");
+  for (const StepCostSample& s : samples) {
+    if (!Valid(s)) {
+      return InvalidArgument("step cost calibration: bad sample (tokens " +
+                             std::to_string(s.tokens) + ", requests " + std::to_string(s.requests) +
+                             ", seconds " + std::to_string(s.seconds) + ")");
+    }
+  }
+  if (fixed_) return OkStatus();
+  prior_ = samples;
+  std::fill(prior_a_.begin(), prior_a_.end(), 0);
+  std::fill(prior_b_.begin(), prior_b_.end(), 0);
+  for (const StepCostSample& s : samples) Accumulate(prior_a_, prior_b_, s, 1);
+  Fit();
+  return OkStatus();
+}
+
+void StepCostModel::Observe(int64_t tokens, int64_t requests, double seconds) {
+  const StepCostSample s{tokens, requests, seconds};
+  if (fixed_ || !Valid(s)) return;
+  for (double& v : online_a_) v *= decay;
+  for (double& v : online_b_) v *= decay;
+  Accumulate(online_a_, online_b_, s, 1);
+  observed_ += 1;
+  if (++since_fit_ >= refit_every || prior_.empty()) Fit();
+}
+
+void StepCostModel::Fit() {
+  since_fit_ = 0;
+  const int64_t n = Params();
+  const auto K = static_cast<int64_t>(knots_.size());
+  std::vector<double> a(prior_a_), b(prior_b_);
+  double weight = 0;
+  for (size_t i = 0; i < a.size(); ++i) a[i] += online_a_[i];
+  for (size_t i = 0; i < b.size(); ++i) b[i] += online_b_[i];
+  for (int64_t i = 0; i < n; ++i) weight += a[i * n + i];
+  if (weight <= 0) return;
+  // Each interior knot is pulled toward the line through its neighbours (zero for an affine f).
+  const double lambda = 0.01 * weight / static_cast<double>(std::max<int64_t>(K - 2, 1));
+  for (int64_t k = 1; k + 1 < K; ++k) {
+    const double t0 = static_cast<double>(knots_[k - 1]), t1 = static_cast<double>(knots_[k]),
+                 t2 = static_cast<double>(knots_[k + 1]);
+    const double alpha = (t2 - t1) / (t2 - t0);
+    const int64_t idx[3] = {k - 1, k, k + 1};
+    const double coef[3] = {-alpha, 1, -(1 - alpha)};
+    for (int i = 0; i < 3; ++i) {
+      for (int j = 0; j < 3; ++j) a[idx[i] * n + idx[j]] += lambda * coef[i] * coef[j];
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) a[i * n + i] += 1e-9 * weight;
+  std::vector<double> x;
+  if (!Solve(std::move(a), std::move(b), n, x)) return;
+  for (int64_t k = 0; k < K; ++k) {
+    values_[k] = std::max(x[k], k == 0 ? 1e-7 : values_[k - 1]);
+  }
+  per_request_ = std::max(x[K], 0.0);
+}
+
+double StepCostModel::Predict(int64_t tokens, int64_t requests) const {
+  const double extra = per_request_ * static_cast<double>(std::max<int64_t>(requests, 1) - 1);
+  if (fixed_) {
+    return fixed_base_ + fixed_per_token_ * static_cast<double>(std::max<int64_t>(tokens, 1)) +
+           extra;
+  }
+  std::vector<double> phi;
+  Features(tokens, requests, phi);
+  double t = 0;
+  for (size_t k = 0; k < values_.size(); ++k) t += phi[k] * values_[k];
+  return std::max(t, values_[0]) + extra;
+}
+
+int64_t StepCostModel::MaxTokensWithin(double seconds, int64_t requests, int64_t limit) const {
+  if (limit < 1 || Predict(1, requests) > seconds) return 0;
+  if (Predict(limit, requests) <= seconds) return limit;
+  int64_t lo = 1, hi = limit;  // Predict(lo) fits, Predict(hi) does not (non-decreasing in T)
+  while (hi - lo > 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    (Predict(mid, requests) <= seconds ? lo : hi) = mid;
+  }
+  return lo;
+}
+
+std::string StepCostModel::Serialize(const std::string& key) const {
+  Json j;
+  j["format"] = kFormat;
+  j["version"] = kVersion;
+  j["key"] = key;
+  Json samples = Json::array();
+  for (const StepCostSample& s : prior_) samples.push_back({s.tokens, s.requests, s.seconds});
+  j["samples"] = samples;
+  return j.dump(1) + "\n";
+}
+
+Status StepCostModel::Deserialize(const std::string& text, const std::string& key,
+                                  const std::string& where) {
+  StatusOr<Json> parsed = ParseJson(text);
+  if (!parsed.ok()) return DataLoss(where + ": " + parsed.status().message());
+  const Json& j = *parsed;
+  if (!j.is_object() || j.value("format", "") != kFormat) {
+    return DataLoss(where + ": not a step-cost calibration (\"format\" is not \"" + kFormat +
+                    "\")");
+  }
+  const Json* version = JsonFields(j, where).Find("version");
+  if (version == nullptr || JsonInt(*version) != kVersion) {
+    return DataLoss(where + ": unsupported \"version\" (this build reads " +
+                    std::to_string(kVersion) + ")");
+  }
+  const Json* k = JsonFields(j, where).Find("key");
+  if (k == nullptr || !k->is_string()) return DataLoss(where + ": \"key\" is missing");
+  if (k->get<std::string>() != key) {
+    return FailedPrecondition(where + ": calibrated for " + k->get<std::string>() + ", not for " +
+                              key);
+  }
+  const Json* samples = JsonFields(j, where).Find("samples");
+  if (samples == nullptr || !samples->is_array() || samples->empty()) {
+    return DataLoss(where + ": \"samples\" must be a non-empty array");
+  }
+  std::vector<StepCostSample> out;
+  for (const Json& s : *samples) {
+    if (!s.is_array() || s.size() != 3 || !s[2].is_number()) {
+      return DataLoss(where + ": each of \"samples\" must be [tokens, requests, seconds]");
+    }
+    const std::optional<int64_t> t = JsonInt(s[0]), r = JsonInt(s[1]);
+    if (!t || !r) return DataLoss(where + ": sample tokens and requests must be integers");
+    out.push_back({*t, *r, s[2].get<double>()});
+  }
+  Status st = Calibrate(out);
+  if (!st.ok()) return DataLoss(where + ": " + st.message());
+  return OkStatus();
+}
+
+}  // namespace imagegen

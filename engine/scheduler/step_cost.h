@@ -1,0 +1,83 @@
+// The time of one engine step as a function of the target-forward tokens it feeds (CFG rows
+// counted) and the requests it serves, for the goodput controller (goodput.h). Plain C++, no
+// LibTorch; not thread-safe (the engine thread owns one per model).
+//
+// The model: t(T, R) = f(T) + c * (R - 1), with f piecewise linear through values at the knots
+// T = 1, 2, 4, ..., and linear beyond the last knot. It is fitted by least squares to a
+// start-up calibration (a few real steps at chosen T and R; ModelScheduler runs it, and caches
+// its samples per device, model and dtype) and then refined online from every step's measured
+// time: the calibration's samples stay as a fixed prior, the online ones decay (each new one
+// multiplies the weight of the older ones by `decay`), and the fit is redone every few steps.
+// A small penalty on each knot's distance from the straight line through its neighbours keeps
+// knots without samples on the line the others draw. f is made non-decreasing and c >= 0.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "engine/util/status.h"
+
+namespace imagegen {
+
+struct StepCostSample {
+  int64_t tokens = 0;    // target-forward rows of the step
+  int64_t requests = 0;  // requests in the step
+  double seconds = 0;
+};
+
+class StepCostModel {
+ public:
+  // Knots 1, 2, 4, ... up to the first power of two >= max_tokens (at least 2).
+  explicit StepCostModel(int64_t max_tokens = 4096);
+
+  // A fixed model, t = base + per_token * T + per_request * (R - 1), that Observe leaves alone
+  // (tests; and a cost override).
+  static StepCostModel Linear(double base, double per_token, double per_request);
+
+  // Replaces the prior with these samples (weight 1 each) and fits. INVALID_ARGUMENT when a
+  // sample is malformed (tokens or requests < 1, seconds not finite and > 0) or none is given.
+  Status Calibrate(const std::vector<StepCostSample>& samples);
+
+  // Adds one measured step (ignored when malformed or when the model is fixed).
+  void Observe(int64_t tokens, int64_t requests, double seconds);
+
+  double Predict(int64_t tokens, int64_t requests) const;
+  // The largest T <= limit with Predict(T, requests) <= seconds (0 if not even T = 1 fits).
+  int64_t MaxTokensWithin(double seconds, int64_t requests, int64_t limit) const;
+
+  bool calibrated() const { return !prior_.empty() || fixed_; }
+  const std::vector<StepCostSample>& calibration() const { return prior_; }
+  int64_t observed() const { return observed_; }
+  const std::vector<int64_t>& knots() const { return knots_; }
+  const std::vector<double>& values() const { return values_; }
+  double per_request() const { return per_request_; }
+
+  // The calibration as JSON, with `key` (which device, model, dtype it belongs to).
+  std::string Serialize(const std::string& key) const;
+  // Reads Serialize's output; FAILED_PRECONDITION when the key differs (another device or
+  // model: recalibrate), DATA_LOSS naming `where` when the text is not such a file.
+  Status Deserialize(const std::string& text, const std::string& key, const std::string& where);
+
+  double decay = 0.995;      // weight of the older online samples at each new one
+  int64_t refit_every = 16;  // online samples between fits
+
+ private:
+  int64_t Params() const { return static_cast<int64_t>(knots_.size()) + 1; }
+  void Features(int64_t tokens, int64_t requests, std::vector<double>& phi) const;
+  void Accumulate(std::vector<double>& a, std::vector<double>& b, const StepCostSample& s,
+                  double w) const;
+  void Fit();
+
+  std::vector<int64_t> knots_;
+  std::vector<double> values_;  // f at the knots
+  double per_request_ = 0;
+  bool fixed_ = false;
+  double fixed_base_ = 0, fixed_per_token_ = 0;
+  std::vector<StepCostSample> prior_;
+  // Normal equations: the prior's, and the decayed online samples'.
+  std::vector<double> prior_a_, prior_b_, online_a_, online_b_;
+  int64_t observed_ = 0, since_fit_ = 0;
+};
+
+}  // namespace imagegen

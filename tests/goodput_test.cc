@@ -1,0 +1,241 @@
+// The goodput controller's parts without a model: the step-cost model (fit, online refinement,
+// cache file), commits per window, and the planner (optimal against brute force on small
+// cases, the fairness bound, and what a planner without the bound would do).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+
+#include "engine/decoding/policy.h"
+#include "engine/scheduler/goodput.h"
+#include "engine/scheduler/step_cost.h"
+
+namespace imagegen {
+namespace {
+
+// The calibration's shapes: windows 1, 4, 16, 64 for 1, 4 and 16 CFG requests.
+std::vector<StepCostSample> Calibration(const std::function<double(int64_t, int64_t)>& t) {
+  std::vector<StepCostSample> out;
+  for (int64_t R : {1, 4, 16}) {
+    for (int64_t w : {1, 4, 16, 64}) out.push_back({2 * R * w, R, t(2 * R * w, R)});
+  }
+  return out;
+}
+
+TEST(StepCostTest, FitsLinearAndFlatThenLinearCostsBetweenTheCalibratedShapes) {
+  // A CPU-like cost: a base, a cost per token and per request.
+  auto cpu = [](int64_t T, int64_t R) { return 3e-3 + 1e-4 * T + 2e-4 * (R - 1); };
+  StepCostModel m;
+  ASSERT_TRUE(m.Calibrate(Calibration(cpu)).ok());
+  for (int64_t T : {3, 40, 100, 700, 1500, 3000}) {
+    for (int64_t R : {1, 8}) {
+      EXPECT_NEAR(m.Predict(T, R) / cpu(T, R), 1.0, 0.02) << "T " << T << " R " << R;
+    }
+  }
+  // A GPU-like cost: flat up to 512 tokens, then linear.
+  auto gpu = [](int64_t T, int64_t) { return 1e-3 * std::max<double>(1.0, T / 512.0); };
+  StepCostModel g;
+  ASSERT_TRUE(g.Calibrate(Calibration(gpu)).ok());
+  for (int64_t T : {2, 8, 128, 2048}) EXPECT_NEAR(g.Predict(T, 4) / gpu(T, 4), 1.0, 0.05) << T;
+  // Knots between calibrated shapes interpolate; non-decreasing everywhere.
+  for (int64_t T = 1; T < 5000; T += 7) EXPECT_LE(g.Predict(T, 1), g.Predict(T + 7, 1) + 1e-12);
+  EXPECT_EQ(g.MaxTokensWithin(g.Predict(1000, 1), 1, 4096), 1000);
+}
+
+TEST(StepCostTest, OnlineStepsMoveTheModelOffAStaleCalibration) {
+  auto old_cost = [](int64_t T, int64_t) { return 2e-3 + 1e-5 * T; };
+  StepCostModel m;
+  ASSERT_TRUE(m.Calibrate(Calibration(old_cost)).ok());
+  // The device is now twice as slow (another tenant, clocks): the steps say so.
+  for (int i = 0; i < 600; ++i) {
+    const int64_t T = 16 + (i * 37) % 600;
+    m.Observe(T, 8, 2 * old_cost(T, 8));
+  }
+  EXPECT_EQ(m.observed(), 600);
+  EXPECT_NEAR(m.Predict(300, 8) / (2 * old_cost(300, 8)), 1.0, 0.1);
+  // Malformed observations are ignored.
+  m.Observe(0, 1, 1.0);
+  m.Observe(10, 1, std::nan(""));
+  EXPECT_EQ(m.observed(), 600);
+}
+
+TEST(StepCostTest, CacheFileRoundTripsAndRefusesOtherKeysAndGarbage) {
+  StepCostModel a;
+  ASSERT_TRUE(a.Calibrate(Calibration([](int64_t T, int64_t) { return 1e-3 + 1e-5 * T; })).ok());
+  const std::string text = a.Serialize("m on cpu");
+  StepCostModel b;
+  ASSERT_TRUE(b.Deserialize(text, "m on cpu", "f.json").ok());
+  EXPECT_DOUBLE_EQ(a.Predict(777, 3), b.Predict(777, 3));
+  StepCostModel c;
+  Status other = c.Deserialize(text, "m on cuda:0", "f.json");
+  EXPECT_EQ(other.code(), Code::kFailedPrecondition);
+  EXPECT_NE(other.message().find("m on cuda:0"), std::string::npos);
+  for (const std::string& bad :
+       {std::string("{"), std::string("{\"format\": \"x\"}"),
+        std::string("{\"format\": \"imagegen-step-cost\", \"version\": 1, \"key\": \"m on cpu\", "
+                    "\"samples\": [[1, 1, -1]]}"),
+        std::string("{\"format\": \"imagegen-step-cost\", \"version\": 1, \"key\": \"m on cpu\", "
+                    "\"samples\": [[1.5, 1, 1]]}")}) {
+    Status st = c.Deserialize(bad, "m on cpu", "f.json");
+    EXPECT_EQ(st.code(), Code::kDataLoss) << bad;
+    EXPECT_NE(st.message().find("f.json"), std::string::npos) << st.message();
+  }
+  EXPECT_EQ(c.Calibrate({}).code(), Code::kInvalidArgument);
+  EXPECT_EQ(c.Calibrate({{4, 0, 1.0}}).code(), Code::kInvalidArgument);
+}
+
+DecodingPolicy Preset(const std::string& name, int64_t window = 0) {
+  auto p = PolicyFromPreset(name, window);
+  if (!p.ok()) throw std::runtime_error(p.status().ToString());
+  return *p;
+}
+
+TEST(GoodputTest, CommitsPerWindowStartAtThePriorAndLearnPerMethodAndRequest) {
+  CommitModel m;
+  EXPECT_DOUBLE_EQ(m.Expected("scd-mc", 1), 1);
+  EXPECT_DOUBLE_EQ(m.Expected("scd-mc", 32), CommitModel::Prior("scd-mc", 32));
+  EXPECT_NEAR(CommitModel::Prior("scd-mc", 32), 3.64, 1e-12);
+  // Between knots: interpolated in log2 n; never more than n; non-decreasing.
+  EXPECT_NEAR(m.Expected("scd-mc", 3), (1.27 + 1.64) / 2 + (std::log2(3) - 1.5) * 0.37, 1e-9);
+  for (int64_t n = 1; n < 300; ++n) {
+    EXPECT_LE(m.Expected("sjd", n), static_cast<double>(n));
+    EXPECT_LE(m.Expected("scd-mc", n), m.Expected("scd-mc", n + 1) + 1e-12);
+  }
+  // 3,000 steps of 16-node windows that commit 5 tokens each: the 16-node knot moves to 5,
+  // the 64-node knot stays near its prior, other methods are untouched.
+  for (int i = 0; i < 3000; ++i) m.Observe("scd-mc", 16, 5);
+  EXPECT_NEAR(m.Expected("scd-mc", 16), 5.0, 0.1);
+  EXPECT_NEAR(m.Expected("scd-mc", 64), CommitModel::Prior("scd-mc", 64), 1e-9);
+  EXPECT_DOUBLE_EQ(m.Expected("sjd", 16), CommitModel::Prior("sjd", 16));
+  // A request whose drafts do twice as well as its method's: factor 2 (with 4 pseudo-tokens).
+  RequestCommits r;
+  EXPECT_DOUBLE_EQ(r.Factor(), 1);
+  r.extra = 196;
+  r.expected_extra = 96;
+  EXPECT_DOUBLE_EQ(r.Factor(), 2);
+  const auto e = ExpectedCommits(m, Preset("scd-mc", 8), 8, 2.0);
+  ASSERT_EQ(e.size(), 8u);
+  EXPECT_DOUBLE_EQ(e[0], 1);
+  EXPECT_DOUBLE_EQ(e[7], std::min(8.0, 1 + 2 * (m.Expected("scd-mc", 8) - 1)));
+  EXPECT_EQ(ExpectedCommits(m, Preset("ar"), 1, 3.0), std::vector<double>{1.0});
+}
+
+// Expected commits of a chain whose drafts each survive with probability p.
+std::vector<double> Geometric(int64_t n, double p) {
+  std::vector<double> e = {1};
+  double s = 1;
+  for (int64_t k = 1; k < n; ++k) e.push_back(e.back() + (s *= p));
+  return e;
+}
+
+// Every combination of windows (each request 1..its wanted), the best rate among those that
+// keep the fairness bound.
+double BruteForceBest(const std::vector<GoodputRequest>& reqs, const StepCostModel& cost,
+                      double slowdown) {
+  int64_t ar_tokens = 0;
+  for (const auto& r : reqs) ar_tokens += r.rows;
+  const double ar = cost.Predict(ar_tokens, static_cast<int64_t>(reqs.size()));
+  std::vector<int64_t> w(reqs.size(), 1);
+  double best = 0;
+  while (true) {
+    int64_t T = 0;
+    double e = 0, emin = 1e300;
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      T += w[i] * reqs[i].rows;
+      e += reqs[i].expected[w[i] - 1];
+      emin = std::min(emin, reqs[i].expected[w[i] - 1]);
+    }
+    const double t = cost.Predict(T, static_cast<int64_t>(reqs.size()));
+    if (emin >= t / ((1 + slowdown) * ar) - 1e-12) best = std::max(best, e / t);
+    size_t i = 0;
+    while (i < w.size() && ++w[i] > static_cast<int64_t>(reqs[i].expected.size())) w[i++] = 1;
+    if (i == w.size()) break;
+  }
+  return best;
+}
+
+// The plan keeps the fairness bound: every request's expected time per token is at most
+// (1 + slowdown) times what it would be with one node each.
+void ExpectFair(const GoodputPlan& plan, const std::vector<GoodputRequest>& reqs, double slowdown) {
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    const double per_token = plan.seconds / reqs[i].expected[plan.windows[i] - 1];
+    EXPECT_LE(per_token, (1 + slowdown) * plan.ar_seconds * (1 + 1e-9)) << "request " << i;
+  }
+}
+
+TEST(GoodputTest, PlansMatchBruteForceOnSmallBatches) {
+  const auto steep = StepCostModel::Linear(1.0, 0.1, 0.05);
+  const auto flat = StepCostModel::Linear(1.0, 0.0, 0.0);
+  const auto mid = StepCostModel::Linear(1.0, 0.02, 0.0);
+  int cases = 0;
+  for (const auto* cost : {&steep, &flat, &mid}) {
+    for (double p1 : {0.2, 0.6, 0.9}) {
+      for (double p2 : {0.3, 0.8}) {
+        std::vector<GoodputRequest> reqs = {{2, Geometric(6, p1)},
+                                            {2, Geometric(5, p2)},
+                                            {1, {1, 1.2, 2.0, 2.1, 2.15, 2.18}},  // not concave
+                                            {2, {1.0}}};                          // an AR request
+        GoodputOptions o;
+        const GoodputPlan plan = PlanGoodput(reqs, *cost, o);
+        const double rate = plan.expected / plan.seconds;
+        const double best = BruteForceBest(reqs, *cost, o.max_slowdown);
+        EXPECT_GE(rate, 0.97 * best) << "p1 " << p1 << " p2 " << p2;
+        EXPECT_GE(rate, 4 / plan.ar_seconds * (1 - 1e-9));  // never below plain AR
+        ExpectFair(plan, reqs, o.max_slowdown);
+        ++cases;
+      }
+    }
+  }
+  EXPECT_EQ(cases, 18);
+}
+
+TEST(GoodputTest, FlatCostFeedsWholeWindowsAndSteepCostShrinksThem) {
+  const auto e = Geometric(32, 0.73);
+  std::vector<GoodputRequest> reqs(16, GoodputRequest{2, e});
+  // A step whose time does not depend on its tokens: whole windows.
+  const GoodputPlan flat = PlanGoodput(reqs, StepCostModel::Linear(1e-3, 0, 0), {});
+  for (int64_t w : flat.windows) EXPECT_EQ(w, 32);
+  // A GPU-like step (1,024 tokens cost 1% more than one): nearly whole windows; the last
+  // drafts, accepted with probability 0.73^25 < 1e-3, are not worth even that.
+  const GoodputPlan gpu = PlanGoodput(reqs, StepCostModel::Linear(1e-3, 1e-8, 0), {});
+  for (int64_t w : gpu.windows) EXPECT_GE(w, 20);
+  // A CPU-like step: every token costs.
+  const auto cpu = StepCostModel::Linear(3e-3, 1e-4, 1e-4);
+  const GoodputPlan p = PlanGoodput(reqs, cpu, {});
+  int64_t total = 0;
+  for (int64_t w : p.windows) total += w;
+  EXPECT_GT(total, 16);       // still speculates
+  EXPECT_LT(total, 16 * 32);  // but not whole windows
+  const double full = 16 * e.back() / cpu.Predict(16 * 32 * 2, 16);
+  EXPECT_GT(p.expected / p.seconds, 1.2 * full);
+  EXPECT_GT(p.expected / p.seconds, 1.2 * 16 / p.ar_seconds);
+  // Alone, a request keeps its whole window however steep the cost.
+  EXPECT_EQ(PlanGoodput({reqs[0]}, cpu, {}).windows, std::vector<int64_t>{32});
+  // The memory ceiling holds.
+  GoodputOptions capped;
+  capped.max_tokens = 100;
+  EXPECT_LE(PlanGoodput(reqs, StepCostModel::Linear(1e-3, 1e-8, 0), capped).tokens, 100);
+}
+
+// Beside requests that cannot speculate (AR), speculating ones may slow the step by at most
+// the bound; without the bound (a huge max_slowdown) the planner takes more, which is what the
+// bound is there to stop.
+TEST(GoodputTest, FairnessBoundCapsWhatSpeculationCostsAnArNeighbour) {
+  const auto cpu = StepCostModel::Linear(3e-3, 1e-4, 1e-4);
+  std::vector<GoodputRequest> reqs(8, GoodputRequest{2, {1.0}});
+  for (int i = 0; i < 8; ++i) reqs.push_back({2, Geometric(32, 0.9)});
+  GoodputOptions fair;
+  const GoodputPlan p = PlanGoodput(reqs, cpu, fair);
+  ExpectFair(p, reqs, fair.max_slowdown);
+  EXPECT_LE(p.seconds, 1.25 * p.ar_seconds * (1 + 1e-9));
+  EXPECT_GT(p.tokens, 32);  // the scd-mc requests still speculate within the bound
+  GoodputOptions unfair;
+  unfair.max_slowdown = 100;
+  const GoodputPlan q = PlanGoodput(reqs, cpu, unfair);
+  EXPECT_GT(q.seconds, 1.5 * q.ar_seconds);  // an AR request would wait 50% longer per token
+  EXPECT_GT(q.expected / q.seconds, p.expected / p.seconds);  // for more total goodput
+}
+
+}  // namespace
+}  // namespace imagegen
