@@ -217,8 +217,8 @@ Cell RunCell(const EngineOptions& base, const std::vector<DecodingPolicy>& polic
   cell.nfe = nsum / images;
   cell.mean_window = window_sum / images;
   std::lock_guard<std::mutex> l(totals.mu);
-  cell.images_per_s = static_cast<double>(totals.committed_before_stop) /
-                      static_cast<double>(per_image) / seconds;
+  cell.images_per_s =
+      static_cast<double>(totals.committed_before_stop) / static_cast<double>(per_image) / seconds;
   const double steps = static_cast<double>(std::max<int64_t>(totals.steps, 1));
   cell.tokens_per_step = totals.tokens / steps;
   cell.requests_per_step = totals.requests / steps;

@@ -73,9 +73,9 @@ TEST(StepCostTest, CacheFileRoundTripsAndRefusesOtherKeysAndGarbage) {
   EXPECT_NE(other.message().find("m on cuda:0"), std::string::npos);
   for (const std::string& bad :
        {std::string("{"), std::string("{\"format\": \"x\"}"),
-        std::string("{\"format\": \"imagegen-step-cost\", \"version\": 1, \"key\": \"m on cpu\", "
+        std::string("{\"format\": \"imagegen-step-cost\", \"version\": 2, \"key\": \"m on cpu\", "
                     "\"samples\": [[1, 1, -1]]}"),
-        std::string("{\"format\": \"imagegen-step-cost\", \"version\": 1, \"key\": \"m on cpu\", "
+        std::string("{\"format\": \"imagegen-step-cost\", \"version\": 2, \"key\": \"m on cpu\", "
                     "\"samples\": [[1.5, 1, 1]]}")}) {
     Status st = c.Deserialize(bad, "m on cpu", "f.json");
     EXPECT_EQ(st.code(), Code::kDataLoss) << bad;
@@ -212,6 +212,12 @@ TEST(GoodputTest, FlatCostFeedsWholeWindowsAndSteepCostShrinksThem) {
   EXPECT_GT(p.expected / p.seconds, 1.2 * 16 / p.ar_seconds);
   // Alone, a request keeps its whole window however steep the cost.
   EXPECT_EQ(PlanGoodput({reqs[0]}, cpu, {}).windows, std::vector<int64_t>{32});
+  // Exploring: a plan with at least twice the forward rows, still above all-AR's goodput here.
+  GoodputOptions explore;
+  explore.explore = true;
+  const GoodputPlan x = PlanGoodput(reqs, cpu, explore);
+  EXPECT_GE(x.tokens, 2 * p.tokens);
+  EXPECT_GT(x.expected / x.seconds, 16 / x.ar_seconds);
   // The memory ceiling holds.
   GoodputOptions capped;
   capped.max_tokens = 100;

@@ -175,9 +175,15 @@ GoodputPlan PlanGoodput(const std::vector<GoodputRequest>& requests, const StepC
     caps.push_back(top);
     caps.push_back(cost.MaxTokensWithin((1 + options.max_slowdown) * ar, Rn, top));
   }
-  std::vector<int64_t> best(R, 1);
-  double best_rate = static_cast<double>(R) / ar;  // every request one node: always allowed
-  std::vector<size_t> at(R);                       // hull vertex per request
+  struct Candidate {
+    std::vector<int64_t> windows;
+    int64_t tokens = 0;
+    double rate = 0;
+  };
+  // Every request one node is always allowed.
+  std::vector<Candidate> candidates = {
+      {std::vector<int64_t>(R, 1), ar_tokens, static_cast<double>(R) / ar}};
+  std::vector<size_t> at(R);  // hull vertex per request
   std::vector<bool> blocked(R);
   for (int64_t max_tokens : caps) {
     if (max_tokens < ar_tokens) continue;
@@ -207,14 +213,27 @@ GoodputPlan PlanGoodput(const std::vector<GoodputRequest>& requests, const StepC
       at[s.req] = s.to;
     }
     double e = 0;
-    for (size_t i = 0; i < R; ++i) e += expected(i, hulls[i][at[i]]);
-    const double rate = e / cost.Predict(tokens, Rn);
-    if (rate > best_rate * (1 + 1e-9)) {
-      best_rate = rate;
-      for (size_t i = 0; i < R; ++i) best[i] = hulls[i][at[i]];
+    Candidate c;
+    for (size_t i = 0; i < R; ++i) {
+      e += expected(i, hulls[i][at[i]]);
+      c.windows.push_back(hulls[i][at[i]]);
     }
+    c.tokens = tokens;
+    c.rate = e / cost.Predict(tokens, Rn);
+    candidates.push_back(std::move(c));
   }
-  return finish(best);
+  const Candidate* best = &candidates[0];
+  for (const Candidate& c : candidates) {
+    if (c.rate > best->rate * (1 + 1e-9)) best = &c;
+  }
+  if (options.explore) {
+    const Candidate* wider = nullptr;
+    for (const Candidate& c : candidates) {
+      if (c.tokens >= 2 * best->tokens && (wider == nullptr || c.rate > wider->rate)) wider = &c;
+    }
+    if (wider != nullptr) best = wider;
+  }
+  return finish(best->windows);
 }
 
 }  // namespace imagegen

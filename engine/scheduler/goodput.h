@@ -73,6 +73,10 @@ struct GoodputOptions {
   // A request alone gets its whole window: what it draws for a seed then does not depend on a
   // calibration measured on a noisy machine.
   bool lone_request_full_window = true;
+  // Exploration: take the best plan among those with at least twice the chosen plan's
+  // forward rows (when one keeps the fairness bound), so that the step-cost model measures
+  // the larger steps it would otherwise only extrapolate to.
+  bool explore = false;
 };
 
 struct GoodputPlan {

@@ -105,9 +105,11 @@ Status ModelScheduler::Calibrate(const LoadOptions& load) {
   return OkStatus();
 }
 
-// Real steps of Jacobi requests (sjd) with windows of 1, 4, 16 and 64 nodes, for 1, 4 and 16
-// requests at a time (as the KV slots allow): 12 shapes, the first step of each untimed, the
-// next two timed. Stops early past 20 seconds (a slow device then leans on online refinement).
+// Real steps of Jacobi requests (sjd) with windows of 1, 4, 16 and 64 nodes, for 1, 4, 16 and
+// 32 requests at a time (as the KV slots allow; at most 4,096 forward rows): up to 15 shapes,
+// the first step of each untimed, then the median of three timed (a noisy machine's outliers
+// would otherwise pull the fit). Stops early past 20 seconds (a slow device then leans on
+// online refinement).
 std::vector<StepCostSample> ModelScheduler::MeasureStepCost() {
   const GptConfig& c = model_.gpt->config();
   const int64_t wmax = std::min<int64_t>(64, c.block_size);
@@ -121,7 +123,7 @@ std::vector<StepCostSample> ModelScheduler::MeasureStepCost() {
   const int64_t rows = req.sampling.uses_cfg() ? 2 : 1;
   std::vector<StepCostSample> samples;
   const auto start = Clock::now();
-  for (int64_t R : {1, 4, 16}) {
+  for (int64_t R : {1, 4, 16, 32}) {
     if (R * rows > batch_.free_slots()) break;
     std::vector<int64_t> handles;
     for (int64_t i = 0; i < R; ++i) {
@@ -130,8 +132,10 @@ std::vector<StepCostSample> ModelScheduler::MeasureStepCost() {
       if (h.ok()) handles.push_back(*h);
     }
     for (int64_t w : {1, 4, 16, 64}) {
-      if (w > wmax && w != 1) break;
-      for (int rep = 0; rep < 3; ++rep) {
+      if ((w > wmax && w != 1) || R * w * rows > 4096) break;
+      std::vector<double> times;
+      int64_t shape_tokens = 0;
+      for (int rep = 0; rep < 4; ++rep) {
         std::vector<WindowGrant> grants;
         int64_t tokens = 0;
         bool done = false;
@@ -144,8 +148,12 @@ std::vector<StepCostSample> ModelScheduler::MeasureStepCost() {
         if (done) break;
         const auto t0 = Clock::now();
         if (!batch_.Step(grants).ok()) break;
-        const double s = Seconds(t0, Clock::now());
-        if (rep > 0) samples.push_back({tokens, static_cast<int64_t>(handles.size()), s});
+        if (rep > 0) times.push_back(Seconds(t0, Clock::now()));
+        shape_tokens = tokens;
+      }
+      if (times.size() == 3) {
+        std::sort(times.begin(), times.end());
+        samples.push_back({shape_tokens, static_cast<int64_t>(handles.size()), times[1]});
       }
       if (Seconds(start, Clock::now()) > 20) break;
     }
@@ -170,12 +178,14 @@ std::vector<int64_t> ModelScheduler::ChooseWindows(const std::vector<WindowDeman
   for (size_t i = 0; i < active_.size(); ++i) {
     const Job& j = *active_[i];
     const int64_t wanted = std::max<int64_t>(demand[i].wanted, 1);
-    reqs.push_back({demand[i].rows,
-                    ExpectedCommits(commits_, j.request.policy, wanted, j.commits.Factor())});
+    reqs.push_back(
+        {demand[i].rows, ExpectedCommits(commits_, j.request.policy, wanted, j.commits.Factor())});
   }
   GoodputOptions go;
   go.max_slowdown = opts_.max_slowdown;
   go.max_tokens = opts_.max_tokens_per_step;
+  // One planned step in 16 explores a plan twice as wide (GoodputOptions::explore).
+  go.explore = reqs.size() > 1 && ++planned_steps_ % 16 == 0;
   plan = PlanGoodput(reqs, cost_, go);
   for (size_t i = 0; i < reqs.size(); ++i) expected[i] = reqs[i].expected[plan.windows[i] - 1];
   return plan.windows;

@@ -99,6 +99,7 @@ class ModelScheduler {
   double preview_credit_ = 0, preview_cost_ = 0;
   StepCostModel cost_;
   CommitModel commits_;
+  int64_t planned_steps_ = 0;  // goodput steps with more than one request
 };
 
 }  // namespace imagegen

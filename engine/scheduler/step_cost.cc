@@ -10,7 +10,7 @@ namespace imagegen {
 namespace {
 
 constexpr char kFormat[] = "imagegen-step-cost";
-constexpr int64_t kVersion = 1;
+constexpr int64_t kVersion = 2;  // 2: median of three, up to 32 requests
 
 bool Valid(const StepCostSample& s) {
   return s.tokens >= 1 && s.requests >= 1 && std::isfinite(s.seconds) && s.seconds > 0;
