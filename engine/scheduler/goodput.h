@@ -1,11 +1,12 @@
 // Goodput control (docs/serving.md, "Window control"): each step, every request's window is
 // chosen to maximise the tokens the batch is expected to commit per second of step time,
-// from a step-cost model (step_cost.h) and per-depth acceptance statistics learned online.
-// Plain C++; the engine thread owns the state (not thread-safe).
+// from a step-cost model (step_cost.h) and the tokens a step commits at each window, learned
+// online per method and request (CommitModel). Plain C++; the engine thread owns the state
+// (not thread-safe).
 //
 // The planner is pure: given each request's expected commits for every window n (from
-// AcceptanceModel and the policy's shape) and the cost model, it returns the windows. A
-// window never changes the distribution of a lossless method, only which drafts are tested.
+// CommitModel) and the cost model, it returns the windows. A window never changes the
+// distribution of a lossless method, only which drafts are tested.
 #pragma once
 
 #include <cstdint>
