@@ -95,7 +95,7 @@ struct Mode {
   bool serial = false;
 };
 
-Mode ParseMode(const std::string& m) {
+Mode ParseMode(const Flags& f, const std::string& flag, const std::string& m) {
   Mode mode;
   mode.name = m;
   if (m == "none") return mode;
@@ -114,9 +114,7 @@ Mode ParseMode(const std::string& m) {
     mode.budget = std::strtoll(m.c_str() + 7, &end, 10);
     if (*end == '\0' && mode.budget >= 2) return mode;
   }
-  std::fprintf(stderr, "error: --modes: '%s' is not none, goodput, serial or budget:N (N >= 2)\n",
-               m.c_str());
-  std::exit(2);
+  f.Fail("--" + flag + ": '" + m + "' is not none, goodput, serial or budget:N (N >= 2)");
 }
 
 struct Cell {
@@ -365,12 +363,19 @@ int main(int argc, char** argv) {
   auto cell_seconds = [&](int64_t c) {
     return std::max(seconds, per_client * static_cast<double>(c));
   };
-  std::vector<Mode> modes;
-  for (const auto& m : f.List("modes")) modes.push_back(ParseMode(m));
+  // Every list is checked here, before the first cell runs (a typo must not wait for the
+  // grid's half hour).
+  std::vector<Mode> modes, mixed_modes;
+  for (const auto& m : f.List("modes")) modes.push_back(ParseMode(f, "modes", m));
+  for (const auto& m : f.List("mixed-modes")) mixed_modes.push_back(ParseMode(f, "mixed-modes", m));
+  std::vector<DecodingPolicy> mixed;
+  for (const auto& m : f.List("mixed-methods")) mixed.push_back(PolicyOrDie(m));
+  for (const auto& m : f.List("methods")) PolicyOrDie(m);
   const int repeats = static_cast<int>(std::max<int64_t>(1, f.Int("repeat")));
 
   // Warm-up (allocator, thread pools, the goodput calibration), not reported.
-  RunCell(base, {PolicyOrDie("scd-mc")}, "warm-up", ParseMode("goodput"), 2, 2, 1u << 30);
+  RunCell(base, {PolicyOrDie("scd-mc")}, "warm-up", ParseMode(f, "modes", "goodput"), 2, 2,
+          1u << 30);
 
   uint64_t seed = 0;
   // Runs every mode for one (policies, c), alternating their order on repeats.
@@ -471,10 +476,6 @@ int main(int argc, char** argv) {
   }
 
   // The mixed load: client k runs method k mod M.
-  std::vector<DecodingPolicy> mixed;
-  for (const auto& m : f.List("mixed-methods")) mixed.push_back(PolicyOrDie(m));
-  std::vector<Mode> mixed_modes;
-  for (const auto& m : f.List("mixed-modes")) mixed_modes.push_back(ParseMode(m));
   if (!mixed.empty() && !mixed_modes.empty()) {
     std::printf("\nMixed load (client k runs %s[k mod %zu]):\n", f.Str("mixed-methods").c_str(),
                 mixed.size());

@@ -17,10 +17,10 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <thread>
 
 #include "engine/model/models_dir.h"
+#include "engine/util/read_file.h"
 #include "engine/scheduler/engine.h"
 #include "server/daemon.h"
 
@@ -162,8 +162,8 @@ int main(int argc, char** argv) {
   Log("listening on port " + std::to_string(daemon->port()) + (daemon->tls() ? " (TLS)" : "") +
       (daemon->auth() ? " with bearer-token auth" : "") + "; loading models");
   if (const std::string pf = absl::GetFlag(FLAGS_port_file); !pf.empty()) {
-    std::ofstream(pf + ".tmp") << daemon->port() << " " << daemon->metrics_port() << "\n";
-    std::rename((pf + ".tmp").c_str(), pf.c_str());
+    (void)WriteFileAtomically(
+        pf, std::to_string(daemon->port()) + " " + std::to_string(daemon->metrics_port()) + "\n");
   }
 
   if (Status st = daemon->Load(&Engine::Start); !st.ok()) {

@@ -50,7 +50,7 @@ EngineOptions BundledOptions() {
   EngineOptions o;
   o.models_dir = IMAGEGEN_TEST_MODELS_DIR;
   // One step-cost calibration for all the tests' engines (goodput window control).
-  o.cache_dir = ::testing::TempDir() + "imagegen-test-step-cost";
+  o.cache_dir = testing::SharedStepCostCache();
   return o;
 }
 

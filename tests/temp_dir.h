@@ -30,4 +30,10 @@ inline std::string TempDir(const std::string& name) {
   return dir;
 }
 
+// The step-cost calibration cache that the tests' engines and daemons share (goodput window
+// control), so that one calibration serves them all. Not removed: it is only a cache.
+inline std::string SharedStepCostCache() {
+  return (std::filesystem::temp_directory_path() / "imagegen-test-step-cost").string();
+}
+
 }  // namespace imagegen::testing

@@ -1,13 +1,14 @@
 #include "engine/scheduler/goodput.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 
 namespace imagegen {
 
 namespace {
 
-constexpr int kKnots = 9;  // n = 1, 2, 4, ..., 256
+constexpr int kKnots = CommitModel::kKnots;
 
 // The knot below n (in log2) and the weight of the one above.
 std::pair<int, double> KnotOf(int64_t nodes) {
@@ -16,12 +17,10 @@ std::pair<int, double> KnotOf(int64_t nodes) {
   return {k, std::min(x - k, 1.0)};
 }
 
-}  // namespace
-
-double CommitModel::Prior(const std::string& method, int64_t nodes) {
-  // Step compression with whole windows of 1, 2, 4, ..., 64 nodes (imagegen-spec-bench,
-  // 30 images per cell); beyond 64 it stays. sjd-pac's tree does not fit below 21 nodes,
-  // where it is a Jacobi chain with uniform drafts (sjd's figures are used there).
+// Step compression with whole windows of 1, 2, 4, ..., 64 nodes (imagegen-spec-bench, 30
+// images per cell); beyond 64 it stays. sjd-pac's tree does not fit below 21 nodes, where it
+// is a Jacobi chain with uniform drafts (sjd's figures are used there).
+const std::vector<double>& PriorTable(const std::string& method) {
   static const std::map<std::string, std::vector<double>> kPrior = {
       {"sjd", {1, 1.26, 1.60, 1.99, 2.26, 2.40, 2.39}},
       {"scd-mc", {1, 1.27, 1.64, 2.15, 2.90, 3.64, 3.92}},
@@ -34,23 +33,42 @@ double CommitModel::Prior(const std::string& method, int64_t nodes) {
       {"cool-sd", {1, 1.70, 2.52, 3.31, 4.06, 4.06, 4.06}}};
   auto it = kPrior.find(method);
   if (it == kPrior.end()) it = kPrior.find("sjd");  // custom policies: the plainest
-  const std::vector<double>& c = it->second;
+  return it->second;
+}
+
+double PriorAt(const std::vector<double>& c, int64_t nodes) {
   const auto [k, w] = KnotOf(nodes);
   const auto at = [&](int i) { return c[std::min<size_t>(static_cast<size_t>(i), c.size() - 1)]; };
   return std::min<double>((1 - w) * at(k) + w * at(k + 1), static_cast<double>(nodes));
 }
 
-double CommitModel::Expected(const std::string& method, int64_t nodes) const {
-  if (nodes <= 1) return 1;
+}  // namespace
+
+double CommitModel::Prior(const std::string& method, int64_t nodes) {
+  return PriorAt(PriorTable(method), nodes);
+}
+
+std::array<double, CommitModel::kKnots> CommitModel::Knots(const std::string& method) const {
+  const std::vector<double>& prior = PriorTable(method);
   const auto it = methods_.find(method);
+  std::array<double, kKnots> v{};
+  for (int i = 0; i < kKnots; ++i) {
+    const double p = PriorAt(prior, int64_t{1} << i);
+    v[i] = it == methods_.end()
+               ? p
+               : (it->second.commits[i] + prior_weight * p) / (it->second.weight[i] + prior_weight);
+  }
+  return v;
+}
+
+double CommitModel::Interpolate(const std::array<double, kKnots>& knots, int64_t nodes) {
+  if (nodes <= 1) return 1;
   const auto [k, w] = KnotOf(nodes);
-  auto knot = [&](int i) {
-    const double prior = Prior(method, int64_t{1} << i);
-    if (it == methods_.end()) return prior;
-    const Table& t = it->second;
-    return (t.commits[i] + prior_weight * prior) / (t.weight[i] + prior_weight);
-  };
-  return std::clamp((1 - w) * knot(k) + w * knot(k + 1), 1.0, static_cast<double>(nodes));
+  return std::clamp((1 - w) * knots[k] + w * knots[k + 1], 1.0, static_cast<double>(nodes));
+}
+
+double CommitModel::Expected(const std::string& method, int64_t nodes) const {
+  return Interpolate(Knots(method), nodes);
 }
 
 void CommitModel::Observe(const std::string& method, int64_t nodes, int64_t committed) {
@@ -83,9 +101,10 @@ double RequestCommits::Factor() const {
 std::vector<double> ExpectedCommits(const CommitModel& model, const DecodingPolicy& policy,
                                     int64_t wanted, double factor) {
   if (policy.draft == DraftSource::kNone) return {1.0};
+  const auto knots = model.Knots(policy.preset);  // once, not once per window
   std::vector<double> out;
   for (int64_t n = 1; n <= std::max<int64_t>(wanted, 1); ++n) {
-    const double e = 1 + factor * (model.Expected(policy.preset, n) - 1);
+    const double e = 1 + factor * (CommitModel::Interpolate(knots, n) - 1);
     out.push_back(std::min(e, static_cast<double>(n)));
   }
   return out;

@@ -9,6 +9,7 @@
 // distribution of a lossless method, only which drafts are tested.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <map>
 #include <string>
@@ -30,7 +31,13 @@ namespace imagegen {
 // (imagegen-spec-bench; docs/results-serving.md lists it).
 class CommitModel {
  public:
+  static constexpr int kKnots = 9;  // n = 1, 2, 4, ..., 256
+
   double Expected(const std::string& method, int64_t nodes) const;
+  // The table's values at the knots (learned, or the prior), and the expectation at n nodes
+  // they give: Expected(m, n) == Interpolate(Knots(m), n).
+  std::array<double, kKnots> Knots(const std::string& method) const;
+  static double Interpolate(const std::array<double, kKnots>& knots, int64_t nodes);
   // One step of one request of `method` that was granted `nodes` and committed `committed`.
   void Observe(const std::string& method, int64_t nodes, int64_t committed);
   // The bundled model's step compression at a sustained window of n nodes (1 for n = 1).

@@ -8,9 +8,7 @@
 #include <cstdio>
 #include <exception>
 #include <filesystem>
-#include <fstream>
 #include <sstream>
-#include <unistd.h>
 
 #include "engine/util/read_file.h"
 
@@ -87,19 +85,12 @@ Status ModelScheduler::Calibrate(const LoadOptions& load) {
     }
   }
   RETURN_IF_ERROR(cost_.Calibrate(MeasureStepCost()));
-  if (!path.empty()) {  // written whole, then renamed: a concurrent reader sees all or nothing
+  if (!path.empty()) {
     std::error_code ec;
     std::filesystem::create_directories(opts_.cache_dir, ec);
-    const std::string tmp = path + ".tmp" + std::to_string(::getpid());
-    {
-      std::ofstream f(tmp);
-      f << cost_.Serialize(key.str());
-    }
-    std::filesystem::rename(tmp, path, ec);
-    if (ec) {
-      std::filesystem::remove(tmp, ec);
-      std::fprintf(stderr, "imagegen: the step-cost calibration is not cached (%s not writable)\n",
-                   path.c_str());
+    if (Status st = WriteFileAtomically(path, cost_.Serialize(key.str())); !st.ok()) {
+      std::fprintf(stderr, "imagegen: the step-cost calibration is not cached: %s\n",
+                   st.ToString().c_str());
     }
   }
   return OkStatus();
@@ -168,11 +159,7 @@ std::vector<int64_t> ModelScheduler::ChooseWindows(const std::vector<WindowDeman
                                                    GoodputPlan& plan) {
   expected.assign(active_.size(), 0);
   if (opts_.window_policy != "goodput") {
-    std::vector<int64_t> w =
-        AllocateWindows(demand, opts_.window_policy == "budget" ? opts_.max_tokens_per_step : 0);
-    plan.tokens = 0;
-    for (size_t i = 0; i < w.size(); ++i) plan.tokens += w[i] * demand[i].rows;
-    return w;
+    return AllocateWindows(demand, opts_.window_policy == "budget" ? opts_.max_tokens_per_step : 0);
   }
   std::vector<GoodputRequest> reqs;
   for (size_t i = 0; i < active_.size(); ++i) {

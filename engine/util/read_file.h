@@ -1,4 +1,5 @@
-// ReadFile: a whole file into a string, with errors that name the path.
+// ReadFile: a whole file into a string, with errors that name the path; WriteFileAtomically:
+// a whole file written so that no reader sees part of it.
 //
 // Header-only and standard-library-only (besides status.h, itself header-only for what is
 // used here): the engine, the daemon and the gRPC CLI (which links no engine library) read
@@ -58,6 +59,25 @@ inline StatusOr<std::string> ReadFile(const std::string& path,
   }
   if (in.bad()) return DataLoss(path + ": cannot read: " + std::strerror(errno));
   return data;
+}
+
+// Writes `data` to `path + ".tmp<pid>"` and renames it over `path`: a concurrent reader sees
+// the old file or the new one, never part of one. FAILED_PRECONDITION naming the path when
+// either step fails (the temporary file is then removed).
+inline Status WriteFileAtomically(const std::string& path, const std::string& data) {
+  const std::string tmp = path + ".tmp" + std::to_string(::getpid());
+  auto failed = [&](int err) {
+    std::remove(tmp.c_str());
+    return FailedPrecondition(path + ": cannot write: " + std::strerror(err));
+  };
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out.write(data.data(), static_cast<std::streamsize>(data.size())).flush()) {
+      return failed(errno);
+    }
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) return failed(errno);
+  return OkStatus();
 }
 
 }  // namespace imagegen

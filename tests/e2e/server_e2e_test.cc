@@ -43,7 +43,7 @@ class Daemon {
         IMAGEGEN_SERVER_BINARY, "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
         "--port-file", dir_ + "/ports", "--models-dir", IMAGEGEN_TEST_MODELS_DIR,
         // One step-cost calibration shared by the tests' daemons (and the engine tests).
-        "--cache-dir", "/tmp/imagegen-test-step-cost"};
+        "--cache-dir", SharedStepCostCache()};
     argv.insert(argv.end(), flags.begin(), flags.end());
     proc_ = std::make_unique<Process>(argv, dir_ + "/server.log");
     for (int i = 0; i < 600 && port_ == 0; ++i) {
