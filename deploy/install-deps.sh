@@ -15,6 +15,7 @@ APT_PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config git ca-certificates clang-format
   python3 python3-venv python3-pip
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc libabsl-dev
+  libprotoc-dev dpkg-dev
   prometheus-cpp-dev libmicrohttpd-dev prometheus openssl
   libgtest-dev libgmock-dev
   libpng-dev nlohmann-json3-dev

@@ -1,4 +1,4 @@
-# Shared by tests/sanitizers.sh and tests/tsan.sh (sourced, not run).
+# Shared by tests/sanitizers.sh, tests/tsan.sh and tests/tsan_service.sh (sourced, not run).
 
 # ccache: share hits between checkouts beside this one, and let it cache the translation units
 # that use CMake's precompiled headers (without pch_defines,time_macros it refuses them all).
@@ -17,4 +17,27 @@ sanitizer_reports() {
     cat "$f"
   done
   return 1
+}
+
+# The control that a ThreadSanitizer run could have failed: a planted race, compiled in folder $1
+# with the compiler and flags the builds use, must be reported, also under the TSan options $2
+# (a run's suppressions must not hide it). Returns 1 when it was not.
+tsan_planted_race_control() {
+  cat > "$1/planted_race.cc" << 'CC'
+#include <thread>
+int shared = 0;
+int main() {
+  std::thread t([] { shared = 1; });
+  shared = 2;
+  t.join();
+  return shared == 3;
+}
+CC
+  c++ -fsanitize=thread -O1 -g -o "$1/planted_race" "$1/planted_race.cc" -pthread
+  if TSAN_OPTIONS="exitcode=66${2:+:$2}" "$1/planted_race" > "$1/planted_race.log" 2>&1 ||
+      ! grep -q "WARNING: ThreadSanitizer: data race" "$1/planted_race.log"; then
+    echo "tsan: the planted race was not reported"
+    return 1
+  fi
+  echo "tsan: the planted race was reported"
 }
