@@ -11,6 +11,7 @@
 //
 //   imagegen-load-bench --methods ar,sjd,scd-mc,sjd-pac --concurrency 1,2,4,8,16,32,64 --out-dir
 //   out
+// A method is a preset or preset@W, its policy with a window of W nodes (scd-mc@16).
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -313,8 +314,21 @@ void WriteCsv(const std::string& path, const std::vector<Cell>& cells) {
   }
 }
 
+// A preset, or preset@W for its policy with a window of W nodes (e.g. scd-mc@16).
 DecodingPolicy PolicyOrDie(const std::string& method) {
-  auto policy = PolicyFromPreset(method);
+  const size_t at = method.find('@');
+  int64_t window = 0;
+  if (at != std::string::npos) {
+    const std::string w = method.substr(at + 1);
+    if (w.empty() || w.size() > 6 || w.find_first_not_of("0123456789") != std::string::npos ||
+        std::stoll(w) < 1) {
+      std::fprintf(stderr, "error: method '%s': the window after '@' must be a positive integer\n",
+                   method.c_str());
+      std::exit(2);
+    }
+    window = std::stoll(w);
+  }
+  auto policy = PolicyFromPreset(method.substr(0, at), window);
   if (!policy.ok()) {
     std::fprintf(stderr, "error: %s\n", policy.status().ToString().c_str());
     std::exit(2);
@@ -343,8 +357,8 @@ int main(int argc, char** argv) {
            {"batch-invariant", "1"},
            {"repeat", "1"},
            {"out-dir", "load-bench"}},
-          "usage: imagegen-load-bench [--methods LIST] [--concurrency LIST] [--modes LIST] "
-          "[--seconds S] [--mixed-methods LIST] --out-dir DIR");
+          "usage: imagegen-load-bench [--methods LIST (preset or preset@window)] "
+          "[--concurrency LIST] [--modes LIST] [--seconds S] [--mixed-methods LIST] --out-dir DIR");
   const std::string out = f.Str("out-dir");
   if (std::error_code ec; !std::filesystem::create_directories(out, ec) && ec) {
     f.Fail("cannot create --out-dir " + out + ": " + ec.message());
@@ -373,8 +387,11 @@ int main(int argc, char** argv) {
   for (const auto& m : f.List("methods")) PolicyOrDie(m);
   const int repeats = static_cast<int>(std::max<int64_t>(1, f.Int("repeat")));
 
-  // Warm-up (allocator, thread pools, the goodput calibration), not reported.
-  RunCell(base, {PolicyOrDie("scd-mc")}, "warm-up", ParseMode(f, "modes", "goodput"), 2, 2,
+  // Warm-up (allocator, thread pools, the goodput calibration), not reported. With 32 clients
+  // its engine has the slots to calibrate with up to 32 requests at a time, which every cell
+  // then reuses (with 2 clients, the calibration measured one request at a time only, and the
+  // cost of many requests was left to extrapolation and online refinement).
+  RunCell(base, {PolicyOrDie("scd-mc")}, "warm-up", ParseMode(f, "modes", "goodput"), 32, 2,
           1u << 30);
 
   uint64_t seed = 0;

@@ -536,7 +536,7 @@ TEST(EngineTest, GoodputShrinksWindowsUnderLoadAndKeepsALoneRequestWhole) {
 
 // The calibration is measured once and kept in cache_dir, keyed by model, device and dtype: a
 // restart reads it (the file is not rewritten), and a file for something else is replaced.
-TEST(EngineTest, StepCostCalibrationIsCachedAndAForeignOneReplaced) {
+TEST(EngineTest, StepCostCalibrationIsCachedAndAForeignOrSmallerOneReplaced) {
   namespace fs = std::filesystem;
   const std::string dir = testing::TempDir("step_cost_cache");
   EngineOptions o = BundledOptions();
@@ -562,6 +562,25 @@ TEST(EngineTest, StepCostCalibrationIsCachedAndAForeignOneReplaced) {
   ASSERT_TRUE(again.ok());
   EXPECT_NE(again->find("fmnist-gpt (dim 192"), std::string::npos);
   EXPECT_EQ(again->find("other-gpt!"), std::string::npos);
+  // A calibration an engine with two slots wrote (one request at a time) is measured again by
+  // an engine that can run many; the small engine takes the larger one as it is.
+  auto max_requests = [&] {
+    const auto j = nlohmann::json::parse(*ReadFile(file));
+    int64_t m = 0;
+    for (const auto& s : j["samples"]) m = std::max(m, s[1].get<int64_t>());
+    return m;
+  };
+  EXPECT_GE(max_requests(), 4);
+  EngineOptions small = o;
+  small.max_slots = 2;
+  fs::remove(file);
+  StartOrDie(small).reset();
+  EXPECT_EQ(max_requests(), 1);
+  StartOrDie(o).reset();
+  EXPECT_GE(max_requests(), 4);
+  const std::string large = *ReadFile(file);
+  StartOrDie(small).reset();
+  EXPECT_EQ(*ReadFile(file), large);
   testing::RemoveTree(dir);
 }
 

@@ -73,6 +73,10 @@ Status ModelScheduler::Calibrate(const LoadOptions& load) {
       << (load.device.is_cpu() ? ", " + std::to_string(at::get_num_threads()) + " threads"
                                : std::string())
       << (opts_.batch_invariant ? ", batch-invariant" : "");
+  // A calibration measured with fewer requests at a time than this engine's slots allow (an
+  // engine with a small pool wrote it) would leave the cost of many requests to extrapolation.
+  const ImageRequest probe = CalibrationRequest();
+  const int64_t can_measure = CalibrationSizes(probe).back();
   std::string path;
   if (!opts_.cache_dir.empty()) {
     path = opts_.cache_dir + "/step-cost-" + FileSafe(model_.name) + "-" + FileSafe(device) + "-" +
@@ -80,11 +84,18 @@ Status ModelScheduler::Calibrate(const LoadOptions& load) {
     StatusOr<std::string> text = ReadFile(path);
     if (text.ok()) {
       Status st = cost_.Deserialize(*text, key.str(), path);
+      int64_t measured = 0;
+      for (const StepCostSample& s : cost_.calibration()) measured = std::max(measured, s.requests);
+      if (st.ok() && measured < can_measure) {
+        st = FailedPrecondition(path + ": measured with at most " + std::to_string(measured) +
+                                " concurrent request(s); this engine can measure " +
+                                std::to_string(can_measure));
+      }
       if (st.ok()) return OkStatus();
       std::fprintf(stderr, "imagegen: recalibrating the step cost: %s\n", st.ToString().c_str());
     }
   }
-  RETURN_IF_ERROR(cost_.Calibrate(MeasureStepCost()));
+  RETURN_IF_ERROR(cost_.Calibrate(MeasureStepCost(probe)));
   if (!path.empty()) {
     std::error_code ec;
     std::filesystem::create_directories(opts_.cache_dir, ec);
@@ -96,25 +107,38 @@ Status ModelScheduler::Calibrate(const LoadOptions& load) {
   return OkStatus();
 }
 
-// Real steps of Jacobi requests (sjd) with windows of 1, 4, 16 and 64 nodes, for 1, 4, 16 and
-// 32 requests at a time (as the KV slots allow; at most 4,096 forward rows): up to 15 shapes,
-// the first step of each untimed, then the median of three timed (a noisy machine's outliers
-// would otherwise pull the fit). Stops early past 20 seconds (a slow device then leans on
-// online refinement).
-std::vector<StepCostSample> ModelScheduler::MeasureStepCost() {
+ImageRequest ModelScheduler::CalibrationRequest() const {
   const GptConfig& c = model_.gpt->config();
-  const int64_t wmax = std::min<int64_t>(64, c.block_size);
   ImageRequest req;
   req.sampling.cfg_scale = c.default_cfg_scale;
   req.sampling.temperature = c.default_temperature;
   req.sampling.top_k = c.default_top_k;
   req.sampling.top_p = c.default_top_p;
-  req.policy = *PolicyFromPreset("sjd", std::max<int64_t>(wmax, 2));
+  req.policy = *PolicyFromPreset("sjd", std::max<int64_t>(std::min<int64_t>(64, c.block_size), 2));
   if (!ValidateImageRequest(req, *model_.gpt, nullptr).ok()) req.policy = *PolicyFromPreset("ar");
+  return req;
+}
+
+std::vector<int64_t> ModelScheduler::CalibrationSizes(const ImageRequest& req) const {
+  const int64_t rows = req.sampling.uses_cfg() ? 2 : 1;
+  std::vector<int64_t> sizes = {1};
+  for (int64_t R : {4, 16, 32}) {
+    if (R * rows <= batch_.free_slots()) sizes.push_back(R);
+  }
+  return sizes;
+}
+
+// Real steps of Jacobi requests (sjd) with windows of 1, 4, 16 and 64 nodes, for 1, 4, 16 and
+// 32 requests at a time (as the KV slots allow; at most 4,096 forward rows): up to 15 shapes,
+// the first step of each untimed, then the median of three timed (a noisy machine's outliers
+// would otherwise pull the fit). Stops early past 20 seconds (a slow device then leans on
+// online refinement).
+std::vector<StepCostSample> ModelScheduler::MeasureStepCost(ImageRequest req) {
+  const int64_t wmax = req.policy.window;
   const int64_t rows = req.sampling.uses_cfg() ? 2 : 1;
   std::vector<StepCostSample> samples;
   const auto start = Clock::now();
-  for (int64_t R : {1, 4, 16, 32}) {
+  for (int64_t R : CalibrationSizes(req)) {
     if (R * rows > batch_.free_slots()) break;
     std::vector<int64_t> handles;
     for (int64_t i = 0; i < R; ++i) {

@@ -73,7 +73,11 @@ class ModelScheduler {
 
  private:
   void Admit(Outcomes& out);
-  std::vector<StepCostSample> MeasureStepCost();
+  // The calibration's request (sjd with the widest window it measures, or AR if the model
+  // cannot draft) and the request counts it measures as the KV slots allow (1, 4, 16, 32).
+  ImageRequest CalibrationRequest() const;
+  std::vector<int64_t> CalibrationSizes(const ImageRequest& req) const;
+  std::vector<StepCostSample> MeasureStepCost(ImageRequest req);
   // This step's windows, in active_ order; `expected` gets each request's expected commits
   // (goodput) and `plan` the predicted step time and expected total.
   std::vector<int64_t> ChooseWindows(const std::vector<WindowDemand>& demand,
