@@ -535,7 +535,8 @@ TEST(EngineTest, GoodputShrinksWindowsUnderLoadAndKeepsALoneRequestWhole) {
 }
 
 // The calibration is measured once and kept in cache_dir, keyed by model, device and dtype: a
-// restart reads it (the file is not rewritten), and a file for something else is replaced.
+// restart reads it (the file is not rewritten), and a file for something else, or one measured
+// with fewer concurrent requests than the engine's slots allow, is replaced.
 TEST(EngineTest, StepCostCalibrationIsCachedAndAForeignOrSmallerOneReplaced) {
   namespace fs = std::filesystem;
   const std::string dir = testing::TempDir("step_cost_cache");

@@ -129,7 +129,7 @@ std::vector<int64_t> ModelScheduler::CalibrationSizes(const ImageRequest& req) c
 }
 
 // Real steps of Jacobi requests (sjd) with windows of 1, 4, 16 and 64 nodes, for 1, 4, 16 and
-// 32 requests at a time (as the KV slots allow; at most 4,096 forward rows): up to 15 shapes,
+// 32 requests at a time (as the KV slots allow; at most 4,096 forward rows): up to 16 shapes,
 // the first step of each untimed, then the median of three timed (a noisy machine's outliers
 // would otherwise pull the fit). Stops early past 20 seconds (a slow device then leans on
 // online refinement).

@@ -1,4 +1,4 @@
-# Shared by tests/sanitizers.sh, tests/tsan.sh and tests/tsan_service.sh (sourced, not run).
+# Shared by tests/sanitizers.sh and tests/tsan.sh (sourced, not run).
 
 # ccache: share hits between checkouts beside this one, and let it cache the translation units
 # that use CMake's precompiled headers (without pch_defines,time_macros it refuses them all).

@@ -314,7 +314,7 @@ def main():
     ap.add_argument("--stream-stall-seconds", type=float, default=5)
     ap.add_argument("--leak-control", action="store_true")
     ap.add_argument("--max-rss-growth-mb", type=float, default=50,
-                    help="the RSS bound (tests/tsan_service.sh widens it: TSan's own memory grows)")
+                    help="the RSS bound (tests/tsan.sh --soak widens it: TSan's own memory grows)")
     args = ap.parse_args()
     soak = Soak(args)
     try:
