@@ -582,6 +582,15 @@ TEST(EngineTest, StepCostCalibrationIsCachedAndAForeignOrSmallerOneReplaced) {
   const std::string large = *ReadFile(file);
   StartOrDie(small).reset();
   EXPECT_EQ(*ReadFile(file), large);
+  // A calibration that set out to measure many requests but stopped short (the 20 s limit on a
+  // slow device) is not measured again at every start.
+  fs::remove(file);
+  StartOrDie(small).reset();
+  auto cut_short = nlohmann::json::parse(*ReadFile(file));
+  cut_short["planned_requests"] = 1000;
+  testing::WriteText(file, cut_short.dump());
+  StartOrDie(o).reset();
+  EXPECT_EQ(max_requests(), 1);
   testing::RemoveTree(dir);
 }
 

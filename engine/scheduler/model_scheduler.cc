@@ -84,10 +84,9 @@ Status ModelScheduler::Calibrate(const LoadOptions& load) {
     StatusOr<std::string> text = ReadFile(path);
     if (text.ok()) {
       Status st = cost_.Deserialize(*text, key.str(), path);
-      int64_t measured = 0;
-      for (const StepCostSample& s : cost_.calibration()) measured = std::max(measured, s.requests);
-      if (st.ok() && measured < can_measure) {
-        st = FailedPrecondition(path + ": measured with at most " + std::to_string(measured) +
+      if (st.ok() && cost_.CalibratedRequests() < can_measure) {
+        st = FailedPrecondition(path + ": calibrated for at most " +
+                                std::to_string(cost_.CalibratedRequests()) +
                                 " concurrent request(s); this engine can measure " +
                                 std::to_string(can_measure));
       }
@@ -96,6 +95,7 @@ Status ModelScheduler::Calibrate(const LoadOptions& load) {
     }
   }
   RETURN_IF_ERROR(cost_.Calibrate(MeasureStepCost(probe)));
+  cost_.planned_requests = can_measure;  // also when the 20 s limit cut the measurement short
   if (!path.empty()) {
     std::error_code ec;
     std::filesystem::create_directories(opts_.cache_dir, ec);

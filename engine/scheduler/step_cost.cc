@@ -176,11 +176,18 @@ int64_t StepCostModel::MaxTokensWithin(double seconds, int64_t requests, int64_t
   return lo;
 }
 
+int64_t StepCostModel::CalibratedRequests() const {
+  int64_t m = planned_requests;
+  for (const StepCostSample& s : prior_) m = std::max(m, s.requests);
+  return m;
+}
+
 std::string StepCostModel::Serialize(const std::string& key) const {
   Json j;
   j["format"] = kFormat;
   j["version"] = kVersion;
   j["key"] = key;
+  j["planned_requests"] = CalibratedRequests();
   Json samples = Json::array();
   for (const StepCostSample& s : prior_) samples.push_back({s.tokens, s.requests, s.seconds});
   j["samples"] = samples;
@@ -211,6 +218,9 @@ Status StepCostModel::Deserialize(const std::string& text, const std::string& ke
   if (samples == nullptr || !samples->is_array() || samples->empty()) {
     return DataLoss(where + ": \"samples\" must be a non-empty array");
   }
+  const StatusOr<int64_t> planned = JsonFields(j, where).Int("planned_requests", 0);
+  if (!planned.ok()) return DataLoss(planned.status().message());
+  planned_requests = std::max<int64_t>(*planned, 0);
   std::vector<StepCostSample> out;
   for (const Json& s : *samples) {
     if (!s.is_array() || s.size() != 3 || !s[2].is_number()) {

@@ -61,6 +61,10 @@ class StepCostModel {
 
   double decay = 0.995;      // weight of the older online samples at each new one
   int64_t refit_every = 16;  // online samples between fits
+  // The most concurrent requests the calibration set out to measure (it may have stopped
+  // short on a slow device); kept in the serialized file. 0: the most it measured.
+  int64_t planned_requests = 0;
+  int64_t CalibratedRequests() const;
 
  private:
   int64_t Params() const { return static_cast<int64_t>(knots_.size()) + 1; }
