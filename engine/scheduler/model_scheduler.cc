@@ -85,10 +85,9 @@ Status ModelScheduler::Calibrate(const LoadOptions& load) {
     if (text.ok()) {
       Status st = cost_.Deserialize(*text, key.str(), path);
       if (st.ok() && cost_.CalibratedRequests() < can_measure) {
-        st = FailedPrecondition(path + ": calibrated for at most " +
-                                std::to_string(cost_.CalibratedRequests()) +
-                                " concurrent request(s); this engine can measure " +
-                                std::to_string(can_measure));
+        st = FailedPrecondition(
+            path + ": calibrated for at most " + std::to_string(cost_.CalibratedRequests()) +
+            " concurrent request(s); this engine can measure " + std::to_string(can_measure));
       }
       if (st.ok()) return OkStatus();
       std::fprintf(stderr, "imagegen: recalibrating the step cost: %s\n", st.ToString().c_str());
