@@ -319,14 +319,13 @@ DecodingPolicy PolicyOrDie(const std::string& method) {
   const size_t at = method.find('@');
   int64_t window = 0;
   if (at != std::string::npos) {
-    const std::string w = method.substr(at + 1);
-    if (w.empty() || w.size() > 6 || w.find_first_not_of("0123456789") != std::string::npos ||
-        std::stoll(w) < 1) {
+    char* end = nullptr;
+    window = std::strtoll(method.c_str() + at + 1, &end, 10);
+    if (end == method.c_str() + at + 1 || *end != '\0' || window < 1) {
       std::fprintf(stderr, "error: method '%s': the window after '@' must be a positive integer\n",
                    method.c_str());
       std::exit(2);
     }
-    window = std::stoll(w);
   }
   auto policy = PolicyFromPreset(method.substr(0, at), window);
   if (!policy.ok()) {

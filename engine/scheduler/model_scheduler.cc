@@ -76,7 +76,8 @@ Status ModelScheduler::Calibrate(const LoadOptions& load) {
   // A calibration measured with fewer requests at a time than this engine's slots allow (an
   // engine with a small pool wrote it) would leave the cost of many requests to extrapolation.
   const ImageRequest probe = CalibrationRequest();
-  const int64_t can_measure = CalibrationSizes(probe).back();
+  const std::vector<int64_t> sizes = CalibrationSizes(probe);
+  const int64_t can_measure = sizes.empty() ? 0 : sizes.back();
   std::string path;
   if (!opts_.cache_dir.empty()) {
     path = opts_.cache_dir + "/step-cost-" + FileSafe(model_.name) + "-" + FileSafe(device) + "-" +
@@ -120,8 +121,8 @@ ImageRequest ModelScheduler::CalibrationRequest() const {
 
 std::vector<int64_t> ModelScheduler::CalibrationSizes(const ImageRequest& req) const {
   const int64_t rows = req.sampling.uses_cfg() ? 2 : 1;
-  std::vector<int64_t> sizes = {1};
-  for (int64_t R : {4, 16, 32}) {
+  std::vector<int64_t> sizes;
+  for (int64_t R : {1, 4, 16, 32}) {
     if (R * rows <= batch_.free_slots()) sizes.push_back(R);
   }
   return sizes;
@@ -138,7 +139,6 @@ std::vector<StepCostSample> ModelScheduler::MeasureStepCost(ImageRequest req) {
   std::vector<StepCostSample> samples;
   const auto start = Clock::now();
   for (int64_t R : CalibrationSizes(req)) {
-    if (R * rows > batch_.free_slots()) break;
     std::vector<int64_t> handles;
     for (int64_t i = 0; i < R; ++i) {
       req.seed = static_cast<uint64_t>(i);
