@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/model/conv_decoder.h"
 #include "engine/model/weights.h"
 #include "engine/util/status.h"
 
@@ -25,6 +26,7 @@ struct VqConfig {
   int64_t out_channels = 3, num_groups = 32, image_size = 256;
 
   int64_t grid() const { return image_size >> (ch_mult.size() - 1); }
+  ConvDecoderSpec decoder_spec() const;
 };
 
 StatusOr<VqConfig> ParseVqConfig(const Json& json, const std::string& where);
@@ -38,41 +40,16 @@ class VqDecoder {
   StatusOr<at::Tensor> Decode(const at::Tensor& ids) const;
 
  private:
-  struct Conv {
-    at::Tensor w, b;
-  };
-  struct Norm {
-    at::Tensor w, b;
-  };
-  struct Res {
-    Norm norm1, norm2;
-    Conv conv1, conv2, nin;  // nin defined only when channels change
-  };
-  struct Attn {
-    Norm norm;
-    Conv q, k, v, proj;
-  };
-  struct Level {
-    std::vector<Res> res;
-    std::vector<Attn> attn;
-    Conv upsample;  // defined except at the last (highest-resolution) level
-  };
   VqDecoder() = default;
   static StatusOr<std::unique_ptr<VqDecoder>> LoadImpl(const std::string& dir,
                                                        const LoadOptions& opts);
   StatusOr<at::Tensor> DecodeImpl(const at::Tensor& ids) const;
-  at::Tensor GroupNorm(const at::Tensor& x, const Norm& n) const;
-  at::Tensor ResForward(const at::Tensor& x, const Res& r) const;
-  at::Tensor AttnForward(const at::Tensor& x, const Attn& a) const;
 
   VqConfig cfg_;
   LoadOptions opts_;
   at::Tensor codebook_;  // [codebook_size, embed_dim], normalised if configured
-  Conv post_quant_, conv_in_, conv_out_;
-  Res mid_res0_, mid_res1_;
-  Attn mid_attn_;
-  std::vector<Level> levels_;
-  Norm norm_out_;
+  at::Tensor post_quant_w_, post_quant_b_;
+  ConvDecoder decoder_;
 };
 
 // LlamaGen's eval conversion: clamp(127.5 x + 128, 0, 255) truncated, as [B, H, W, C] uint8 on
