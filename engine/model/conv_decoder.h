@@ -72,7 +72,7 @@ class ConvDecoder {
 };
 
 // Config checks both families share: positive sizes, ch * ch_mult divisible by num_groups,
-// image_size divisible by 2^(levels - 1). `bad` prefixes the message with the config's path.
+// image_size divisible by 2^(levels - 1); errors name `where` (the config file).
 Status CheckConvDecoderSpec(const ConvDecoderSpec& s, int64_t image_size, const std::string& where);
 
 }  // namespace imagegen
