@@ -8,8 +8,11 @@
 
 #include <cstdlib>
 
+#include "engine/decoding/mar_sampler.h"
 #include "engine/model/gpt.h"
 #include "engine/model/image_model.h"
+#include "engine/model/kl_decoder.h"
+#include "engine/model/mar.h"
 #include "engine/model/safetensors.h"
 #include "engine/model/vq_decoder.h"
 
@@ -106,6 +109,97 @@ TEST(ParityTest, OfficialVq16LayoutMatchesPython) {
   CheckVq(RefDir() + "/vq16-random", "vq16_random.safetensors");
 }
 
+double MaxDiff(const at::Tensor& a, const at::Tensor& b) {
+  return (a.to(at::kCPU, at::kFloat) - b.to(at::kCPU, at::kFloat)).abs().max().item<double>();
+}
+
+// MAR (encoder/decoder, DiffLoss net, the respaced DDPM with CFG, the whole sampling loop) and
+// the KL decoder on a random model with the official layout (tools/parity.py, mar_ref.py).
+void CheckMar(const LoadOptions& opts) {
+  auto mar = Mar::Load(RefDir() + "/mar-small-random", opts);
+  ASSERT_TRUE(mar.ok()) << mar.status().ToString();
+  const Mar& m = **mar;
+  auto ref = ReadRef("mar_small.safetensors");
+  ASSERT_FALSE(ref.empty());
+
+  const at::Tensor known = ref.at("enc_mask") == 0;
+  auto z = m.Forward(ref.at("enc_tokens"), known, ref.at("enc_labels"));
+  ASSERT_TRUE(z.ok()) << z.status().ToString();
+  const double enc_err = MaxDiff(*z, ref.at("enc_z"));
+  EXPECT_LT(enc_err, 1e-4) << "forward_mae";
+  EXPECT_GT(ref.at("enc_z").abs().max().item<double>(), 0.1);
+  // A deliberately wrong variant: the null row conditioned on class 0 instead of fake_latent.
+  auto wrong = m.Forward(ref.at("enc_tokens"), known, at::zeros({2}, at::kLong));
+  ASSERT_TRUE(wrong.ok());
+  EXPECT_GT(MaxDiff(wrong->select(0, 1), ref.at("enc_z").select(0, 1)), 1e-3);
+
+  // Ragged rows: the same rows batched with a row that knows fewer tokens give the same z.
+  at::Tensor known3 = at::cat({known, at::zeros({1, known.size(1)}, at::kBool)});
+  known3[2].narrow(0, 0, 10).fill_(true);
+  auto z3 = m.Forward(at::cat({ref.at("enc_tokens"), ref.at("enc_tokens").narrow(0, 0, 1)}), known3,
+                      at::cat({ref.at("enc_labels"), at::ones({1}, at::kLong)}));
+  ASSERT_TRUE(z3.ok()) << z3.status().ToString();
+  const double ragged_err = MaxDiff(z3->narrow(0, 0, 2), *z);
+  EXPECT_LT(ragged_err, 1e-5) << "padding changed a row";
+
+  const at::Tensor dev_c = ref.at("head_c").to(m.options());
+  const at::Tensor net =
+      m.head().Net(ref.at("head_x").to(m.options()), ref.at("head_t").to(opts.device), dev_c);
+  const double net_err = MaxDiff(net, ref.at("head_out"));
+  EXPECT_LT(net_err, 1e-4) << "DiffLoss net";
+
+  const int64_t n = ref.at("samp_zc").size(0);
+  const auto full = [&](const char* k) { return at::full({n}, ref.at(k).item<float>()); };
+  double samp_err = 0, logstd_err = 0;
+  for (const bool fn : {false, true}) {
+    const HeadSample hs = m.head().Sample(
+        ref.at("samp_zc").to(m.options()), ref.at("samp_zu").to(m.options()), full("samp_cfg"),
+        full("samp_temperature"), ref.at("samp_xT"), ref.at("samp_eps"), fn);
+    samp_err = std::max(samp_err, MaxDiff(hs.x0, ref.at(fn ? "samp_x0_fn" : "samp_x0")));
+    samp_err = std::max(samp_err, MaxDiff(hs.mean0, ref.at("samp_mean0")));
+    samp_err = std::max(samp_err, MaxDiff(hs.std0, ref.at("samp_std0")));
+    logstd_err = std::max(logstd_err, MaxDiff(hs.acc_logstd, ref.at("samp_acc_logstd")));
+  }
+  const HeadSample h1 =
+      m.head().Sample(ref.at("samp_zc").to(m.options()), at::Tensor(), at::ones({n}), at::ones({n}),
+                      ref.at("samp_xT"), ref.at("samp_eps"), false);
+  samp_err = std::max(samp_err, MaxDiff(h1.x0, ref.at("samp1_x0")));
+  samp_err = std::max(samp_err, MaxDiff(h1.std0, ref.at("samp1_std0")));
+  logstd_err = std::max(logstd_err, MaxDiff(h1.acc_logstd, ref.at("samp1_acc_logstd")));
+  EXPECT_LT(samp_err, 1e-4) << "DDPM sampling";
+  // A sum of 99 float32 terms near -185: summation order alone moves it by about 8e-5.
+  EXPECT_LT(logstd_err, 5e-4) << "accumulated log-std";
+  EXPECT_GT(MaxDiff(h1.x0, ref.at("samp_x0")), 1e-3);  // guidance matters
+
+  MarSamplingParams params;
+  params.num_iter = ref.at("loop_num_iter").item<int64_t>();
+  params.cfg_scale = ref.at("loop_cfg").item<float>();
+  params.temperature = ref.at("loop_temperature").item<float>();
+  params.cfg_linear = ref.at("loop_linear").item<int64_t>() != 0;
+  auto tokens = MarSampleTokens(m, ref.at("loop_labels"), ref.at("loop_orders"), ref.at("loop_xT"),
+                                ref.at("loop_eps"), params);
+  ASSERT_TRUE(tokens.ok()) << tokens.status().ToString();
+  const double loop_err = MaxDiff(*tokens, ref.at("loop_tokens"));
+  EXPECT_LT(loop_err, 1e-4) << "sample_tokens";
+
+  auto kl = KlDecoder::Load(RefDir() + "/kl-small-random", opts);
+  ASSERT_TRUE(kl.ok()) << kl.status().ToString();
+  auto img = (*kl)->Decode(m.Unpatchify(ref.at("kl_tokens")));
+  ASSERT_TRUE(img.ok()) << img.status().ToString();
+  const double kl_err = MaxDiff(*img, ref.at("kl_image"));
+  EXPECT_LT(kl_err, 1e-4) << "KL decoder";
+  // Wrong variant: the latent scale not divided out (the decoder then sees tokens, not z).
+  auto wrong_img = (*kl)->Decode(m.Unpatchify(ref.at("kl_tokens") * 0.2325));
+  ASSERT_TRUE(wrong_img.ok());
+  EXPECT_GT(MaxDiff(*wrong_img, ref.at("kl_image")), 1e-3);
+  std::printf(
+      "max |C++ - Python| MAR: forward %.3g (ragged %.3g), net %.3g, sampling %.3g (log-std "
+      "%.3g), loop %.3g, KL image %.3g\n",
+      enc_err, ragged_err, net_err, samp_err, logstd_err, loop_err, kl_err);
+}
+
+TEST(ParityTest, RandomMarAndKlMatchPython) { CheckMar({}); }
+
 // The same checks on a CUDA device in fp32 (TF32 off), where one is present.
 LoadOptions Cuda() {
   at::globalContext().setAllowTF32CuBLAS(false);
@@ -133,6 +227,11 @@ TEST(ParityTest, CudaVqDecodersMatchPython) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   CheckVq(DefaultModelsDir() + "/fmnist-vq", "vq_bundled.safetensors", Cuda());
   CheckVq(RefDir() + "/vq16-random", "vq16_random.safetensors", Cuda());
+}
+
+TEST(ParityTest, CudaRandomMarAndKlMatchPython) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  CheckMar(Cuda());
 }
 
 }  // namespace

@@ -6,6 +6,12 @@ parity tests (tests/parity_test.cc):
   gptb_random.safetensors   its reference logits
   vq_bundled.safetensors    the bundled VQ decoder: ids -> image
   vq16-random/ + vq16_random.safetensors   a random VQ with the official VQ-16 layout
+  mar-small-random/, kl-small-random/   a small random MAR (16x16 tokens of 16 channels) and KL
+                            decoder (latent 16x16 -> 64x64), both written by tools/convert_mar.py
+                            from fake official checkpoints (tools/mar_ref.py)
+  mar_small.safetensors     their reference values: forward_mae (enc_*), the DiffLoss net
+                            (head_*), the respaced DDPM sampler with and without CFG (samp_*,
+                            samp1_*), the MAR loop (loop_*) and the KL decoder (kl_*)
 
 usage: parity.py --out DIR [--models models/]
 """
@@ -19,6 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from imagegen_ref import GPT, GPTConfig, VQConfig, VQModel, gpt_from_dir, vq_from_dir  # noqa
 from safetensors.torch import save_file
 import convert_llamagen  # noqa: E402
+import convert_mar  # noqa: E402
+import mar_ref  # noqa: E402
 
 
 def randomise(model: torch.nn.Module, seed: int):
@@ -99,7 +107,106 @@ def main():
     with torch.no_grad():
         img = vq16.decode_code(ids)
     save_file({"ids": ids, "image": img.contiguous()}, os.path.join(args.out, "vq16_random.safetensors"))
+
+    mar_references(args.out)
     print("parity references written to", args.out)
+
+
+MAR_SMALL = dict(img_size=256, vae_stride=16, patch_size=1, vae_embed_dim=16, class_num=10,
+                 buffer_size=64, encoder_embed_dim=64, encoder_depth=2, encoder_num_heads=4,
+                 decoder_embed_dim=64, decoder_depth=2, decoder_num_heads=4, mlp_ratio=4.0,
+                 diffloss_d=2, diffloss_w=128, num_sampling_steps="100", vae="kl-small-random")
+KL_SMALL = dict(embed_dim=16, z_channels=16, ch=32, ch_mult=[1, 2, 2], num_res_blocks=1, out_ch=3,
+                resolution=64, num_groups=8, latent_scale=0.2325)
+
+
+def mar_references(out: str):
+    """A small random MAR + KL decoder, converted from fake official checkpoints, and their
+    reference values (mar_small.safetensors; conventions in tools/mar_ref.py)."""
+    import argparse
+    mar = mar_ref.MAR(mar_ref.MARConfig(**MAR_SMALL)).eval()
+    mar_ref.randomise_mar(mar, 6)
+    sd = dict(mar.state_dict())
+    fake_args = argparse.Namespace(model="mar_base", **{k: MAR_SMALL[k] for k in convert_mar.FROM_ARGS},
+                                   diffloss_d=2, diffloss_w=128, cfg=3.0)
+    # as MAR's save_model writes it: the EMA weights are the ones to convert
+    torch.save({"model": {k: torch.zeros_like(v) for k, v in sd.items()}, "model_ema": sd,
+                "epoch": 0, "args": fake_args}, os.path.join(out, "checkpoint-last.pth"))
+    names = os.path.join(out, "mar_small_classes.txt")
+    with open(names, "w") as f:
+        f.write("".join(f"class {i}\n" for i in range(MAR_SMALL["class_num"])))
+    convert_mar.main(["mar", os.path.join(out, "checkpoint-last.pth"),
+                      os.path.join(out, "mar-small-random"), "--preset", "mar_base",
+                      "--dims", "64,2,4", "--diffloss-d", "2", "--diffloss-w", "128",
+                      "--vae", "kl-small-random", "--class-names", names, "--num-iter", "8",
+                      "--cfg-scale", "3.0", "--cfg-schedule", "linear"])
+    os.remove(os.path.join(out, "checkpoint-last.pth"))
+    os.remove(names)
+
+    kl = mar_ref.KLDecoder(mar_ref.KLConfig(**KL_SMALL)).eval()
+    mar_ref.randomise_kl(kl, 7)
+    ksd = dict(kl.state_dict())
+    ksd["encoder.conv_in.weight"] = torch.zeros(32, 3, 3, 3)   # dropped by the converter
+    ksd["quant_conv.weight"] = torch.zeros(32, 32, 1, 1)
+    torch.save({"model": ksd}, os.path.join(out, "kl16.ckpt"))
+    convert_mar.main(["kl", os.path.join(out, "kl16.ckpt"), os.path.join(out, "kl-small-random"),
+                      "--ch", "32", "--ch-mult", "1,2,2", "--num-res-blocks", "1",
+                      "--resolution", "64", "--num-groups", "8"])
+    os.remove(os.path.join(out, "kl16.ckpt"))
+
+    # references from the converted directories (strict loads)
+    mar = mar_ref.mar_from_dir(os.path.join(out, "mar-small-random"))
+    kl = mar_ref.kl_from_dir(os.path.join(out, "kl-small-random"))
+    c = mar.cfg
+    s, ch, dd = c.seq_len, c.token_embed_dim, c.decoder_embed_dim
+    steps = mar.diffusion.num_steps
+    g = torch.Generator().manual_seed(8)
+    r = {}
+    with torch.no_grad():
+        r["enc_tokens"] = torch.randn(2, s, ch, generator=g)
+        mask = torch.ones(2, s)
+        for b in range(2):  # 100 known tokens per row, at different positions
+            mask[b, torch.randperm(s, generator=g)[:100]] = 0
+        r["enc_mask"] = mask
+        r["enc_labels"] = torch.tensor([3, c.class_num])
+        r["enc_z"] = mar.forward_mae(r["enc_tokens"], mask, r["enc_labels"])
+
+        n = 8
+        r["head_x"] = torch.randn(n, ch, generator=g)
+        r["head_t"] = torch.cat([torch.tensor([0, 999]),
+                                 torch.randint(0, 1000, (n - 2,), generator=g)])
+        r["head_c"] = torch.randn(n, dd, generator=g)
+        r["head_out"] = mar.head(r["head_x"], r["head_t"], r["head_c"])
+
+        r["samp_zc"] = torch.randn(n, dd, generator=g)
+        r["samp_zu"] = torch.randn(n, dd, generator=g)
+        r["samp_xT"] = torch.randn(n, ch, generator=g)
+        r["samp_eps"] = torch.randn(n, steps, ch, generator=g)
+        r["samp_cfg"] = torch.tensor(3.0)
+        r["samp_temperature"] = torch.tensor(0.9)
+        args = (r["samp_zc"], r["samp_zu"], r["samp_xT"], r["samp_eps"], 0.9, 3.0)
+        for k, v in mar.sample_head(*args).items():
+            r["samp_" + k] = v
+        r["samp_x0_fn"] = mar.sample_head(*args, final_noise=True)["x0"]
+        one = mar.sample_head(r["samp_zc"], None, r["samp_xT"], r["samp_eps"], 1.0, 1.0)
+        for k, v in one.items():
+            r["samp1_" + k] = v
+
+        r["loop_labels"] = torch.tensor([3, 7])
+        r["loop_orders"] = torch.stack([torch.randperm(s, generator=g) for _ in range(2)])
+        r["loop_xT"] = torch.randn(2, s, ch, generator=g)
+        r["loop_eps"] = torch.randn(2, s, steps, ch, generator=g)
+        r["loop_num_iter"] = torch.tensor(8)
+        r["loop_cfg"] = torch.tensor(3.0)
+        r["loop_temperature"] = torch.tensor(1.0)
+        r["loop_linear"] = torch.tensor(1)
+        r["loop_tokens"] = mar.sample_tokens(r["loop_labels"], 8, 3.0, "linear", 1.0,
+                                             r["loop_orders"], r["loop_xT"], r["loop_eps"])
+
+        r["kl_tokens"] = kl.cfg.latent_scale * torch.randn(2, s, ch, generator=g)
+        r["kl_image"] = kl.decode(r["kl_tokens"], c.patch_size)
+    save_file({k: v.clone().contiguous() for k, v in r.items()},
+              os.path.join(out, "mar_small.safetensors"))
 
 
 if __name__ == "__main__":
