@@ -26,12 +26,13 @@ double MarCfgAt(const MarSamplingParams& p, int64_t seq_len, int64_t mask_len) {
 }
 
 void MarTrajectoryNoise(uint64_t seed, int64_t position, int64_t steps, int64_t token_dim,
-                        at::Tensor* x_T, at::Tensor* eps) {
+                        at::Tensor* x_T, at::Tensor* eps, uint32_t stream) {
   *x_T = at::empty({token_dim}, at::kFloat);
   *eps = at::empty({steps, token_dim}, at::kFloat);
   const auto pos = static_cast<uint32_t>(position);
-  Normals(seed, pos, 0, Purpose::kTrajectory, x_T->data_ptr<float>(), token_dim);
-  Normals(seed, pos, 1, Purpose::kTrajectory, eps->data_ptr<float>(), steps * token_dim);
+  Normals(seed, pos, 2 * stream, Purpose::kTrajectory, x_T->data_ptr<float>(), token_dim);
+  Normals(seed, pos, 2 * stream + 1, Purpose::kTrajectory, eps->data_ptr<float>(),
+          steps * token_dim);
 }
 
 StatusOr<at::Tensor> MarSampleTokens(const Mar& mar, const at::Tensor& labels,

@@ -28,13 +28,15 @@ struct MarSamplingParams {
 int64_t MarMaskLen(int64_t seq_len, int64_t step, int64_t num_iter, int64_t masked);
 // Tokens predicted at `step` when `masked` are masked before it.
 int64_t MarPredictCount(int64_t seq_len, int64_t step, int64_t num_iter, int64_t masked);
-// The guidance scale of a step whose mask length is `mask_len`.
+// The guidance scale of a step whose mask length is `mask_len` (MarMaskLen: 1 at the last
+// step, where MAR computes it before predicting every remaining token).
 double MarCfgAt(const MarSamplingParams& p, int64_t seq_len, int64_t mask_len);
 
-// A token's trajectory noise, keyed by (seed, position): x_T [C] and eps [steps, C] (see
-// DiffusionHead::Sample), as float32 CPU tensors [C] and [steps, C].
+// A token's trajectory noise, keyed by (seed, position, stream): x_T [C] and eps [steps, C]
+// (see DiffusionHead::Sample), as float32 CPU tensors. Stream 0 is shared by MAR's own loop,
+// CSpD's draft and its aligned target; stream 1 is the target's own when not aligned.
 void MarTrajectoryNoise(uint64_t seed, int64_t position, int64_t steps, int64_t token_dim,
-                        at::Tensor* x_T, at::Tensor* eps);
+                        at::Tensor* x_T, at::Tensor* eps, uint32_t stream = 0);
 
 // The whole loop for a batch with given orders and noise (the Python reference's
 // sample_tokens): labels [B], orders [B, S] (a permutation per row), x_T [B, S, C],

@@ -11,10 +11,23 @@ const std::vector<std::string>& PresetNames() {
   return names;
 }
 
+const std::vector<std::string>& ContinuousPresetNames() {
+  static const std::vector<std::string> names = {"mar", "cspd"};
+  return names;
+}
+
 StatusOr<DecodingPolicy> PolicyFromPreset(const std::string& name, int64_t window) {
   DecodingPolicy p;
   p.preset = name;
-  if (name == "ar") {
+  if (name == "mar") {  // the target alone, MAR's own loop
+    p.continuous = true;
+    p.window = 1;
+  } else if (name == "cspd") {  // seed 000 Alg. 1; the authors' code drafts 8 (demo 4)
+    p.continuous = true;
+    p.draft = DraftSource::kDraftModel;
+    p.window = 8;
+    p.cont.final_noise = true;
+  } else if (name == "ar") {
     p.window = 1;
   } else if (name == "sjd") {  // seed 001 Alg. 1; authors' code L = 16
     p.draft = DraftSource::kJacobi;
@@ -58,6 +71,7 @@ StatusOr<DecodingPolicy> PolicyFromPreset(const std::string& name, int64_t windo
   } else {
     std::string all;
     for (const auto& n : PresetNames()) all += (all.empty() ? "" : ", ") + n;
+    for (const auto& n : ContinuousPresetNames()) all += ", " + n;
     return FieldError("method", "unknown preset " + Quoted(name) + " (one of: " + all + ")");
   }
   if (window > 0) p.window = window;
@@ -65,6 +79,9 @@ StatusOr<DecodingPolicy> PolicyFromPreset(const std::string& name, int64_t windo
 }
 
 Status ValidatePolicy(const DecodingPolicy& p, int64_t max_window, bool has_draft_model) {
+  if (p.continuous) {
+    return FieldError("method", Quoted(p.preset) + " is for continuous-token models (MAR)");
+  }
   if (p.window < 1 || p.window > max_window) {
     return FieldError("window", "must be in [1, " + std::to_string(max_window) + "], got " +
                                     std::to_string(p.window));
@@ -119,6 +136,46 @@ Status ValidatePolicy(const DecodingPolicy& p, int64_t max_window, bool has_draf
   return OkStatus();
 }
 
+Status ValidateContinuousPolicy(const DecodingPolicy& p, int64_t seq_len, bool has_draft_model) {
+  if (!p.continuous) {
+    return FieldError(
+        "method", Quoted(p.preset) + " is for discrete-token models; this model takes mar or cspd");
+  }
+  const ContinuousPolicy& c = p.cont;
+  if (c.num_iter < 0 || c.num_iter > seq_len) {
+    return FieldError("num_iter", "must be in [1, " + std::to_string(seq_len) + "] (0: default)");
+  }
+  if (c.cfg_schedule < -1 || c.cfg_schedule > 1) {
+    return FieldError("cfg_schedule", "must be linear or constant");
+  }
+  if (p.draft == DraftSource::kNone) {
+    if (p.window != 1) return FieldError("window", "must be 1 for mar");
+    return OkStatus();
+  }
+  if (p.draft != DraftSource::kDraftModel) {
+    return FieldError("draft", "cspd drafts with the draft model");
+  }
+  if (!has_draft_model) {
+    return FieldError("method", "cspd needs a draft model, none is loaded");
+  }
+  if (p.window < 1 || p.window > seq_len) {
+    return FieldError("window", "must be in [1, " + std::to_string(seq_len) + "], got " +
+                                    std::to_string(p.window));
+  }
+  if (c.num_iter != 0 && c.num_iter != seq_len) {
+    return FieldError("num_iter", "cspd draws one token per step: num_iter must be " +
+                                      std::to_string(seq_len) + " (or unset)");
+  }
+  if (!(c.prefill >= 0 && c.prefill <= 1)) return FieldError("prefill", "must be in [0, 1]");
+  if (!(c.inner_temperature > 0) || c.inner_temperature > 1e6) {
+    return FieldError("inner_temperature", "must be in (0, 1e6]");
+  }
+  if (c.residual_rounds < 1 || c.residual_rounds > 4096) {
+    return FieldError("residual_rounds", "must be in [1, 4096]");
+  }
+  return OkStatus();
+}
+
 std::vector<double> CoolWeights(double delta, double nu, int64_t gamma) {
   // w_i = delta * gamma * e^{-nu i} / sum_j e^{-nu j}: the mean weight is delta.
   std::vector<double> w(static_cast<size_t>(std::max<int64_t>(gamma, 0)));
@@ -132,6 +189,18 @@ std::vector<double> CoolWeights(double delta, double nu, int64_t gamma) {
 
 std::string DescribePolicy(const DecodingPolicy& p) {
   std::ostringstream s;
+  if (p.continuous) {
+    const ContinuousPolicy& c = p.cont;
+    s << p.preset << " (num_iter=" << c.num_iter << " final_noise=" << c.final_noise;
+    if (p.draft == DraftSource::kDraftModel) {
+      s << " gamma=" << p.window << " prefill=" << c.prefill << " aligned=" << c.aligned
+        << " inner_t=" << c.inner_temperature << " invert_sigma=" << c.invert_sigma
+        << " rounds=" << c.residual_rounds << " zero_fallback=" << c.zero_fallback
+        << " draft_mean=" << c.draft_mean << " verified_context=" << c.verified_context;
+    }
+    s << ")";
+    return s.str();
+  }
   static const char* kDraft[] = {"none", "jacobi", "draft_model"};
   static const char* kCoupling[] = {"independent", "maximal", "gumbel"};
   static const char* kAcc[] = {"exact", "grouped", "relaxed"};

@@ -26,6 +26,23 @@ enum class DraftSource { kNone, kJacobi, kDraftModel };
 enum class Coupling { kIndependent, kMaximal, kGumbel };
 enum class Acceptance { kExact, kGrouped, kRelaxed };
 
+// Continuous-token models (MAR; seed 000): `mar` draws with the target alone, `cspd` drafts
+// `window` tokens with the draft model and verifies them with one target forward.
+struct ContinuousPolicy {
+  int64_t num_iter = 0;      // MAR iterations (cspd: the sequence length); 0: the model's
+  int cfg_schedule = -1;     // 1 linear, 0 constant, -1 the model's
+  bool final_noise = false;  // tokens drawn from the final Gaussian (cspd) or its mean (MAR)
+  double prefill = 0.05;     // cspd: the fraction of tokens the target draws alone first
+  bool aligned = true;       // cspd: draft and target share x_T and every step's eps
+  // The authors' departures from the paper (shared/docs/algorithms.md 6), off by default.
+  double inner_temperature = 1.0;  // 42 in their code
+  bool invert_sigma = false;       // prod sigma_p / sigma_q
+  int64_t residual_rounds = 256;   // 100 in their code
+  bool zero_fallback = false;      // a token no residual proposal passed: all-zero latent
+  bool draft_mean = false;         // the draft's token is its final mean (no final noise)
+  bool verified_context = false;   // the target sees verified tokens only (no drafts)
+};
+
 struct DecodingPolicy {
   std::string preset = "ar";  // the name it was built from ("custom" when edited)
   DraftSource draft = DraftSource::kNone;
@@ -43,12 +60,17 @@ struct DecodingPolicy {
   // such that sum_{i=1..gamma} exp(-nu i - mu) = gamma (gamma = drafts in the window).
   double cool_delta = 1.1, cool_nu = 0.7;
 
+  bool continuous = false;  // a continuous-token method (mar, cspd)
+  ContinuousPolicy cont;
+
   bool lossless() const { return acceptance == Acceptance::kExact; }
   bool has_tree() const { return tree_branches > 1 && tree_depth > 1; }
 };
 
-// Names of the presets, in the order the benchmark reports them.
+// Names of the presets for discrete-token models, in the order the benchmark reports them.
 const std::vector<std::string>& PresetNames();
+// Names of the presets for continuous-token models: mar, cspd.
+const std::vector<std::string>& ContinuousPresetNames();
 
 // ar, sjd, scd-mc, scd-gs, sjd-pac, gsd, cool-sd, sd, and the combinations pac-gumbel
 // (proactive tree with Gumbel-coupled redraws) and cool-sjd (COOL-SD on Jacobi drafts).
@@ -58,6 +80,8 @@ StatusOr<DecodingPolicy> PolicyFromPreset(const std::string& name, int64_t windo
 // Range and consistency checks; messages name the field ("window", "tree_branches", ...).
 // `max_window` is the image's token count; `has_draft_model` says whether one is loaded.
 Status ValidatePolicy(const DecodingPolicy& p, int64_t max_window, bool has_draft_model);
+// The same for continuous-token models (MAR): `seq_len` tokens per image.
+Status ValidateContinuousPolicy(const DecodingPolicy& p, int64_t seq_len, bool has_draft_model);
 
 // COOL-SD weights w_1..w_gamma for a window with gamma drafts.
 std::vector<double> CoolWeights(double delta, double nu, int64_t gamma);

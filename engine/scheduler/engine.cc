@@ -14,6 +14,8 @@
 #include "engine/decoding/speculative.h"
 #include "engine/model/device.h"
 #include "engine/model/image_model.h"
+#include "engine/model/mar_model.h"
+#include "engine/scheduler/mar_scheduler.h"
 #include "engine/scheduler/model_scheduler.h"
 
 namespace imagegen {
@@ -36,9 +38,16 @@ uint64_t RandomSeed() {
 struct Engine::Impl {
   EngineOptions opts;
   EngineListener* listener = nullptr;
-  std::vector<std::unique_ptr<ImageModel>> models;
+  // One per served model, in EngineOptions::models order: a discrete-token model (gpt) or a
+  // continuous-token one (mar).
+  struct Served {
+    std::string name;
+    std::unique_ptr<ImageModel> gpt;
+    std::unique_ptr<MarModel> mar;
+  };
+  std::vector<Served> models;
   std::vector<ModelInfo> infos;
-  std::vector<std::unique_ptr<ModelScheduler>> schedulers;
+  std::vector<std::unique_ptr<FamilyScheduler>> schedulers;
 
   mutable std::mutex mu;
   std::condition_variable cv;
@@ -53,7 +62,9 @@ struct Engine::Impl {
   std::once_flag joined;
 
   StatusOr<std::unique_ptr<Job>> Resolve(GenerateParams p, size_t* model_index) const;
+  StatusOr<std::unique_ptr<Job>> ResolveMar(GenerateParams p, const MarModel& m) const;
   Status Load();
+  Status LoadMar(const std::string& name, const LoadOptions& lo);
   void Run();
 };
 
@@ -120,7 +131,12 @@ Status Engine::Impl::Load() {
   const EngineOptions& o = opts;
   for (const std::string& name : o.models) {
     for (const auto& m : models) {
-      if (m->name == name) return InvalidArgument("models: '" + name + "' is listed twice");
+      if (m.name == name) return InvalidArgument("models: '" + name + "' is listed twice");
+    }
+    ASSIGN_OR_RETURN(std::string type, ModelType(o.models_dir, name));
+    if (type == "mar") {
+      RETURN_IF_ERROR(LoadMar(name, lo));
+      continue;
     }
     ASSIGN_OR_RETURN(ImageModel m, LoadImageModel(o.models_dir, name, lo, /*with_draft=*/true));
     auto model = std::make_unique<ImageModel>(std::move(m));
@@ -133,13 +149,15 @@ Status Engine::Impl::Load() {
                              " bytes hold fewer than the 2 slots of one CFG request of model '" +
                              name + "' (" + std::to_string(per_slot) + " bytes per slot)");
     }
+    std::unique_ptr<ModelScheduler> sched;
     try {
-      schedulers.push_back(std::make_unique<ModelScheduler>(*model, slots, opts, listener));
+      sched = std::make_unique<ModelScheduler>(*model, slots, opts, listener);
     } catch (const std::exception& e) {
       return ResourceExhausted("KV cache of model '" + name + "' (" + std::to_string(slots) +
                                " slots): " + e.what());
     }
-    RETURN_IF_ERROR(schedulers.back()->Calibrate(lo));
+    RETURN_IF_ERROR(sched->Calibrate(lo));
+    schedulers.push_back(std::move(sched));
     ModelInfo info;
     info.name = name;
     info.grid = c.grid();
@@ -162,10 +180,82 @@ Status Engine::Impl::Load() {
     info.kv_slots = slots;
     infos.push_back(info);
     stats.models.push_back({name, 0, 0, 0, slots});
-    models.push_back(std::move(model));
+    models.push_back({name, std::move(model), nullptr});
   }
   inbox_per_model.assign(models.size(), 0);
   return OkStatus();
+}
+
+// A continuous-token model: no KV cache, so a slot is a forward row (max_slots of them).
+Status Engine::Impl::LoadMar(const std::string& name, const LoadOptions& lo) {
+  ASSIGN_OR_RETURN(MarModel m, LoadMarModel(opts.models_dir, name, lo, /*with_draft=*/true));
+  auto model = std::make_unique<MarModel>(std::move(m));
+  const MarConfig& c = model->mar->config();
+  if (model->draft && model->draft->head().steps() != model->mar->head().steps()) {
+    return FailedPrecondition("model '" + name +
+                              "': the draft's num_sampling_steps differ from "
+                              "the target's (trajectory alignment needs the same steps)");
+  }
+  const int64_t slots = opts.max_slots;
+  schedulers.push_back(std::make_unique<MarScheduler>(*model, slots, opts, listener));
+  ModelInfo info;
+  info.name = name;
+  info.grid = c.grid();
+  info.num_classes = c.class_num;
+  info.class_names = c.class_names;
+  const KlConfig& kc = model->vae->config();
+  info.image_width = info.image_height = kc.resolution;
+  info.channels = kc.out_ch;
+  info.draft_model = model->draft ? c.draft_model : "";
+  info.methods.push_back("mar");
+  if (model->draft) info.methods.push_back("cspd");
+  info.sampling_defaults = {c.default_cfg_scale, c.default_temperature, 0, 1.0};
+  info.max_window = c.seq_len();
+  info.kv_slots = slots;
+  info.continuous = true;
+  info.token_dim = c.token_dim();
+  info.default_num_iter = c.default_num_iter;
+  infos.push_back(info);
+  stats.models.push_back({name, 0, 0, 0, slots});
+  models.push_back({name, nullptr, std::move(model)});
+  return OkStatus();
+}
+
+StatusOr<std::unique_ptr<Job>> Engine::Impl::ResolveMar(GenerateParams p, const MarModel& m) const {
+  const MarConfig& c = m.mar->config();
+  auto job = std::make_unique<Job>();
+  if (p.class_id.has_value() && !p.class_name.empty()) {
+    return FieldError("class_name", "set class_id or class_name, not both");
+  }
+  if (p.class_id.has_value()) {
+    RETURN_IF_ERROR(CheckMarClassId(c, *p.class_id));
+    job->request.class_id = *p.class_id;
+  } else if (!p.class_name.empty()) {
+    ASSIGN_OR_RETURN(job->request.class_id, MarClassIdByName(c, p.class_name));
+  } else {
+    return FieldError("class_id", "required: set class_id or class_name");
+  }
+  if (p.top_k.has_value() && *p.top_k != 0) {
+    return FieldError("top_k", "applies to discrete-token models only");
+  }
+  if (p.top_p.has_value() && *p.top_p != 1.0) {
+    return FieldError("top_p", "applies to discrete-token models only");
+  }
+  job->request.seed = p.seed.has_value() ? *p.seed : RandomSeed();
+  SamplingParams& s = job->request.sampling;
+  s.cfg_scale = p.cfg_scale.value_or(c.default_cfg_scale);
+  s.temperature = p.temperature.value_or(c.default_temperature);
+  if (!(s.cfg_scale >= 1.0 && s.cfg_scale <= 100)) {
+    return FieldError("cfg_scale", "must be in [1, 100] for continuous-token models");
+  }
+  if (!(s.temperature > 0 && s.temperature <= 100)) {
+    return FieldError("temperature", "must be in (0, 100] for continuous-token models");
+  }
+  job->request.policy = p.policy;
+  RETURN_IF_ERROR(ValidateContinuousPolicy(p.policy, c.seq_len(), m.draft != nullptr));
+  if (p.preview_every < 0) return FieldError("preview_every", "must be >= 0");
+  job->params = std::move(p);
+  return job;
 }
 
 StatusOr<std::unique_ptr<Job>> Engine::Impl::Resolve(GenerateParams p, size_t* model_index) const {
@@ -173,15 +263,17 @@ StatusOr<std::unique_ptr<Job>> Engine::Impl::Resolve(GenerateParams p, size_t* m
   if (!p.model.empty()) {
     mi = models.size();
     for (size_t i = 0; i < models.size(); ++i) {
-      if (models[i]->name == p.model) mi = i;
+      if (models[i].name == p.model) mi = i;
     }
     if (mi == models.size()) {
       std::string names;
-      for (const auto& m : models) names += (names.empty() ? "" : ", ") + m->name;
+      for (const auto& m : models) names += (names.empty() ? "" : ", ") + m.name;
       return NotFound("model " + Quoted(p.model) + " is not loaded (loaded: " + names + ")");
     }
   }
-  const ImageModel& m = *models[mi];
+  *model_index = mi;
+  if (models[mi].mar) return ResolveMar(std::move(p), *models[mi].mar);
+  const ImageModel& m = *models[mi].gpt;
   const GptConfig& c = m.gpt->config();
   auto job = std::make_unique<Job>();
   if (p.class_id.has_value() && !p.class_name.empty()) {

@@ -10,38 +10,14 @@
 #include "engine/decoding/speculative.h"
 #include "engine/model/image_model.h"
 #include "engine/scheduler/engine.h"
+#include "engine/scheduler/family_scheduler.h"
 #include "engine/scheduler/goodput.h"
 #include "engine/scheduler/step_cost.h"
 #include "engine/scheduler/window_budget.h"
 
 namespace imagegen {
 
-// A request from submission to its end.
-struct Job {
-  int64_t id = 0;
-  ImageRequest request;  // resolved and validated once, at submission
-  GenerateParams params;
-  std::shared_ptr<RequestObserver> observer;
-  Clock::time_point submitted, started, first_token;
-  int64_t handle = -1;  // in the SpecBatch while active
-  // What the last event reported.
-  size_t reported = 0;
-  int64_t verified = 0, accepted = 0;
-  std::vector<int64_t> verified_at_depth, accepted_at_depth;
-  // The step (nfe) and time of the last preview; 0 and `started` before the first.
-  int64_t last_preview_nfe = 0;
-  Clock::time_point last_preview;
-  // Window control: the request's commits against expectation, and sums over its steps.
-  RequestCommits commits;
-  int64_t steps = 0, window_sum = 0;
-  double expected_sum = 0, predicted_sum = 0, measured_sum = 0;
-};
-
-struct Outcomes {
-  int64_t completed = 0, cancelled = 0, expired = 0, failed = 0;
-};
-
-class ModelScheduler {
+class ModelScheduler : public FamilyScheduler {
  public:
   // `model`, `opts` and `listener` (may be null) are kept by reference and must outlive the
   // scheduler (the Engine owns all four).
@@ -54,22 +30,16 @@ class ModelScheduler {
   Status Calibrate(const LoadOptions& load);
   const StepCostModel& step_cost() const { return cost_; }
 
-  void Enqueue(std::unique_ptr<Job> job);
+  void Enqueue(std::unique_ptr<Job> job) override;
 
-  // One scheduling round: ends the cancelled and expired requests, admits what fits (FIFO),
-  // and runs one step if a request is active. Returns whether a step ran.
-  bool Tick(const std::unordered_set<int64_t>& cancelled, Clock::time_point now, Outcomes& out);
-
-  // Ends every request, queued or active, with `status`.
-  void EndAll(const Status& status, Outcomes& out);
-
-  int64_t queued() const { return static_cast<int64_t>(waiting_.size()); }
-  int64_t active() const { return static_cast<int64_t>(active_.size()); }
-  int64_t slots_total() const { return slots_; }
-  int64_t slots_used() const { return slots_ - batch_.free_slots(); }
-  bool idle() const { return waiting_.empty() && active_.empty(); }
-  // The earliest deadline of any request (max() if none).
-  Clock::time_point next_deadline() const;
+  bool Tick(const std::unordered_set<int64_t>& cancelled, Clock::time_point now,
+            Outcomes& out) override;
+  void EndAll(const Status& status, Outcomes& out) override;
+  int64_t queued() const override { return static_cast<int64_t>(waiting_.size()); }
+  int64_t active() const override { return static_cast<int64_t>(active_.size()); }
+  int64_t slots_total() const override { return slots_; }
+  int64_t slots_used() const override { return slots_ - batch_.free_slots(); }
+  Clock::time_point next_deadline() const override;
 
  private:
   void Admit(Outcomes& out);

@@ -78,6 +78,9 @@ struct RequestStats {
   double mean_window = 0;
   double expected_tokens = 0;
   double predicted_step_seconds = 0, measured_step_seconds = 0;
+  // cspd (continuous tokens): residual proposals drawn for rejected drafts, and the rejected
+  // drafts whose residual sampling hit its bound and took the fallback.
+  int64_t residual_rounds = 0, residual_fallbacks = 0;
 };
 
 struct RequestResult {
@@ -116,6 +119,10 @@ struct ModelInfo {
   SamplingParams sampling_defaults;
   int64_t max_window = 0;  // image tokens
   int64_t kv_slots = 0;    // KV-cache slots (a CFG request takes two)
+  // Continuous-token models (MAR): tokens are token_dim-vectors, not ids (vocab_size 0);
+  // kv_slots then counts forward rows; default_num_iter is mar's default iteration count.
+  bool continuous = false;
+  int64_t token_dim = 0, default_num_iter = 0;
 };
 
 }  // namespace imagegen

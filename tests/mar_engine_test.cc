@@ -1,0 +1,248 @@
+// The continuous-token family in the serving engine, on the random MAR of the parity fixture
+// (tools/parity.py): `mar` reproduces MAR's own loop, cspd with the target as its own draft
+// accepts every draft and reproduces the target alone, the authors' variants run, MAR and GPT
+// models are served side by side, and bad requests are refused naming the field.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <numeric>
+#include <thread>
+
+#include "engine/decoding/mar_sampler.h"
+#include "engine/decoding/philox.h"
+#include "engine/model/mar_model.h"
+#include "engine/scheduler/engine.h"
+#include "tests/engine_client.h"
+
+namespace imagegen {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::Recorder;
+
+std::string RefDir() {
+  const char* d = std::getenv("IMAGEGEN_PARITY_DIR");
+  return d ? d : "parity";
+}
+
+// A models directory with the random MAR (and a copy that drafts for itself), its KL decoder
+// and the bundled GPT family, by symlinks.
+std::string ModelsDir() {
+  static const std::string dir = [] {
+    const fs::path d = fs::temp_directory_path() / ("imagegen-mar-" + std::to_string(getpid()));
+    fs::create_directories(d);
+    for (const char* m : {"mar-small-random", "kl-small-random"}) {
+      fs::create_symlink(fs::absolute(fs::path(RefDir()) / m), d / m);
+    }
+    for (const char* m : {"fmnist-gpt", "fmnist-vq", "fmnist-draft"}) {
+      fs::create_symlink(fs::path(IMAGEGEN_TEST_MODELS_DIR) / m, d / m);
+    }
+    // mar-self: the same weights, naming itself as its draft.
+    fs::create_directories(d / "mar-self");
+    fs::create_symlink(fs::absolute(fs::path(RefDir()) / "mar-small-random" / "model.safetensors"),
+                       d / "mar-self" / "model.safetensors");
+    std::ifstream in(fs::path(RefDir()) / "mar-small-random" / "config.json");
+    std::string cfg((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    cfg.insert(cfg.find('{') + 1, "\"draft_model\": \"mar-self\", ");
+    std::ofstream(d / "mar-self" / "config.json") << cfg;
+    return d.string();
+  }();
+  return dir;
+}
+
+std::unique_ptr<Engine> Start(std::vector<std::string> models) {
+  EngineOptions o;
+  o.models_dir = ModelsDir();
+  o.models = std::move(models);
+  o.fixed_step_cost = {0.01, 1e-4, 1e-3};
+  o.cpu_threads = 1;
+  auto e = Engine::Start(o);
+  EXPECT_TRUE(e.ok()) << e.status().ToString();
+  return e.ok() ? std::move(*e) : nullptr;
+}
+
+RequestResult Generate(Engine& e, GenerateParams p) {
+  auto rec = std::make_shared<Recorder>();
+  auto id = e.Submit(p, rec);
+  EXPECT_TRUE(id.ok()) << id.status().ToString();
+  EXPECT_TRUE(rec->Wait());
+  EXPECT_FALSE(rec->error.has_value()) << rec->error->ToString();
+  return rec->result.value_or(RequestResult());
+}
+
+GenerateParams Params(const std::string& model, const std::string& method) {
+  GenerateParams p;
+  p.model = model;
+  p.class_id = 3;
+  p.seed = 11;
+  p.cfg_scale = 3.0;
+  p.policy = PolicyFromPreset(method).value();
+  return p;
+}
+
+// The engine's draws for a request, as MarSampleTokens takes them: MAR's permutation (the
+// reverse of the decision order) and every position's stream-0 trajectory noise.
+at::Tensor ReferenceImage(const MarModel& m, uint64_t seed, int64_t label,
+                          const MarSamplingParams& sp) {
+  const int64_t s = m.mar->config().seq_len(), c = m.mar->config().token_dim();
+  const int64_t steps = m.mar->head().steps();
+  std::vector<int64_t> order(static_cast<size_t>(s));
+  std::iota(order.begin(), order.end(), 0);
+  std::vector<double> keys(static_cast<size_t>(s));
+  for (int64_t p = 0; p < s; ++p) keys[p] = Uniform(seed, p, 0, Purpose::kDraftInit);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return keys[a] < keys[b]; });
+  std::reverse(order.begin(), order.end());
+  at::Tensor x_T = at::empty({1, s, c}), eps = at::empty({1, s, steps, c});
+  for (int64_t p = 0; p < s; ++p) {
+    at::Tensor xt, e;
+    MarTrajectoryNoise(seed, p, steps, c, &xt, &e);
+    x_T[0][p].copy_(xt);
+    eps[0][p].copy_(e);
+  }
+  auto tokens = MarSampleTokens(*m.mar, at::tensor({label}, at::kLong),
+                                at::tensor(order, at::kLong).unsqueeze(0), x_T, eps, sp);
+  EXPECT_TRUE(tokens.ok());
+  auto px = LatentsToPixels(m, *tokens);
+  EXPECT_TRUE(px.ok());
+  return (*px)[0];
+}
+
+at::Tensor Pixels(const RequestResult& r) {
+  const Image& im = r.image;
+  return at::from_blob(const_cast<char*>(im.pixels.data()), {im.height, im.width, im.channels},
+                       at::kByte)
+      .clone();
+}
+
+TEST(MarEngineTest, MarMatchesMarsOwnLoop) {
+  auto e = Start({"mar-small-random"});
+  ASSERT_NE(e, nullptr);
+  GenerateParams p = Params("mar-small-random", "mar");
+  p.policy.cont.num_iter = 8;
+  p.preview_every = 2;
+  auto rec = std::make_shared<Recorder>();
+  ASSERT_TRUE(e->Submit(p, rec).ok());
+  ASSERT_TRUE(rec->Wait());
+  ASSERT_TRUE(rec->result.has_value()) << rec->error->ToString();
+  const RequestResult& r = *rec->result;
+  EXPECT_EQ(r.stats.counters.nfe, 8);
+  EXPECT_EQ(r.stats.counters.tokens, 256);
+  EXPECT_EQ(rec->events.size(), 8u);
+  int64_t decided = 0;
+  for (const StepEvent& ev : rec->events) decided += static_cast<int64_t>(ev.positions.size());
+  EXPECT_EQ(decided, 256);
+  EXPECT_GT(rec->events[1].preview.width, 0);  // preview_every 2
+
+  // The engine thread runs LibTorch on one thread (cpu_threads 1); so must the reference, or
+  // the two split their reductions differently.
+  at::set_num_threads(1);
+  auto m = LoadMarModel(ModelsDir(), "mar-small-random", {});
+  ASSERT_TRUE(m.ok());
+  MarSamplingParams sp;
+  sp.num_iter = 8;
+  sp.cfg_scale = 3.0;
+  const at::Tensor ref = ReferenceImage(*m, 11, 3, sp);
+  EXPECT_TRUE(at::equal(Pixels(r), ref))
+      << "max diff " << (Pixels(r).to(at::kInt) - ref.to(at::kInt)).abs().max();
+}
+
+TEST(MarEngineTest, CspdWithTheTargetAsDraftAcceptsAllAndDrawsTheTargetsImage) {
+  auto e = Start({"mar-self"});
+  ASSERT_NE(e, nullptr);
+  GenerateParams target = Params("mar-self", "mar");
+  target.policy.cont.num_iter = 256;
+  target.policy.cont.final_noise = true;  // cspd's convention
+  const RequestResult a = Generate(*e, target);
+  GenerateParams spec = Params("mar-self", "cspd");
+  spec.policy.window = 8;
+  spec.policy.cont.prefill = 0.05;
+  const RequestResult b = Generate(*e, spec);
+  EXPECT_EQ(b.stats.counters.drafts_accepted, b.stats.counters.drafts_verified);
+  EXPECT_GT(b.stats.counters.drafts_verified, 200);
+  // 13 pre-fill forwards, then windows of 8 drafts + 1 bonus token.
+  EXPECT_EQ(b.stats.counters.nfe, 13 + (256 - 13 + 8) / 9);
+  EXPECT_EQ(b.stats.counters.draft_forwards, b.stats.counters.drafts_verified);
+  const at::Tensor pa = Pixels(a).to(at::kInt), pb = Pixels(b).to(at::kInt);
+  // The same draws; the batched target rows may round differently from the one-row forward.
+  EXPECT_LE((pa - pb).abs().max().item<int>(), 1);
+}
+
+TEST(MarEngineTest, AuthorsVariantsRunAndCount) {
+  auto e = Start({"mar-small-random", "fmnist-gpt"});
+  ASSERT_NE(e, nullptr);
+  // No draft model: cspd is not offered, and asking for it names the field.
+  GenerateParams p = Params("mar-small-random", "cspd");
+  auto rec = std::make_shared<Recorder>();
+  auto id = e->Submit(p, rec);
+  ASSERT_FALSE(id.ok());
+  EXPECT_NE(id.status().message().find("draft model"), std::string::npos);
+  const auto& infos = e->Models();
+  ASSERT_EQ(infos.size(), 2u);
+  EXPECT_TRUE(infos[0].continuous);
+  EXPECT_EQ(infos[0].methods, std::vector<std::string>{"mar"});
+  EXPECT_FALSE(infos[1].continuous);
+  // Discrete-only parameters and methods are refused for MAR, and MAR's for the GPT.
+  p = Params("mar-small-random", "mar");
+  p.top_k = 5;
+  id = e->Submit(p, rec);
+  ASSERT_FALSE(id.ok());
+  EXPECT_NE(id.status().message().find("top_k"), std::string::npos);
+  p = Params("mar-small-random", "sjd");
+  id = e->Submit(p, rec);
+  ASSERT_FALSE(id.ok());
+  EXPECT_NE(id.status().message().find("method"), std::string::npos);
+  p = Params("fmnist-gpt", "mar");
+  id = e->Submit(p, rec);
+  ASSERT_FALSE(id.ok());
+  EXPECT_NE(id.status().message().find("continuous"), std::string::npos);
+  // Both families in one engine, at the same time.
+  GenerateParams m = Params("mar-small-random", "mar");
+  m.policy.cont.num_iter = 4;
+  GenerateParams g = Params("fmnist-gpt", "sjd");
+  auto r1 = std::make_shared<Recorder>(), r2 = std::make_shared<Recorder>();
+  ASSERT_TRUE(e->Submit(m, r1).ok());
+  ASSERT_TRUE(e->Submit(g, r2).ok());
+  ASSERT_TRUE(r1->Wait());
+  ASSERT_TRUE(r2->Wait());
+  EXPECT_TRUE(r1->result.has_value());
+  EXPECT_TRUE(r2->result.has_value());
+  EXPECT_EQ(r2->result->tokens.size(), 196u);
+}
+
+TEST(MarEngineTest, CspdDeparturesAndCancellation) {
+  auto e = Start({"mar-self"});
+  ASSERT_NE(e, nullptr);
+  GenerateParams p = Params("mar-self", "cspd");
+  p.policy.window = 4;
+  p.policy.cont.verified_context = true;  // the authors' effective target
+  p.policy.cont.inner_temperature = 42;
+  p.policy.cont.invert_sigma = true;
+  p.policy.cont.residual_rounds = 100;
+  p.policy.cont.zero_fallback = true;
+  p.policy.cont.draft_mean = true;
+  const RequestResult r = Generate(*e, p);
+  EXPECT_EQ(r.stats.counters.tokens, 256);
+  EXPECT_GT(r.stats.counters.drafts_verified, 0);
+  // A cancel mid-way ends the request with CANCELLED and frees its rows.
+  auto rec = std::make_shared<Recorder>(e.get(), 3);
+  GenerateParams c = Params("mar-self", "cspd");
+  ASSERT_TRUE(e->Submit(c, rec).ok());
+  ASSERT_TRUE(rec->Wait());
+  ASSERT_TRUE(rec->error.has_value());
+  EXPECT_EQ(rec->error->code(), Code::kCancelled);
+  for (int i = 0; i < 200 && e->Stats().models[0].slots_used != 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(e->Stats().models[0].slots_used, 0);
+}
+
+}  // namespace
+}  // namespace imagegen
