@@ -54,7 +54,15 @@ ABSL_FLAG(double, cfg, -1, "guidance scale (-1: the model's default)");
 ABSL_FLAG(double, temperature, -1, "temperature (-1: the model's default)");
 ABSL_FLAG(int32_t, top_k, -1, "top-k (-1: the model's default, 0: off)");
 ABSL_FLAG(double, top_p, -1, "top-p (-1: the model's default)");
-ABSL_FLAG(int32_t, window, 0, "window L (0: the preset's)");
+ABSL_FLAG(int32_t, window, 0, "window L (0: the preset's; cspd: gamma, the drafts per step)");
+ABSL_FLAG(int32_t, num_iter, 0, "mar: MAR iterations (0: the model's default)");
+ABSL_FLAG(std::string, cfg_schedule, "", "mar, cspd: linear or constant (default: the model's)");
+ABSL_FLAG(double, prefill, -1, "cspd: fraction of tokens the target draws first (-1: 0.05)");
+ABSL_FLAG(std::string, alignment, "", "cspd: on or off, trajectory alignment (default on)");
+ABSL_FLAG(bool, cspd_authors, false,
+          "cspd: the authors' code instead of the paper (inner temperature 42, inverted Sigma, "
+          "100 residual rounds then a zero latent, the draft's mean as its token, a target "
+          "that sees verified tokens only); lossy");
 ABSL_FLAG(int32_t, scale, 1, "upscale the PNG this many times (nearest neighbour)");
 ABSL_FLAG(std::string, out, "image.png", "generate: where to write the PNG");
 ABSL_FLAG(bool, stream, false, "generate: stream the grid as it is decided; load: use streams");
@@ -163,6 +171,22 @@ v1::GenerateRequest BuildRequest(bool need_class) {
   if (absl::GetFlag(FLAGS_top_p) >= 0) r.set_top_p(absl::GetFlag(FLAGS_top_p));
   if (absl::GetFlag(FLAGS_window) > 0) r.set_window(absl::GetFlag(FLAGS_window));
   r.set_method(absl::GetFlag(FLAGS_method));
+  v1::ContinuousOptions* c = r.mutable_continuous();
+  if (absl::GetFlag(FLAGS_num_iter) > 0) c->set_num_iter(absl::GetFlag(FLAGS_num_iter));
+  c->set_cfg_schedule(absl::GetFlag(FLAGS_cfg_schedule));
+  if (absl::GetFlag(FLAGS_prefill) >= 0) c->set_prefill(absl::GetFlag(FLAGS_prefill));
+  if (!absl::GetFlag(FLAGS_alignment).empty()) {
+    c->set_trajectory_alignment(absl::GetFlag(FLAGS_alignment) != "off");
+  }
+  if (absl::GetFlag(FLAGS_cspd_authors)) {
+    c->set_inner_temperature(42);
+    c->set_invert_sigma(true);
+    c->set_residual_rounds(100);
+    c->set_zero_fallback(true);
+    c->set_draft_mean(true);
+    c->set_verified_context(true);
+  }
+  if (c->ByteSizeLong() == 0) r.clear_continuous();
   r.mutable_output()->set_scale(absl::GetFlag(FLAGS_scale));
   r.set_preview_every(absl::GetFlag(FLAGS_preview_every));
   return r;
@@ -177,6 +201,11 @@ void PrintStats(const v1::GenerateResponse& r, const std::string& out) {
       "%lld draft-model forwards\n",
       r.grid() * r.grid(), static_cast<long long>(s.nfe()), s.step_compression(),
       s.acceptance_rate(), static_cast<long long>(s.draft_forwards()));
+  if (s.residual_rounds() > 0) {
+    std::printf("residual sampling: %lld proposals, %lld fallbacks\n",
+                static_cast<long long>(s.residual_rounds()),
+                static_cast<long long>(s.residual_fallbacks()));
+  }
   std::printf("queue %.3f s, first token %.3f s, generation %.3f s, total %.3f s",
               s.queue_seconds(), s.first_token_seconds(), s.generation_seconds(),
               s.total_seconds());
@@ -207,9 +236,12 @@ int Models() {
   v1::ListModelsResponse resp;
   if (!FetchModels(*stub, &resp)) return 1;
   for (const auto& m : resp.models()) {
-    std::printf("%s: %dx%d tokens (vocabulary %d) -> %dx%dx%d images, %d KV slots%s\n",
-                m.name().c_str(), m.grid(), m.grid(), m.vocab_size(), m.image_width(),
-                m.image_height(), m.channels(), m.kv_slots(),
+    const std::string tokens = m.continuous()
+                                   ? "continuous tokens of " + std::to_string(m.token_dim())
+                                   : "vocabulary " + std::to_string(m.vocab_size());
+    std::printf("%s: %dx%d tokens (%s) -> %dx%dx%d images, %d %s%s\n", m.name().c_str(), m.grid(),
+                m.grid(), tokens.c_str(), m.image_width(), m.image_height(), m.channels(),
+                m.kv_slots(), m.continuous() ? "forward rows" : "KV slots",
                 m.draft_model().empty() ? "" : (", draft model " + m.draft_model()).c_str());
     std::printf("  classes:");
     for (const auto& c : m.classes()) std::printf(" %d=%s", c.id(), c.name().c_str());

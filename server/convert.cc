@@ -71,6 +71,10 @@ std::string ProtoField(const std::string& f, const v1::GenerateRequest& req) {
     // A preset's own part that does not fit: the window the client chose, or the method.
     return req.has_window() ? "window" : "method";
   }
+  if (f == "num_iter" || f == "cfg_schedule" || f == "prefill" || f == "inner_temperature" ||
+      f == "residual_rounds") {
+    return "continuous." + f;
+  }
   return f;  // model, class_id, class_name, seed, cfg_scale, temperature, top_k, top_p, method, ...
 }
 
@@ -125,7 +129,20 @@ std::string MethodLabel(const v1::GenerateRequest& req, const std::string& defau
   for (const auto& p : PresetNames()) {
     if (p == m) return m;
   }
+  for (const auto& p : ContinuousPresetNames()) {
+    if (p == m) return m;
+  }
   return "unknown";
+}
+
+std::string DefaultMethodFor(const std::vector<ModelInfo>& models, const std::string& model,
+                             const std::string& default_method) {
+  for (size_t i = 0; i < models.size(); ++i) {
+    if ((model.empty() && i == 0) || models[i].name == model) {
+      return models[i].continuous ? "mar" : default_method;
+    }
+  }
+  return default_method;
 }
 
 grpc::Status ToParams(const v1::GenerateRequest& req, const std::string& default_method,
@@ -210,6 +227,30 @@ grpc::Status ToParams(const v1::GenerateRequest& req, const std::string& default
     if (q.has_cool_nu()) p.cool_nu = q.cool_nu();
     if (AnyPolicyPart(req)) p.preset = "custom";
   }
+  if (req.has_continuous()) {
+    const v1::ContinuousOptions& c = req.continuous();
+    ContinuousPolicy& cp = p.cont;
+    if (c.has_num_iter()) {
+      if (c.num_iter() < 1) return BadField("continuous.num_iter", "must be >= 1");
+      cp.num_iter = c.num_iter();
+    }
+    if (c.cfg_schedule() == "linear") {
+      cp.cfg_schedule = 1;
+    } else if (c.cfg_schedule() == "constant") {
+      cp.cfg_schedule = 0;
+    } else if (!c.cfg_schedule().empty()) {
+      return BadField("continuous.cfg_schedule", "must be linear or constant");
+    }
+    if (c.has_final_noise()) cp.final_noise = c.final_noise();
+    if (c.has_prefill()) cp.prefill = c.prefill();
+    if (c.has_trajectory_alignment()) cp.aligned = c.trajectory_alignment();
+    if (c.has_inner_temperature()) cp.inner_temperature = c.inner_temperature();
+    cp.invert_sigma = c.invert_sigma();
+    if (c.has_residual_rounds()) cp.residual_rounds = c.residual_rounds();
+    cp.zero_fallback = c.zero_fallback();
+    cp.draft_mean = c.draft_mean();
+    cp.verified_context = c.verified_context();
+  }
   out->policy = p;
   if (req.preview_every() < 0 || req.preview_every() > 1000) {
     return BadField("preview_every", "must be in [0, 1000]");
@@ -268,6 +309,8 @@ grpc::Status FillResponse(const RequestResult& r, int scale, bool include_tokens
   s->set_expected_tokens(st.expected_tokens);
   s->set_predicted_step_seconds(st.predicted_step_seconds);
   s->set_measured_step_seconds(st.measured_step_seconds);
+  s->set_residual_rounds(st.residual_rounds);
+  s->set_residual_fallbacks(st.residual_fallbacks);
   return grpc::Status::OK;
 }
 
@@ -314,6 +357,9 @@ void FillModels(const std::vector<ModelInfo>& models, const std::string& default
     d->set_top_p(m.sampling_defaults.top_p);
     p->set_max_window(static_cast<int32_t>(m.max_window));
     p->set_kv_slots(static_cast<int32_t>(m.kv_slots));
+    p->set_continuous(m.continuous);
+    p->set_token_dim(static_cast<int32_t>(m.token_dim));
+    p->set_default_num_iter(static_cast<int32_t>(m.default_num_iter));
   }
 }
 

@@ -33,6 +33,10 @@ grpc::Status ToGrpc(const Status& s, const v1::GenerateRequest& req, double retr
 // The label value of a request's method for metrics: a preset name, or "custom" when explicit
 // policy parts were given (bounded, whatever clients send).
 std::string MethodLabel(const v1::GenerateRequest& req, const std::string& default_method);
+// The method a request without one gets: `default_method`, or mar when the model it names (the
+// first model when it names none) takes continuous tokens.
+std::string DefaultMethodFor(const std::vector<ModelInfo>& models, const std::string& model,
+                             const std::string& default_method);
 
 // The PNG upscaling the request asks for (output.scale; 0 means 1).
 int OutputScale(const v1::GenerateRequest& req);

@@ -101,9 +101,13 @@ Status Daemon::Load(const EngineStarter& starter) {
   auto started = starter(options_.engine, &metrics_);
   if (!started.ok()) return started.status();
   std::unique_ptr<Engine> engine = std::move(started).value();
-  bool default_ok = false;
+  // The default applies to discrete-token models (continuous ones default to mar).
+  bool default_ok = true;
   for (const ModelInfo& m : engine->Models()) {
+    if (m.continuous) continue;
+    default_ok = false;
     for (const auto& meth : m.methods) default_ok |= meth == options_.default_method;
+    if (default_ok) break;
   }
   if (!default_ok) {
     return FieldError("--default-method",

@@ -491,8 +491,12 @@ grpc::Status ImageGenerationService::Begin(const std::shared_ptr<Call>& call,
     return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server is shutting down");
   }
   if (!parsed.ok()) return parsed;
+  // A continuous-token model's default method is mar, whatever the server's default.
+  const std::string default_method =
+      DefaultMethodFor(engine->Models(), call->req.model(), options_.default_method);
+  call->method = MethodLabel(call->req, default_method);
   GenerateParams params;
-  if (grpc::Status st = ToParams(call->req, options_.default_method, &params); !st.ok()) return st;
+  if (grpc::Status st = ToParams(call->req, default_method, &params); !st.ok()) return st;
   // The client's deadline, as a duration from now on the engine's monotonic clock.
   const auto deadline = ctx->deadline();
   if (deadline != std::chrono::system_clock::time_point::max()) {

@@ -1,0 +1,249 @@
+// imagegen-cspd-bench: continuous speculative decoding (seed 000) against the target alone, on
+// a MAR model with a draft (the bundled fmnist-mar by default), side by side in one run through
+// the serving engine.
+//
+// Speed: for each batch size (concurrent requests), `mar` at one token per step (the exact
+// target of cspd: final-step noise) is run first and last (the spread of the two is the
+// machine's noise), then cspd at every gamma x pre-fill x alignment; each row reports target
+// forwards (NFE) and draft forwards per image, acceptance, wall time and the speedup over the
+// first `mar` run. `mar` at the model's default iterations is reported too (fewer steps, many
+// tokens each: the cheaper baseline the CSpD issue tracker asks about).
+//
+// Quality: --quality-images images per method (classes cycled) from two target-only runs with
+// different seeds (the noise floor), cspd as the paper states it and cspd as the authors' code
+// runs; class accuracy, Frechet distance to the test set, and between each set and the first
+// target-only set: Frechet distance and a kernel two-sample test (MMD^2, RBF kernel at the
+// median distance, permutation p-value), all in the bundled classifier's feature space.
+//
+//   imagegen-cspd-bench --batches 1,8 --gammas 4,8,16,32 --prefills 0,0.05,0.15 --csv out.csv
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <random>
+
+#include "bench/common.h"
+#include "engine/model/classifier.h"
+#include "engine/scheduler/engine.h"
+#include "tests/engine_client.h"
+
+using namespace imagegen;
+using testing::Recorder;
+
+namespace {
+
+struct Batch {
+  double seconds = 0;
+  std::vector<RequestResult> results;
+};
+
+Batch RunBatch(Engine& e, const std::string& model, const DecodingPolicy& policy, int64_t n,
+               uint64_t seed0, int64_t classes) {
+  std::vector<std::shared_ptr<Recorder>> recs;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < n; ++i) {
+    GenerateParams p;
+    p.model = model;
+    p.class_id = i % classes;
+    p.seed = seed0 + static_cast<uint64_t>(i);
+    p.policy = policy;
+    auto rec = std::make_shared<Recorder>();
+    OrDie(e.Submit(p, rec).status());
+    recs.push_back(rec);
+  }
+  Batch b;
+  for (auto& r : recs) {
+    if (!r->Wait(std::chrono::seconds(36000)) || !r->result.has_value()) {
+      std::fprintf(stderr, "request failed: %s\n",
+                   r->error.has_value() ? r->error->ToString().c_str() : "timeout");
+      std::exit(1);
+    }
+    b.results.push_back(*r->result);
+  }
+  b.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return b;
+}
+
+at::Tensor Images(const std::vector<RequestResult>& rs) {
+  std::vector<at::Tensor> v;
+  for (const auto& r : rs) {
+    const Image& im = r.image;
+    v.push_back(at::from_blob(const_cast<char*>(im.pixels.data()),
+                              {im.height, im.width, im.channels}, at::kByte)
+                    .clone());
+  }
+  return at::stack(v);
+}
+
+// MMD^2 (biased, RBF kernel with the median pairwise distance as bandwidth) between feature
+// sets, and the fraction of `perms` label permutations whose MMD^2 is at least as large.
+std::pair<double, double> KernelTwoSample(const at::Tensor& a, const at::Tensor& b, int perms,
+                                          uint64_t seed) {
+  const at::Tensor x = at::cat({a, b}).to(at::kDouble);
+  const int64_t n = a.size(0), m = x.size(0);
+  const at::Tensor d2 = at::cdist(x, x).pow(2);
+  const double bw = d2.masked_select(d2 > 0).median().item<double>();
+  const at::Tensor k = at::exp(-d2 / bw);
+  auto mmd = [&](const at::Tensor& in_a) {  // in_a: [m] bool
+    const at::Tensor wa = in_a.to(at::kDouble) / n,
+                     wb = in_a.logical_not().to(at::kDouble) / (m - n);
+    const at::Tensor w = wa - wb;
+    return at::matmul(w, at::matmul(k, w)).item<double>();
+  };
+  at::Tensor labels = at::arange(m) < n;
+  const double observed = mmd(labels);
+  std::mt19937_64 rng(seed);
+  int at_least = 0;
+  std::vector<int64_t> idx(static_cast<size_t>(m));
+  for (int64_t i = 0; i < m; ++i) idx[i] = i;
+  for (int p = 0; p < perms; ++p) {
+    std::shuffle(idx.begin(), idx.end(), rng);
+    at::Tensor perm = at::zeros({m}, at::kBool);
+    for (int64_t i = 0; i < n; ++i) perm[idx[i]] = true;
+    at_least += mmd(perm) >= observed ? 1 : 0;
+  }
+  return {observed, (at_least + 1.0) / (perms + 1.0)};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Flags f(argc, argv,
+          {{"models", IMAGEGEN_SOURCE_DIR "/models"},
+           {"model", "fmnist-mar"},
+           {"classifier", "fmnist-classifier"},
+           {"batches", "1,8"},
+           {"gammas", "4,8,16,32"},
+           {"prefills", "0,0.05,0.15"},
+           {"alignment", "on,off"},
+           {"images", "8"},
+           {"quality-images", "0"},
+           {"perms", "500"},
+           {"threads", "0"},
+           {"csv", ""}},
+          "imagegen-cspd-bench: cspd vs mar, speed and quality, side by side");
+  EngineOptions o;
+  o.models_dir = f.Str("models");
+  o.models = {f.Str("model")};
+  o.cpu_threads = f.Int("threads");
+  o.max_slots = 1024;
+  auto engine = OrDie(Engine::Start(o));
+  const ModelInfo& info = engine->Models().at(0);
+  const int64_t s = info.grid * info.grid, classes = info.num_classes;
+  std::FILE* csv = f.Str("csv").empty() ? nullptr : std::fopen(f.Str("csv").c_str(), "w");
+  if (csv)
+    std::fprintf(
+        csv, "batch,method,gamma,prefill,aligned,nfe,draft_forwards,acceptance,seconds,speedup\n");
+
+  DecodingPolicy target = OrDie(PolicyFromPreset("mar"));
+  target.cont.num_iter = s;
+  target.cont.final_noise = true;
+  DecodingPolicy mar_default = OrDie(PolicyFromPreset("mar"));
+  std::printf("%-5s %-22s %6s %7s %6s %5s %8s %8s %6s %9s %8s\n", "batch", "method", "gamma",
+              "prefill", "align", "", "NFE/img", "draft/img", "accept", "seconds", "speedup");
+  for (int64_t batch : f.Ints("batches")) {
+    const int64_t n = std::max(batch, f.Int("images"));
+    double base = 0;
+    auto report = [&](const std::string& label, const DecodingPolicy& p, const Batch& b) {
+      double nfe = 0, drafts = 0, ver = 0, acc = 0;
+      for (const auto& r : b.results) {
+        nfe += static_cast<double>(r.stats.counters.nfe);
+        drafts += static_cast<double>(r.stats.counters.draft_forwards);
+        ver += static_cast<double>(r.stats.counters.drafts_verified);
+        acc += static_cast<double>(r.stats.counters.drafts_accepted);
+      }
+      const double k = static_cast<double>(b.results.size());
+      const bool spec = p.draft == DraftSource::kDraftModel;
+      std::printf("%-5lld %-22s %6s %7s %6s %5s %8.1f %8.1f %6.3f %9.2f %8.2f\n",
+                  static_cast<long long>(batch), label.c_str(),
+                  spec ? std::to_string(p.window).c_str() : "-",
+                  spec ? std::to_string(p.cont.prefill).substr(0, 4).c_str() : "-",
+                  spec ? (p.cont.aligned ? "on" : "off") : "-", "", nfe / k, drafts / k,
+                  ver > 0 ? acc / ver : 0.0, b.seconds, base / b.seconds);
+      std::fflush(stdout);
+      if (csv) {
+        std::fprintf(csv, "%lld,%s,%lld,%g,%d,%g,%g,%g,%g,%g\n", static_cast<long long>(batch),
+                     label.c_str(), static_cast<long long>(spec ? p.window : 1),
+                     spec ? p.cont.prefill : 0.0, spec && p.cont.aligned ? 1 : 0, nfe / k,
+                     drafts / k, ver > 0 ? acc / ver : 0.0, b.seconds, base / b.seconds);
+        std::fflush(csv);
+      }
+    };
+    // n images at `batch` concurrent requests: ceil(n / batch) rounds.
+    auto run = [&](const DecodingPolicy& p) {
+      Batch all;
+      for (int64_t done = 0; done < n; done += batch) {
+        Batch b = RunBatch(*engine, info.name, p, std::min(batch, n - done),
+                           1000 + static_cast<uint64_t>(done), classes);
+        all.seconds += b.seconds;
+        for (auto& r : b.results) all.results.push_back(std::move(r));
+      }
+      return all;
+    };
+    const Batch first = run(target);
+    base = first.seconds;
+    report("mar (1 token/step)", target, first);
+    report("mar (default iters)", mar_default, run(mar_default));
+    for (int64_t g : f.Ints("gammas")) {
+      for (const std::string& pf : f.List("prefills")) {
+        for (const std::string& al : f.List("alignment")) {
+          DecodingPolicy p = OrDie(PolicyFromPreset("cspd", g));
+          p.cont.prefill = std::stod(pf);
+          p.cont.aligned = al == "on";
+          report("cspd", p, run(p));
+        }
+      }
+    }
+    report("mar (1 token/step) again", target, run(target));
+  }
+  if (csv) std::fclose(csv);
+
+  const int64_t q = f.Int("quality-images");
+  if (q <= 0) return 0;
+  auto clf = OrDie(Classifier::Load(f.Str("models") + "/" + f.Str("classifier"), {}));
+  DecodingPolicy paper = OrDie(PolicyFromPreset("cspd"));
+  DecodingPolicy authors = paper;
+  authors.cont.inner_temperature = 42;
+  authors.cont.invert_sigma = true;
+  authors.cont.residual_rounds = 100;
+  authors.cont.zero_fallback = true;
+  authors.cont.draft_mean = true;
+  authors.cont.verified_context = true;
+  struct Set {
+    std::string label;
+    DecodingPolicy policy;
+    uint64_t seed;
+    at::Tensor features;
+    double accuracy = 0;
+  };
+  std::vector<Set> sets = {{"mar (seeds A)", target, 100000, {}},
+                           {"mar (seeds B)", target, 200000, {}},
+                           {"cspd (paper)", paper, 300000, {}},
+                           {"cspd (authors' code)", authors, 400000, {}}};
+  std::printf("\nquality: %lld images per method (classes cycled)\n", static_cast<long long>(q));
+  std::printf("%-22s %8s %9s %12s %10s %10s\n", "method", "accuracy", "FD test", "FD to A", "MMD^2",
+              "MMD p");
+  for (Set& st : sets) {
+    Batch b = RunBatch(*engine, info.name, st.policy, q, st.seed, classes);
+    const at::Tensor imgs = Images(b.results);
+    st.features = clf->Features(imgs);
+    const at::Tensor pred = clf->Logits(st.features).argmax(1);
+    int64_t right = 0;
+    for (int64_t i = 0; i < q; ++i) right += pred[i].item<int64_t>() == i % classes ? 1 : 0;
+    st.accuracy = static_cast<double>(right) / static_cast<double>(q);
+  }
+  const auto [mu_a, cov_a] = FeatureStats(sets[0].features);
+  for (Set& st : sets) {
+    const auto [mu, cov] = FeatureStats(st.features);
+    const double fd_test = FrechetDistance(mu, cov, clf->reference_mean(), clf->reference_cov());
+    const double fd_a = FrechetDistance(mu, cov, mu_a, cov_a);
+    const auto [mmd, p] = &st == &sets[0] ? std::pair<double, double>{0, 1}
+                                          : KernelTwoSample(sets[0].features, st.features,
+                                                            static_cast<int>(f.Int("perms")), 7);
+    std::printf("%-22s %8.3f %9.2f %12.2f %10.5f %10.4f\n", st.label.c_str(), st.accuracy, fd_test,
+                fd_a, mmd, p);
+  }
+  return 0;
+}
