@@ -82,7 +82,8 @@ StatusOr<int64_t> MarClassIdByName(const MarConfig& cfg, const std::string& name
 
 StatusOr<at::Tensor> LatentsToPixels(const MarModel& m, const at::Tensor& tokens) {
   ASSIGN_OR_RETURN(at::Tensor img, m.vae->Decode(m.mar->Unpatchify(tokens)));
-  return ImageToUint8(img);  // (x + 1) / 2 * 255 rounded, as MAR writes its images
+  // clamp(127.5 x + 128) truncated: the same integers as MAR's round((x + 1) / 2 * 255).
+  return ImageToUint8(img);
 }
 
 }  // namespace imagegen

@@ -22,7 +22,8 @@ import time  # noqa: E402
 import torch  # noqa: E402
 
 from common import MODELS  # noqa: E402
-from imagegen_ref import Classifier, frechet_distance, load_config, load_tensors, to_uint8  # noqa: E402
+from imagegen_ref import (Classifier, frechet_distance, load_config, load_tensors,  # noqa: E402
+                         to_uint8)
 from mar_ref import SpacedCosineDiffusion, kl_from_dir, mar_from_dir  # noqa: E402
 
 

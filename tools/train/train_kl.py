@@ -22,9 +22,10 @@ import math  # noqa: E402
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
 
 from common import MODELS, WORK, Log, fashion_mnist, seed_all, to_unit  # noqa: E402
-from imagegen_ref import to_uint8  # noqa: E402
+from imagegen_ref import save_model_dir, to_uint8  # noqa: E402
 from mar_ref import KLAttn, KLConfig, KLDecoder, KLResBlock, group_norm, swish  # noqa: E402
 
 
@@ -117,7 +118,8 @@ def main():
     g = torch.Generator().manual_seed(args.seed)
     warm = min(100, args.steps // 10)
     for step in range(args.steps):
-        lr = args.lr * min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
+        c = math.cos(math.pi * step / args.steps)
+        lr = args.lr * min(1.0, (step + 1) / warm) * 0.5 * (1 + c)
         for pg in opt.param_groups:
             pg["lr"] = lr
         idx = torch.randint(0, xtr.size(0), (args.batch,), generator=g)
@@ -158,13 +160,11 @@ def main():
     torch.save({"train": mtr * cfg.latent_scale, "test": mte * cfg.latent_scale,
                 "latent_scale": cfg.latent_scale}, os.path.join(WORK, "kl_latents.pt"))
     sd = model.state_dict()
-    from safetensors.torch import save_file
-    save_file({k: v.contiguous() for k, v in sd.items() if k.startswith(("encoder.", "quant_conv."))},
-              os.path.join(WORK, "kl_encoder.safetensors"))
+    enc = {k: v.contiguous() for k, v in sd.items() if k.startswith(("encoder.", "quant_conv."))}
+    save_file(enc, os.path.join(WORK, "kl_encoder.safetensors"))
     config = {**cfg.to_json(),
               "trained_on": "fashion-mnist train (60k), tools/train/train_kl.py",
               "psnr_test_db": round(psnr_te, 3)}
-    from imagegen_ref import save_model_dir
     save_model_dir(args.out, config, {k: v for k, v in sd.items()
                                       if k.startswith(("decoder.", "post_quant_conv."))})
 
