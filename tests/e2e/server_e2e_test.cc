@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <regex>
 #include <set>
@@ -784,6 +785,93 @@ TEST(E2eTest, CliAndPythonClientsWork) {
             0)
       << out;
   EXPECT_EQ(ClassifyPng(Slurp(dir + "/trouser.png"), &err), 1) << err;
+}
+
+// The continuous-token family beside the GPT in one daemon: ListModels describes both, the CLI
+// streams a cspd image of the requested class, mar is a continuous model's default method, bad
+// fields are named, and the metrics count the requests by method.
+TEST(E2eTest, MarAndGptServedSideBySideAndCspdStreams) {
+  Daemon d("mar", {"--models", "fmnist-gpt,fmnist-mar"});
+  d.WaitReady();
+  auto stub = d.Stub();
+  grpc::ClientContext lctx;
+  v1::ListModelsResponse models;
+  ASSERT_TRUE(stub->ListModels(&lctx, v1::ListModelsRequest(), &models).ok());
+  ASSERT_EQ(models.models_size(), 2);
+  const v1::ModelInfo& mar = models.models(1);
+  EXPECT_EQ(mar.name(), "fmnist-mar");
+  EXPECT_TRUE(mar.continuous());
+  EXPECT_FALSE(models.models(0).continuous());
+  EXPECT_EQ(mar.token_dim(), 16);  // 2x2 patches of 4-channel latents
+  EXPECT_EQ(mar.draft_model(), "fmnist-mar-draft");
+  ASSERT_EQ(mar.methods_size(), 2);
+  EXPECT_EQ(mar.methods(1), "cspd");
+
+  const std::string dir = d.dir();
+  std::string out;
+  ASSERT_EQ(
+      RunCommand({IMAGEGEN_CLI_BINARY, "generate", "--target", d.target(), "--model", "fmnist-mar",
+                  "--class", "trouser", "--seed", "5", "--method", "cspd", "--window", "4",
+                  // The target draws 90% alone (CPU time: the e2e run covers the
+                  // drafting, verification and streaming of the last windows).
+                  "--prefill", "0.9", "--stream", "--preview-every", "10", "--preview-dir",
+                  dir + "/frames", "--out", dir + "/trouser.png"},
+                 &out, dir + "/cli.log"),
+      0)
+      << out;
+  EXPECT_NE(out.find("method cspd"), std::string::npos) << out;
+  EXPECT_NE(out.find("49/49"), std::string::npos) << out;
+  EXPECT_FALSE(std::filesystem::is_empty(dir + "/frames"));
+  std::string err;
+  EXPECT_EQ(ClassifyPng(Slurp(dir + "/trouser.png"), &err), 1) << err;
+
+  // No method: mar, the continuous model's default (the daemon's default is scd-mc).
+  v1::GenerateRequest r = Request("sneaker", 3, "");
+  r.set_model("fmnist-mar");
+  r.mutable_continuous()->set_num_iter(16);
+  grpc::ClientContext c1;
+  v1::GenerateResponse resp;
+  ASSERT_TRUE(stub->Generate(&c1, r, &resp).ok());
+  EXPECT_EQ(resp.stats().method(), "mar");
+  EXPECT_EQ(resp.stats().nfe(), 16);
+  EXPECT_EQ(resp.tokens_size(), 0);  // continuous tokens are not ids
+  EXPECT_EQ(ClassifyPng(resp.image_png(), &err), 7) << err;
+
+  // Fields that do not apply are named.
+  google::rpc::BadRequest br;
+  for (const auto& [field, edit] : std::vector<std::pair<
+           std::string, std::function<void(v1::GenerateRequest&)>>>{{"top_k",
+                                                                     [](v1::GenerateRequest& q) {
+                                                                       q.set_top_k(5);
+                                                                     }},
+                                                                    {"continuous.num_iter",
+                                                                     [](v1::GenerateRequest& q) {
+                                                                       q.mutable_continuous()
+                                                                           ->set_num_iter(1000);
+                                                                     }},
+                                                                    {"continuous.prefill",
+                                                                     [](v1::GenerateRequest& q) {
+                                                                       q.set_method("cspd");
+                                                                       q.mutable_continuous()
+                                                                           ->set_prefill(2);
+                                                                     }},
+                                                                    {"method",
+                                                                     [](v1::GenerateRequest& q) {
+                                                                       q.set_method("sjd");
+                                                                     }}}) {
+    v1::GenerateRequest bad = Request("sneaker", 3, "");
+    bad.set_model("fmnist-mar");
+    edit(bad);
+    grpc::ClientContext c;
+    grpc::Status st = stub->Generate(&c, bad, &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << field;
+    ASSERT_NE(Violations(st, &br), nullptr) << field << ": " << st.error_message();
+    EXPECT_EQ(br.field_violations(0).field(), field) << st.error_message();
+  }
+  EXPECT_TRUE(d.WaitMetric(
+      "imagegen_requests_total{method=\"cspd\",model=\"fmnist-mar\",outcome=\"ok\"}", 1));
+  EXPECT_TRUE(d.WaitMetric(
+      "imagegen_requests_total{method=\"mar\",model=\"fmnist-mar\",outcome=\"ok\"}", 1));
 }
 
 }  // namespace
