@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "engine/decoding/image_request.h"
@@ -31,5 +32,16 @@ struct Job {
   int64_t steps = 0, window_sum = 0;
   double expected_sum = 0, predicted_sum = 0, measured_sum = 0;
 };
+
+// A finished request's result as both model families report it: the request's identity and
+// sampling, and the stats derived from its counters, the tokens each step committed, the
+// per-depth draft counts and its times up to `t_end`, its last step. The caller adds the
+// tokens, the image, the decoding time and its family's own stats.
+RequestResult FinishedResult(const Job& j, const std::string& model, int64_t grid,
+                             const RequestCounters& counters,
+                             const std::vector<int32_t>& step_tokens,
+                             const std::vector<int64_t>& verified_at_depth,
+                             const std::vector<int64_t>& accepted_at_depth,
+                             Clock::time_point t_end);
 
 }  // namespace imagegen

@@ -151,7 +151,8 @@ struct MarScheduler::Active {
   at::Tensor x_T_t, eps_t;     // the target's own when not aligned
   int64_t committed = 0, iter = 0;
   RequestCounters counters;
-  std::vector<int64_t> step_tokens, verified_at_depth, accepted_at_depth;
+  std::vector<int32_t> step_tokens;  // tokens committed by each step
+  std::vector<int64_t> verified_at_depth, accepted_at_depth;
   int64_t fallbacks = 0, residual_rounds = 0;
   std::vector<int32_t> decided;  // positions decided this step
   int64_t last_window = 0;
@@ -473,7 +474,7 @@ Status MarScheduler::StepImpl() {
         }
       }
     }
-    a.step_tokens.push_back(a.committed - before);
+    a.step_tokens.push_back(static_cast<int32_t>(a.committed - before));
     a.counters.tokens = a.committed;
   }
   return OkStatus();
@@ -581,14 +582,9 @@ void MarScheduler::Finish(Active& a, Outcomes& out) {
   used_ -= a.rows;
   Job& j = *a.job;
   const auto t_end = Clock::now();
-  RequestResult res;
-  res.request_id = j.id;
-  res.model = model_.name;
-  res.class_id = j.request.class_id;
-  res.seed = j.request.seed;
-  res.policy = j.request.policy;
-  res.sampling = j.request.sampling;
-  res.grid = model_.mar->config().grid();
+  RequestResult res =
+      FinishedResult(j, model_.name, model_.mar->config().grid(), a.counters, a.step_tokens,
+                     a.verified_at_depth, a.accepted_at_depth, t_end);
   if (j.params.decode_image) {
     StatusOr<at::Tensor> px = Internal("image not decoded");
     try {
@@ -604,26 +600,6 @@ void MarScheduler::Finish(Active& a, Outcomes& out) {
     res.image = PixelsToImage((*px)[0]);
   }
   RequestStats& st = res.stats;
-  st.counters = a.counters;
-  st.acceptance_rate = a.counters.drafts_verified > 0
-                           ? static_cast<double>(a.counters.drafts_accepted) /
-                                 static_cast<double>(a.counters.drafts_verified)
-                           : 0;
-  st.step_compression = a.counters.nfe > 0
-                            ? static_cast<double>(a.committed) / static_cast<double>(a.counters.nfe)
-                            : 0;
-  st.mean_accepted_length = st.step_compression;
-  for (int64_t k : a.step_tokens) {
-    if (static_cast<int64_t>(st.accepted_length_histogram.size()) <= k) {
-      st.accepted_length_histogram.resize(static_cast<size_t>(k) + 1, 0);
-    }
-    st.accepted_length_histogram[static_cast<size_t>(k)] += 1;
-  }
-  st.verified_at_depth = a.verified_at_depth;
-  st.accepted_at_depth = a.accepted_at_depth;
-  st.queue_seconds = Seconds(j.submitted, j.started);
-  st.generation_seconds = Seconds(j.started, t_end);
-  st.first_token_seconds = Seconds(j.submitted, j.first_token);
   st.decode_seconds = Seconds(t_end, Clock::now());
   st.mean_window = a.step_tokens.empty() ? 0
                                          : static_cast<double>(a.committed) /

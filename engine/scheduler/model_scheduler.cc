@@ -436,15 +436,12 @@ void ModelScheduler::Finish(Job& j, Outcomes& out) {
   SpecResult r = batch_.Take(j.handle);
   j.handle = -1;
   const auto t_end = Clock::now();
-  RequestResult res;
-  res.request_id = j.id;
-  res.model = model_.name;
-  res.class_id = j.request.class_id;
-  res.seed = j.request.seed;
-  res.policy = j.request.policy;
-  res.sampling = j.request.sampling;
+  const RequestCounters counters{r.stats.nfe, r.stats.draft_forwards, r.stats.drafts_verified,
+                                 r.stats.drafts_accepted, static_cast<int64_t>(r.tokens.size())};
+  RequestResult res =
+      FinishedResult(j, model_.name, model_.gpt->config().grid(), counters, r.stats.step_tokens,
+                     r.stats.verified_at_depth, r.stats.accepted_at_depth, t_end);
   res.tokens = r.tokens;
-  res.grid = model_.gpt->config().grid();
   if (j.params.decode_image) {
     StatusOr<Image> image = Internal("image not decoded");
     try {
@@ -460,23 +457,6 @@ void ModelScheduler::Finish(Job& j, Outcomes& out) {
     res.image = std::move(image).value();
   }
   RequestStats& st = res.stats;
-  st.counters = {r.stats.nfe, r.stats.draft_forwards, r.stats.drafts_verified,
-                 r.stats.drafts_accepted, static_cast<int64_t>(r.tokens.size())};
-  st.acceptance_rate = r.stats.acceptance_rate();
-  st.step_compression =
-      r.stats.nfe > 0 ? static_cast<double>(r.tokens.size()) / static_cast<double>(r.stats.nfe) : 0;
-  st.mean_accepted_length = st.step_compression;
-  for (int32_t k : r.stats.step_tokens) {
-    if (static_cast<int64_t>(st.accepted_length_histogram.size()) <= k) {
-      st.accepted_length_histogram.resize(static_cast<size_t>(k) + 1, 0);
-    }
-    st.accepted_length_histogram[static_cast<size_t>(k)] += 1;
-  }
-  st.verified_at_depth = r.stats.verified_at_depth;
-  st.accepted_at_depth = r.stats.accepted_at_depth;
-  st.queue_seconds = Seconds(j.submitted, j.started);
-  st.generation_seconds = Seconds(j.started, t_end);
-  st.first_token_seconds = Seconds(j.submitted, j.first_token);
   st.decode_seconds = Seconds(t_end, Clock::now());
   st.mean_window =
       j.steps > 0 ? static_cast<double>(j.window_sum) / static_cast<double>(j.steps) : 0;
