@@ -115,7 +115,7 @@ void WorkQueue::Post(std::function<void()> task) {
 class Call : public RequestObserver, public std::enable_shared_from_this<Call> {
  public:
   Call(ImageGenerationService* svc, grpc::CallbackServerContext* ctx)
-      : svc_(svc), ctx_(ctx), t0_(Clock::now()) {}
+      : svc_(svc), ctx_(ctx), t0_(Clock::now()), arrived_(std::chrono::system_clock::now()) {}
 
   void BindUnary(grpc::ServerUnaryReactor* r, grpc::ByteBuffer* out) {
     unary_ = r;
@@ -184,7 +184,7 @@ class Call : public RequestObserver, public std::enable_shared_from_this<Call> {
     EngineRequest running;
     {
       std::lock_guard<std::mutex> l(mu_);
-      if (!gone_) expired_ = std::chrono::system_clock::now() >= ctx_->deadline();
+      if (!gone_) expired_ = PastDeadline();
       running = GoneLocked();
       ScheduleLocked();
     }
@@ -240,6 +240,19 @@ class Call : public RequestObserver, public std::enable_shared_from_this<Call> {
     if (queued_ || writing_ || finished_) return;
     queued_ = true;
     svc_->encoders_.Post([self = shared_from_this()] { self->Pump(); });
+  }
+
+  // Whether a cancellation is the client's deadline. On the wire a client's expired deadline and
+  // its explicit cancel are the same RST_STREAM, and the client's timer runs ahead of ours by
+  // the time the request took to arrive (the server's deadline is its arrival plus the sent
+  // timeout): on a loaded machine the client's cancel lands before our deadline. So a cancel in
+  // the last half of the call's time (at most the last second) counts as its deadline.
+  bool PastDeadline() const {
+    const auto deadline = ctx_->deadline();
+    if (deadline == std::chrono::system_clock::time_point::max()) return false;
+    const auto slack = std::min<std::chrono::system_clock::duration>(
+        std::chrono::seconds(1), (deadline - arrived_) / 2);
+    return std::chrono::system_clock::now() >= deadline - slack;
   }
 
   grpc::Status GoneStatus() const {
@@ -345,6 +358,7 @@ class Call : public RequestObserver, public std::enable_shared_from_this<Call> {
   ImageGenerationService* const svc_;
   grpc::CallbackServerContext* const ctx_;
   const Clock::time_point t0_;
+  const std::chrono::system_clock::time_point arrived_;
   grpc::ServerUnaryReactor* unary_ = nullptr;
   grpc::ByteBuffer* unary_out_ = nullptr;
   grpc::ServerWriteReactor<grpc::ByteBuffer>* stream_ = nullptr;
