@@ -107,6 +107,17 @@ std::pair<double, double> KernelTwoSample(const at::Tensor& a, const at::Tensor&
   return {observed, (at_least + 1.0) / (perms + 1.0)};
 }
 
+// cspd as the authors' code runs it (shared/docs/algorithms.md section 6), on top of `p`.
+DecodingPolicy Authors(DecodingPolicy p) {
+  p.cont.inner_temperature = 42;
+  p.cont.invert_sigma = true;
+  p.cont.residual_rounds = 100;
+  p.cont.zero_fallback = true;
+  p.cont.draft_mean = true;
+  p.cont.verified_context = true;
+  return p;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -118,8 +129,10 @@ int main(int argc, char** argv) {
            {"gammas", "4,8,16,32"},
            {"prefills", "0,0.05,0.15"},
            {"alignment", "on,off"},
+           {"authors-gammas", "4,8,16,32"},
            {"images", "8"},
            {"quality-images", "0"},
+           {"accuracy-images", "0"},
            {"perms", "500"},
            {"threads", "0"},
            {"csv", ""}},
@@ -129,45 +142,48 @@ int main(int argc, char** argv) {
   o.models = {f.Str("model")};
   o.cpu_threads = f.Int("threads");
   o.max_slots = 1024;
+  o.max_queue = 1 << 20;  // the quality runs submit all their requests at once
   auto engine = OrDie(Engine::Start(o));
   const ModelInfo& info = engine->Models().at(0);
   const int64_t s = info.grid * info.grid, classes = info.num_classes;
   std::FILE* csv = f.Str("csv").empty() ? nullptr : std::fopen(f.Str("csv").c_str(), "w");
   if (csv)
     std::fprintf(
-        csv, "batch,method,gamma,prefill,aligned,nfe,draft_forwards,acceptance,seconds,speedup\n");
+        csv,
+        "batch,method,gamma,prefill,aligned,nfe,draft_forwards,acceptance,sq_dist,seconds,speedup\n");
 
   DecodingPolicy target = OrDie(PolicyFromPreset("mar"));
   target.cont.num_iter = s;
   target.cont.final_noise = true;
   DecodingPolicy mar_default = OrDie(PolicyFromPreset("mar"));
-  std::printf("%-5s %-22s %6s %7s %6s %5s %8s %8s %6s %9s %8s\n", "batch", "method", "gamma",
-              "prefill", "align", "", "NFE/img", "draft/img", "accept", "seconds", "speedup");
+  std::printf("%-5s %-22s %6s %7s %6s %8s %8s %6s %7s %9s %8s\n", "batch", "method", "gamma",
+              "prefill", "align", "NFE/img", "draft/img", "accept", "dist", "seconds", "speedup");
   for (int64_t batch : f.Ints("batches")) {
     const int64_t n = std::max(batch, f.Int("images"));
     double base = 0;
     auto report = [&](const std::string& label, const DecodingPolicy& p, const Batch& b) {
-      double nfe = 0, drafts = 0, ver = 0, acc = 0;
+      double nfe = 0, drafts = 0, ver = 0, acc = 0, dist = 0;
       for (const auto& r : b.results) {
         nfe += static_cast<double>(r.stats.counters.nfe);
         drafts += static_cast<double>(r.stats.counters.draft_forwards);
         ver += static_cast<double>(r.stats.counters.drafts_verified);
         acc += static_cast<double>(r.stats.counters.drafts_accepted);
+        dist += r.stats.draft_target_sq_dist;
       }
       const double k = static_cast<double>(b.results.size());
       const bool spec = p.draft == DraftSource::kDraftModel;
-      std::printf("%-5lld %-22s %6s %7s %6s %5s %8.1f %8.1f %6.3f %9.2f %8.2f\n",
+      std::printf("%-5lld %-22s %6s %7s %6s %8.1f %8.1f %6.3f %7.3f %9.2f %8.2f\n",
                   static_cast<long long>(batch), label.c_str(),
                   spec ? std::to_string(p.window).c_str() : "-",
                   spec ? std::to_string(p.cont.prefill).substr(0, 4).c_str() : "-",
-                  spec ? (p.cont.aligned ? "on" : "off") : "-", "", nfe / k, drafts / k,
-                  ver > 0 ? acc / ver : 0.0, b.seconds, base / b.seconds);
+                  spec ? (p.cont.aligned ? "on" : "off") : "-", nfe / k, drafts / k,
+                  ver > 0 ? acc / ver : 0.0, dist / k, b.seconds, base / b.seconds);
       std::fflush(stdout);
       if (csv) {
-        std::fprintf(csv, "%lld,%s,%lld,%g,%d,%g,%g,%g,%g,%g\n", static_cast<long long>(batch),
+        std::fprintf(csv, "%lld,%s,%lld,%g,%d,%g,%g,%g,%g,%g,%g\n", static_cast<long long>(batch),
                      label.c_str(), static_cast<long long>(spec ? p.window : 1),
                      spec ? p.cont.prefill : 0.0, spec && p.cont.aligned ? 1 : 0, nfe / k,
-                     drafts / k, ver > 0 ? acc / ver : 0.0, b.seconds, base / b.seconds);
+                     drafts / k, ver > 0 ? acc / ver : 0.0, dist / k, b.seconds, base / b.seconds);
         std::fflush(csv);
       }
     };
@@ -196,43 +212,66 @@ int main(int argc, char** argv) {
         }
       }
     }
+    // The authors' configuration, at their pre-fill (5%) with alignment.
+    for (int64_t g : f.Ints("authors-gammas")) {
+      DecodingPolicy p = OrDie(PolicyFromPreset("cspd", g));
+      p.cont.prefill = 0.05;
+      report("cspd (authors' code)", p, run(Authors(p)));
+    }
     report("mar (1 token/step) again", target, run(target));
   }
   if (csv) std::fclose(csv);
 
-  const int64_t q = f.Int("quality-images");
-  if (q <= 0) return 0;
+  const int64_t q = f.Int("quality-images"), acc_n = f.Int("accuracy-images");
+  if (q <= 0 && acc_n <= 0) return 0;
   auto clf = OrDie(Classifier::Load(f.Str("models") + "/" + f.Str("classifier"), {}));
+  auto accuracy = [&](const at::Tensor& features) {
+    const at::Tensor pred = clf->Logits(features).argmax(1);
+    int64_t right = 0;
+    for (int64_t i = 0; i < pred.size(0); ++i)
+      right += pred[i].item<int64_t>() == i % classes ? 1 : 0;
+    return static_cast<double>(right) / static_cast<double>(pred.size(0));
+  };
+  // The bundled target alone at the served defaults (the model's num_iter, cfg, temperature).
+  if (acc_n > 0) {
+    Batch b = RunBatch(*engine, info.name, mar_default, acc_n, 500000, classes);
+    const at::Tensor feats = clf->Features(Images(b.results));
+    const auto [mu, cov] = FeatureStats(feats);
+    std::printf("\ntarget alone (mar, served defaults), %lld images: accuracy %.3f, FD to the "
+                "test set %.2f, %.1f s\n",
+                static_cast<long long>(acc_n), accuracy(feats),
+                FrechetDistance(mu, cov, clf->reference_mean(), clf->reference_cov()), b.seconds);
+  }
+  if (q <= 0) return 0;
   DecodingPolicy paper = OrDie(PolicyFromPreset("cspd"));
-  DecodingPolicy authors = paper;
-  authors.cont.inner_temperature = 42;
-  authors.cont.invert_sigma = true;
-  authors.cont.residual_rounds = 100;
-  authors.cont.zero_fallback = true;
-  authors.cont.draft_mean = true;
-  authors.cont.verified_context = true;
+  const DecodingPolicy authors = Authors(paper);
   struct Set {
     std::string label;
     DecodingPolicy policy;
     uint64_t seed;
     at::Tensor features;
-    double accuracy = 0;
+    double accuracy = 0, acceptance = 0, fallbacks = 0, seconds = 0;
   };
   std::vector<Set> sets = {{"mar (seeds A)", target, 100000, {}},
                            {"mar (seeds B)", target, 200000, {}},
                            {"cspd (paper)", paper, 300000, {}},
                            {"cspd (authors' code)", authors, 400000, {}}};
   std::printf("\nquality: %lld images per method (classes cycled)\n", static_cast<long long>(q));
-  std::printf("%-22s %8s %9s %12s %10s %10s\n", "method", "accuracy", "FD test", "FD to A", "MMD^2",
-              "MMD p");
+  std::printf("%-22s %8s %9s %12s %10s %10s %8s %10s %9s\n", "method", "accuracy", "FD test",
+              "FD to A", "MMD^2", "MMD p", "accept", "fallbacks", "seconds");
   for (Set& st : sets) {
     Batch b = RunBatch(*engine, info.name, st.policy, q, st.seed, classes);
     const at::Tensor imgs = Images(b.results);
     st.features = clf->Features(imgs);
-    const at::Tensor pred = clf->Logits(st.features).argmax(1);
-    int64_t right = 0;
-    for (int64_t i = 0; i < q; ++i) right += pred[i].item<int64_t>() == i % classes ? 1 : 0;
-    st.accuracy = static_cast<double>(right) / static_cast<double>(q);
+    st.accuracy = accuracy(st.features);
+    double ver = 0, acc = 0;
+    for (const auto& r : b.results) {
+      ver += static_cast<double>(r.stats.counters.drafts_verified);
+      acc += static_cast<double>(r.stats.counters.drafts_accepted);
+      st.fallbacks += static_cast<double>(r.stats.residual_fallbacks);
+    }
+    st.acceptance = ver > 0 ? acc / ver : 0;
+    st.seconds = b.seconds;
   }
   const auto [mu_a, cov_a] = FeatureStats(sets[0].features);
   for (Set& st : sets) {
@@ -242,8 +281,8 @@ int main(int argc, char** argv) {
     const auto [mmd, p] = &st == &sets[0] ? std::pair<double, double>{0, 1}
                                           : KernelTwoSample(sets[0].features, st.features,
                                                             static_cast<int>(f.Int("perms")), 7);
-    std::printf("%-22s %8.3f %9.2f %12.2f %10.5f %10.4f\n", st.label.c_str(), st.accuracy, fd_test,
-                fd_a, mmd, p);
+    std::printf("%-22s %8.3f %9.2f %12.2f %10.5f %10.4f %8.3f %10.0f %9.1f\n", st.label.c_str(),
+                st.accuracy, fd_test, fd_a, mmd, p, st.acceptance, st.fallbacks, st.seconds);
   }
   return 0;
 }

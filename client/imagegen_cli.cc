@@ -202,9 +202,9 @@ void PrintStats(const v1::GenerateResponse& r, const std::string& out) {
       r.grid() * r.grid(), static_cast<long long>(s.nfe()), s.step_compression(),
       s.acceptance_rate(), static_cast<long long>(s.draft_forwards()));
   if (s.residual_rounds() > 0) {
-    std::printf("residual sampling: %lld proposals, %lld fallbacks\n",
+    std::printf("residual sampling: %lld proposals, %lld fallbacks; draft-target distance %.3f\n",
                 static_cast<long long>(s.residual_rounds()),
-                static_cast<long long>(s.residual_fallbacks()));
+                static_cast<long long>(s.residual_fallbacks()), s.draft_target_sq_dist());
   }
   std::printf("queue %.3f s, first token %.3f s, generation %.3f s, total %.3f s",
               s.queue_seconds(), s.first_token_seconds(), s.generation_seconds(),

@@ -311,6 +311,7 @@ grpc::Status FillResponse(const RequestResult& r, int scale, bool include_tokens
   s->set_measured_step_seconds(st.measured_step_seconds);
   s->set_residual_rounds(st.residual_rounds);
   s->set_residual_fallbacks(st.residual_fallbacks);
+  s->set_draft_target_sq_dist(st.draft_target_sq_dist);
   return grpc::Status::OK;
 }
 

@@ -154,6 +154,8 @@ struct MarScheduler::Active {
   std::vector<int32_t> step_tokens;  // tokens committed by each step
   std::vector<int64_t> verified_at_depth, accepted_at_depth;
   int64_t fallbacks = 0, residual_rounds = 0;
+  double sq_dist = 0;  // draft vs target token, summed over drafted tokens
+  int64_t dist_n = 0;
   std::vector<int32_t> decided;  // positions decided this step
   int64_t last_window = 0;
   bool done(int64_t s) const { return committed >= s; }
@@ -432,7 +434,10 @@ Status MarScheduler::StepImpl() {
       ro.inner_temperature = cp.inner_temperature;
       ro.invert_sigma = cp.invert_sigma;
       ro.fallback = cp.zero_fallback ? CspdFallback::kZero : CspdFallback::kTargetSample;
-      const CspdVerdict v = CspdVerify(at::stack(d->x), qh, ph, noise, ro);
+      const at::Tensor drafts = at::stack(d->x);
+      const CspdVerdict v = CspdVerify(drafts, qh, ph, noise, ro);
+      a.sq_dist += (drafts - p.x0.index({ids})).pow(2).sum().item<double>();
+      a.dist_n += g;
       const at::Tensor acc = v.accepted.to(at::kCPU);
       std::vector<uint8_t> accepted(static_cast<size_t>(g));
       for (int64_t i = 0; i < g; ++i) accepted[i] = acc[i].item<bool>() ? 1 : 0;
@@ -606,6 +611,7 @@ void MarScheduler::Finish(Active& a, Outcomes& out) {
                                                static_cast<double>(a.step_tokens.size());
   st.residual_fallbacks = a.fallbacks;
   st.residual_rounds = a.residual_rounds;
+  st.draft_target_sq_dist = a.dist_n > 0 ? a.sq_dist / static_cast<double>(a.dist_n) : 0;
   j.observer->OnComplete(std::move(res));
   out.completed += 1;
 }

@@ -81,6 +81,10 @@ struct RequestStats {
   // cspd (continuous tokens): residual proposals drawn for rejected drafts, and the rejected
   // drafts whose residual sampling hit its bound and took the fallback.
   int64_t residual_rounds = 0, residual_fallbacks = 0;
+  // cspd: the mean over drafted tokens of the squared distance between the draft's token and
+  // the token the target draws at the same position, in the same context, with the same noise
+  // (the CSpD paper's Table 4, E||x^q - x^p||^2; what trajectory alignment shrinks).
+  double draft_target_sq_dist = 0;
 };
 
 struct RequestResult {
