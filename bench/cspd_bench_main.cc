@@ -148,9 +148,9 @@ int main(int argc, char** argv) {
   const int64_t s = info.grid * info.grid, classes = info.num_classes;
   std::FILE* csv = f.Str("csv").empty() ? nullptr : std::fopen(f.Str("csv").c_str(), "w");
   if (csv)
-    std::fprintf(
-        csv,
-        "batch,method,gamma,prefill,aligned,nfe,draft_forwards,acceptance,sq_dist,seconds,speedup\n");
+    std::fprintf(csv,
+                 "batch,method,gamma,prefill,aligned,nfe,draft_forwards,acceptance,sq_dist,seconds,"
+                 "speedup\n");
 
   DecodingPolicy target = OrDie(PolicyFromPreset("mar"));
   target.cont.num_iter = s;
@@ -237,10 +237,11 @@ int main(int argc, char** argv) {
     Batch b = RunBatch(*engine, info.name, mar_default, acc_n, 500000, classes);
     const at::Tensor feats = clf->Features(Images(b.results));
     const auto [mu, cov] = FeatureStats(feats);
-    std::printf("\ntarget alone (mar, served defaults), %lld images: accuracy %.3f, FD to the "
-                "test set %.2f, %.1f s\n",
-                static_cast<long long>(acc_n), accuracy(feats),
-                FrechetDistance(mu, cov, clf->reference_mean(), clf->reference_cov()), b.seconds);
+    std::printf(
+        "\ntarget alone (mar, served defaults), %lld images: accuracy %.3f, FD to the "
+        "test set %.2f, %.1f s\n",
+        static_cast<long long>(acc_n), accuracy(feats),
+        FrechetDistance(mu, cov, clf->reference_mean(), clf->reference_cov()), b.seconds);
   }
   if (q <= 0) return 0;
   DecodingPolicy paper = OrDie(PolicyFromPreset("cspd"));

@@ -250,8 +250,8 @@ class Call : public RequestObserver, public std::enable_shared_from_this<Call> {
   bool PastDeadline() const {
     const auto deadline = ctx_->deadline();
     if (deadline == std::chrono::system_clock::time_point::max()) return false;
-    const auto slack = std::min<std::chrono::system_clock::duration>(
-        std::chrono::seconds(1), (deadline - arrived_) / 2);
+    const auto slack = std::min<std::chrono::system_clock::duration>(std::chrono::seconds(1),
+                                                                     (deadline - arrived_) / 2);
     return std::chrono::system_clock::now() >= deadline - slack;
   }
 
