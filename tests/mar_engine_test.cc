@@ -170,6 +170,8 @@ TEST(MarEngineTest, CspdWithTheTargetAsDraftAcceptsAllAndDrawsTheTargetsImage) {
   // 13 pre-fill forwards, then windows of 8 drafts + 1 bonus token.
   EXPECT_EQ(b.stats.counters.nfe, 13 + (256 - 13 + 8) / 9);
   EXPECT_EQ(b.stats.counters.draft_forwards, b.stats.counters.drafts_verified);
+  // Aligned, the draft's tokens are the target's (up to the rounding of batched rows).
+  EXPECT_LT(b.stats.draft_target_sq_dist, 1e-6);
   const at::Tensor pa = Pixels(a).to(at::kInt), pb = Pixels(b).to(at::kInt);
   // The same draws; the batched target rows may round differently from the one-row forward.
   EXPECT_LE((pa - pb).abs().max().item<int>(), 1);
@@ -231,6 +233,8 @@ TEST(MarEngineTest, CspdDeparturesAndCancellation) {
   const RequestResult r = Generate(*e, p);
   EXPECT_EQ(r.stats.counters.tokens, 256);
   EXPECT_GT(r.stats.counters.drafts_verified, 0);
+  // The draft's token is its mean, the target's is drawn with the final step's noise.
+  EXPECT_GT(r.stats.draft_target_sq_dist, 0);
   // A cancel mid-way ends the request with CANCELLED and frees its rows.
   auto rec = std::make_shared<Recorder>(e.get(), 3);
   GenerateParams c = Params("mar-self", "cspd");
