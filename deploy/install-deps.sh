@@ -18,7 +18,7 @@ APT_PACKAGES=(
   libprotoc-dev dpkg-dev
   prometheus-cpp-dev libmicrohttpd-dev prometheus openssl
   libgtest-dev libgmock-dev
-  libpng-dev nlohmann-json3-dev
+  libpng-dev nlohmann-json3-dev libpcre2-dev libicu-dev
   dataset-fashion-mnist
   python3-grpcio python3-grpc-tools
 )
@@ -55,9 +55,10 @@ if [ "${have_torch%%+*}" != "$TORCH_VERSION" ]; then
   as_root "$VENV/bin/python" -m pip install -q "torch==$TORCH_VERSION"
 fi
 # numpy, safetensors, matplotlib (with Pillow): tools/ and bench plots; kubernetes-validate and
-# yamllint: the Kubernetes manifests' check (deploy/k8s/check.py, a ctest).
+# yamllint: the Kubernetes manifests' check (deploy/k8s/check.py, a ctest); tokenizers: the
+# reference the prompt tokenizer is tested against (tools/tokenizer_ref.py, a ctest fixture).
 as_root "$VENV/bin/python" -m pip install -q numpy safetensors matplotlib \
-  "kubernetes-validate==1.37.0" "yamllint==1.38.0"
+  "kubernetes-validate==1.37.0" "yamllint==1.38.0" "tokenizers==0.23.3"
 
 # The wheel's LibTorch is the CUDA 13 build, and its CMake config wants a CUDA toolkit even for
 # a CPU-only machine: nvcc, the CUDA headers, the unversioned libcudart.so and libnvrtc.so, and
