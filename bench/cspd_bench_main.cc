@@ -78,30 +78,42 @@ at::Tensor Images(const std::vector<RequestResult>& rs) {
 }
 
 // MMD^2 (biased, RBF kernel with the median pairwise distance as bandwidth) between feature
-// sets, and the fraction of `perms` label permutations whose MMD^2 is at least as large.
+// sets, and the fraction of `perms` permutations whose MMD^2 is at least as large. Both sets hold
+// image i of class i % classes, so the permutations are stratified: labels are shuffled within
+// each class (a free shuffle would also unbalance the classes between the two groups, inflate
+// the null and give p near 1 whatever the sets).
 std::pair<double, double> KernelTwoSample(const at::Tensor& a, const at::Tensor& b, int perms,
-                                          uint64_t seed) {
+                                          int64_t classes, uint64_t seed) {
   const at::Tensor x = at::cat({a, b}).to(at::kDouble);
   const int64_t n = a.size(0), m = x.size(0);
   const at::Tensor d2 = at::cdist(x, x).pow(2);
   const double bw = d2.masked_select(d2 > 0).median().item<double>();
   const at::Tensor k = at::exp(-d2 / bw);
-  auto mmd = [&](const at::Tensor& in_a) {  // in_a: [m] bool
-    const at::Tensor wa = in_a.to(at::kDouble) / n,
-                     wb = in_a.logical_not().to(at::kDouble) / (m - n);
-    const at::Tensor w = wa - wb;
+  auto mmd = [&](const std::vector<uint8_t>& group_a) {
+    const at::Tensor mask =
+        at::tensor(std::vector<int64_t>(group_a.begin(), group_a.end()), at::kLong).to(at::kDouble);
+    const at::Tensor w = mask / n - (1 - mask) / (m - n);
     return at::matmul(w, at::matmul(k, w)).item<double>();
   };
-  at::Tensor labels = at::arange(m) < n;
+  std::vector<uint8_t> labels(static_cast<size_t>(m), 0);
+  for (int64_t i = 0; i < n; ++i) labels[static_cast<size_t>(i)] = 1;
   const double observed = mmd(labels);
+  // The rows of each class, in both sets.
+  std::vector<std::vector<int64_t>> by_class(static_cast<size_t>(classes));
+  std::vector<size_t> in_a(static_cast<size_t>(classes), 0);  // group A's rows of each class
+  for (int64_t i = 0; i < n; ++i) {
+    by_class[static_cast<size_t>(i % classes)].push_back(i);
+    in_a[static_cast<size_t>(i % classes)] += 1;
+  }
+  for (int64_t i = 0; i < m - n; ++i) by_class[static_cast<size_t>(i % classes)].push_back(n + i);
   std::mt19937_64 rng(seed);
   int at_least = 0;
-  std::vector<int64_t> idx(static_cast<size_t>(m));
-  for (int64_t i = 0; i < m; ++i) idx[i] = i;
   for (int p = 0; p < perms; ++p) {
-    std::shuffle(idx.begin(), idx.end(), rng);
-    at::Tensor perm = at::zeros({m}, at::kBool);
-    for (int64_t i = 0; i < n; ++i) perm[idx[i]] = true;
+    std::vector<uint8_t> perm(static_cast<size_t>(m), 0);
+    for (size_t c = 0; c < by_class.size(); ++c) {
+      std::shuffle(by_class[c].begin(), by_class[c].end(), rng);
+      for (size_t i = 0; i < in_a[c]; ++i) perm[static_cast<size_t>(by_class[c][i])] = 1;
+    }
     at_least += mmd(perm) >= observed ? 1 : 0;
   }
   return {observed, (at_least + 1.0) / (perms + 1.0)};
@@ -246,6 +258,8 @@ int main(int argc, char** argv) {
   if (q <= 0) return 0;
   DecodingPolicy paper = OrDie(PolicyFromPreset("cspd"));
   const DecodingPolicy authors = Authors(paper);
+  DecodingPolicy accept_all = paper;
+  accept_all.cont.inner_temperature = 1e6;  // the largest allowed
   struct Set {
     std::string label;
     DecodingPolicy policy;
@@ -256,7 +270,10 @@ int main(int argc, char** argv) {
   std::vector<Set> sets = {{"mar (seeds A)", target, 100000, {}},
                            {"mar (seeds B)", target, 200000, {}},
                            {"cspd (paper)", paper, 300000, {}},
-                           {"cspd (authors' code)", authors, 400000, {}}};
+                           {"cspd (authors' code)", authors, 400000, {}},
+                           // A control the comparison must catch: every draft accepted (an
+                           // inner temperature so large the ratio is about 1): the draft's images.
+                           {"control: accept all", accept_all, 500000, {}}};
   std::printf("\nquality: %lld images per method (classes cycled)\n", static_cast<long long>(q));
   std::printf("%-22s %8s %9s %12s %10s %10s %8s %10s %9s\n", "method", "accuracy", "FD test",
               "FD to A", "MMD^2", "MMD p", "accept", "fallbacks", "seconds");
@@ -279,9 +296,10 @@ int main(int argc, char** argv) {
     const auto [mu, cov] = FeatureStats(st.features);
     const double fd_test = FrechetDistance(mu, cov, clf->reference_mean(), clf->reference_cov());
     const double fd_a = FrechetDistance(mu, cov, mu_a, cov_a);
-    const auto [mmd, p] = &st == &sets[0] ? std::pair<double, double>{0, 1}
-                                          : KernelTwoSample(sets[0].features, st.features,
-                                                            static_cast<int>(f.Int("perms")), 7);
+    const auto [mmd, p] = &st == &sets[0]
+                              ? std::pair<double, double>{0, 1}
+                              : KernelTwoSample(sets[0].features, st.features,
+                                                static_cast<int>(f.Int("perms")), classes, 7);
     std::printf("%-22s %8.3f %9.2f %12.2f %10.5f %10.4f %8.3f %10.0f %9.1f\n", st.label.c_str(),
                 st.accuracy, fd_test, fd_a, mmd, p, st.acceptance, st.fallbacks, st.seconds);
   }
