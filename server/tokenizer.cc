@@ -324,25 +324,38 @@ bool IsWhitespace(uint32_t c) {  // Unicode White_Space, as Rust's char::is_whit
          c == 0x3000;
 }
 
+// The start of the character that ends just before `at` (never below `floor`).
+size_t PrevChar(std::string_view s, size_t floor, size_t at) {
+  size_t k = at - 1;
+  while (k > floor && (static_cast<unsigned char>(s[k]) & 0xC0) == 0x80) --k;
+  return k;
+}
+
+// `from` moved forward past whitespace characters, not beyond `limit`.
+size_t SkipWhitespace(std::string_view s, size_t from, size_t limit) {
+  while (from < limit) {
+    uint32_t c = 0;
+    const size_t n = Utf8Len(s, from, &c);
+    if (n == 0 || !IsWhitespace(c)) break;
+    from += n;
+  }
+  return from;
+}
+
+// `end` moved back past whitespace characters, not below `floor`.
+size_t SkipWhitespaceBack(std::string_view s, size_t floor, size_t end) {
+  while (end > floor) {
+    const size_t k = PrevChar(s, floor, end);
+    uint32_t c = 0;
+    if (Utf8Len(s, k, &c) == 0 || !IsWhitespace(c)) break;
+    end = k;
+  }
+  return end;
+}
+
 std::string Strip::Apply(const std::string& s) const {
-  size_t a = 0, b = s.size();
-  if (left_) {
-    while (a < b) {
-      uint32_t c = 0;
-      const size_t n = Utf8Len(s, a, &c);
-      if (n == 0 || !IsWhitespace(c)) break;
-      a += n;
-    }
-  }
-  if (right_) {
-    while (b > a) {
-      size_t k = b - 1;
-      while (k > a && (static_cast<unsigned char>(s[k]) & 0xC0) == 0x80) --k;
-      uint32_t c = 0;
-      if (Utf8Len(s, k, &c) == 0 || !IsWhitespace(c)) break;
-      b = k;
-    }
-  }
+  const size_t a = left_ ? SkipWhitespace(s, 0, s.size()) : 0;
+  const size_t b = right_ ? SkipWhitespaceBack(s, a, s.size()) : s.size();
   return s.substr(a, b - a);
 }
 
@@ -615,8 +628,7 @@ std::vector<std::pair<std::string, int>> Tokenizer::Impl::SplitAdded(const std::
     size_t k = at;
     if (before) {
       if (at == 0) return false;
-      k = at - 1;
-      while (k > 0 && (static_cast<unsigned char>(s[k]) & 0xC0) == 0x80) --k;
+      k = PrevChar(s, 0, at);
     } else if (at >= s.size()) {
       return false;
     }
@@ -649,24 +661,8 @@ std::vector<std::pair<std::string, int>> Tokenizer::Impl::SplitAdded(const std::
       continue;
     }
     const Added& a = added[static_cast<size_t>(best)];
-    size_t from = i, to = i + best_len;
-    if (a.lstrip) {
-      while (from > start) {
-        size_t k = from - 1;
-        while (k > start && (static_cast<unsigned char>(text[k]) & 0xC0) == 0x80) --k;
-        uint32_t c = 0;
-        if (Utf8Len(text, k, &c) == 0 || !IsWhitespace(c)) break;
-        from = k;
-      }
-    }
-    if (a.rstrip) {
-      while (to < text.size()) {
-        uint32_t c = 0;
-        const size_t n = Utf8Len(text, to, &c);
-        if (n == 0 || !IsWhitespace(c)) break;
-        to += n;
-      }
-    }
+    const size_t from = a.lstrip ? SkipWhitespaceBack(text, start, i) : i;
+    const size_t to = a.rstrip ? SkipWhitespace(text, i + best_len, text.size()) : i + best_len;
     if (from > start) out.emplace_back(text.substr(start, from - start), -1);
     out.emplace_back(a.content, best);
     start = i = to;
