@@ -9,6 +9,12 @@ parity tests (tests/parity_test.cc):
   mar-small-random/, kl-small-random/   a small random MAR (16x16 tokens of 16 channels) and KL
                             decoder (latent 16x16 -> 64x64), both written by tools/convert_mar.py
                             from fake official checkpoints (tools/mar_ref.py)
+  janus-small-random/, janus-small-vq/   a small random Janus-Pro-layout generation model and its
+                            VQ-16 decoder, written by tools/convert_janus.py from a fake official
+                            checkpoint (tools/janus_ref.py)
+  janus_small.safetensors   its reference image logits (two prompts of different lengths, one
+                            with the unconditional row's pad ids) and, for the first, the logits
+                            of the wrong variant (LlamaGen's interleaved RoPE)
   mar_small.safetensors     their reference values: forward_mae (enc_*), the DiffLoss net
                             (head_*), the respaced DDPM sampler with and without CFG (samp_*,
                             samp1_*), the MAR loop (loop_*) and the KL decoder (kl_*)
@@ -25,7 +31,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from imagegen_ref import GPT, GPTConfig, VQConfig, VQModel, gpt_from_dir, vq_from_dir  # noqa
 from safetensors.torch import save_file
 import convert_llamagen  # noqa: E402
+import convert_janus  # noqa: E402
 import convert_mar  # noqa: E402
+import janus_ref  # noqa: E402
 import mar_ref  # noqa: E402
 
 
@@ -108,8 +116,39 @@ def main():
         img = vq16.decode_code(ids)
     save_file({"ids": ids, "image": img.contiguous()}, os.path.join(args.out, "vq16_random.safetensors"))
 
+    janus_references(args.out)
     mar_references(args.out)
     print("parity references written to", args.out)
+
+
+def janus_references(out: str):
+    """A small random Janus-Pro-layout model converted from a fake official checkpoint, and its
+    reference logits (conventions in tools/janus_ref.py)."""
+    import shutil
+    c = janus_ref.SMALL
+    vq = VQModel(VQConfig(image_size=c["image_size"])).eval()
+    randomise(vq, 8)
+    hf = os.path.join(out, "janus-small-hf")
+    sd = janus_ref.write_fake_checkpoint(hf, c, 7, dict(vq.state_dict()))
+    convert_janus.main([hf, os.path.join(out, "janus-small-random"),
+                        os.path.join(out, "janus-small-vq"), "--max-prompt-len", "32",
+                        "--image-size", str(c["image_size"]), "--dtype", "float32"])
+    shutil.rmtree(hf)
+    g = torch.Generator().manual_seed(9)
+    n = (c["image_size"] // 16) ** 2 - 1  # image tokens fed (the last one never is)
+    prompt_a = torch.randint(0, c["vocab_size"], (1, 7), generator=g)
+    pad = 3
+    prompt_b = torch.full((1, 12), pad)  # as Janus builds the unconditional row: BOS, pads, last
+    prompt_b[0, 0], prompt_b[0, -1] = 1, 2
+    image_a = torch.randint(0, c["image_token_size"], (1, n), generator=g)
+    image_b = torch.randint(0, c["image_token_size"], (1, n), generator=g)
+    save_file({
+        "prompt_a": prompt_a[0], "image_a": image_a[0],
+        "logits_a": janus_ref.forward(sd, c, prompt_a, image_a)[0].contiguous(),
+        "wrong_a": janus_ref.forward(sd, c, prompt_a, image_a, "interleaved")[0].contiguous(),
+        "prompt_b": prompt_b[0], "image_b": image_b[0],
+        "logits_b": janus_ref.forward(sd, c, prompt_b, image_b)[0].contiguous(),
+    }, os.path.join(out, "janus_small.safetensors"))
 
 
 MAR_SMALL = dict(img_size=256, vae_stride=16, patch_size=1, vae_embed_dim=16, class_num=10,

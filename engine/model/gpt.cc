@@ -33,6 +33,17 @@ at::Tensor ApplyRope(const at::Tensor& x, const at::Tensor& table) {
   return out.reshape({t, h, hd}).to(x.scalar_type());
 }
 
+// x [T, H, hd]; table [T, hd/2, 2] float32; Hugging Face LLaMA's rotate-half layout: element j
+// pairs with element j + hd/2 (x * cos + rotate_half(x) * sin), computed in fp32.
+at::Tensor ApplyRopeHalf(const at::Tensor& x, const at::Tensor& table) {
+  const int64_t hd = x.size(2);
+  at::Tensor xf = x.to(at::kFloat);
+  at::Tensor c = table.select(-1, 0).unsqueeze(1);  // [T, 1, hd/2]
+  at::Tensor s = table.select(-1, 1).unsqueeze(1);
+  at::Tensor x1 = xf.narrow(-1, 0, hd / 2), x2 = xf.narrow(-1, hd / 2, hd / 2);
+  return at::cat({x1 * c - x2 * s, x2 * c + x1 * s}, -1).to(x.scalar_type());
+}
+
 at::Tensor Linear(const at::Tensor& x, const at::Tensor& w, bool invariant) {
   const int64_t m = x.size(0);
   if (!invariant || m >= kInvariantMinRows) return at::linear(x, w);
@@ -44,6 +55,7 @@ at::Tensor Linear(const at::Tensor& x, const at::Tensor& w, bool invariant) {
 }  // namespace
 
 int64_t GptConfig::ffn_hidden() const {
+  if (intermediate_size > 0) return intermediate_size;
   int64_t hidden = static_cast<int64_t>(2.0 * 4 * dim / 3);
   if (ffn_dim_multiplier > 0) hidden = static_cast<int64_t>(ffn_dim_multiplier * hidden);
   return RoundUp(hidden, multiple_of);
@@ -54,12 +66,107 @@ int64_t GptConfig::grid() const {
   return g;
 }
 
+namespace {
+
+// The sampling defaults every request that sets no sampling field gets: checked at load, so that
+// a bad file is reported against the file and not against requests that never set the field.
+Status CheckSamplingDefaults(const GptConfig& c, const std::string& where) {
+  const SamplingParams defaults{c.default_cfg_scale, c.default_temperature, c.default_top_k,
+                                c.default_top_p};
+  if (Status s = ValidateSampling(defaults, c.vocab_size); !s.ok()) {
+    std::string text = s.message();
+    if (text.rfind(s.field() + ": ", 0) == 0) text = text.substr(s.field().size() + 2);
+    return FailedPrecondition(where + ": 'sampling_defaults." + s.field() + "' " + text);
+  }
+  if (defaults.uses_cfg() && !c.prompted() && !c.has_null_class()) {
+    return FailedPrecondition(
+        where + ": 'sampling_defaults.cfg_scale' > 1 needs a null class (class_dropout_prob > 0)");
+  }
+  return OkStatus();
+}
+
+Status ParseSamplingDefaults(JsonFields& f, GptConfig& c, const std::string& where) {
+  if (const Json* d = f.Find("sampling_defaults"); d != nullptr) {
+    JsonFields sd(*d, where + ": sampling_defaults");
+    ASSIGN_OR_RETURN(c.default_cfg_scale, sd.Number("cfg_scale", c.default_cfg_scale));
+    ASSIGN_OR_RETURN(c.default_temperature, sd.Number("temperature", 1.0));
+    ASSIGN_OR_RETURN(c.default_top_k, sd.Int("top_k", 0));
+    ASSIGN_OR_RETURN(c.default_top_p, sd.Number("top_p", 1.0));
+  }
+  return OkStatus();
+}
+
+// config.json of "type": "janus-gen" (written by tools/convert_janus.py).
+StatusOr<GptConfig> ParseJanusConfig(JsonFields& f, const std::string& where) {
+  GptConfig c;
+  c.arch = GptArch::kJanus;
+  c.num_classes = 0;
+  c.cls_token_num = 0;
+  c.class_dropout_prob = 0;
+  c.default_cfg_scale = 5.0;  // Janus's generation_inference.py: cfg_weight 5, temperature 1
+  ASSIGN_OR_RETURN(c.dim, f.Int("dim"));
+  ASSIGN_OR_RETURN(c.n_layer, f.Int("n_layer"));
+  ASSIGN_OR_RETURN(c.n_head, f.Int("n_head"));
+  ASSIGN_OR_RETURN(c.intermediate_size, f.Int("intermediate_size"));
+  ASSIGN_OR_RETURN(c.text_vocab_size, f.Int("text_vocab_size"));
+  ASSIGN_OR_RETURN(c.vocab_size, f.Int("vocab_size"));
+  ASSIGN_OR_RETURN(c.block_size, f.Int("block_size"));
+  ASSIGN_OR_RETURN(c.max_prompt_len, f.Int("max_prompt_len"));
+  ASSIGN_OR_RETURN(c.gen_embed_dim, f.Int("gen_embed_dim"));
+  ASSIGN_OR_RETURN(c.head_hidden, f.Int("head_hidden"));
+  ASSIGN_OR_RETURN(c.rope_base, f.Number("rope_base", 10000));
+  ASSIGN_OR_RETURN(c.norm_eps, f.Number("norm_eps", 1e-6));
+  ASSIGN_OR_RETURN(c.pad_id, f.Int("pad_id", -1));
+  ASSIGN_OR_RETURN(c.prompt_template, f.String("prompt_template", "{prompt}"));
+  ASSIGN_OR_RETURN(c.text_tokenizer, f.String("text_tokenizer", ""));
+  ASSIGN_OR_RETURN(c.tokenizer, f.String("tokenizer", ""));
+  ASSIGN_OR_RETURN(c.draft_model, f.String("draft_model", ""));
+  RETURN_IF_ERROR(ParseSamplingDefaults(f, c, where));
+  ASSIGN_OR_RETURN(int64_t n_kv_head, f.Int("n_kv_head", c.n_head));
+  auto bad = [&](const std::string& what) { return FailedPrecondition(where + ": " + what); };
+  if (c.dim <= 0 || c.n_layer <= 0 || c.n_head <= 0 || c.intermediate_size <= 0 ||
+      c.text_vocab_size <= 0 || c.vocab_size <= 0 || c.block_size <= 0 || c.max_prompt_len <= 0 ||
+      c.gen_embed_dim <= 0 || c.head_hidden <= 0) {
+    return bad(
+        "dim, n_layer, n_head, intermediate_size, text_vocab_size, vocab_size, block_size, "
+        "max_prompt_len, gen_embed_dim and head_hidden must be positive");
+  }
+  if (n_kv_head != c.n_head) return bad("'n_kv_head' != 'n_head' (GQA) is not supported");
+  if (c.dim > 65536 || c.n_layer > 1024 || c.n_head > 1024 || c.intermediate_size > (1 << 20) ||
+      c.text_vocab_size > (1 << 22) || c.vocab_size > (1 << 22) || c.block_size > 128 * 128 ||
+      c.max_prompt_len > 65536 || c.gen_embed_dim > 65536 || c.head_hidden > (1 << 20)) {
+    return bad(
+        "model sizes out of range (dim, max_prompt_len, gen_embed_dim <= 65536, n_layer/n_head "
+        "<= 1024, intermediate_size and head_hidden <= 1048576, vocabularies <= 4194304, "
+        "block_size <= 16384)");
+  }
+  if (!(c.rope_base > 1) || c.rope_base > 1e12 || !(c.norm_eps >= 0) || c.norm_eps > 1) {
+    return bad("rope_base in (1, 1e12] and norm_eps in [0, 1] are required");
+  }
+  if (c.dim % c.n_head != 0 || c.head_dim() % 2 != 0) {
+    return bad("'dim' / 'n_head' must be even (rotate-half RoPE)");
+  }
+  if (c.grid() * c.grid() != c.block_size) return bad("'block_size' must be a square (grid^2)");
+  if (c.pad_id < -1 || c.pad_id >= c.text_vocab_size) {
+    return bad("'pad_id' must be a text token id in [0, text_vocab_size)");
+  }
+  if (c.prompt_template.find("{prompt}") == std::string::npos) {
+    return bad("'prompt_template' must contain \"{prompt}\"");
+  }
+  RETURN_IF_ERROR(CheckSamplingDefaults(c, where));
+  return c;
+}
+
+}  // namespace
+
 StatusOr<GptConfig> ParseGptConfig(const Json& json, const std::string& where) {
   JsonFields f(json, where);
   GptConfig c;
   ASSIGN_OR_RETURN(std::string type, f.String("type", "llamagen-gpt"));
+  if (type == "janus-gen") return ParseJanusConfig(f, where);
   if (type != "llamagen-gpt") {
-    return FailedPrecondition(where + ": 'type' is \"" + type + "\", expected \"llamagen-gpt\"");
+    return FailedPrecondition(where + ": 'type' is \"" + type +
+                              "\", expected \"llamagen-gpt\" or \"janus-gen\"");
   }
   ASSIGN_OR_RETURN(c.dim, f.Int("dim"));
   ASSIGN_OR_RETURN(c.n_layer, f.Int("n_layer"));
@@ -78,13 +185,7 @@ StatusOr<GptConfig> ParseGptConfig(const Json& json, const std::string& where) {
   if (f.Find("class_names") != nullptr) {
     ASSIGN_OR_RETURN(c.class_names, f.StringList("class_names"));
   }
-  if (const Json* d = f.Find("sampling_defaults"); d != nullptr) {
-    JsonFields sd(*d, where + ": sampling_defaults");
-    ASSIGN_OR_RETURN(c.default_cfg_scale, sd.Number("cfg_scale", 1.0));
-    ASSIGN_OR_RETURN(c.default_temperature, sd.Number("temperature", 1.0));
-    ASSIGN_OR_RETURN(c.default_top_k, sd.Int("top_k", 0));
-    ASSIGN_OR_RETURN(c.default_top_p, sd.Number("top_p", 1.0));
-  }
+  RETURN_IF_ERROR(ParseSamplingDefaults(f, c, where));
   ASSIGN_OR_RETURN(int64_t n_kv_head, f.Int("n_kv_head", c.n_head));
   auto bad = [&](const std::string& what) { return FailedPrecondition(where + ": " + what); };
   if (c.dim <= 0 || c.n_layer <= 0 || c.n_head <= 0 || c.vocab_size <= 0 || c.num_classes <= 0 ||
@@ -116,18 +217,7 @@ StatusOr<GptConfig> ParseGptConfig(const Json& json, const std::string& where) {
     return bad("'class_names' has " + std::to_string(c.class_names.size()) +
                " entries but 'num_classes' is " + std::to_string(c.num_classes));
   }
-  // The defaults every request that sets no sampling field gets: checked here, at load, so that
-  // a bad file is reported against the file and not against requests that never set the field.
-  const SamplingParams defaults{c.default_cfg_scale, c.default_temperature, c.default_top_k,
-                                c.default_top_p};
-  if (Status s = ValidateSampling(defaults, c.vocab_size); !s.ok()) {
-    std::string text = s.message();
-    if (text.rfind(s.field() + ": ", 0) == 0) text = text.substr(s.field().size() + 2);
-    return bad("'sampling_defaults." + s.field() + "' " + text);
-  }
-  if (defaults.uses_cfg() && !c.has_null_class()) {
-    return bad("'sampling_defaults.cfg_scale' > 1 needs a null class (class_dropout_prob > 0)");
-  }
+  RETURN_IF_ERROR(CheckSamplingDefaults(c, where));
   return c;
 }
 
@@ -145,6 +235,14 @@ at::Tensor RopeTable2d(int64_t grid, int64_t head_dim, double base, int64_t cls_
   at::Tensor table =
       at::stack({at::cos(grid_ang), at::sin(grid_ang)}, -1).reshape({grid * grid, half, 2});
   return at::cat({at::zeros({cls_token_num, half, 2}, at::kFloat), table}, 0);
+}
+
+at::Tensor RopeTable1d(int64_t len, int64_t head_dim, double base) {
+  // As transformers' LlamaRotaryEmbedding (rope_type "default") computes it, in float32.
+  at::Tensor inv_freq = 1.0 / at::pow(base, at::arange(0, head_dim, 2, at::kLong).to(at::kFloat) /
+                                                static_cast<double>(head_dim));
+  at::Tensor ang = at::outer(at::arange(len, at::kLong).to(at::kFloat), inv_freq);
+  return at::stack({at::cos(ang), at::sin(ang)}, -1).contiguous();  // [len, hd/2, 2]
 }
 
 StatusOr<std::unique_ptr<Gpt>> Gpt::Load(const std::string& dir, const LoadOptions& opts) {
@@ -170,11 +268,35 @@ StatusOr<std::unique_ptr<Gpt>> Gpt::FromStoreImpl(const GptConfig& cfg, WeightSt
   m->cfg_ = cfg;
   m->opts_ = opts;
   const int64_t d = cfg.dim, h = cfg.ffn_hidden();
-  const int64_t label_rows = cfg.num_classes + (cfg.has_null_class() ? 1 : 0);
-  ASSIGN_OR_RETURN(at::Tensor tok, store.Take("tok_embeddings.weight", {cfg.vocab_size, d}, opts));
-  ASSIGN_OR_RETURN(at::Tensor cls,
-                   store.Take("cls_embedding.embedding_table.weight", {label_rows, d}, opts));
-  m->embed_ = at::cat({tok, cls}, 0).contiguous();
+  if (cfg.prompted()) {
+    // Image-token inputs are gen_aligner(gen_embed(id)): one fixed row per id, computed once
+    // (in fp32) instead of per token. Text rows follow them, as class rows do for LlamaGen.
+    const int64_t e = cfg.gen_embed_dim;
+    ASSIGN_OR_RETURN(at::Tensor ge,
+                     store.Take("gen_embed.weight", {cfg.vocab_size, e}, opts, true));
+    ASSIGN_OR_RETURN(at::Tensor a0w, store.Take("gen_aligner.layers.0.weight", {d, e}, opts, true));
+    ASSIGN_OR_RETURN(at::Tensor a0b, store.Take("gen_aligner.layers.0.bias", {d}, opts, true));
+    ASSIGN_OR_RETURN(at::Tensor a2w, store.Take("gen_aligner.layers.2.weight", {d, d}, opts, true));
+    ASSIGN_OR_RETURN(at::Tensor a2b, store.Take("gen_aligner.layers.2.bias", {d}, opts, true));
+    at::Tensor image_rows = at::linear(at::gelu(at::linear(ge, a0w, a0b)), a2w, a2b);
+    ASSIGN_OR_RETURN(at::Tensor text,
+                     store.Take("tok_embeddings.weight", {cfg.text_vocab_size, d}, opts));
+    m->embed_ = at::cat({image_rows.to(opts.dtype), text}, 0).contiguous();
+    const int64_t hh = cfg.head_hidden;
+    ASSIGN_OR_RETURN(m->head_w1_,
+                     store.Take("gen_head.output_mlp_projector.weight", {hh, d}, opts));
+    ASSIGN_OR_RETURN(m->head_b1_, store.Take("gen_head.output_mlp_projector.bias", {hh}, opts));
+    ASSIGN_OR_RETURN(m->output_,
+                     store.Take("gen_head.vision_head.weight", {cfg.vocab_size, hh}, opts));
+    ASSIGN_OR_RETURN(m->head_b2_, store.Take("gen_head.vision_head.bias", {cfg.vocab_size}, opts));
+  } else {
+    const int64_t label_rows = cfg.condition_ids();
+    ASSIGN_OR_RETURN(at::Tensor tok,
+                     store.Take("tok_embeddings.weight", {cfg.vocab_size, d}, opts));
+    ASSIGN_OR_RETURN(at::Tensor cls,
+                     store.Take("cls_embedding.embedding_table.weight", {label_rows, d}, opts));
+    m->embed_ = at::cat({tok, cls}, 0).contiguous();
+  }
   for (int64_t l = 0; l < cfg.n_layer; ++l) {
     const std::string p = "layers." + std::to_string(l) + ".";
     Layer L;
@@ -188,11 +310,12 @@ StatusOr<std::unique_ptr<Gpt>> Gpt::FromStoreImpl(const GptConfig& cfg, WeightSt
     m->layers_.push_back(std::move(L));
   }
   ASSIGN_OR_RETURN(m->norm_, store.Take("norm.weight", {d}, opts));
-  ASSIGN_OR_RETURN(m->output_, store.Take("output.weight", {cfg.vocab_size, d}, opts));
+  if (!cfg.prompted()) {
+    ASSIGN_OR_RETURN(m->output_, store.Take("output.weight", {cfg.vocab_size, d}, opts));
+  }
   // freqs_cis is recomputed (models.md 1.4); KV caches are never weights.
   RETURN_IF_ERROR(store.Finish({"freqs_cis", "*.kv_cache."}));
-  m->rope_ =
-      RopeTable2d(cfg.grid(), cfg.head_dim(), cfg.rope_base, cfg.cls_token_num).to(opts.device);
+  m->rope_ = m->RopeTable().to(opts.device);
   return m;
 }
 
@@ -201,7 +324,7 @@ std::unique_ptr<Gpt> Gpt::Random(const GptConfig& cfg, const LoadOptions& opts, 
   const auto o = at::TensorOptions().dtype(opts.dtype).device(opts.device);
   auto w = [&](std::vector<int64_t> shape) { return (at::randn(shape, o) * 0.02).contiguous(); };
   const int64_t d = cfg.dim, h = cfg.ffn_hidden();
-  const int64_t label_rows = cfg.num_classes + (cfg.has_null_class() ? 1 : 0);
+  const int64_t label_rows = cfg.condition_ids();
   std::unique_ptr<Gpt> m(new Gpt());
   m->cfg_ = cfg;
   m->opts_ = opts;
@@ -211,14 +334,28 @@ std::unique_ptr<Gpt> Gpt::Random(const GptConfig& cfg, const LoadOptions& opts, 
                           w({d, h}), w({h, d})});
   }
   m->norm_ = at::ones({d}, o);
-  m->output_ = w({cfg.vocab_size, d});
-  m->rope_ =
-      RopeTable2d(cfg.grid(), cfg.head_dim(), cfg.rope_base, cfg.cls_token_num).to(opts.device);
+  if (cfg.prompted()) {
+    m->head_w1_ = w({cfg.head_hidden, d});
+    m->head_b1_ = w({cfg.head_hidden});
+    m->output_ = w({cfg.vocab_size, cfg.head_hidden});
+    m->head_b2_ = w({cfg.vocab_size});
+  } else {
+    m->output_ = w({cfg.vocab_size, d});
+  }
+  m->rope_ = m->RopeTable().to(opts.device);
   return m;
+}
+
+at::Tensor Gpt::RopeTable() const {
+  if (cfg_.prompted()) return RopeTable1d(cfg_.seq_len(), cfg_.head_dim(), cfg_.rope_base);
+  return RopeTable2d(cfg_.grid(), cfg_.head_dim(), cfg_.rope_base, cfg_.cls_token_num);
 }
 
 int64_t Gpt::weight_bytes() const {
   int64_t b = static_cast<int64_t>(output_.nbytes() + norm_.nbytes());
+  for (const at::Tensor* t : {&head_w1_, &head_b1_, &head_b2_}) {
+    if (t->defined()) b += static_cast<int64_t>(t->nbytes());
+  }
   for (const Layer& L : layers_) {
     for (const at::Tensor* t :
          {&L.attention_norm, &L.wqkv, &L.wo, &L.ffn_norm, &L.w1, &L.w2, &L.w3}) {
@@ -243,7 +380,7 @@ KvCache Gpt::NewCache(int64_t slots, int64_t extra) const {
 Status Gpt::Validate(const std::vector<BatchRow>& batch, const KvCache& cache,
                      bool check_tokens) const {
   if (batch.empty()) return InvalidArgument("forward: empty batch");
-  const int64_t label_rows = cfg_.num_classes + (cfg_.has_null_class() ? 1 : 0);
+  const int64_t label_rows = cfg_.condition_ids();
   std::vector<bool> seen(static_cast<size_t>(cache.slots), false);
   for (size_t r = 0; r < batch.size(); ++r) {
     const BatchRow& row = batch[r];
@@ -254,6 +391,11 @@ Status Gpt::Validate(const std::vector<BatchRow>& batch, const KvCache& cache,
       return InvalidArgument(where + "tokens and positions differ in length");
     }
     if (row.slot < 0 || row.slot >= cache.slots) return InvalidArgument(where + "bad slot");
+    const int64_t prefix = RowPrefix(row);
+    if (prefix < 0 || prefix > cfg_.prefix_capacity() || (cfg_.prompted() && prefix == 0)) {
+      return InvalidArgument(where + "prefix must be in [1, " +
+                             std::to_string(cfg_.prefix_capacity()) + "]");
+    }
     if (row.cache_len < 0 || row.cache_len + n > cache.capacity) {
       return InvalidArgument(where + "cache_len + tokens exceeds the slot capacity");
     }
@@ -268,10 +410,12 @@ Status Gpt::Validate(const std::vector<BatchRow>& batch, const KvCache& cache,
     }
     for (int64_t i = 0; i < n; ++i) {
       const int64_t pos = row.positions[i], tok = row.tokens[i];
-      if (pos < 0 || pos >= cfg_.seq_len()) return InvalidArgument(where + "position out of range");
-      // With device tokens only the class labels are known here (the rows carry them too).
-      if (!check_tokens && pos >= cfg_.cls_token_num) continue;
-      const int64_t limit = pos < cfg_.cls_token_num ? label_rows : cfg_.vocab_size;
+      if (pos < 0 || pos >= prefix + cfg_.block_size) {
+        return InvalidArgument(where + "position out of range");
+      }
+      // With device tokens only the condition tokens are known here (the rows carry them too).
+      if (!check_tokens && pos >= prefix) continue;
+      const int64_t limit = pos < prefix ? label_rows : cfg_.vocab_size;
       if (tok < 0 || tok >= limit) return InvalidArgument(where + "token id out of range");
     }
     if (seen[static_cast<size_t>(row.slot)])
@@ -352,11 +496,22 @@ at::Tensor Gpt::ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache,
     for (uint8_t m : row.mask) custom_pairs += m != 0 ? 1 : 0;
   }
   host.reserve(static_cast<size_t>((feed_ids ? 4 : 3) * T + 4 * R + custom_pairs));
+  // With device tokens: the flat indices of the condition tokens among them, whose embedding
+  // rows follow the image vocabulary.
+  std::vector<int64_t> cond_idx;
   if (feed_ids) {
     for (const BatchRow& row : batch) {
+      const int64_t prefix = RowPrefix(row);
       for (size_t i = 0; i < row.tokens.size(); ++i) {
-        host.push_back(row.positions[i] < cfg_.cls_token_num ? cfg_.vocab_size + row.tokens[i]
-                                                             : row.tokens[i]);
+        host.push_back(row.positions[i] < prefix ? cfg_.vocab_size + row.tokens[i] : row.tokens[i]);
+      }
+    }
+  } else {
+    int64_t t = 0;
+    for (const BatchRow& row : batch) {
+      const int64_t prefix = RowPrefix(row);
+      for (size_t i = 0; i < row.tokens.size(); ++i, ++t) {
+        if (row.positions[i] < prefix) cond_idx.push_back(t);
       }
     }
   }
@@ -385,6 +540,7 @@ at::Tensor Gpt::ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache,
       }
     }
   }
+  host.insert(host.end(), cond_idx.begin(), cond_idx.end());
   const auto dev = opts_.device;
   at::Tensor up = UploadLongs(host, dev);
   int64_t off = 0;
@@ -395,13 +551,13 @@ at::Tensor Gpt::ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache,
   };
   at::Tensor ids = feed_ids ? take(T) : device_tokens.to(at::kLong).reshape({T});
   at::Tensor pos = take(T), dst = take(T), src = take(T), slots = take(R);
-  if (!feed_ids) {  // class labels among the device tokens: their embedding rows follow the vocab
-    bool labels = false;
-    for (const BatchRow& row : batch) labels |= row.positions[0] < cfg_.cls_token_num;
-    if (labels) ids = at::where(pos < cfg_.cls_token_num, ids + cfg_.vocab_size, ids);
-  }
   at::Tensor meta = take(3 * R).view({3, R, 1, 1});  // cache_len, n, has its own mask
   at::Tensor pairs = take(custom_pairs);
+  if (!cond_idx.empty()) {  // condition tokens among the device tokens
+    ids = ids.index_add(
+        0, take(static_cast<int64_t>(cond_idx.size())),
+        at::full({static_cast<int64_t>(cond_idx.size())}, cfg_.vocab_size, ids.options()));
+  }
 
   // allow[r, i, j]: query i of row r may attend cache entry j. A real query attends the
   // committed prefix (j < cache_len) and, among the new tokens (jj = j - cache_len in [0, n)),
@@ -431,8 +587,9 @@ at::Tensor Gpt::ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache,
     const Layer& L = layers_[l];
     at::Tensor qkv = Linear(RmsNorm(x, L.attention_norm, cfg_.norm_eps), L.wqkv, invariant);
     auto parts = qkv.split(D, -1);
-    at::Tensor q = ApplyRope(parts[0].reshape({T, H, hd}), rope);
-    at::Tensor k = ApplyRope(parts[1].reshape({T, H, hd}), rope);
+    const auto rotate = cfg_.prompted() ? ApplyRopeHalf : ApplyRope;
+    at::Tensor q = rotate(parts[0].reshape({T, H, hd}), rope);
+    at::Tensor k = rotate(parts[1].reshape({T, H, hd}), rope);
     at::Tensor v = parts[2].reshape({T, H, hd});
     at::Tensor& ck = cache.k[l];
     at::Tensor& cv = cache.v[l];
@@ -476,7 +633,21 @@ at::Tensor Gpt::ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache,
     x = x + Linear(at::silu(Linear(hn, L.w1, invariant)) * Linear(hn, L.w3, invariant), L.w2,
                    invariant);
   }
-  return Linear(RmsNorm(x, norm_, cfg_.norm_eps), output_, invariant).to(at::kFloat);
+  at::Tensor h = RmsNorm(x, norm_, cfg_.norm_eps);
+  if (cfg_.prompted()) {  // gen_head: Linear, GELU (exact), Linear
+    h = at::gelu(Linear(h, head_w1_, invariant) + head_b1_);
+    return (Linear(h, output_, invariant) + head_b2_).to(at::kFloat);
+  }
+  return Linear(h, output_, invariant).to(at::kFloat);
+}
+
+void CopyCachePrefix(KvCache& cache, int64_t from_slot, int64_t to_slot, int64_t len) {
+  if (len <= 0 || from_slot == to_slot) return;
+  for (size_t l = 0; l < cache.k.size(); ++l) {
+    for (at::Tensor* t : {&cache.k[l], &cache.v[l]}) {
+      (*t)[to_slot].narrow(0, 0, len).copy_((*t)[from_slot].narrow(0, 0, len));
+    }
+  }
 }
 
 void MoveCacheEntries(KvCache& cache, int64_t slot, const std::vector<int64_t>& from, int64_t to) {

@@ -1,6 +1,8 @@
-// The LlamaGen class-conditional GPT (shared/docs/models.md section 1), with a forward pass
-// over a ragged batch: many rows, each with its own KV-cache slot, committed length, new tokens
-// at given positions and an optional mask among the new tokens.
+// The LlamaGen class-conditional GPT (shared/docs/models.md section 1), or the image-generation
+// path of Janus-Pro (section 4: a LLaMA language model fed prompt tokens then aligned image
+// embeddings, with an MLP image head), with a forward pass over a ragged batch: many rows,
+// each with its own KV-cache slot, committed length, new tokens at given positions and an
+// optional mask among the new tokens.
 //
 // A Gpt is immutable after Load and may be shared; Forward mutates only the KvCache it is
 // given, so concurrent Forward calls need distinct caches.
@@ -17,7 +19,18 @@
 
 namespace imagegen {
 
+// Which network a GptConfig describes.
+enum class GptArch {
+  // LlamaGen c2i: one class token, 2D RoPE (interleaved pairs), a linear head.
+  kLlamaGen,
+  // Janus-Pro generation: a prompt of text tokens (any length up to max_prompt_len), 1-D
+  // rotate-half RoPE over the whole sequence, image inputs gen_aligner(gen_embed(id)), image
+  // logits gen_head(norm(h)) (Linear, GELU, Linear). config.json "type": "janus-gen".
+  kJanus,
+};
+
 struct GptConfig {
+  GptArch arch = GptArch::kLlamaGen;
   int64_t dim = 768, n_layer = 12, n_head = 12;
   int64_t vocab_size = 16384, num_classes = 1000;
   int64_t block_size = 256;  // image tokens = grid^2
@@ -32,15 +45,31 @@ struct GptConfig {
   // Sampling defaults recommended for this model (config.json "sampling_defaults").
   double default_cfg_scale = 1.0, default_temperature = 1.0, default_top_p = 1.0;
   int64_t default_top_k = 0;
+  // Janus only.
+  int64_t text_vocab_size = 0;    // prompt token ids lie in [0, text_vocab_size)
+  int64_t max_prompt_len = 0;     // longest prompt (BOS to the image-start tag) in tokens
+  int64_t intermediate_size = 0;  // the FFN width as the LLaMA config gives it
+  int64_t gen_embed_dim = 0;      // gen_embed's width (the VQ code dimension, 8)
+  int64_t head_hidden = 0;        // gen_head's hidden width (image_token_embed)
+  int64_t pad_id = -1;            // replaces the prompt's inner tokens in the unconditional row
+  std::string prompt_template;    // the chat template around a prompt ("{prompt}" marks it)
+  std::string text_tokenizer;     // tokenizer.json beside config.json, for the server
 
+  bool prompted() const { return arch == GptArch::kJanus; }
   int64_t head_dim() const { return dim / n_head; }
   int64_t ffn_hidden() const;
   int64_t grid() const;
   // Label of the null (unconditional) class; exists only if class_dropout_prob > 0.
   int64_t null_class() const { return num_classes; }
   bool has_null_class() const { return class_dropout_prob > 0; }
-  // Sequence length: class token(s) + image tokens (the last image token is never fed).
-  int64_t seq_len() const { return cls_token_num + block_size; }
+  // Condition positions a sequence may have: the class token(s), or the longest prompt.
+  int64_t prefix_capacity() const { return prompted() ? max_prompt_len : cls_token_num; }
+  // Ids a condition token may take: class labels (and the null class), or text token ids.
+  int64_t condition_ids() const {
+    return prompted() ? text_vocab_size : num_classes + (has_null_class() ? 1 : 0);
+  }
+  // Longest sequence: condition + image tokens (the last image token is never fed).
+  int64_t seq_len() const { return prefix_capacity() + block_size; }
 };
 
 StatusOr<GptConfig> ParseGptConfig(const Json& json, const std::string& where);
@@ -52,10 +81,14 @@ struct KvCache {
 };
 
 // One row of a ragged batch. New token i is written to cache index cache_len + i and sits at
-// sequence position positions[i] (the RoPE index; position < cls_token_num means the token
-// is a class label, with null_class() for the unconditional row).
+// sequence position positions[i] (the RoPE index). A position below the row's prefix means a
+// condition token: a class label (null_class() for the unconditional row) or a prompt token
+// id; image token k (from 0) of the row sits at position prefix + k.
 struct BatchRow {
   int64_t slot = 0;
+  // Condition positions of this row's sequence; -1: the config's cls_token_num (LlamaGen).
+  // Prompted models need it set (the prompt's length).
+  int64_t prefix = -1;
   int64_t cache_len = 0;  // committed entries every new token attends to
   std::vector<int64_t> tokens;
   std::vector<int64_t> positions;
@@ -107,8 +140,8 @@ class Gpt {
   // `device_tokens`, when defined, is an int64 tensor [total new tokens] on the model's device
   // that replaces the rows' token ids: drafts sampled on the device are fed back without a host
   // round trip. Image tokens there are not validated and the rows' token vectors only give the
-  // lengths, except at positions below cls_token_num, where both hold the class label (the
-  // row's copy is validated).
+  // lengths, except at positions below the row's prefix, where both hold the condition token
+  // (the row's copy is validated).
   StatusOr<at::Tensor> Forward(const std::vector<BatchRow>& batch, KvCache& cache,
                                const at::Tensor& device_tokens = at::Tensor(),
                                ForwardOptions fopts = {}) const;
@@ -127,20 +160,37 @@ class Gpt {
                          const at::Tensor& device_tokens, bool invariant) const;
   Status Validate(const std::vector<BatchRow>& batch, const KvCache& cache,
                   bool check_tokens) const;
+  at::Tensor RopeTable() const;  // float32 on CPU
+  int64_t RowPrefix(const BatchRow& row) const {
+    return row.prefix >= 0 ? row.prefix : cfg_.cls_token_num;
+  }
 
   GptConfig cfg_;
   LoadOptions opts_;
-  at::Tensor embed_;  // [vocab + classes(+null), dim]: token rows then class rows
-  at::Tensor rope_;   // [seq_len, head_dim / 2, 2] float32 (cos, sin); class rows zero
+  // [vocab + condition_ids, dim]: image-token rows then condition rows (class labels, or text
+  // tokens). Janus's image rows are gen_aligner(gen_embed(id)), computed once at load.
+  at::Tensor embed_;
+  // [seq_len, head_dim / 2, 2] float32 (cos, sin) by position: LlamaGen's 2D table (class rows
+  // zero), applied to interleaved pairs; Janus's 1-D table, applied to the two halves.
+  at::Tensor rope_;
   std::vector<Layer> layers_;
   at::Tensor norm_, output_;
+  // Janus's gen_head: output_mlp_projector (head_w1, head_b1), GELU, vision_head.
+  at::Tensor head_w1_, head_b1_, head_b2_;
 };
 
 // Copies the cache entries at indices `from` of `slot` (every layer, keys and values) to
 // indices to, to + 1, ...: after a tree step the accepted path is made contiguous.
 void MoveCacheEntries(KvCache& cache, int64_t slot, const std::vector<int64_t>& from, int64_t to);
 
+// Copies the first `len` cache entries of `from_slot` (every layer, keys and values) to
+// `to_slot`: a prompt prefilled once serves several images.
+void CopyCachePrefix(KvCache& cache, int64_t from_slot, int64_t to_slot, int64_t len);
+
 // The 2D RoPE table of models.md 1.4, float32 on CPU.
 at::Tensor RopeTable2d(int64_t grid, int64_t head_dim, double base, int64_t cls_token_num);
+
+// Hugging Face LLaMA's 1-D RoPE table for positions [0, len), float32 on CPU: [len, hd/2, 2].
+at::Tensor RopeTable1d(int64_t len, int64_t head_dim, double base);
 
 }  // namespace imagegen

@@ -1,0 +1,268 @@
+// Prompted (text-to-image) generation on an enumerable toy: a tiny random Janus-layout model
+// (prompt tokens, gen_aligner inputs, gen_head logits, 1-D rotate-half RoPE) over 3 image
+// codes on a 3x3 grid, with CFG 1.5 (the unconditional row's prompt padded as Janus pads it)
+// and top-k 2. Three prompts of lengths 2, 4 and 7 are co-batched with a mix of decoding
+// methods, the long prompt prefilled 2 tokens a step while the others decode, and images of
+// one prompt sharing one prefill. Every conditional distribution is tabulated from the model's
+// own forward, which gives the exact AR distribution over all 3^9 grids per prompt: the
+// samples of every prompt must match it (chi-square), and must not match another prompt's.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+
+#include <cstdio>
+#include <map>
+
+#include "engine/decoding/sampling.h"
+#include "engine/decoding/speculative.h"
+#include "tests/spec_toy.h"
+#include "tests/stats.h"
+#include "tests/test_util.h"
+
+namespace imagegen {
+namespace {
+
+using namespace imagegen::testing;  // NOLINT: the toy's constants and helpers
+
+class PromptToy {
+ public:
+  PromptToy() {
+    const std::string dir = TempDir("prompt_toy");
+    TinyJanusSpec spec;
+    auto t = Gpt::Load(WriteTinyJanus(dir + "/toy-t2i", spec, 41), TestLoadOptions());
+    spec.dim = 8;
+    spec.n_layer = 1;
+    spec.ffn = 16;
+    spec.head = 8;
+    auto d = Gpt::Load(WriteTinyJanus(dir + "/toy-t2i-draft", spec, 43), TestLoadOptions());
+    if (!t.ok() || !d.ok()) throw std::runtime_error("prompt toy models");
+    target = std::move(t).value();
+    draft = std::move(d).value();
+    sampling.cfg_scale = 1.5;
+    sampling.top_k = 2;
+    for (const auto& prompt : prompts) table.push_back(Tabulate(prompt));
+  }
+
+  // Exact AR probability of every complete grid for prompt `pi`.
+  std::vector<double> Ar(size_t pi) const {
+    std::vector<double> out(kSeqs);
+    for (int64_t s = 0; s < kSeqs; ++s) {
+      double pr = 1;
+      int64_t prefix = 0;
+      for (int64_t k = 0; k < kN; ++k) {
+        const int64_t tok = Toy::Digit(s, k);
+        pr *= table[pi][static_cast<size_t>(k)][static_cast<size_t>(prefix * kV + tok)];
+        prefix = prefix * kV + tok;
+      }
+      out[static_cast<size_t>(s)] = pr;
+    }
+    return out;
+  }
+
+  ImageRequest Request(size_t pi) const {
+    ImageRequest r;
+    r.prompt = prompts[pi];
+    r.sampling = sampling;
+    return r;
+  }
+
+  std::unique_ptr<Gpt> target, draft;
+  SamplingParams sampling;
+  const std::vector<std::vector<int64_t>> prompts = {
+      {1, 5}, {1, 6, 3, 2}, {1, 4, 4, 7, 5, 3, 2}};
+
+ private:
+  // p(. | prompt, image prefix) for every prefix length and prefix, from the target's forward.
+  std::vector<std::vector<double>> Tabulate(const std::vector<int64_t>& prompt) const {
+    const GptConfig& cfg = target->config();
+    ImageRequest r;
+    r.prompt = prompt;
+    const std::vector<int64_t> uncond = UnconditionalTokens(r, cfg);
+    const auto P = static_cast<int64_t>(prompt.size());
+    std::vector<std::vector<double>> out(kN);
+    for (int64_t len = 0; len < kN; ++len) {
+      const int64_t count = Pow(kV, len), L = P + len;
+      KvCache cache = target->NewCache(2 * count);
+      std::vector<BatchRow> rows;
+      for (int64_t i = 0; i < count; ++i) {
+        for (int64_t u = 0; u < 2; ++u) {
+          BatchRow row;
+          row.slot = 2 * i + u;
+          row.prefix = P;
+          row.tokens = u == 0 ? prompt : uncond;
+          for (int64_t k = 0; k < len; ++k) row.tokens.push_back(i / Pow(kV, len - 1 - k) % kV);
+          for (int64_t p = 0; p < L; ++p) row.positions.push_back(p);
+          rows.push_back(std::move(row));
+        }
+      }
+      at::Tensor l = target->Forward(rows, cache)->cpu();
+      at::Tensor last_c = at::arange(L - 1, 2 * count * L, 2 * L);
+      at::Tensor g = CfgCombine(l.index_select(0, last_c), l.index_select(0, last_c + L),
+                                at::full({count}, static_cast<float>(sampling.cfg_scale)));
+      at::Tensor p =
+          FinalProbs(g, std::vector<SamplingParams>(count, sampling)).to(at::kDouble).contiguous();
+      out[static_cast<size_t>(len)].assign(p.data_ptr<double>(), p.data_ptr<double>() + count * kV);
+    }
+    return out;
+  }
+
+  std::vector<std::vector<std::vector<double>>> table;
+};
+
+PromptToy& TheToy() {
+  static PromptToy* toy = new PromptToy();
+  return *toy;
+}
+
+DecodingPolicy Preset(const std::string& name, int64_t window) {
+  auto p = PolicyFromPreset(name, window);
+  if (!p.ok()) throw std::runtime_error(p.status().ToString());
+  return *p;
+}
+
+struct Method {
+  const char* name;
+  DecodingPolicy policy;
+};
+
+std::vector<Method> Methods() {
+  DecodingPolicy pac = Preset("sjd-pac", 9);
+  pac.tree_branches = 2;
+  return {{"ar", Preset("ar", 1)},          {"sjd L4", Preset("sjd", 4)},
+          {"scd-mc L6", Preset("scd-mc", 6)}, {"sjd-pac K2 L9", pac},
+          {"sd L4", Preset("sd", 4)}};
+}
+
+TEST(PromptTest, CoBatchedPromptsMatchTheirExactDistributions) {
+  PromptToy& toy = TheToy();
+  const std::vector<Method> methods = Methods();
+  const size_t prompts = toy.prompts.size();
+  constexpr int64_t kPerPrompt = 30000, kChunk = 5000;
+  std::vector<std::vector<int64_t>> counts(prompts, std::vector<int64_t>(kSeqs, 0));
+  std::vector<int64_t> nfe(methods.size(), 0), images(methods.size(), 0);
+  std::vector<int64_t> prefill_forwards(prompts, 0), prefilled_images(prompts, 0);
+  SpecOptions opts;
+  opts.prefill_chunk = 2;  // the 7-token prompt prefills over 3 steps while the others decode
+  for (int64_t first = 0; first < kPerPrompt; first += kChunk) {
+    std::vector<ImageRequest> reqs;
+    std::vector<size_t> which, how;
+    for (int64_t i = first; i < first + kChunk; ++i) {
+      for (size_t pi = 0; pi < prompts; ++pi) {
+        ImageRequest r = toy.Request(pi);
+        r.seed = static_cast<uint64_t>(i * 7919 + static_cast<int64_t>(pi));
+        const size_t m = static_cast<size_t>(i + static_cast<int64_t>(pi)) % methods.size();
+        r.policy = methods[m].policy;
+        reqs.push_back(r);
+        which.push_back(pi);
+        how.push_back(m);
+      }
+    }
+    auto res = GenerateSpeculative(*toy.target, toy.draft.get(), reqs, opts);
+    ASSERT_TRUE(res.ok()) << res.status().ToString();
+    for (size_t k = 0; k < res->size(); ++k) {
+      const SpecResult& r = (*res)[k];
+      ASSERT_EQ(static_cast<int64_t>(r.tokens.size()), kN);
+      int64_t idx = 0;
+      for (int32_t t : r.tokens) idx = idx * kV + t;
+      counts[which[k]][static_cast<size_t>(idx)]++;
+      nfe[how[k]] += r.stats.nfe;
+      images[how[k]] += 1;
+      prefill_forwards[which[k]] += r.stats.prefill_forwards;
+      prefilled_images[which[k]] += r.stats.prefill_forwards > 0 ? 1 : 0;
+    }
+  }
+  std::vector<std::vector<double>> exact;
+  for (size_t pi = 0; pi < prompts; ++pi) exact.push_back(toy.Ar(pi));
+  for (size_t pi = 0; pi < prompts; ++pi) {
+    const auto chi = testing::ChiSquareTest(counts[pi], exact[pi]);
+    const auto other = testing::ChiSquareTest(counts[pi], exact[(pi + 1) % prompts]);
+    std::printf(
+        "prompt of %zu tokens: %lld images, chi2 %.1f df %d p %.4f; against the next prompt's "
+        "distribution p %.3g; prefill forwards %lld by %lld image(s) (one per chunk of "
+        "requests; the rest copied its KV)\n",
+        toy.prompts[pi].size(), static_cast<long long>(kPerPrompt), chi.statistic, chi.df,
+        chi.p_value, other.p_value, static_cast<long long>(prefill_forwards[pi]),
+        static_cast<long long>(prefilled_images[pi]));
+    EXPECT_GT(chi.p_value, 0.001);
+    EXPECT_LT(other.p_value, 1e-6) << "the test cannot tell prompts apart";
+    // One image per chunk prefilled (GenerateSpeculative shares the prompt's prefill).
+    EXPECT_EQ(prefilled_images[pi], toy.prompts[pi].size() > 1 ? kPerPrompt / kChunk : 0);
+    const auto chunks = static_cast<int64_t>((toy.prompts[pi].size() - 1 + 1) / 2);
+    EXPECT_EQ(prefill_forwards[pi], chunks * (kPerPrompt / kChunk));
+  }
+  for (size_t m = 0; m < methods.size(); ++m) {
+    const double mean = static_cast<double>(nfe[m]) / static_cast<double>(images[m]);
+    std::printf("  %-14s mean NFE %.3f (AR %lld)\n", methods[m].name, mean,
+                static_cast<long long>(kN));
+    if (methods[m].policy.draft == DraftSource::kNone) {
+      EXPECT_EQ(nfe[m], kN * images[m]);
+    } else {
+      EXPECT_LT(mean, kN);  // it did speculate
+    }
+  }
+}
+
+// Batch-invariant forwards: an image that copies a sibling's prefill is the image it would
+// have drawn prefilling itself, and a prompt prefilled in chunks of 1, 3 or all at once gives
+// the same image.
+TEST(PromptTest, SharedAndChunkedPrefillGiveTheSameImages) {
+  PromptToy& toy = TheToy();
+  SpecOptions opts;
+  opts.batch_invariant = true;
+  auto run = [&](int64_t chunk, bool share) {
+    opts.prefill_chunk = chunk;
+    SpecBatch batch(*toy.target, toy.draft.get(), 64, opts);
+    std::vector<int64_t> handles;
+    for (int64_t i = 0; i < 24; ++i) {
+      ImageRequest r = toy.Request(2);
+      r.seed = static_cast<uint64_t>(100 + i);
+      r.policy = Methods()[static_cast<size_t>(i) % Methods().size()].policy;
+      auto h = batch.Add(r, share && i > 0 ? handles[0] : -1);
+      EXPECT_TRUE(h.ok()) << h.status().ToString();
+      handles.push_back(*h);
+    }
+    while (batch.active() > 0) EXPECT_TRUE(batch.Step().ok());
+    std::vector<std::vector<int32_t>> out;
+    int64_t prefills = 0;
+    for (int64_t h : handles) {
+      SpecResult r = batch.Take(h);
+      prefills += r.stats.prefill_forwards;
+      out.push_back(r.tokens);
+    }
+    std::printf("chunk %lld, %s: %lld prefill forwards\n", static_cast<long long>(chunk),
+                share ? "shared" : "each its own", static_cast<long long>(prefills));
+    return std::make_pair(out, prefills);
+  };
+  const auto alone = run(0, false);
+  const auto shared = run(0, true);
+  const auto by1 = run(1, true);
+  const auto by3 = run(3, false);
+  EXPECT_EQ(alone.first, shared.first);
+  EXPECT_EQ(alone.first, by1.first);
+  EXPECT_EQ(alone.first, by3.first);
+  EXPECT_EQ(alone.second, 24);  // 6 prompt tokens in one chunk, per image
+  EXPECT_EQ(shared.second, 1);  // one image prefilled, 23 copied
+  EXPECT_EQ(by1.second, 6);
+  EXPECT_EQ(by3.second, 48);
+}
+
+TEST(PromptTest, BadPromptsNameTheField) {
+  PromptToy& toy = TheToy();
+  ImageRequest r = toy.Request(0);
+  r.policy = Preset("sjd", 4);
+  EXPECT_TRUE(ValidateImageRequest(r, *toy.target, toy.draft.get()).ok());
+  r.prompt.clear();
+  EXPECT_EQ(ValidateImageRequest(r, *toy.target, nullptr).field(), "prompt");
+  r.prompt.assign(9, 1);  // max_prompt_len 8
+  EXPECT_EQ(ValidateImageRequest(r, *toy.target, nullptr).field(), "prompt");
+  r.prompt = {1, 8};  // text ids in [0, 8)
+  EXPECT_EQ(ValidateImageRequest(r, *toy.target, nullptr).field(), "prompt_token_ids");
+  SpecBatch batch(*toy.target, nullptr, 8);
+  auto a = batch.Add(toy.Request(0));
+  ASSERT_TRUE(a.ok());
+  auto b = batch.Add(toy.Request(1), *a);  // a different prompt cannot share a's prefill
+  EXPECT_EQ(b.status().code(), Code::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace imagegen
