@@ -10,11 +10,14 @@
 
 #include <ATen/ATen.h>
 
+#include <condition_variable>
 #include <cstdio>
 #include <map>
+#include <mutex>
 
 #include "engine/decoding/sampling.h"
 #include "engine/decoding/speculative.h"
+#include "engine/scheduler/engine.h"
 #include "tests/spec_toy.h"
 #include "tests/stats.h"
 #include "tests/test_util.h"
@@ -27,14 +30,18 @@ using namespace imagegen::testing;  // NOLINT: the toy's constants and helpers
 class PromptToy {
  public:
   PromptToy() {
-    const std::string dir = TempDir("prompt_toy");
+    dir = TempDir("prompt_toy");
     TinyJanusSpec spec;
-    auto t = Gpt::Load(WriteTinyJanus(dir + "/toy-t2i", spec, 41), TestLoadOptions());
+    const std::string extra =
+        ", \"tokenizer\": \"toy-vq\", \"draft_model\": \"toy-t2i-draft\", "
+        "\"sampling_defaults\": {\"cfg_scale\": 1.5, \"top_k\": 2}";
+    auto t = Gpt::Load(WriteTinyJanus(dir + "/toy-t2i", spec, 41, extra), TestLoadOptions());
     spec.dim = 8;
     spec.n_layer = 1;
     spec.ffn = 16;
     spec.head = 8;
     auto d = Gpt::Load(WriteTinyJanus(dir + "/toy-t2i-draft", spec, 43), TestLoadOptions());
+    WriteTinyVq(dir + "/toy-vq", kV, kGrid);
     if (!t.ok() || !d.ok()) throw std::runtime_error("prompt toy models");
     target = std::move(t).value();
     draft = std::move(d).value();
@@ -68,8 +75,8 @@ class PromptToy {
 
   std::unique_ptr<Gpt> target, draft;
   SamplingParams sampling;
-  const std::vector<std::vector<int64_t>> prompts = {
-      {1, 5}, {1, 6, 3, 2}, {1, 4, 4, 7, 5, 3, 2}};
+  std::string dir;  // a models directory: toy-t2i (drafted for by toy-t2i-draft), toy-vq
+  const std::vector<std::vector<int64_t>> prompts = {{1, 5}, {1, 6, 3, 2}, {1, 4, 4, 7, 5, 3, 2}};
 
  private:
   // p(. | prompt, image prefix) for every prefix length and prefix, from the target's forward.
@@ -128,8 +135,10 @@ struct Method {
 std::vector<Method> Methods() {
   DecodingPolicy pac = Preset("sjd-pac", 9);
   pac.tree_branches = 2;
-  return {{"ar", Preset("ar", 1)},          {"sjd L4", Preset("sjd", 4)},
-          {"scd-mc L6", Preset("scd-mc", 6)}, {"sjd-pac K2 L9", pac},
+  return {{"ar", Preset("ar", 1)},
+          {"sjd L4", Preset("sjd", 4)},
+          {"scd-mc L6", Preset("scd-mc", 6)},
+          {"sjd-pac K2 L9", pac},
           {"sd L4", Preset("sd", 4)}};
 }
 
@@ -244,6 +253,111 @@ TEST(PromptTest, SharedAndChunkedPrefillGiveTheSameImages) {
   EXPECT_EQ(shared.second, 1);  // one image prefilled, 23 copied
   EXPECT_EQ(by1.second, 6);
   EXPECT_EQ(by3.second, 48);
+}
+
+// The serving engine: prompts of three lengths from many clients at once, with the prompt
+// prefill spread over steps (2 tokens a step across all prefilling requests) and requests of
+// one prompt sharing a running one's prefill, give exactly the images the offline batch gives
+// for the same seeds (batch-invariant forwards, the engine's default; full windows, since a
+// window the budget shrinks draws another sample of the same distribution).
+class Collect : public RequestObserver {
+ public:
+  void OnStep(const StepEvent& e) override {
+    std::lock_guard<std::mutex> l(mu);
+    events += 1;
+    streamed += static_cast<int64_t>(e.tokens.size());
+  }
+  void OnComplete(RequestResult r) override {
+    std::lock_guard<std::mutex> l(mu);
+    result = std::move(r);
+    done = true;
+    cv.notify_all();
+  }
+  void OnError(const Status& s) override {
+    std::lock_guard<std::mutex> l(mu);
+    error = s;
+    done = true;
+    cv.notify_all();
+  }
+  void Wait() {
+    std::unique_lock<std::mutex> l(mu);
+    cv.wait(l, [&] { return done; });
+  }
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  int64_t events = 0, streamed = 0;
+  RequestResult result;
+  Status error;
+};
+
+TEST(EnginePromptTest, ServedPromptsGiveTheOfflineImages) {
+  PromptToy& toy = TheToy();
+  EngineOptions o;
+  o.models_dir = toy.dir;
+  o.models = {"toy-t2i"};
+  o.window_policy = "full";  // windows as offline: a shrunk window draws another sample
+  o.prefill_tokens_per_step = 2;
+  auto started = Engine::Start(o);
+  ASSERT_TRUE(started.ok()) << started.status().ToString();
+  Engine& engine = **started;
+  const ModelInfo& info = engine.Models()[0];
+  EXPECT_TRUE(info.prompted);
+  EXPECT_EQ(info.max_prompt_len, 8);
+  EXPECT_EQ(info.text_vocab_size, 8);
+  EXPECT_EQ(info.num_classes, 0);
+
+  const std::vector<Method> methods = Methods();
+  std::vector<ImageRequest> offline;
+  std::vector<std::shared_ptr<Collect>> obs;
+  for (int64_t i = 0; i < 24; ++i) {
+    const size_t pi = static_cast<size_t>(i) % toy.prompts.size();
+    GenerateParams p;
+    p.prompt_token_ids = toy.prompts[pi];
+    p.seed = static_cast<uint64_t>(500 + i);
+    p.policy = methods[static_cast<size_t>(i / 3) % methods.size()].policy;
+    p.decode_image = i % 8 == 0;
+    obs.push_back(std::make_shared<Collect>());
+    auto id = engine.Submit(p, obs.back());
+    ASSERT_TRUE(id.ok()) << id.status().ToString();
+    ImageRequest r = toy.Request(pi);
+    r.seed = *p.seed;
+    r.policy = p.policy;
+    offline.push_back(r);
+  }
+  SpecOptions so;
+  so.batch_invariant = true;
+  auto expect = GenerateSpeculative(*toy.target, toy.draft.get(), offline, so);
+  ASSERT_TRUE(expect.ok()) << expect.status().ToString();
+  int64_t shared = 0;
+  for (size_t i = 0; i < obs.size(); ++i) {
+    obs[i]->Wait();
+    ASSERT_TRUE(obs[i]->error.ok()) << obs[i]->error.ToString();
+    const RequestResult& r = obs[i]->result;
+    EXPECT_EQ(r.tokens, (*expect)[i].tokens) << "request " << i;
+    EXPECT_EQ(r.prompt_tokens, static_cast<int64_t>(offline[i].prompt.size()));
+    EXPECT_EQ(obs[i]->streamed, kN);  // every token streamed, in decoding steps only
+    EXPECT_EQ(obs[i]->events, r.stats.counters.nfe);
+    shared += r.stats.prefill_forwards == 0 ? 1 : 0;
+    if (i % 8 == 0) {
+      EXPECT_GT(r.image.pixels.size(), 0u);
+    }
+  }
+  std::printf("24 prompted requests served; %lld copied a running request's prefill\n",
+              static_cast<long long>(shared));
+  EXPECT_GT(shared, 0);
+
+  // Fields: a class for a prompted model, no prompt, a prompt too long, an id out of range.
+  GenerateParams bad;
+  bad.class_id = 0;
+  EXPECT_EQ(engine.Submit(bad, std::make_shared<Collect>()).status().field(), "class_id");
+  bad.class_id.reset();
+  EXPECT_EQ(engine.Submit(bad, std::make_shared<Collect>()).status().field(), "prompt");
+  bad.prompt_token_ids.assign(9, 1);
+  EXPECT_EQ(engine.Submit(bad, std::make_shared<Collect>()).status().field(), "prompt");
+  bad.prompt_token_ids = {1, 9};
+  EXPECT_EQ(engine.Submit(bad, std::make_shared<Collect>()).status().field(), "prompt_token_ids");
+  engine.Shutdown(std::chrono::milliseconds(0));
 }
 
 TEST(PromptTest, BadPromptsNameTheField) {

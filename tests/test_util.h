@@ -84,6 +84,55 @@ inline std::string WriteTinyGpt(const std::string& dir, const TinyGptSpec& s, ui
   return dir;
 }
 
+// A tiny Janus-layout (prompted) model, as tools/convert_janus.py writes one: text ids
+// [0, text_vocab), image ids [0, vocab) on a grid x grid token grid, pad id 0. Random weights
+// (std 0.3, embeddings 1) so that the prompt, attention and RoPE matter.
+struct TinyJanusSpec {
+  int64_t dim = 16, n_layer = 2, n_head = 2, ffn = 32, vocab = 3, grid = 3, text_vocab = 8;
+  int64_t max_prompt = 8, embed = 4, head = 16;
+};
+
+inline std::string WriteTinyJanus(const std::string& dir, const TinyJanusSpec& s, uint64_t seed,
+                                  const std::string& extra_config = "") {
+  at::manual_seed(seed);
+  const int64_t d = s.dim, h = s.ffn;
+  std::map<std::string, at::Tensor> t;
+  auto rnd = [](std::vector<int64_t> shape, double std) { return at::randn(shape) * std; };
+  t["tok_embeddings.weight"] = rnd({s.text_vocab, d}, 1.0);
+  t["gen_embed.weight"] = rnd({s.vocab, s.embed}, 1.0);
+  t["gen_aligner.layers.0.weight"] = rnd({d, s.embed}, 0.5);
+  t["gen_aligner.layers.0.bias"] = rnd({d}, 0.1);
+  t["gen_aligner.layers.2.weight"] = rnd({d, d}, 0.5);
+  t["gen_aligner.layers.2.bias"] = rnd({d}, 0.1);
+  for (int64_t l = 0; l < s.n_layer; ++l) {
+    const std::string p = "layers." + std::to_string(l) + ".";
+    t[p + "attention_norm.weight"] = 1 + rnd({d}, 0.1);
+    t[p + "attention.wqkv.weight"] = rnd({3 * d, d}, 0.3);
+    t[p + "attention.wo.weight"] = rnd({d, d}, 0.3);
+    t[p + "ffn_norm.weight"] = 1 + rnd({d}, 0.1);
+    t[p + "feed_forward.w1.weight"] = rnd({h, d}, 0.3);
+    t[p + "feed_forward.w2.weight"] = rnd({d, h}, 0.3);
+    t[p + "feed_forward.w3.weight"] = rnd({h, d}, 0.3);
+  }
+  t["norm.weight"] = 1 + rnd({d}, 0.1);
+  t["gen_head.output_mlp_projector.weight"] = rnd({s.head, d}, 0.5);
+  t["gen_head.output_mlp_projector.bias"] = rnd({s.head}, 0.1);
+  t["gen_head.vision_head.weight"] = rnd({s.vocab, s.head}, 0.5);
+  t["gen_head.vision_head.bias"] = rnd({s.vocab}, 0.1);
+  std::filesystem::create_directories(dir);
+  auto n = [](int64_t v) { return std::to_string(v); };
+  WriteText(dir + "/config.json",
+            "{\"type\": \"janus-gen\", \"dim\": " + n(d) + ", \"n_layer\": " + n(s.n_layer) +
+                ", \"n_head\": " + n(s.n_head) + ", \"intermediate_size\": " + n(h) +
+                ", \"text_vocab_size\": " + n(s.text_vocab) + ", \"vocab_size\": " + n(s.vocab) +
+                ", \"block_size\": " + n(s.grid * s.grid) +
+                ", \"max_prompt_len\": " + n(s.max_prompt) + ", \"gen_embed_dim\": " + n(s.embed) +
+                ", \"head_hidden\": " + n(s.head) + ", \"pad_id\": 0" + extra_config + "}");
+  auto st = WriteSafetensors(dir + "/model.safetensors", t);
+  if (!st.ok()) throw std::runtime_error(st.ToString());
+  return dir;
+}
+
 // A VQ tokenizer for `vocab` codes on a grid x grid token grid: the bundled fmnist-vq decoder
 // (fully convolutional, so any grid works) with its first `vocab` codebook rows.
 inline void WriteTinyVq(const std::string& dir, int64_t vocab, int64_t grid) {

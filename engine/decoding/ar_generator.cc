@@ -16,6 +16,11 @@ StatusOr<std::vector<ImageResult>> ArGenerator::Generate(
   std::vector<int64_t> slot(requests.size());
   for (size_t i = 0; i < requests.size(); ++i) {
     RETURN_IF_ERROR(ValidateSampledRequest(requests[i], cfg));
+    if (cfg.prompted()) {
+      return FailedPrecondition(
+          "ArGenerator draws class-conditional images; prompted models "
+          "run through SpecBatch (policy \"ar\" is plain AR there)");
+    }
     slot[i] = slots;
     slots += requests[i].sampling.uses_cfg() ? 2 : 1;
   }
@@ -24,7 +29,7 @@ StatusOr<std::vector<ImageResult>> ArGenerator::Generate(
   std::vector<ImageResult> results(requests.size());
   std::vector<double> u(requests.size());
   for (int64_t t = 0; t < cfg.block_size; ++t) {
-    GuidedBatch batch(cfg.null_class());
+    GuidedBatch batch;
     for (size_t i = 0; i < requests.size(); ++i) {
       const ImageRequest& r = requests[i];
       BatchRow row;
@@ -32,7 +37,8 @@ StatusOr<std::vector<ImageResult>> ArGenerator::Generate(
       row.cache_len = t;
       row.positions = {t};
       row.tokens = {t == 0 ? r.class_id : results[i].tokens.back()};
-      batch.Add(std::move(row), r.sampling.uses_cfg() ? slot[i] + 1 : -1, r.sampling, {0});
+      batch.Add(std::move(row), r.sampling.uses_cfg() ? slot[i] + 1 : -1, {cfg.null_class()},
+                r.sampling, {0});
       u[i] = Uniform(r.seed, static_cast<uint32_t>(t), 0, Purpose::kSample);
     }
     ASSIGN_OR_RETURN(at::Tensor logits, gpt_.Forward(batch.rows(), cache));

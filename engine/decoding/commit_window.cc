@@ -136,7 +136,8 @@ void Walk::Run() {
   }
 }
 
-// Nodes sit at cache index n + node; the accepted path moves to n + 1, n + 2, ...
+// Nodes sit at cache index n + node (n: the root's index); the accepted path moves to n + 1,
+// n + 2, ...
 void CompactKv(const Sequence& s, int64_t n, const std::vector<int64_t>& path, KvCache& cache) {
   size_t first_bad = 0;
   while (first_bad < path.size() && path[first_bad] == static_cast<int64_t>(first_bad) + 1) {
@@ -161,14 +162,14 @@ HostStep::HostStep(const Verdicts& v, const NextDrafts& d, const at::Tensor& ent
       token_col_(node_tokens.defined() ? host_.size(1) - 1 : -1) {}
 
 void CommitWindow(Sequence& s, const HostStep& h, const StepContext& ctx) {
-  const int64_t n = s.n();
+  const int64_t n = s.n(), root = s.root_pos();
   s.stats.nfe += 1;
   Walk walk(s, h, ctx);
   walk.Run();
   s.stats.step_tokens.push_back(static_cast<int32_t>(s.n() - n));
-  CompactKv(s, n, walk.path, ctx.cache);
+  CompactKv(s, root, walk.path, ctx.cache);
   if (s.r.policy.draft == DraftSource::kDraftModel && s.gamma > 0) {
-    s.draft_valid = std::min(n + static_cast<int64_t>(walk.path.size()) + 1, n + s.gamma);
+    s.draft_valid = std::min(root + static_cast<int64_t>(walk.path.size()) + 1, root + s.gamma);
   }
   s.cols = std::move(walk.next);
   s.tree_next = walk.rejected && s.r.policy.has_tree();

@@ -15,20 +15,22 @@ namespace imagegen {
 namespace {
 
 // The draft forward's row for request s at draft j: at j = 0 everything from the draft's valid
-// cache up to the root; later one token whose id comes from the previous draw on the device.
+// cache up to the root (the whole prompt, the first time); later one token whose id comes from
+// the previous draw on the device.
 BatchRow DraftRow(const Sequence& s, int64_t j) {
-  const int64_t n = s.n();
+  const int64_t root = s.root_pos();
   BatchRow row;
   row.slot = s.slot_c;
+  row.prefix = s.P();
   if (j == 0) {
     row.cache_len = s.draft_valid;
-    for (int64_t p = s.draft_valid; p <= n; ++p) {
+    for (int64_t p = s.draft_valid; p <= root; ++p) {
       row.positions.push_back(p);
-      row.tokens.push_back(p == 0 ? s.r.class_id : s.committed[p - 1]);
+      row.tokens.push_back(s.TokenAt(p));
     }
   } else {
-    row.cache_len = n + j;
-    row.positions = {n + j};
+    row.cache_len = root + j;
+    row.positions = {root + j};
     row.tokens = {0};
   }
   return row;
@@ -38,7 +40,7 @@ BatchRow DraftRow(const Sequence& s, int64_t j) {
 // rows [act, V] (float64), and the drawn tokens in *tokens (device).
 StatusOr<at::Tensor> DraftOnce(StepContext& ctx, const std::vector<Sequence*>& act,
                                const std::vector<Sequence*>& prev, int64_t j, at::Tensor* tokens) {
-  GuidedBatch batch(ctx.draft->config().null_class());
+  GuidedBatch batch;
   std::vector<int64_t> tok_src;  // for j > 0: each row's token, from the previous draws
   for (Sequence* s : act) {
     BatchRow row = DraftRow(*s, j);
@@ -48,7 +50,7 @@ StatusOr<at::Tensor> DraftOnce(StepContext& ctx, const std::vector<Sequence*>& a
       tok_src.push_back(idx);
       if (s->slot_u >= 0) tok_src.push_back(idx);
     }
-    batch.Add(std::move(row), s->slot_u, s->r.sampling, {len - 1});
+    batch.Add(std::move(row), s->slot_u, s->uncond, s->r.sampling, {len - 1});
   }
   at::Tensor dev_tokens;
   if (j > 0) {

@@ -7,7 +7,8 @@
 
 namespace imagegen {
 
-void GuidedBatch::Add(BatchRow row, int64_t uncond_slot, const SamplingParams& sampling,
+void GuidedBatch::Add(BatchRow row, int64_t uncond_slot,
+                      const std::vector<int64_t>& uncond_condition, const SamplingParams& sampling,
                       const std::vector<int64_t>& outputs) {
   const auto len = static_cast<int64_t>(row.tokens.size());
   row.group = static_cast<int64_t>(rows_.size());
@@ -16,7 +17,11 @@ void GuidedBatch::Add(BatchRow row, int64_t uncond_slot, const SamplingParams& s
   tokens_ += len;
   if (uncond_slot >= 0) {
     row.slot = uncond_slot;
-    if (!row.positions.empty() && row.positions[0] == 0) row.tokens[0] = null_class_;
+    const auto prefix =
+        row.prefix >= 0 ? row.prefix : static_cast<int64_t>(uncond_condition.size());
+    for (size_t i = 0; i < row.tokens.size() && row.positions[i] < prefix; ++i) {
+      row.tokens[i] = uncond_condition[static_cast<size_t>(row.positions[i])];
+    }
     for (int64_t i : outputs) uncond_.push_back(tokens_ + i);
     rows_.push_back(std::move(row));
     tokens_ += len;

@@ -1,8 +1,8 @@
 // The rows of one guided forward (classifier-free guidance): every request contributes its
-// conditional row and, with CFG, an unconditional twin that differs only in the class token
-// (the null class where the row starts at the class position). After the forward, the
-// outputs each request asked for are combined (CFG on raw logits) and turned into final
-// distributions, in the order they were added. The one place where CFG rows are packed: the
+// conditional row and, with CFG, an unconditional twin that differs only in its condition
+// tokens (the null class for the class token, the model's unconditional prompt for a prompt). After
+// the forward, the outputs each request asked for are combined (CFG on raw logits) and turned into
+// final distributions, in the order they were added. The one place where CFG rows are packed: the
 // target step, the draft-model drafts and plain AR generation all use it.
 // Not thread-safe; a value built and used within one step.
 #pragma once
@@ -19,14 +19,14 @@ namespace imagegen {
 
 class GuidedBatch {
  public:
-  explicit GuidedBatch(int64_t null_class) : null_class_(null_class) {}
-
   // Adds `row` (its slot is the conditional slot) and, when `uncond_slot` >= 0, its twin in
-  // that slot; the row's new tokens at `outputs` (indices into row.tokens) produce a
-  // distribution each, sampled with `sampling`. Sets row.group so that a batch-invariant
-  // forward runs the pair as one attention call.
-  void Add(BatchRow row, int64_t uncond_slot, const SamplingParams& sampling,
-           const std::vector<int64_t>& outputs);
+  // that slot, whose tokens at condition positions (below the row's prefix) are taken from
+  // `uncond_condition` by position; the row's new tokens at `outputs` (indices into
+  // row.tokens) produce a distribution each, sampled with `sampling` (none for a prefill
+  // chunk). Sets row.group so that a batch-invariant forward runs the pair as one attention
+  // call.
+  void Add(BatchRow row, int64_t uncond_slot, const std::vector<int64_t>& uncond_condition,
+           const SamplingParams& sampling, const std::vector<int64_t>& outputs);
 
   const std::vector<BatchRow>& rows() const { return rows_; }
   int64_t outputs() const { return static_cast<int64_t>(cond_.size()); }
@@ -36,7 +36,6 @@ class GuidedBatch {
   at::Tensor Probs(const at::Tensor& logits) const;
 
  private:
-  int64_t null_class_;
   int64_t tokens_ = 0;  // new tokens in rows_ so far
   std::vector<BatchRow> rows_;
   std::vector<int64_t> cond_, uncond_;  // per output: its token's index in the logits

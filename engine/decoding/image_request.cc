@@ -6,13 +6,46 @@
 
 namespace imagegen {
 
+std::vector<int64_t> ConditionTokens(const ImageRequest& r, const GptConfig& cfg) {
+  return cfg.prompted() ? r.prompt : std::vector<int64_t>{r.class_id};
+}
+
+std::vector<int64_t> UnconditionalTokens(const ImageRequest& r, const GptConfig& cfg) {
+  if (!cfg.prompted()) return {cfg.null_class()};
+  std::vector<int64_t> u = r.prompt;
+  for (size_t i = 1; i + 1 < u.size(); ++i) u[i] = cfg.pad_id;
+  return u;
+}
+
 Status ValidateSampledRequest(const ImageRequest& r, const GptConfig& cfg) {
-  if (r.class_id < 0 || r.class_id >= cfg.num_classes) {
-    return FieldError("class_id", "must be in [0, " + std::to_string(cfg.num_classes) + ")");
+  if (cfg.prompted()) {
+    const auto n = static_cast<int64_t>(r.prompt.size());
+    if (n == 0) return FieldError("prompt", "this model draws from a prompt; none was given");
+    if (n > cfg.max_prompt_len) {
+      return FieldError("prompt", "has " + std::to_string(n) +
+                                      " tokens; this model takes at most " +
+                                      std::to_string(cfg.max_prompt_len));
+    }
+    for (int64_t id : r.prompt) {
+      if (id < 0 || id >= cfg.text_vocab_size) {
+        return FieldError("prompt_token_ids", "id " + std::to_string(id) + " is not in [0, " +
+                                                  std::to_string(cfg.text_vocab_size) + ")");
+      }
+    }
+  } else {
+    if (!r.prompt.empty()) {
+      return FieldError("prompt", "this model is class-conditional; set class_id, not a prompt");
+    }
+    if (r.class_id < 0 || r.class_id >= cfg.num_classes) {
+      return FieldError("class_id", "must be in [0, " + std::to_string(cfg.num_classes) + ")");
+    }
   }
   RETURN_IF_ERROR(ValidateSampling(r.sampling, cfg.vocab_size));
-  if (r.sampling.uses_cfg() && !cfg.has_null_class()) {
+  if (r.sampling.uses_cfg() && !cfg.prompted() && !cfg.has_null_class()) {
     return FieldError("cfg_scale", "> 1 needs a model trained with a null class");
+  }
+  if (r.sampling.uses_cfg() && cfg.prompted() && cfg.pad_id < 0) {
+    return FieldError("cfg_scale", "> 1 needs the model's pad_id (its config.json has none)");
   }
   return OkStatus();
 }
@@ -24,9 +57,12 @@ Status ValidateImageRequest(const ImageRequest& r, const Gpt& target, const Gpt*
   if (r.policy.draft == DraftSource::kDraftModel) {
     const GptConfig& d = draft->config();
     if (d.vocab_size != c.vocab_size || d.block_size != c.block_size ||
-        d.num_classes != c.num_classes || (r.sampling.uses_cfg() && !d.has_null_class())) {
+        d.num_classes != c.num_classes || d.prompted() != c.prompted() ||
+        d.text_vocab_size != c.text_vocab_size || d.max_prompt_len < c.max_prompt_len ||
+        d.pad_id != c.pad_id || (r.sampling.uses_cfg() && !c.prompted() && !d.has_null_class())) {
       return FieldError("method",
-                        "the draft model does not match the target's vocabulary, grid or classes");
+                        "the draft model does not match the target's vocabulary, grid, classes "
+                        "or prompts");
     }
   }
   return OkStatus();

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "engine/decoding/policy.h"
 #include "engine/decoding/sampling_params.h"
@@ -15,11 +16,21 @@ class Gpt;
 struct GptConfig;
 
 struct ImageRequest {
-  int64_t class_id = 0;
+  int64_t class_id = 0;  // class-conditional models
+  // Prompted models (GptConfig::prompted): the prompt's token ids, BOS to the image-start tag,
+  // as the model's tokenizer and template give them. The unconditional row's prompt is the
+  // model's (UnconditionalPrompt).
+  std::vector<int64_t> prompt;
   uint64_t seed = 0;
   SamplingParams sampling;
   DecodingPolicy policy;  // ignored by ArGenerator (always plain AR)
 };
+
+// The condition tokens of the request's conditional and unconditional rows: {class_id} and
+// {null class}, or the prompt and the model's unconditional prompt (Janus: the prompt with
+// every token but the first and the last replaced by the pad id), of the same length.
+std::vector<int64_t> ConditionTokens(const ImageRequest& r, const GptConfig& cfg);
+std::vector<int64_t> UnconditionalTokens(const ImageRequest& r, const GptConfig& cfg);
 
 // The condition and sampling against one model; messages name the field ("class_id",
 // "cfg_scale", ...).

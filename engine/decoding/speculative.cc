@@ -38,10 +38,22 @@ SpecBatch::SpecBatch(const Gpt& target, const Gpt* draft, int64_t slots, SpecOpt
     : impl_(std::make_unique<Impl>(target, draft, slots, opts)) {}
 SpecBatch::~SpecBatch() = default;
 
-StatusOr<int64_t> SpecBatch::Add(const ImageRequest& request) {
+StatusOr<int64_t> SpecBatch::Add(const ImageRequest& request, int64_t share_prefill_with) {
   const int64_t need = request.sampling.uses_cfg() ? 2 : 1;
-  if (free_slots() < need) return ResourceExhausted("no free KV-cache slot");
+  const GptConfig& cfg = impl_->target.config();
   Sequence s;
+  s.cond = ConditionTokens(request, cfg);
+  s.uncond = UnconditionalTokens(request, cfg);
+  if (share_prefill_with >= 0) {
+    auto it = impl_->seqs.find(share_prefill_with);
+    if (it == impl_->seqs.end() || it->second.cond != s.cond ||
+        (it->second.slot_u >= 0) != (need == 2)) {
+      return InvalidArgument(
+          "share_prefill_with: no request with the same prompt and CFG use has that handle");
+    }
+    s.share_from = share_prefill_with;
+  }
+  if (free_slots() < need) return ResourceExhausted("no free KV-cache slot");
   s.r = request;
   s.slot_c = impl_->free_list.back();
   impl_->free_list.pop_back();
@@ -59,6 +71,8 @@ int64_t SpecBatch::active() const {
   for (const auto& [h, s] : impl_->seqs) a += s.finished(impl_->N()) ? 0 : 1;
   return a;
 }
+
+bool SpecBatch::prefilling(int64_t handle) const { return impl_->at(handle).prefilling(); }
 
 int64_t SpecBatch::free_slots() const { return static_cast<int64_t>(impl_->free_list.size()); }
 
@@ -79,6 +93,7 @@ SpecResult SpecBatch::Take(int64_t handle) {
 
 int64_t SpecBatch::WantedNodes(int64_t handle) const {
   const Sequence& s = impl_->at(handle);
+  if (s.prefilling()) return s.share_from >= 0 ? 0 : s.P() - 1 - s.prefilled;
   const int64_t left = impl_->N() - s.n();
   if (left <= 0) return 0;
   return s.r.policy.draft == DraftSource::kNone ? 1 : std::min(s.r.policy.window, left);
@@ -114,12 +129,34 @@ Status SpecBatch::Step(const std::vector<WindowGrant>& grants) { return impl_->S
 StepContext SpecBatch::Impl::Context(const std::vector<WindowGrant>& grants) {
   StepContext ctx(target, draft, cache, dcache, opts,
                   opts.rules != nullptr ? *opts.rules : ExactRules());
-  for (auto& [h, s] : seqs) {
-    s.granted = 0;
-    if (!s.finished(N())) ctx.live.push_back(&s);
-  }
+  for (auto& [h, s] : seqs) s.granted = -1;
   for (const WindowGrant& g : grants) {
     if (auto it = seqs.find(g.handle); it != seqs.end()) it->second.granted = g.window;
+  }
+  for (auto& [h, s] : seqs) {
+    if (s.finished(N())) continue;
+    if (s.prefilling() && s.share_from >= 0) {
+      auto src = seqs.find(s.share_from);
+      if (src == seqs.end()) {
+        s.share_from = -1;  // the sibling is gone: prefill alone
+      } else if (src->second.prefilling()) {
+        continue;  // waits for the sibling's prefill
+      } else {
+        CopyCachePrefix(cache, src->second.slot_c, s.slot_c, s.P() - 1);
+        if (s.slot_u >= 0) CopyCachePrefix(cache, src->second.slot_u, s.slot_u, s.P() - 1);
+        s.prefilled = s.P() - 1;
+        s.share_from = -1;
+        if (s.granted == 0) continue;  // planned as prefilling: its first window comes next
+      }
+    }
+    if (!s.prefilling()) {
+      ctx.live.push_back(&s);
+      continue;
+    }
+    const int64_t left = s.P() - 1 - s.prefilled;
+    if (s.granted == 0) continue;  // no prefill this step
+    const int64_t cap = s.granted > 0 ? s.granted : opts.prefill_chunk;
+    ctx.prefill.push_back({&s, cap > 0 ? std::min(cap, left) : left});
   }
   bool grouped = false;
   for (const Sequence* s : ctx.live) grouped |= s->r.policy.acceptance == Acceptance::kGrouped;
@@ -133,9 +170,10 @@ StepContext SpecBatch::Impl::Context(const std::vector<WindowGrant>& grants) {
 // plan -> draft -> forward -> verify -> commit (step_phases.h).
 Status SpecBatch::Impl::Step(const std::vector<WindowGrant>& grants) {
   StepContext ctx = Context(grants);
-  if (ctx.live.empty()) return OkStatus();
+  if (ctx.live.empty() && ctx.prefill.empty()) return OkStatus();
   using Clock = std::chrono::steady_clock;
   const Clock::time_point t0 = opts.timing != nullptr ? Clock::now() : Clock::time_point();
+  if (ctx.live.empty()) return ForwardTarget(ctx);  // prompt prefill only
   std::vector<Sequence*> drafting;
   for (Sequence* s : ctx.live) {
     if (s->r.policy.draft == DraftSource::kDraftModel) drafting.push_back(s);
@@ -177,8 +215,16 @@ StatusOr<std::vector<SpecResult>> GenerateSpeculative(const Gpt& target, const G
   }
   SpecBatch batch(target, draft, std::max<int64_t>(slots, 1), opts);
   std::vector<int64_t> handles;
-  for (const auto& r : requests) {
-    ASSIGN_OR_RETURN(int64_t h, batch.Add(r));
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const ImageRequest& r = requests[i];
+    int64_t share = -1;
+    for (size_t j = 0; j < i && share < 0 && !r.prompt.empty(); ++j) {
+      if (requests[j].prompt == r.prompt &&
+          requests[j].sampling.uses_cfg() == r.sampling.uses_cfg()) {
+        share = handles[j];
+      }
+    }
+    ASSIGN_OR_RETURN(int64_t h, batch.Add(r, share));
     handles.push_back(h);
   }
   while (batch.active() > 0) RETURN_IF_ERROR(batch.Step());

@@ -27,9 +27,10 @@
 namespace imagegen {
 
 struct SpecStats {
-  int64_t nfe = 0;              // target forwards (a CFG pair once, the first forward included)
-  int64_t draft_forwards = 0;   // draft-model forwards (counted apart from NFE)
-  int64_t drafts_verified = 0;  // drafts tested before the first rejection of each step
+  int64_t nfe = 0;               // target forwards (a CFG pair once, the first forward included)
+  int64_t prefill_forwards = 0;  // forwards that fed prompt chunks (not in nfe)
+  int64_t draft_forwards = 0;    // draft-model forwards (counted apart from NFE)
+  int64_t drafts_verified = 0;   // drafts tested before the first rejection of each step
   int64_t drafts_accepted = 0;
   std::vector<int32_t> step_tokens;  // tokens committed by each step
   std::vector<int32_t> token_step;   // per image token, the step that committed it
@@ -71,12 +72,17 @@ struct SpecOptions {
   const VerifyRules* rules = nullptr;
   // When set, each step adds its times here (StepTiming). Must outlive the SpecBatch.
   StepTiming* timing = nullptr;
+  // Prompt tokens a request prefills per step when the step grants it no window (0: all that
+  // are left). A grant caps the chunk like a window.
+  int64_t prefill_chunk = 0;
 };
 
 // The window the scheduler grants a request for one step (its token budget's share).
 struct WindowGrant {
   int64_t handle = 0;
-  int64_t window = 0;  // tokens fed this step, root included; >= 1
+  // Tokens fed this step, root included; >= 1. While the request prefills its prompt: the
+  // chunk's tokens, 0 for none this step.
+  int64_t window = 0;
 };
 
 // One batch of in-flight requests over fixed KV slots. Requests are added while slots last.
@@ -91,7 +97,12 @@ class SpecBatch {
 
   // Admits a request that ValidateImageRequest accepted for these models (not checked
   // again). ResourceExhausted when no slot is free. Returns a handle.
-  StatusOr<int64_t> Add(const ImageRequest& request);
+  // A prompted request prefills its prompt (all but its last token) in chunks, in the same
+  // forwards as the others' windows, before its first window. With `share_prefill_with`, the
+  // handle of a request with the same prompt and CFG use (InvalidArgument otherwise), it waits
+  // for that one's prefill and copies its KV entries instead (n images of one prompt share
+  // one prefill); if that request goes first, it prefills itself.
+  StatusOr<int64_t> Add(const ImageRequest& request, int64_t share_prefill_with = -1);
 
   // One step for every active request: drafting (draft-model requests), one target forward,
   // verification, commits. A request in `grants` feeds at most its granted window this step;
@@ -103,9 +114,12 @@ class SpecBatch {
   int64_t active() const;
   int64_t free_slots() const;
   bool done(int64_t handle) const;
+  // Whether the request still has prompt tokens to prefill (or a sibling's to wait for).
+  bool prefilling(int64_t handle) const;
 
   // Nodes the request would feed the target in its next step without a cap (its window,
-  // clipped to the tokens left; 1 for AR), and the forward rows per node (2 with CFG).
+  // clipped to the tokens left; 1 for AR; while prefilling, the prompt tokens left to prefill,
+  // 0 while it waits for a sibling's), and the forward rows per node (2 with CFG).
   int64_t WantedNodes(int64_t handle) const;
   int64_t RowsPerNode(int64_t handle) const;
   // The request's committed tokens, counters, and the first-candidate drafts it will verify
@@ -124,6 +138,7 @@ class SpecBatch {
 };
 
 // Validates, then runs all requests to completion together (a batch sized for all of them).
+// Requests with the same prompt and CFG use share the first one's prefill.
 StatusOr<std::vector<SpecResult>> GenerateSpeculative(const Gpt& target, const Gpt* draft,
                                                       const std::vector<ImageRequest>& requests,
                                                       SpecOptions opts = {});

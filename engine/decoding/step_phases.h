@@ -25,6 +25,13 @@
 
 namespace imagegen {
 
+// A prompt prefill chunk of this step: the sequence's condition tokens at positions
+// prefilled .. prefilled + tokens - 1.
+struct PrefillChunk {
+  Sequence* seq = nullptr;
+  int64_t tokens = 0;
+};
+
 struct StepContext {
   StepContext(const Gpt& t, const Gpt* d, KvCache& c, KvCache& dc, const SpecOptions& o,
               const VerifyRules& r)
@@ -35,12 +42,13 @@ struct StepContext {
   KvCache& draft_cache;
   const SpecOptions& opts;
   const VerifyRules& rules;
-  std::vector<Sequence*> live;  // unfinished requests, in handle order
-  at::Tensor prev_p, prev_q;    // the previous step's P and Q (Jacobi draft sources)
-  at::Tensor draft_q;           // q of this step's draft-model drafts, one row per draft
-  at::Tensor draft_tokens;      // the drafts themselves, int64 on the device, one per q row
+  std::vector<Sequence*> live;        // unfinished requests past their prefill, in handle order
+  std::vector<PrefillChunk> prefill;  // requests prefilling this step
+  at::Tensor prev_p, prev_q;          // the previous step's P and Q (Jacobi draft sources)
+  at::Tensor draft_q;                 // q of this step's draft-model drafts, one row per draft
+  at::Tensor draft_tokens;            // the drafts themselves, int64 on the device, one per q row
   // Draft-model steps only (else undefined): every node's input token, in node order, then the
-  // null class (the unconditional root of an empty image), int64 on the device. Draft-model
+  // unconditional roots of empty images (Sequence::uncond_root), int64 on the device. Draft-model
   // drafts stay on the device: the forward, the verification and the readback take them here.
   at::Tensor node_tokens;
   at::Tensor q;           // [columns, V] proposal of every draft column

@@ -12,18 +12,19 @@
 namespace imagegen {
 namespace {
 
-// The window's nodes as one row: node i at cache index n + i and position n + col + 1; a mask
-// of ancestors unless the nodes form a chain.
+// The window's nodes as one row: node i at cache index root + i and position root + col + 1
+// (root: the root's position, P - 1 + n); a mask of ancestors unless the nodes form a chain.
 BatchRow WindowRow(const Sequence& s) {
-  const int64_t n = s.n(), m = static_cast<int64_t>(s.nodes.size());
+  const int64_t root = s.root_pos(), m = static_cast<int64_t>(s.nodes.size());
   BatchRow row;
   row.slot = s.slot_c;
-  row.cache_len = n;
+  row.prefix = s.P();
+  row.cache_len = root;
   bool chain = true;
   for (int64_t i = 0; i < m; ++i) {
     const Node& nd = s.nodes[i];
     row.tokens.push_back(nd.token);
-    row.positions.push_back(n + nd.col + 1);
+    row.positions.push_back(root + nd.col + 1);
     chain &= nd.parent == i - 1;
   }
   if (!chain) {
@@ -39,8 +40,9 @@ BatchRow WindowRow(const Sequence& s) {
 
 void NodeTokens(StepContext& ctx) {
   if (!ctx.draft_tokens.defined()) return;
-  // One upload: every node's host token (0 for a draft-model draft), the null class, then the
-  // (node, draft row) pairs whose token comes from the draft model.
+  // One upload: every node's host token (0 for a draft-model draft), the unconditional roots of
+  // empty images (their last unconditional condition token), then the (node, draft row) pairs
+  // whose token comes from the draft model.
   std::vector<int64_t> host, node, row;
   for (const Sequence* s : ctx.live) {
     for (const Node& nd : s->nodes) {
@@ -53,7 +55,13 @@ void NodeTokens(StepContext& ctx) {
       host.push_back(drafted ? 0 : nd.token);
     }
   }
-  host.push_back(ctx.cfg().null_class());
+  for (Sequence* s : ctx.live) {
+    s->uncond_root = -1;
+    if (s->n() == 0 && s->slot_u >= 0) {
+      s->uncond_root = static_cast<int64_t>(host.size());
+      host.push_back(s->uncond.back());
+    }
+  }
   const auto n = static_cast<int64_t>(host.size()), d = static_cast<int64_t>(node.size());
   host.insert(host.end(), node.begin(), node.end());
   host.insert(host.end(), row.begin(), row.end());
@@ -66,23 +74,45 @@ void NodeTokens(StepContext& ctx) {
 }
 
 Status ForwardTarget(StepContext& ctx) {
-  GuidedBatch batch(ctx.cfg().null_class());
+  GuidedBatch batch;
   std::vector<int64_t> src;  // with node tokens: each fed token's row in ctx.node_tokens
   for (const Sequence* s : ctx.live) {
     std::vector<int64_t> every(s->nodes.size());
     for (size_t i = 0; i < every.size(); ++i) every[i] = static_cast<int64_t>(i);
-    batch.Add(WindowRow(*s), s->slot_u, s->r.sampling, every);
+    batch.Add(WindowRow(*s), s->slot_u, s->uncond, s->r.sampling, every);
     if (!ctx.node_tokens.defined()) continue;
     for (int64_t rep = 0; rep < (s->slot_u >= 0 ? 2 : 1); ++rep) {
       for (size_t i = 0; i < s->nodes.size(); ++i) {
-        const bool null_root = rep == 1 && i == 0 && s->n() == 0;  // GuidedBatch::Add's rule
-        src.push_back(null_root ? ctx.nodes : s->node_off + static_cast<int64_t>(i));
+        const bool uncond_root = rep == 1 && i == 0 && s->n() == 0;  // GuidedBatch::Add's rule
+        src.push_back(uncond_root ? s->uncond_root : s->node_off + static_cast<int64_t>(i));
       }
     }
   }
+  // Prompt prefill chunks ride in the same forward, after the windows; their logits are unused.
+  std::vector<int64_t> prefill_ids;
+  for (const PrefillChunk& c : ctx.prefill) {
+    const Sequence& s = *c.seq;
+    BatchRow row;
+    row.slot = s.slot_c;
+    row.prefix = s.P();
+    row.cache_len = s.prefilled;
+    for (int64_t p = s.prefilled; p < s.prefilled + c.tokens; ++p) {
+      row.tokens.push_back(s.cond[static_cast<size_t>(p)]);
+      row.positions.push_back(p);
+    }
+    if (ctx.node_tokens.defined()) {
+      prefill_ids.insert(prefill_ids.end(), row.tokens.begin(), row.tokens.end());
+      if (s.slot_u >= 0) {
+        for (int64_t p : row.positions) prefill_ids.push_back(s.uncond[static_cast<size_t>(p)]);
+      }
+    }
+    batch.Add(std::move(row), s.slot_u, s.uncond, s.r.sampling, {});
+  }
   at::Tensor tokens;
-  if (ctx.node_tokens.defined())
+  if (ctx.node_tokens.defined()) {
     tokens = ctx.node_tokens.index_select(0, UploadLongs(src, ctx.dev()));
+    if (!prefill_ids.empty()) tokens = at::cat({tokens, UploadLongs(prefill_ids, ctx.dev())});
+  }
   StepTiming* timing = ctx.opts.timing;
   std::chrono::steady_clock::time_point t0;
   if (timing != nullptr) {
@@ -96,7 +126,11 @@ Status ForwardTarget(StepContext& ctx) {
     timing->forward_seconds +=
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
-  ctx.p = batch.Probs(logits).to(at::kDouble);  // [nodes, V]
+  for (const PrefillChunk& c : ctx.prefill) {
+    c.seq->prefilled += c.tokens;
+    c.seq->stats.prefill_forwards += 1;
+  }
+  if (!ctx.live.empty()) ctx.p = batch.Probs(logits).to(at::kDouble);  // [nodes, V]
   return OkStatus();
 }
 

@@ -57,7 +57,7 @@ void LayOutNodes(Sequence& s, int64_t T) {
   const auto ncols = static_cast<int64_t>(s.cols.size());
   s.nodes.clear();
   Node root;
-  root.token = s.n() == 0 ? s.r.class_id : s.committed.back();
+  root.token = s.n() == 0 ? s.cond.back() : s.committed.back();
   s.nodes.push_back(root);
   std::vector<int64_t>& main = s.main;
   main.assign(static_cast<size_t>(ncols), 0);

@@ -178,6 +178,16 @@ Status Engine::Impl::Load() {
                               c.default_top_p};
     info.max_window = c.block_size;
     info.kv_slots = slots;
+    if (c.prompted()) {
+      info.prompted = true;
+      info.max_prompt_len = c.max_prompt_len;
+      info.text_vocab_size = c.text_vocab_size;
+      info.prompt_template = c.prompt_template;
+      if (!c.text_tokenizer.empty()) {
+        info.text_tokenizer_path =
+            (std::filesystem::path(o.models_dir) / name / c.text_tokenizer).string();
+      }
+    }
     infos.push_back(info);
     stats.models.push_back({name, 0, 0, 0, slots});
     models.push_back({name, std::move(model), nullptr});
@@ -224,6 +234,9 @@ Status Engine::Impl::LoadMar(const std::string& name, const LoadOptions& lo) {
 StatusOr<std::unique_ptr<Job>> Engine::Impl::ResolveMar(GenerateParams p, const MarModel& m) const {
   const MarConfig& c = m.mar->config();
   auto job = std::make_unique<Job>();
+  if (!p.prompt_token_ids.empty()) {
+    return FieldError("prompt", "this model is class-conditional; set class_id or class_name");
+  }
   if (p.class_id.has_value() && !p.class_name.empty()) {
     return FieldError("class_name", "set class_id or class_name, not both");
   }
@@ -276,10 +289,21 @@ StatusOr<std::unique_ptr<Job>> Engine::Impl::Resolve(GenerateParams p, size_t* m
   const ImageModel& m = *models[mi].gpt;
   const GptConfig& c = m.gpt->config();
   auto job = std::make_unique<Job>();
-  if (p.class_id.has_value() && !p.class_name.empty()) {
+  if (c.prompted()) {
+    if (p.class_id.has_value() || !p.class_name.empty()) {
+      return FieldError(p.class_id.has_value() ? "class_id" : "class_name",
+                        "model " + Quoted(m.name) + " draws from a prompt, not a class");
+    }
+    if (p.prompt_token_ids.empty()) {
+      return FieldError("prompt", "model " + Quoted(m.name) + " needs a prompt");
+    }
+    job->request.prompt = p.prompt_token_ids;
+  } else if (!p.prompt_token_ids.empty()) {
+    return FieldError(
+        "prompt", "model " + Quoted(m.name) + " is class-conditional; set class_id or class_name");
+  } else if (p.class_id.has_value() && !p.class_name.empty()) {
     return FieldError("class_name", "set class_id or class_name, not both");
-  }
-  if (p.class_id.has_value()) {
+  } else if (p.class_id.has_value()) {
     RETURN_IF_ERROR(CheckClassId(c, *p.class_id));
     job->request.class_id = *p.class_id;
   } else if (!p.class_name.empty()) {

@@ -46,6 +46,12 @@ struct EngineOptions {
   // - "budget": the fixed token budget max_tokens_per_step (window_budget.h).
   // - "full": every request feeds its whole window (budget 0).
   std::string window_policy = "goodput";
+  // Prompted models: prompt tokens prefilled per step and model, over all prefilling requests
+  // (a CFG request's token counts twice), oldest first, beside the decoding requests' windows
+  // (which the window policy chooses as if the prefill were not there); the oldest prefilling
+  // request gets at least one token a step. A long prompt is thus spread over steps instead
+  // of stalling everyone's next token.
+  int64_t prefill_tokens_per_step = 64;
   double max_slowdown = 0.25;
   // Where the step-cost calibration is kept (one JSON file per model, device and dtype, reused
   // at the next start); empty: not kept (calibrated at every start).

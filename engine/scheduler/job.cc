@@ -15,6 +15,7 @@ RequestResult FinishedResult(const Job& j, const std::string& model, int64_t gri
   res.request_id = j.id;
   res.model = model;
   res.class_id = j.request.class_id;
+  res.prompt_tokens = static_cast<int64_t>(j.request.prompt.size());
   res.seed = j.request.seed;
   res.policy = j.request.policy;
   res.sampling = j.request.sampling;

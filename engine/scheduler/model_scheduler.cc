@@ -114,6 +114,7 @@ ImageRequest ModelScheduler::CalibrationRequest() const {
   req.sampling.temperature = c.default_temperature;
   req.sampling.top_k = c.default_top_k;
   req.sampling.top_p = c.default_top_p;
+  if (c.prompted()) req.prompt = {0};  // one token: no prefill, the steps are decoding steps
   req.policy = *PolicyFromPreset("sjd", std::max<int64_t>(std::min<int64_t>(64, c.block_size), 2));
   if (!ValidateImageRequest(req, *model_.gpt, nullptr).ok()) req.policy = *PolicyFromPreset("ar");
   return req;
@@ -177,16 +178,33 @@ std::vector<StepCostSample> ModelScheduler::MeasureStepCost(ImageRequest req) {
   return samples;
 }
 
-std::vector<int64_t> ModelScheduler::ChooseWindows(const std::vector<WindowDemand>& demand,
+std::vector<int64_t> ModelScheduler::PrefillChunks(const std::vector<size_t>& idx) const {
+  int64_t left = opts_.prefill_tokens_per_step;
+  bool progress = false;
+  std::vector<int64_t> out;
+  for (size_t i : idx) {
+    const int64_t h = active_[i]->handle;
+    const int64_t want = batch_.WantedNodes(h), rows = batch_.RowsPerNode(h);
+    int64_t chunk = left > 0 ? std::min(want, left / rows) : 0;
+    if (!progress && want > 0) chunk = std::max<int64_t>(chunk, 1);  // the oldest progresses
+    progress |= chunk > 0;
+    left -= chunk * rows;
+    out.push_back(chunk);
+  }
+  return out;
+}
+
+std::vector<int64_t> ModelScheduler::ChooseWindows(const std::vector<size_t>& idx,
+                                                   const std::vector<WindowDemand>& demand,
                                                    std::vector<double>& expected,
                                                    GoodputPlan& plan) {
-  expected.assign(active_.size(), 0);
+  expected.assign(idx.size(), 0);
   if (opts_.window_policy != "goodput") {
     return AllocateWindows(demand, opts_.window_policy == "budget" ? opts_.max_tokens_per_step : 0);
   }
   std::vector<GoodputRequest> reqs;
-  for (size_t i = 0; i < active_.size(); ++i) {
-    const Job& j = *active_[i];
+  for (size_t i = 0; i < idx.size(); ++i) {
+    const Job& j = *active_[idx[i]];
     const int64_t wanted = std::max<int64_t>(demand[i].wanted, 1);
     reqs.push_back(
         {demand[i].rows, ExpectedCommits(commits_, j.request.policy, wanted, j.commits.Factor())});
@@ -262,7 +280,14 @@ void ModelScheduler::Admit(Outcomes& out) {
     const int64_t need = j.request.sampling.uses_cfg() ? 2 : 1;
     if (batch_.free_slots() < need) break;
     if (opts_.max_tokens_per_step > 0 && rows + need > opts_.max_tokens_per_step) break;
-    StatusOr<int64_t> h = batch_.Add(j.request);
+    int64_t share = -1;  // a running request with the same prompt shares its prefill
+    for (size_t k = 0; k < active_.size() && share < 0 && !j.request.prompt.empty(); ++k) {
+      const ImageRequest& o = active_[k]->request;
+      if (o.prompt == j.request.prompt && o.sampling.uses_cfg() == j.request.sampling.uses_cfg()) {
+        share = active_[k]->handle;
+      }
+    }
+    StatusOr<int64_t> h = batch_.Add(j.request, share);
     if (!h.ok()) {  // validated at submission; only a model-level surprise gets here
       j.observer->OnError(h.status());
       out.failed += 1;
@@ -282,22 +307,46 @@ void ModelScheduler::Admit(Outcomes& out) {
 // postprocess (events, finished requests).
 void ModelScheduler::Step(Outcomes& out) {
   const auto t0 = Clock::now();
-  std::vector<WindowDemand> demand;
-  for (const auto& j : active_) {
-    demand.push_back({batch_.WantedNodes(j->handle), batch_.RowsPerNode(j->handle)});
+  // Decoding requests get windows from the window policy; prefilling ones prompt chunks.
+  std::vector<size_t> dec, pre;
+  std::vector<WindowDemand> dec_demand;
+  for (size_t i = 0; i < active_.size(); ++i) {
+    const int64_t h = active_[i]->handle;
+    if (batch_.prefilling(h)) {
+      pre.push_back(i);
+    } else {
+      dec.push_back(i);
+      dec_demand.push_back({batch_.WantedNodes(h), batch_.RowsPerNode(h)});
+    }
   }
-  std::vector<double> expected;
+  std::vector<double> dec_expected;
   GoodputPlan plan;
-  const std::vector<int64_t> windows = ChooseWindows(demand, expected, plan);
+  const std::vector<int64_t> dec_windows = ChooseWindows(dec, dec_demand, dec_expected, plan);
+  const std::vector<int64_t> chunks = PrefillChunks(pre);
+  // Per active request: its window (0 while prefilling), demand and expected commits.
+  std::vector<int64_t> windows(active_.size(), 0);
+  std::vector<WindowDemand> demand(active_.size());
+  std::vector<double> expected(active_.size(), 0);
+  std::vector<bool> decoding(active_.size(), false);
   std::vector<WindowGrant> grants;
   StepSample sample;
   sample.plan_seconds = Seconds(t0, Clock::now());
   sample.model = model_.name;
   sample.requests = static_cast<int64_t>(active_.size());
-  for (size_t i = 0; i < active_.size(); ++i) {
+  for (size_t k = 0; k < dec.size(); ++k) {
+    const size_t i = dec[k];
+    windows[i] = dec_windows[k];
+    demand[i] = dec_demand[k];
+    expected[i] = dec_expected[k];
+    decoding[i] = true;
     grants.push_back({active_[i]->handle, windows[i]});
     sample.budget_limited |= windows[i] < demand[i].wanted;
     sample.tokens += windows[i] * demand[i].rows;
+  }
+  for (size_t k = 0; k < pre.size(); ++k) {
+    const int64_t h = active_[pre[k]]->handle;
+    grants.push_back({h, chunks[k]});
+    sample.tokens += chunks[k] * batch_.RowsPerNode(h);
   }
   Status st;
   try {
@@ -319,14 +368,15 @@ void ModelScheduler::Step(Outcomes& out) {
         plan.seconds > 0 ? plan.seconds : cost_.Predict(sample.tokens, sample.requests);
   }
   sample.expected_committed = plan.expected;
-  std::vector<StepEvent> events;
-  std::vector<size_t> due;  // requests whose preview is due this step
+  std::vector<StepEvent> events(active_.size());  // for the requests that decoded this step
+  std::vector<size_t> due;                        // requests whose preview is due this step
   for (size_t i = 0; i < active_.size(); ++i) {
+    if (!decoding[i]) continue;  // prefilling: no event
     Job& j = *active_[i];
     if (j.first_token == Clock::time_point()) j.first_token = t1;
     sample.committed += static_cast<int64_t>(batch_.tokens(j.handle).size() - j.reported);
-    events.push_back(Event(j, windows[i]));
-    const auto committed = static_cast<int64_t>(events.back().positions.size());
+    events[i] = Event(j, windows[i]);
+    const auto committed = static_cast<int64_t>(events[i].positions.size());
     if (j.request.policy.draft != DraftSource::kNone) {
       // The request against its method's expectation (without its own factor), then the
       // method's table.
@@ -353,7 +403,9 @@ void ModelScheduler::Step(Outcomes& out) {
       active_[i]->last_preview = p0;
     }
   }
-  for (size_t i = 0; i < active_.size(); ++i) active_[i]->observer->OnStep(events[i]);
+  for (size_t i = 0; i < active_.size(); ++i) {
+    if (decoding[i]) active_[i]->observer->OnStep(events[i]);
+  }
   // What the step-cost model predicts: the step from planning to the observers, previews
   // excluded (they have their own budget) and so is decoding the finished images.
   sample.step_seconds = Seconds(t0, Clock::now()) - spent;
@@ -457,6 +509,7 @@ void ModelScheduler::Finish(Job& j, Outcomes& out) {
     res.image = std::move(image).value();
   }
   RequestStats& st = res.stats;
+  st.prefill_forwards = r.stats.prefill_forwards;
   st.decode_seconds = Seconds(t_end, Clock::now());
   st.mean_window =
       j.steps > 0 ? static_cast<double>(j.window_sum) / static_cast<double>(j.steps) : 0;

@@ -48,10 +48,15 @@ class ModelScheduler : public FamilyScheduler {
   ImageRequest CalibrationRequest() const;
   std::vector<int64_t> CalibrationSizes(const ImageRequest& req) const;
   std::vector<StepCostSample> MeasureStepCost(ImageRequest req);
-  // This step's windows, in active_ order; `expected` gets each request's expected commits
-  // (goodput) and `plan` the predicted step time and expected total.
-  std::vector<int64_t> ChooseWindows(const std::vector<WindowDemand>& demand,
+  // This step's windows for the decoding requests active_[idx[i]] (demand[i]); `expected`
+  // gets each one's expected commits (goodput) and `plan` the predicted step time and
+  // expected total.
+  std::vector<int64_t> ChooseWindows(const std::vector<size_t>& idx,
+                                     const std::vector<WindowDemand>& demand,
                                      std::vector<double>& expected, GoodputPlan& plan);
+  // Prompt chunks for the prefilling requests active_[idx[i]], in order, within
+  // EngineOptions::prefill_tokens_per_step.
+  std::vector<int64_t> PrefillChunks(const std::vector<size_t>& idx) const;
   void Step(Outcomes& out);
   StepEvent Event(Job& job, int64_t window);  // counters are deltas since the last event
   bool PreviewDue(const Job& job) const;

@@ -24,6 +24,10 @@ struct GenerateParams {
   // The class: exactly one of an id in [0, num_classes) or one of the model's class names.
   std::optional<int64_t> class_id;
   std::string class_name;
+  // Prompted (text-to-image) models instead: the prompt as the model's token ids, template and
+  // BOS included (the server tokenizes text with ModelInfo::text_tokenizer_path). Requests
+  // with the same ids and CFG use that run at the same time share one prefill.
+  std::vector<int64_t> prompt_token_ids;
   std::optional<uint64_t> seed;  // absent: the engine draws one and reports it
   // Absent: the model's recommended values (config.json "sampling_defaults").
   std::optional<double> cfg_scale, temperature, top_p;
@@ -69,6 +73,7 @@ struct RequestStats {
   std::vector<int64_t> accepted_length_histogram;
   std::vector<int64_t> verified_at_depth, accepted_at_depth;
   double queue_seconds = 0;        // submission to the first step
+  int64_t prefill_forwards = 0;    // forwards that fed prompt chunks (0: copied a sibling's)
   double generation_seconds = 0;   // first step to the last token
   double first_token_seconds = 0;  // submission to the first committed token
   double decode_seconds = 0;       // decoding tokens into pixels (VQ)
@@ -90,7 +95,8 @@ struct RequestStats {
 struct RequestResult {
   int64_t request_id = 0;
   std::string model;
-  int64_t class_id = 0;
+  int64_t class_id = 0;       // class-conditional models
+  int64_t prompt_tokens = 0;  // prompted models: the prompt's length in tokens
   uint64_t seed = 0;
   DecodingPolicy policy;
   SamplingParams sampling;
@@ -127,6 +133,12 @@ struct ModelInfo {
   // kv_slots then counts forward rows; default_num_iter is mar's default iteration count.
   bool continuous = false;
   int64_t token_dim = 0, default_num_iter = 0;
+  // Prompted (text-to-image) models: the condition is a prompt of at most max_prompt_len
+  // token ids in [0, text_vocab_size) (num_classes 0); the template that wraps a user's text
+  // ("{prompt}" marks it) and the tokenizer.json that turns it into ids (empty: ids only).
+  bool prompted = false;
+  int64_t max_prompt_len = 0, text_vocab_size = 0;
+  std::string prompt_template, text_tokenizer_path;
 };
 
 }  // namespace imagegen
