@@ -3,6 +3,7 @@
 //   imagegen models
 //   imagegen generate --class sneaker [--method scd-mc] [--seed 7] --out sneaker.png
 //   imagegen generate --class bag --stream --preview-every 5 --preview-dir frames --out bag.png
+//   imagegen generate --model janus-pro-1b --prompt "a red bag" --out bag.png   (text-to-image)
 //   imagegen load --concurrency 16 --duration 30 --method scd-mc
 //   imagegen health    (grpc.health.v1: exit 0 when SERVING; the image's HEALTHCHECK)
 //
@@ -48,6 +49,9 @@ ABSL_FLAG(std::string, model, "", "model name (default: the server's first)");
 // underscores in flag names are interchangeable.
 ABSL_FLAG(std::string, cls, "",
           "--class: class name or id (generate: required; load: default all)");
+ABSL_FLAG(std::string, prompt, "", "generate, load: the prompt of a text-to-image model");
+ABSL_FLAG(std::string, prompt_ids, "",
+          "generate, load: the prompt as comma-separated token ids (template and BOS included)");
 ABSL_FLAG(std::string, method, "", "decoding method preset (default: the server's)");
 ABSL_FLAG(int64_t, seed, -1, "seed (-1: the server picks one)");
 ABSL_FLAG(double, cfg, -1, "guidance scale (-1: the model's default)");
@@ -154,14 +158,28 @@ v1::GenerateRequest BuildRequest(bool need_class) {
   v1::GenerateRequest r;
   r.set_model(absl::GetFlag(FLAGS_model));
   const std::string cls = absl::GetFlag(FLAGS_cls);
+  const std::string prompt = absl::GetFlag(FLAGS_prompt), ids = absl::GetFlag(FLAGS_prompt_ids);
+  if (!prompt.empty()) r.set_prompt(prompt);
+  for (size_t at = 0; !ids.empty() && at <= ids.size();) {
+    const size_t comma = std::min(ids.find(',', at), ids.size());
+    const std::string one = ids.substr(at, comma - at);
+    if (one.empty() || one.find_first_not_of("0123456789") != std::string::npos || one.size() > 9) {
+      std::cerr << "imagegen: --prompt-ids: '" << one << "' is not a token id\n";
+      std::exit(2);
+    }
+    r.add_prompt_token_ids(std::stoi(one));
+    at = comma + 1;
+  }
+  const bool prompted = !prompt.empty() || !ids.empty();
   if (!cls.empty()) {
     if (cls.find_first_not_of("0123456789") == std::string::npos) {
       r.set_class_id(std::stoi(cls));
     } else {
       r.set_class_name(cls);
     }
-  } else if (need_class) {
-    std::cerr << "imagegen: --class is required (a name from `imagegen models`, or an id)\n";
+  } else if (need_class && !prompted) {
+    std::cerr << "imagegen: --class is required (a name from `imagegen models`, or an id), or "
+                 "--prompt for a text-to-image model\n";
     std::exit(2);
   }
   if (absl::GetFlag(FLAGS_seed) >= 0) r.set_seed(static_cast<uint64_t>(absl::GetFlag(FLAGS_seed)));
@@ -194,8 +212,14 @@ v1::GenerateRequest BuildRequest(bool need_class) {
 
 void PrintStats(const v1::GenerateResponse& r, const std::string& out) {
   const v1::GenerationStats& s = r.stats();
-  std::printf("model %s class %d seed %llu method %s\n", s.model().c_str(), s.class_id(),
-              static_cast<unsigned long long>(s.seed()), s.method().c_str());
+  if (s.prompt_tokens() > 0) {
+    std::printf("model %s prompt of %d tokens (%lld prefill forwards) seed %llu method %s\n",
+                s.model().c_str(), s.prompt_tokens(), static_cast<long long>(s.prefill_forwards()),
+                static_cast<unsigned long long>(s.seed()), s.method().c_str());
+  } else {
+    std::printf("model %s class %d seed %llu method %s\n", s.model().c_str(), s.class_id(),
+                static_cast<unsigned long long>(s.seed()), s.method().c_str());
+  }
   std::printf(
       "%d tokens in %lld steps (NFE): step compression %.2fx, acceptance %.2f, "
       "%lld draft-model forwards\n",
@@ -222,6 +246,13 @@ void WriteOrDie(const std::string& path, const std::string& bytes) {
   }
 }
 
+// Newlines and tabs shown as escapes (a chat template on one line).
+std::string Escaped(const std::string& s) {
+  std::string out;
+  for (char c : s) out += c == '\n' ? "\\n" : c == '\t' ? "\\t" : std::string(1, c);
+  return out;
+}
+
 // ListModels; prints the error and returns false when the call fails.
 bool FetchModels(v1::ImageGeneration::Stub& stub, v1::ListModelsResponse* resp) {
   grpc::ClientContext ctx;
@@ -243,8 +274,15 @@ int Models() {
                 m.grid(), tokens.c_str(), m.image_width(), m.image_height(), m.channels(),
                 m.kv_slots(), m.continuous() ? "forward rows" : "KV slots",
                 m.draft_model().empty() ? "" : (", draft model " + m.draft_model()).c_str());
-    std::printf("  classes:");
-    for (const auto& c : m.classes()) std::printf(" %d=%s", c.id(), c.name().c_str());
+    if (m.prompted()) {
+      std::printf("  text-to-image: prompts of at most %d tokens (ids < %d)%s; template %s",
+                  m.max_prompt_len(), m.text_vocab_size(),
+                  m.text_prompts() ? ", text accepted" : ", token ids only",
+                  Escaped(m.prompt_template()).c_str());
+    } else {
+      std::printf("  classes:");
+      for (const auto& c : m.classes()) std::printf(" %d=%s", c.id(), c.name().c_str());
+    }
     std::printf("\n  methods:");
     for (const auto& x : m.methods()) {
       std::printf(" %s%s", x.c_str(), x == resp.default_method() ? " (default)" : "");
@@ -354,7 +392,8 @@ int Load() {
   std::atomic<int64_t> counter{0};
   Clock::time_point last = t0;
   const v1::GenerateRequest base = BuildRequest(false);
-  const bool cycle_classes = base.class_case() == v1::GenerateRequest::CLASS_NOT_SET;
+  const bool cycle_classes = base.class_case() == v1::GenerateRequest::CLASS_NOT_SET &&
+                             base.prompt().empty() && base.prompt_token_ids_size() == 0;
   std::vector<std::thread> threads;
   for (int k = 0; k < c; ++k) {
     threads.emplace_back([&] {

@@ -75,6 +75,10 @@ std::string ProtoField(const std::string& f, const v1::GenerateRequest& req) {
       f == "residual_rounds") {
     return "continuous." + f;
   }
+  // The engine names the condition "prompt" or "prompt_token_ids"; the request's own field.
+  if (f == "prompt" || f == "prompt_token_ids") {
+    return req.prompt_token_ids_size() > 0 && req.prompt().empty() ? "prompt_token_ids" : "prompt";
+  }
   return f;  // model, class_id, class_name, seed, cfg_scale, temperature, top_k, top_p, method, ...
 }
 
@@ -148,6 +152,13 @@ std::string DefaultMethodFor(const std::vector<ModelInfo>& models, const std::st
 grpc::Status ToParams(const v1::GenerateRequest& req, const std::string& default_method,
                       GenerateParams* out) {
   out->model = req.model();
+  if (!req.prompt().empty() && req.prompt_token_ids_size() > 0) {
+    return BadField("prompt_token_ids", "set prompt or prompt_token_ids, not both");
+  }
+  for (int32_t id : req.prompt_token_ids()) {
+    if (id < 0) return BadField("prompt_token_ids", "ids must be >= 0");
+    out->prompt_token_ids.push_back(id);
+  }
   switch (req.class_case()) {
     case v1::GenerateRequest::kClassId:
       if (req.class_id() < 0) return BadField("class_id", "must be >= 0");
@@ -157,8 +168,8 @@ grpc::Status ToParams(const v1::GenerateRequest& req, const std::string& default
       if (req.class_name().empty()) return BadField("class_name", "must not be empty");
       out->class_name = req.class_name();
       break;
-    default:
-      return BadField("class_id", "required: set class_id or class_name");
+    default:  // none: the engine names what the model needs (a class, or a prompt)
+      break;
   }
   if (req.has_seed()) out->seed = req.seed();
   if (req.has_cfg_scale()) out->cfg_scale = req.cfg_scale();
@@ -312,6 +323,8 @@ grpc::Status FillResponse(const RequestResult& r, int scale, bool include_tokens
   s->set_residual_rounds(st.residual_rounds);
   s->set_residual_fallbacks(st.residual_fallbacks);
   s->set_draft_target_sq_dist(st.draft_target_sq_dist);
+  s->set_prompt_tokens(static_cast<int32_t>(r.prompt_tokens));
+  s->set_prefill_forwards(st.prefill_forwards);
   return grpc::Status::OK;
 }
 
@@ -361,6 +374,11 @@ void FillModels(const std::vector<ModelInfo>& models, const std::string& default
     p->set_continuous(m.continuous);
     p->set_token_dim(static_cast<int32_t>(m.token_dim));
     p->set_default_num_iter(static_cast<int32_t>(m.default_num_iter));
+    p->set_prompted(m.prompted);
+    p->set_max_prompt_len(static_cast<int32_t>(m.max_prompt_len));
+    p->set_text_vocab_size(static_cast<int32_t>(m.text_vocab_size));
+    p->set_prompt_template(m.prompt_template);
+    p->set_text_prompts(!m.text_tokenizer_path.empty());
   }
 }
 

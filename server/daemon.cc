@@ -114,8 +114,8 @@ Status Daemon::Load(const EngineStarter& starter) {
                       "'" + options_.default_method + "' is not served by the first model");
   }
   engine_ = std::move(engine);
+  RETURN_IF_ERROR(service_.SetEngine(engine_.get()));
   metrics_.SetEngine(engine_.get());
-  service_.SetEngine(engine_.get());
   server_->GetHealthCheckService()->SetServingStatus(kServiceName, true);
   return OkStatus();
 }

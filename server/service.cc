@@ -434,7 +434,49 @@ ImageGenerationService::~ImageGenerationService() {
   watchdog_.join();
 }
 
-void ImageGenerationService::SetEngine(Engine* engine) { engine_.store(engine); }
+Status ImageGenerationService::SetEngine(Engine* engine) {
+  for (const ModelInfo& m : engine->Models()) {
+    if (m.text_tokenizer_path.empty()) continue;
+    ASSIGN_OR_RETURN(std::unique_ptr<Tokenizer> t, Tokenizer::Load(m.text_tokenizer_path));
+    if (t->vocab_size() > m.text_vocab_size) {
+      return FailedPrecondition(m.text_tokenizer_path + ": " + std::to_string(t->vocab_size()) +
+                                " token ids, but model '" + m.name + "' embeds " +
+                                std::to_string(m.text_vocab_size));
+    }
+    tokenizers_[m.name] = std::move(t);
+  }
+  engine_.store(engine);
+  return OkStatus();
+}
+
+grpc::Status ImageGenerationService::EncodePrompt(const Engine& engine, const std::string& model,
+                                                  const std::string& text,
+                                                  std::vector<int64_t>* ids) const {
+  const std::vector<ModelInfo>& models = engine.Models();
+  const ModelInfo* info = models.empty() ? nullptr : &models[0];
+  for (const ModelInfo& m : models) {
+    if (m.name == model) info = &m;
+  }
+  if (info == nullptr || (!model.empty() && info->name != model)) {
+    return grpc::Status::OK;  // an unknown model: the engine reports NOT_FOUND
+  }
+  if (!info->prompted) {
+    return BadField("prompt",
+                    "model '" + info->name + "' is class-conditional; set class_id or class_name");
+  }
+  auto it = tokenizers_.find(info->name);
+  if (it == tokenizers_.end()) {
+    return BadField("prompt", "model '" + info->name +
+                                  "' has no tokenizer.json on this server; send "
+                                  "prompt_token_ids");
+  }
+  std::string templated = info->prompt_template;
+  templated.replace(templated.find("{prompt}"), 8, text);
+  StatusOr<std::vector<int32_t>> enc = it->second->Encode(templated);
+  if (!enc.ok()) return BadField("prompt", enc.status().message());
+  ids->assign(enc->begin(), enc->end());
+  return grpc::Status::OK;
+}
 
 void ImageGenerationService::SetDraining() { draining_.store(true); }
 
@@ -511,6 +553,11 @@ grpc::Status ImageGenerationService::Begin(const std::shared_ptr<Call>& call,
   call->method = MethodLabel(call->req, default_method);
   GenerateParams params;
   if (grpc::Status st = ToParams(call->req, default_method, &params); !st.ok()) return st;
+  if (!call->req.prompt().empty()) {
+    grpc::Status st =
+        EncodePrompt(*engine, call->req.model(), call->req.prompt(), &params.prompt_token_ids);
+    if (!st.ok()) return st;
+  }
   // The client's deadline, as a duration from now on the engine's monotonic clock.
   const auto deadline = ctx->deadline();
   if (deadline != std::chrono::system_clock::time_point::max()) {

@@ -22,6 +22,7 @@
 #include <deque>
 #include <functional>
 #include <list>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -32,6 +33,7 @@
 #include "imagegen/v1/imagegen.grpc.pb.h"
 #include "server/auth.h"
 #include "server/metrics.h"
+#include "server/tokenizer.h"
 
 namespace imagegen::server {
 
@@ -72,8 +74,9 @@ class ImageGenerationService final : public ServiceBase {
   ~ImageGenerationService() override;
 
   // Calls before SetEngine are UNAVAILABLE ("models are loading"); the engine must outlive
-  // every call.
-  void SetEngine(Engine* engine);
+  // every call. Loads the tokenizer.json of every text-to-image model first (an error names
+  // the file; the engine is then not taken).
+  Status SetEngine(Engine* engine);
   // From now on new calls are UNAVAILABLE; calls in flight go on.
   void SetDraining();
 
@@ -96,12 +99,18 @@ class ImageGenerationService final : public ServiceBase {
   grpc::Status Begin(const std::shared_ptr<Call>& call, grpc::CallbackServerContext* ctx,
                      const grpc::ByteBuffer& request);
   void Watch();  // the stall watchdog's loop
+  // `text` put into the model's template and tokenized: the request's prompt_token_ids.
+  grpc::Status EncodePrompt(const Engine& engine, const std::string& model, const std::string& text,
+                            std::vector<int64_t>* ids) const;
   void Forget(const Call* call);
 
   Metrics* metrics_;
   const TokenAuth auth_;
   const ServiceOptions options_;
   std::atomic<Engine*> engine_{nullptr};
+  // By model name, for text-to-image models with a tokenizer; written before engine_ is set,
+  // read-only after.
+  std::map<std::string, std::unique_ptr<Tokenizer>> tokenizers_;
   std::atomic<bool> draining_{false};
   WorkQueue encoders_;
 

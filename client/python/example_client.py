@@ -9,6 +9,7 @@ then put OUT on PYTHONPATH). Runs with Debian's python3-grpcio.
 
     PYTHONPATH=build/release/python python3 client/python/example_client.py \
         --target 127.0.0.1:50051 --class-name sneaker --method scd-mc --out sneaker.png
+    ... --model janus-pro-1b --prompt "a red bag on a table" --out bag.png   (text-to-image)
 """
 import argparse
 import sys
@@ -21,7 +22,9 @@ from imagegen.v1 import imagegen_pb2, imagegen_pb2_grpc
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="127.0.0.1:50051")
+    ap.add_argument("--model", default="", help="default: the server's first model")
     ap.add_argument("--class-name", default="sneaker")
+    ap.add_argument("--prompt", help="text-to-image models: the prompt (instead of a class)")
     ap.add_argument("--method", default="")
     ap.add_argument("--seed", type=int)
     ap.add_argument("--token", help="bearer token, if the server wants one")
@@ -32,11 +35,19 @@ def main():
     with grpc.insecure_channel(args.target) as channel:
         stub = imagegen_pb2_grpc.ImageGenerationStub(channel)
         models = stub.ListModels(imagegen_pb2.ListModelsRequest(), metadata=metadata, timeout=10)
-        model = models.models[0]
-        print(f"model {model.name}: {model.grid}x{model.grid} tokens, "
-              f"classes {', '.join(c.name for c in model.classes)}")
+        model = next((m for m in models.models if m.name == args.model), models.models[0])
+        if model.prompted:
+            print(f"model {model.name}: {model.grid}x{model.grid} tokens, text-to-image "
+                  f"(prompts of at most {model.max_prompt_len} tokens)")
+        else:
+            print(f"model {model.name}: {model.grid}x{model.grid} tokens, "
+                  f"classes {', '.join(c.name for c in model.classes)}")
 
-        request = imagegen_pb2.GenerateRequest(class_name=args.class_name, method=args.method)
+        request = imagegen_pb2.GenerateRequest(model=model.name, method=args.method)
+        if args.prompt is not None or model.prompted:
+            request.prompt = args.prompt or "a dark ankle boot"
+        else:
+            request.class_name = args.class_name
         if args.seed is not None:
             request.seed = args.seed
         grid = [None] * (model.grid * model.grid)

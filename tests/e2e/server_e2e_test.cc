@@ -787,6 +787,163 @@ TEST(E2eTest, CliAndPythonClientsWork) {
   EXPECT_EQ(ClassifyPng(Slurp(dir + "/trouser.png"), &err), 1) << err;
 }
 
+// A text-to-image model (Janus layout, random weights, its own tokenizer.json: the t2i_toy
+// fixture, tools/make_t2i_toy.py) beside the class-conditional GPT: ListModels describes it; a
+// text prompt gives exactly the image its token ids give (the server's tokenizer and template
+// match the `tokenizers` package's ids); streams reassemble; concurrent requests of one prompt
+// share a prefill; the CLI takes --prompt; bad prompts are named.
+TEST(E2eTest, TextPromptsAreTokenizedAsTheTokenizersPackageDoes) {
+  const char* t2i = std::getenv("IMAGEGEN_T2I_DIR");
+  ASSERT_NE(t2i, nullptr) << "run through ctest (the t2i_toy fixture)";
+  const std::string models = TempDir("t2i_models");
+  for (const std::string m : {"toy-t2i", "fmnist-vq"}) {
+    std::filesystem::create_directory_symlink(
+        std::filesystem::canonical(std::string(t2i) + "/" + m), models + "/" + m);
+  }
+  for (const std::string m : {"fmnist-gpt", "fmnist-draft"}) {
+    std::filesystem::create_directory_symlink(std::string(IMAGEGEN_TEST_MODELS_DIR) + "/" + m,
+                                              models + "/" + m);
+  }
+  const nlohmann::json expected =
+      nlohmann::json::parse(Slurp(std::string(t2i) + "/toy-t2i.expected.json"));
+  const std::string prompt = expected["prompt"];
+  const std::vector<int32_t> ids = expected["ids"];
+  Daemon d("t2i", {"--models-dir", models, "--models", "fmnist-gpt,toy-t2i"});
+  d.WaitReady();
+  auto stub = d.Stub();
+  {
+    grpc::ClientContext ctx;
+    v1::ListModelsResponse resp;
+    ASSERT_TRUE(stub->ListModels(&ctx, v1::ListModelsRequest(), &resp).ok());
+    ASSERT_EQ(resp.models_size(), 2);
+    EXPECT_FALSE(resp.models(0).prompted());
+    const v1::ModelInfo& m = resp.models(1);
+    EXPECT_TRUE(m.prompted());
+    EXPECT_TRUE(m.text_prompts());
+    EXPECT_EQ(m.max_prompt_len(), 64);
+    EXPECT_EQ(m.classes_size(), 0);
+    EXPECT_NE(m.prompt_template().find("{prompt}"), std::string::npos);
+  }
+  auto generate = [&](const std::function<void(v1::GenerateRequest&)>& edit,
+                      v1::GenerateResponse* resp) {
+    v1::GenerateRequest req;
+    req.set_model("toy-t2i");
+    req.set_seed(11);
+    req.set_method("sjd");
+    req.mutable_output()->set_include_tokens(true);
+    edit(req);
+    grpc::ClientContext ctx;
+    return stub->Generate(&ctx, req, resp);
+  };
+  v1::GenerateResponse by_text, by_ids;
+  ASSERT_TRUE(generate([&](v1::GenerateRequest& r) { r.set_prompt(prompt); }, &by_text).ok());
+  ASSERT_TRUE(generate(
+                  [&](v1::GenerateRequest& r) {
+                    for (int32_t id : ids) r.add_prompt_token_ids(id);
+                  },
+                  &by_ids)
+                  .ok());
+  EXPECT_EQ(by_text.stats().prompt_tokens(), static_cast<int32_t>(ids.size()));
+  EXPECT_EQ(by_text.tokens_size(), 196);
+  EXPECT_EQ(std::vector<int32_t>(by_text.tokens().begin(), by_text.tokens().end()),
+            std::vector<int32_t>(by_ids.tokens().begin(), by_ids.tokens().end()));
+  EXPECT_EQ(by_text.image_png(), by_ids.image_png());
+  EXPECT_GT(by_text.stats().prefill_forwards(), 0);
+
+  // Four streams of the same prompt at once: each reassembles its grid; those that arrive
+  // while another runs copy its prefill (prefill_forwards 0).
+  std::vector<std::thread> streams;
+  std::vector<int64_t> prefills(4, -1);
+  std::vector<bool> whole(4, false);
+  for (int k = 0; k < 4; ++k) {
+    streams.emplace_back([&, k] {
+      v1::GenerateRequest req;
+      req.set_model("toy-t2i");
+      req.set_prompt(prompt);
+      req.set_seed(static_cast<uint64_t>(100 + k));
+      req.set_method("ar");
+      req.mutable_output()->set_include_tokens(true);
+      grpc::ClientContext ctx;
+      auto reader = stub->GenerateStream(&ctx, req);
+      std::vector<int32_t> grid(196, -1);
+      v1::GenerateStreamResponse msg;
+      while (reader->Read(&msg)) {
+        if (msg.has_step()) {
+          for (int i = 0; i < msg.step().positions_size(); ++i) {
+            grid[static_cast<size_t>(msg.step().positions(i))] = msg.step().tokens(i);
+          }
+        } else {
+          whole[static_cast<size_t>(k)] = grid == std::vector<int32_t>(msg.final().tokens().begin(),
+                                                                       msg.final().tokens().end());
+          prefills[static_cast<size_t>(k)] = msg.final().stats().prefill_forwards();
+        }
+      }
+      EXPECT_TRUE(reader->Finish().ok());
+    });
+  }
+  for (auto& t : streams) t.join();
+  for (int k = 0; k < 4; ++k) {
+    EXPECT_TRUE(whole[static_cast<size_t>(k)]) << k;
+    EXPECT_GE(prefills[static_cast<size_t>(k)], 0) << k;
+  }
+
+  struct Case {
+    std::string want;
+    std::function<void(v1::GenerateRequest&)> edit;
+  };
+  const std::vector<Case> cases = {
+      {"class_id", [](v1::GenerateRequest& r) { r.set_class_id(1); }},
+      {"prompt", [](v1::GenerateRequest&) {}},
+      {"prompt_token_ids",
+       [&](v1::GenerateRequest& r) {
+         r.set_prompt(prompt);
+         r.add_prompt_token_ids(1);
+       }},
+      {"prompt",
+       [&](v1::GenerateRequest& r) {
+         std::string long_prompt;
+         for (int i = 0; i < 20; ++i) long_prompt += prompt + " ";
+         r.set_prompt(long_prompt);
+       }},
+      {"prompt_token_ids", [](v1::GenerateRequest& r) { r.add_prompt_token_ids(100000); }},
+      {"prompt_token_ids", [](v1::GenerateRequest& r) { r.add_prompt_token_ids(-1); }},
+      {"prompt_token_ids",
+       [](v1::GenerateRequest& r) {
+         for (int i = 0; i < 65; ++i) r.add_prompt_token_ids(7);
+       }},
+      {"prompt",
+       [&](v1::GenerateRequest& r) {
+         r.set_model("fmnist-gpt");
+         r.set_prompt(prompt);
+       }},
+  };
+  for (const Case& c : cases) {
+    v1::GenerateResponse resp;
+    const grpc::Status st = generate(c.edit, &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.want;
+    google::rpc::BadRequest br;
+    ASSERT_NE(Violations(st, &br), nullptr) << c.want << ": " << st.error_message();
+    EXPECT_EQ(br.field_violations(0).field(), c.want) << st.error_message();
+  }
+
+  const std::string dir = d.dir();
+  std::string out;
+  ASSERT_EQ(RunCommand(
+                {IMAGEGEN_CLI_BINARY, "generate", "--target", d.target(), "--model", "toy-t2i",
+                 "--prompt", prompt, "--seed", "11", "--method", "sjd", "--out", dir + "/boot.png"},
+                &out, dir + "/cli.log"),
+            0)
+      << out;
+  EXPECT_NE(out.find("prompt of " + std::to_string(ids.size()) + " tokens"), std::string::npos)
+      << out;
+  EXPECT_EQ(Slurp(dir + "/boot.png"), by_text.image_png());
+  ASSERT_EQ(
+      RunCommand({IMAGEGEN_CLI_BINARY, "models", "--target", d.target()}, &out, dir + "/cli2.log"),
+      0);
+  EXPECT_NE(out.find("text-to-image: prompts of at most 64 tokens"), std::string::npos) << out;
+  EXPECT_TRUE(d.CallsBalanced());
+}
+
 // The continuous-token family beside the GPT in one daemon: ListModels describes both, the CLI
 // streams a cspd image of the requested class, mar is a continuous model's default method, bad
 // fields are named, and the metrics count the requests by method.
