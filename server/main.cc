@@ -51,6 +51,9 @@ ABSL_FLAG(int64_t, max_tokens_per_step, -1,
           "forward tokens per engine step (CFG rows count). With --window-policy=budget the "
           "budget (-1: 256 on the CPU, 2048 on CUDA); with goodput a memory ceiling (-1: 4096); "
           "0: none");
+ABSL_FLAG(int64_t, prefill_tokens_per_step, 64,
+          "text-to-image models: prompt tokens prefilled per engine step, over all prefilling "
+          "requests (CFG rows count), beside the decoding requests' windows");
 ABSL_FLAG(std::string, cache_dir, "",
           "where the step-cost calibration is kept between starts (default: "
           "$XDG_CACHE_HOME/imagegen, else $HOME/.cache/imagegen; 'none': not kept)");
@@ -135,6 +138,11 @@ int main(int argc, char** argv) {
   eo.max_slots = absl::GetFlag(FLAGS_max_slots);
   eo.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_mb) << 20;
   eo.max_tokens_per_step = absl::GetFlag(FLAGS_max_tokens_per_step);
+  eo.prefill_tokens_per_step = absl::GetFlag(FLAGS_prefill_tokens_per_step);
+  if (eo.prefill_tokens_per_step < 1) {
+    std::fprintf(stderr, "imagegen-server: --prefill-tokens-per-step must be >= 1\n");
+    return 2;
+  }
   eo.window_policy = absl::GetFlag(FLAGS_window_policy);
   eo.max_slowdown = absl::GetFlag(FLAGS_max_slowdown);
   eo.cache_dir = absl::GetFlag(FLAGS_cache_dir);
