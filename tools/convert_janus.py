@@ -70,6 +70,9 @@ def main(argv=None):
                     help="longest prompt in tokens, template included (sizes the KV cache)")
     ap.add_argument("--image-size", type=int, default=384)
     ap.add_argument("--dtype", choices=["keep", "float32"], default="keep")
+    ap.add_argument("--pad-id", type=int,
+                    help="the pad token's id, when the checkpoint has no tokenizer.json to find "
+                         "it in (the unconditional row needs it for guidance)")
     args = ap.parse_args(argv)
 
     with open(os.path.join(args.hf_dir, "config.json")) as f:
@@ -143,13 +146,15 @@ def main(argv=None):
         "sampling_defaults": {"cfg_scale": 5.0, "temperature": 1.0, "top_k": 0, "top_p": 1.0},
         "converted_from": os.path.basename(os.path.normpath(args.hf_dir)),
     }
+    if args.pad_id is not None:
+        config["pad_id"] = args.pad_id
     tok = os.path.join(args.hf_dir, "tokenizer.json")
     if os.path.exists(tok):
         os.makedirs(args.out_dir, exist_ok=True)
         shutil.copyfile(tok, os.path.join(args.out_dir, "tokenizer.json"))
         config["text_tokenizer"] = "tokenizer.json"
         pid = pad_id(tok)
-        if pid is not None:
+        if pid is not None and args.pad_id is None:
             config["pad_id"] = pid
     convert_llamagen.write(args.out_dir, config, out)
 

@@ -4,11 +4,13 @@ as tools/convert_janus.py writes it) at toy size, drawing the bundled fmnist-vq'
 its 14x14 grid, with a byte-level BPE tokenizer.json in DeepSeek-LLM's layout (Janus's chat
 template tokens, the BOS template) trained by the `tokenizers` package (tools/tokenizer_ref.py).
 
-  tools/make_t2i_toy.py --out DIR [--models models/]
+  tools/make_t2i_toy.py --out DIR [--models models/] [--name toy-t2i] [--dim 32 --layers 2
+      --heads 4 --ffn 64 --max-prompt 64]
 
-Writes DIR/toy-t2i/{config.json, model.safetensors, tokenizer.json}, links DIR/fmnist-vq to the
-bundled decoder, and DIR/toy-t2i.expected.json: a prompt and the ids `tokenizers` gives for it
-inside the template (the server must send the engine the same ids).
+Writes DIR/NAME/{config.json, model.safetensors, tokenizer.json}, links DIR/fmnist-vq to the
+bundled decoder, and DIR/NAME.expected.json: a prompt and the ids `tokenizers` gives for it
+inside the template (the server must send the engine the same ids). The size flags make a
+larger one for benchmarks (bench/prefill_bench_main.cc).
 """
 import argparse
 import json
@@ -23,8 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tokenizer_ref  # noqa: E402
 from convert_janus import PAD_TAG, PROMPT_TEMPLATE  # noqa: E402
 
-DIM, LAYERS, HEADS, FFN, CODE_DIM, HEAD_HIDDEN = 32, 2, 4, 64, 8, 32
-VOCAB, GRID, MAX_PROMPT = 512, 14, 64
+CODE_DIM, VOCAB, GRID = 8, 512, 14
 PROMPT = "a dark ankle boot, seen from the side"
 
 
@@ -33,8 +34,16 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--models", default=os.path.join(os.path.dirname(os.path.dirname(
         os.path.abspath(__file__))), "models"))
+    ap.add_argument("--name", default="toy-t2i")
+    ap.add_argument("--dim", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--ffn", type=int, default=64)
+    ap.add_argument("--max-prompt", type=int, default=64)
     args = ap.parse_args()
-    out = os.path.join(args.out, "toy-t2i")
+    DIM, LAYERS, HEADS, FFN, HEAD_HIDDEN = args.dim, args.layers, args.heads, args.ffn, args.dim
+    MAX_PROMPT = args.max_prompt
+    out = os.path.join(args.out, args.name)
     os.makedirs(out, exist_ok=True)
     tok = tokenizer_ref.build("deepseek", random.Random(5))
     tok.save(os.path.join(out, "tokenizer.json"))
@@ -42,7 +51,7 @@ def main():
 
     g = torch.Generator().manual_seed(17)
 
-    def w(*shape, std=0.3):
+    def w(*shape, std=0.3 * (32 / DIM) ** 0.5):  # 0.3 at the test's width, scaled with it
         return (std * torch.randn(shape, generator=g)).contiguous()
 
     t = {"tok_embeddings.weight": w(text_vocab, DIM, std=1.0),
@@ -79,9 +88,9 @@ def main():
     if not os.path.lexists(vq):
         os.symlink(os.path.abspath(os.path.join(args.models, "fmnist-vq")), vq)
     ids = tok.encode(PROMPT_TEMPLATE.replace("{prompt}", PROMPT)).ids
-    with open(os.path.join(args.out, "toy-t2i.expected.json"), "w") as f:
+    with open(os.path.join(args.out, args.name + ".expected.json"), "w") as f:
         json.dump({"prompt": PROMPT, "ids": ids}, f)
-    print(f"toy-t2i written to {out}: text vocabulary {text_vocab}, prompt of {len(ids)} tokens")
+    print(f"{args.name} written to {out}: text vocabulary {text_vocab}, prompt of {len(ids)} tokens")
 
 
 if __name__ == "__main__":
