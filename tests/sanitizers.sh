@@ -63,9 +63,11 @@ export UBSAN_OPTIONS="log_path=$logs/ubsan:halt_on_error=1:print_stacktrace=1:su
 # budget and the scheduler (mixed methods, cancellation, deadlines, full queue, token budget,
 # shutdown). The quality test (imagegen-eval) is not built in this preset.
 #   *CspdRuleTest.*        200,000-token goodness-of-fit runs: LibTorch tensor arithmetic only
+#   *PromptTest.CoBatched* 90,000 prompted toy images; the prompt paths (chunked and shared
+#                          prefill, the engine's prompts) run in the other PromptTest cases
 # The ctest preset leaves out the e2e test of the MAR family (MarAndGpt...: minutes of MAR
 # sampling); the MAR scheduler runs on the engine thread like the GPT's, whose paths run here.
-ENGINE_FILTER='-*Spec*:*EngineExactTest.*:*EngineStormTest.*:*GoldenGrids*:*CspdRuleTest.*'
+ENGINE_FILTER='-*Spec*:*EngineExactTest.*:*EngineStormTest.*:*GoldenGrids*:*CspdRuleTest.*:*PromptTest.CoBatched*'
 
 status=0
 echo "== sanitizers: engine unit tests (filter $ENGINE_FILTER)"
