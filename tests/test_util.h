@@ -49,6 +49,23 @@ inline std::string TinyGptConfigJson(const TinyGptSpec& s, const std::string& ex
          ", \"multiple_of\": 16, \"class_dropout_prob\": 0.1" + extra + "}";
 }
 
+// The transformer layers of a tiny random model (LlamaGen names, std 0.3, norms 1 + 0.1 noise),
+// drawn from LibTorch's global generator in a fixed order.
+inline void AddTinyLayers(std::map<std::string, at::Tensor>& t, int64_t n_layer, int64_t d,
+                          int64_t h) {
+  auto rnd = [](std::vector<int64_t> shape, double std) { return at::randn(shape) * std; };
+  for (int64_t l = 0; l < n_layer; ++l) {
+    const std::string p = "layers." + std::to_string(l) + ".";
+    t[p + "attention_norm.weight"] = 1 + rnd({d}, 0.1);
+    t[p + "attention.wqkv.weight"] = rnd({3 * d, d}, 0.3);
+    t[p + "attention.wo.weight"] = rnd({d, d}, 0.3);
+    t[p + "ffn_norm.weight"] = 1 + rnd({d}, 0.1);
+    t[p + "feed_forward.w1.weight"] = rnd({h, d}, 0.3);
+    t[p + "feed_forward.w2.weight"] = rnd({d, h}, 0.3);
+    t[p + "feed_forward.w3.weight"] = rnd({h, d}, 0.3);
+  }
+}
+
 // Random LlamaGen tensors (std 0.3 so that attention and RoPE matter), by LlamaGen name.
 inline std::map<std::string, at::Tensor> TinyGptTensors(const TinyGptSpec& s, uint64_t seed) {
   at::manual_seed(seed);
@@ -60,16 +77,7 @@ inline std::map<std::string, at::Tensor> TinyGptTensors(const TinyGptSpec& s, ui
   auto rnd = [](std::vector<int64_t> shape, double std) { return at::randn(shape) * std; };
   t["tok_embeddings.weight"] = rnd({s.vocab, d}, 1.0);
   t["cls_embedding.embedding_table.weight"] = rnd({s.classes + 1, d}, 1.0);
-  for (int64_t l = 0; l < s.n_layer; ++l) {
-    const std::string p = "layers." + std::to_string(l) + ".";
-    t[p + "attention_norm.weight"] = 1 + rnd({d}, 0.1);
-    t[p + "attention.wqkv.weight"] = rnd({3 * d, d}, 0.3);
-    t[p + "attention.wo.weight"] = rnd({d, d}, 0.3);
-    t[p + "ffn_norm.weight"] = 1 + rnd({d}, 0.1);
-    t[p + "feed_forward.w1.weight"] = rnd({h, d}, 0.3);
-    t[p + "feed_forward.w2.weight"] = rnd({d, h}, 0.3);
-    t[p + "feed_forward.w3.weight"] = rnd({h, d}, 0.3);
-  }
+  AddTinyLayers(t, s.n_layer, d, h);
   t["norm.weight"] = 1 + rnd({d}, 0.1);
   t["output.weight"] = rnd({s.vocab, d}, 0.3);
   return t;
@@ -104,16 +112,7 @@ inline std::string WriteTinyJanus(const std::string& dir, const TinyJanusSpec& s
   t["gen_aligner.layers.0.bias"] = rnd({d}, 0.1);
   t["gen_aligner.layers.2.weight"] = rnd({d, d}, 0.5);
   t["gen_aligner.layers.2.bias"] = rnd({d}, 0.1);
-  for (int64_t l = 0; l < s.n_layer; ++l) {
-    const std::string p = "layers." + std::to_string(l) + ".";
-    t[p + "attention_norm.weight"] = 1 + rnd({d}, 0.1);
-    t[p + "attention.wqkv.weight"] = rnd({3 * d, d}, 0.3);
-    t[p + "attention.wo.weight"] = rnd({d, d}, 0.3);
-    t[p + "ffn_norm.weight"] = 1 + rnd({d}, 0.1);
-    t[p + "feed_forward.w1.weight"] = rnd({h, d}, 0.3);
-    t[p + "feed_forward.w2.weight"] = rnd({d, h}, 0.3);
-    t[p + "feed_forward.w3.weight"] = rnd({h, d}, 0.3);
-  }
+  AddTinyLayers(t, s.n_layer, d, h);
   t["norm.weight"] = 1 + rnd({d}, 0.1);
   t["gen_head.output_mlp_projector.weight"] = rnd({s.head, d}, 0.5);
   t["gen_head.output_mlp_projector.bias"] = rnd({s.head}, 0.1);
