@@ -17,6 +17,11 @@ std::vector<int64_t> UnconditionalTokens(const ImageRequest& r, const GptConfig&
   return u;
 }
 
+bool SharesPrefill(const ImageRequest& a, const ImageRequest& b, const GptConfig& cfg) {
+  return a.sampling.uses_cfg() == b.sampling.uses_cfg() &&
+         ConditionTokens(a, cfg) == ConditionTokens(b, cfg);
+}
+
 Status ValidateSampledRequest(const ImageRequest& r, const GptConfig& cfg) {
   if (cfg.prompted()) {
     const auto n = static_cast<int64_t>(r.prompt.size());

@@ -32,6 +32,10 @@ struct ImageRequest {
 std::vector<int64_t> ConditionTokens(const ImageRequest& r, const GptConfig& cfg);
 std::vector<int64_t> UnconditionalTokens(const ImageRequest& r, const GptConfig& cfg);
 
+// Whether b can copy a's prefilled KV prefix: the same condition tokens and the same CFG use
+// (hence the same conditional and unconditional rows).
+bool SharesPrefill(const ImageRequest& a, const ImageRequest& b, const GptConfig& cfg);
+
 // The condition and sampling against one model; messages name the field ("class_id",
 // "cfg_scale", ...).
 Status ValidateSampledRequest(const ImageRequest& r, const GptConfig& cfg);

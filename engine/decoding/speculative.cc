@@ -46,8 +46,7 @@ StatusOr<int64_t> SpecBatch::Add(const ImageRequest& request, int64_t share_pref
   s.uncond = UnconditionalTokens(request, cfg);
   if (share_prefill_with >= 0) {
     auto it = impl_->seqs.find(share_prefill_with);
-    if (it == impl_->seqs.end() || it->second.cond != s.cond ||
-        (it->second.slot_u >= 0) != (need == 2)) {
+    if (it == impl_->seqs.end() || !SharesPrefill(it->second.r, request, cfg)) {
       return InvalidArgument(
           "share_prefill_with: no request with the same prompt and CFG use has that handle");
     }
@@ -153,8 +152,8 @@ StepContext SpecBatch::Impl::Context(const std::vector<WindowGrant>& grants) {
       ctx.live.push_back(&s);
       continue;
     }
-    const int64_t left = s.P() - 1 - s.prefilled;
     if (s.granted == 0) continue;  // no prefill this step
+    const int64_t left = s.P() - 1 - s.prefilled;
     const int64_t cap = s.granted > 0 ? s.granted : opts.prefill_chunk;
     ctx.prefill.push_back({&s, cap > 0 ? std::min(cap, left) : left});
   }
@@ -219,10 +218,7 @@ StatusOr<std::vector<SpecResult>> GenerateSpeculative(const Gpt& target, const G
     const ImageRequest& r = requests[i];
     int64_t share = -1;
     for (size_t j = 0; j < i && share < 0 && !r.prompt.empty(); ++j) {
-      if (requests[j].prompt == r.prompt &&
-          requests[j].sampling.uses_cfg() == r.sampling.uses_cfg()) {
-        share = handles[j];
-      }
+      if (SharesPrefill(requests[j], r, target.config())) share = handles[j];
     }
     ASSIGN_OR_RETURN(int64_t h, batch.Add(r, share));
     handles.push_back(h);

@@ -89,7 +89,7 @@ Status ForwardTarget(StepContext& ctx) {
     }
   }
   // Prompt prefill chunks ride in the same forward, after the windows; their logits are unused.
-  std::vector<int64_t> prefill_ids;
+  const size_t window_rows = batch.rows().size();
   for (const PrefillChunk& c : ctx.prefill) {
     const Sequence& s = *c.seq;
     BatchRow row;
@@ -100,17 +100,16 @@ Status ForwardTarget(StepContext& ctx) {
       row.tokens.push_back(s.cond[static_cast<size_t>(p)]);
       row.positions.push_back(p);
     }
-    if (ctx.node_tokens.defined()) {
-      prefill_ids.insert(prefill_ids.end(), row.tokens.begin(), row.tokens.end());
-      if (s.slot_u >= 0) {
-        for (int64_t p : row.positions) prefill_ids.push_back(s.uncond[static_cast<size_t>(p)]);
-      }
-    }
     batch.Add(std::move(row), s.slot_u, s.uncond, s.r.sampling, {});
   }
   at::Tensor tokens;
   if (ctx.node_tokens.defined()) {
     tokens = ctx.node_tokens.index_select(0, UploadLongs(src, ctx.dev()));
+    std::vector<int64_t> prefill_ids;  // as GuidedBatch::Add laid out both rows of each chunk
+    for (size_t r = window_rows; r < batch.rows().size(); ++r) {
+      const std::vector<int64_t>& t = batch.rows()[r].tokens;
+      prefill_ids.insert(prefill_ids.end(), t.begin(), t.end());
+    }
     if (!prefill_ids.empty()) tokens = at::cat({tokens, UploadLongs(prefill_ids, ctx.dev())});
   }
   StepTiming* timing = ctx.opts.timing;

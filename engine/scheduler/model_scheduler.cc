@@ -282,8 +282,7 @@ void ModelScheduler::Admit(Outcomes& out) {
     if (opts_.max_tokens_per_step > 0 && rows + need > opts_.max_tokens_per_step) break;
     int64_t share = -1;  // a running request with the same prompt shares its prefill
     for (size_t k = 0; k < active_.size() && share < 0 && !j.request.prompt.empty(); ++k) {
-      const ImageRequest& o = active_[k]->request;
-      if (o.prompt == j.request.prompt && o.sampling.uses_cfg() == j.request.sampling.uses_cfg()) {
+      if (SharesPrefill(active_[k]->request, j.request, model_.gpt->config())) {
         share = active_[k]->handle;
       }
     }
