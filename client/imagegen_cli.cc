@@ -55,6 +55,8 @@ ABSL_FLAG(std::string, prompt_ids, "",
 ABSL_FLAG(std::string, method, "", "decoding method preset (default: the server's)");
 ABSL_FLAG(int64_t, seed, -1, "seed (-1: the server picks one)");
 ABSL_FLAG(double, cfg, -1, "guidance scale (-1: the model's default)");
+ABSL_FLAG(int32_t, cfg_interval, -1,
+          "LlamaGen's cfg_interval: guide only image tokens 0..N+1 (-1: all of them)");
 ABSL_FLAG(double, temperature, -1, "temperature (-1: the model's default)");
 ABSL_FLAG(int32_t, top_k, -1, "top-k (-1: the model's default, 0: off)");
 ABSL_FLAG(double, top_p, -1, "top-p (-1: the model's default)");
@@ -184,6 +186,8 @@ v1::GenerateRequest BuildRequest(bool need_class) {
   }
   if (absl::GetFlag(FLAGS_seed) >= 0) r.set_seed(static_cast<uint64_t>(absl::GetFlag(FLAGS_seed)));
   if (absl::GetFlag(FLAGS_cfg) >= 0) r.set_cfg_scale(absl::GetFlag(FLAGS_cfg));
+  if (absl::GetFlag(FLAGS_cfg_interval) != -1)
+    r.set_cfg_interval(absl::GetFlag(FLAGS_cfg_interval));
   if (absl::GetFlag(FLAGS_temperature) >= 0) r.set_temperature(absl::GetFlag(FLAGS_temperature));
   if (absl::GetFlag(FLAGS_top_k) >= 0) r.set_top_k(absl::GetFlag(FLAGS_top_k));
   if (absl::GetFlag(FLAGS_top_p) >= 0) r.set_top_p(absl::GetFlag(FLAGS_top_p));

@@ -176,6 +176,7 @@ grpc::Status ToParams(const v1::GenerateRequest& req, const std::string& default
   if (req.has_temperature()) out->temperature = req.temperature();
   if (req.has_top_k()) out->top_k = req.top_k();
   if (req.has_top_p()) out->top_p = req.top_p();
+  if (req.has_cfg_interval()) out->cfg_interval = req.cfg_interval();
   if (req.has_window() && req.window() < 1) return BadField("window", "must be >= 1");
   const std::string method = req.method().empty() ? default_method : req.method();
   StatusOr<DecodingPolicy> pol = PolicyFromPreset(method, req.has_window() ? req.window() : 0);
@@ -304,6 +305,7 @@ grpc::Status FillResponse(const RequestResult& r, int scale, bool include_tokens
   s->set_temperature(r.sampling.temperature);
   s->set_top_k(static_cast<int32_t>(r.sampling.top_k));
   s->set_top_p(r.sampling.top_p);
+  s->set_cfg_interval(static_cast<int32_t>(r.sampling.cfg_interval));
   const RequestStats& st = r.stats;
   s->set_nfe(st.counters.nfe);
   s->set_draft_forwards(st.counters.draft_forwards);

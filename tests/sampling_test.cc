@@ -100,6 +100,9 @@ TEST(SamplingTest, ValidationNamesTheField) {
   p = {};
   p.cfg_scale = -1;
   EXPECT_NE(ValidateSampling(p, 10).message().find("cfg_scale"), std::string::npos);
+  p = {};
+  p.cfg_interval = -2;
+  EXPECT_NE(ValidateSampling(p, 10).message().find("cfg_interval"), std::string::npos);
   EXPECT_TRUE(ValidateSampling(SamplingParams{}, 10).ok());
 }
 

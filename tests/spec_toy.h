@@ -29,10 +29,11 @@ inline int64_t Pow(int64_t b, int64_t e) {
   return r;
 }
 
-// Target and draft GPTs with every conditional distribution tabulated.
+// Target and draft GPTs with every conditional distribution tabulated. `cfg_interval`:
+// LlamaGen's (SamplingParams::cfg_interval), the exact distributions follow it.
 class Toy {
  public:
-  Toy() {
+  explicit Toy(int64_t cfg_interval = -1) {
     TinyGptSpec spec;
     spec.vocab = kV;
     spec.grid = kGrid;
@@ -54,6 +55,7 @@ class Toy {
     draft = std::move(d).value();
     sampling.cfg_scale = 1.5;
     sampling.top_k = 2;
+    sampling.cfg_interval = cfg_interval;
     for (int64_t c = 0; c < kClasses; ++c) {
       Tabulate(*target, c, pt[c]);
       Tabulate(*draft, c, pd[c]);
@@ -110,7 +112,7 @@ class Toy {
       at::Tensor l = m.Forward(rows, cache)->cpu();  // tabulated on the host
       at::Tensor last_c = at::arange(len, 2 * count * (len + 1), 2 * (len + 1));
       at::Tensor g = CfgCombine(l.index_select(0, last_c), l.index_select(0, last_c + len + 1),
-                                at::full({count}, static_cast<float>(sampling.cfg_scale)));
+                                at::full({count}, static_cast<float>(sampling.ScaleAt(len))));
       at::Tensor p =
           FinalProbs(g, std::vector<SamplingParams>(count, sampling)).to(at::kDouble).contiguous();
       out[len].assign(p.data_ptr<double>(), p.data_ptr<double>() + count * kV);

@@ -35,8 +35,7 @@ struct RunStats {
 };
 
 RunStats Sample(const DecodingPolicy& policy, const SpecOptions& opts = {},
-                int64_t per_class = kPerClass, uint64_t seed_base = 0) {
-  Toy& toy = TheToy();
+                int64_t per_class = kPerClass, uint64_t seed_base = 0, const Toy& toy = TheToy()) {
   // IMAGEGEN_TEST_SEED_BASE re-runs the statistical tests on other seeds (default 0);
   // IMAGEGEN_TEST_SCALE multiplies the sample size (more power, for investigations).
   if (const char* e = std::getenv("IMAGEGEN_TEST_SEED_BASE"))
@@ -76,10 +75,10 @@ RunStats Sample(const DecodingPolicy& policy, const SpecOptions& opts = {},
   return st;
 }
 
-std::vector<double> JointAr() {
+std::vector<double> JointAr(const Toy& toy = TheToy()) {
   std::vector<double> p;
   for (int64_t c = 0; c < kClasses; ++c) {
-    auto a = TheToy().Ar(c);
+    auto a = toy.Ar(c);
     for (double x : a) p.push_back(x / kClasses);
   }
   return p;
@@ -179,6 +178,28 @@ TEST(SpeculativePowerTest, BrokenVariantsFail) {
       a.statistic, a.p_value, m.statistic, m.df, m.p_value);
   EXPECT_LT(a.p_value, 1e-6);
   EXPECT_LT(m.p_value, 1e-3);
+}
+
+// LlamaGen's cfg_interval: guidance stops after image token cfg_interval + 1, in AR and in the
+// speculative methods alike (the verifier's p follows the position's scale); the same samples
+// do not fit the always-guided distribution (power).
+TEST(SpeculativeCfgIntervalTest, GuidanceStopsAfterTheIntervalInEveryMethod) {
+  const Toy toy(/*cfg_interval=*/2);  // tokens 0..3 guided, 4..8 from the conditional alone
+  const auto exact = JointAr(toy), guided = JointAr();
+  double tv = 0;
+  for (size_t i = 0; i < exact.size(); ++i) tv += 0.5 * std::abs(exact[i] - guided[i]);
+  std::printf("total variation between cfg_interval 2 and always guided: %.4f\n", tv);
+  for (const auto& [name, window] :
+       std::vector<std::pair<std::string, int64_t>>{{"ar", 1}, {"sjd", 4}, {"sd", 4}}) {
+    RunStats st = Sample(Preset(name, window), {}, kPerClass / 2, 0, toy);
+    auto chi = testing::ChiSquareTest(st.counts, exact);
+    auto off = testing::ChiSquareTest(st.counts, guided);
+    std::printf("%-4s %lld images: chi2 %.1f df %d p %.4f; against always guided p %.3g\n",
+                name.c_str(), static_cast<long long>(st.images), chi.statistic, chi.df, chi.p_value,
+                off.p_value);
+    EXPECT_GT(chi.p_value, 0.001) << name;
+    EXPECT_LT(off.p_value, 1e-6) << name;
+  }
 }
 
 // Batch composition does not change a request's tokens: the toy requests of one method give the

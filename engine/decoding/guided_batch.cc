@@ -11,14 +11,18 @@ void GuidedBatch::Add(BatchRow row, int64_t uncond_slot,
                       const std::vector<int64_t>& uncond_condition, const SamplingParams& sampling,
                       const std::vector<int64_t>& outputs) {
   const auto len = static_cast<int64_t>(row.tokens.size());
+  const auto prefix = row.prefix >= 0 ? row.prefix : static_cast<int64_t>(uncond_condition.size());
   row.group = static_cast<int64_t>(rows_.size());
-  for (int64_t i : outputs) cond_.push_back(tokens_ + i);
+  for (int64_t i : outputs) {
+    cond_.push_back(tokens_ + i);
+    // The output at position p predicts image token p + 1 - prefix.
+    scale_.push_back(
+        static_cast<float>(sampling.ScaleAt(row.positions[static_cast<size_t>(i)] + 1 - prefix)));
+  }
   rows_.push_back(row);
   tokens_ += len;
   if (uncond_slot >= 0) {
     row.slot = uncond_slot;
-    const auto prefix =
-        row.prefix >= 0 ? row.prefix : static_cast<int64_t>(uncond_condition.size());
     for (size_t i = 0; i < row.tokens.size() && row.positions[i] < prefix; ++i) {
       row.tokens[i] = uncond_condition[static_cast<size_t>(row.positions[i])];
     }
@@ -28,8 +32,6 @@ void GuidedBatch::Add(BatchRow row, int64_t uncond_slot,
   } else {
     for (int64_t i : outputs) uncond_.push_back(tokens_ - len + i);  // the row itself
   }
-  const float scale = sampling.uses_cfg() ? static_cast<float>(sampling.cfg_scale) : 1.0f;
-  scale_.insert(scale_.end(), outputs.size(), scale);
   params_.insert(params_.end(), outputs.size(), sampling);
 }
 

@@ -22,6 +22,7 @@ Status ValidateSampling(const SamplingParams& p, int64_t vocab_size) {
   if (!std::isfinite(p.top_p) || p.top_p <= 0 || p.top_p > 1) {
     return FieldError("top_p", "must be in (0, 1]");
   }
+  if (p.cfg_interval < -1) return FieldError("cfg_interval", "must be >= -1 (-1: always guide)");
   return OkStatus();
 }
 

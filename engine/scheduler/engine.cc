@@ -254,6 +254,9 @@ StatusOr<std::unique_ptr<Job>> Engine::Impl::ResolveMar(GenerateParams p, const 
   if (p.top_p.has_value() && *p.top_p != 1.0) {
     return FieldError("top_p", "applies to discrete-token models only");
   }
+  if (p.cfg_interval.has_value() && *p.cfg_interval != -1) {
+    return FieldError("cfg_interval", "applies to discrete-token models only (MAR: cfg_schedule)");
+  }
   job->request.seed = p.seed.has_value() ? *p.seed : RandomSeed();
   SamplingParams& s = job->request.sampling;
   s.cfg_scale = p.cfg_scale.value_or(c.default_cfg_scale);
@@ -317,6 +320,7 @@ StatusOr<std::unique_ptr<Job>> Engine::Impl::Resolve(GenerateParams p, size_t* m
   s.temperature = p.temperature.value_or(c.default_temperature);
   s.top_k = p.top_k.value_or(c.default_top_k);
   s.top_p = p.top_p.value_or(c.default_top_p);
+  s.cfg_interval = p.cfg_interval.value_or(-1);
   job->request.policy = p.policy;
   if (p.preview_every < 0) return FieldError("preview_every", "must be >= 0");
   RETURN_IF_ERROR(ValidateImageRequest(job->request, *m.gpt, m.draft.get()));

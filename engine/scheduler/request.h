@@ -32,7 +32,8 @@ struct GenerateParams {
   // Absent: the model's recommended values (config.json "sampling_defaults").
   std::optional<double> cfg_scale, temperature, top_p;
   std::optional<int64_t> top_k;
-  DecodingPolicy policy;  // PolicyFromPreset(...) plus any explicit parts
+  std::optional<int64_t> cfg_interval;  // LlamaGen's (SamplingParams::cfg_interval); absent: -1
+  DecodingPolicy policy;                // PolicyFromPreset(...) plus any explicit parts
   Clock::time_point deadline = Clock::time_point::max();
   bool stream_drafts = false;  // step events carry the drafts the next step will verify
   int64_t preview_every = 0;   // a preview image in every k-th step event; 0: none
