@@ -64,7 +64,8 @@ TEST_P(TokenizerTest, IdsEqualTheTokenizersPackage) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, TokenizerTest,
-                         ::testing::Values("gpt2", "deepseek", "llama3", "normalized"));
+                         ::testing::Values("gpt2", "deepseek", "llama3", "normalized",
+                                           "fmnist-t2i"));  // the bundled model's file
 
 // Round trip: decoding the ids (special tokens kept) gives the text back for the byte-level
 // layouts without a normalizer.

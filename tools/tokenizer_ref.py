@@ -102,7 +102,8 @@ def training_text(rng, n=4000):
     return lines
 
 
-def build(name, rng):
+def build(name, rng, texts=None, vocab_size=1200):
+    """A tokenizer in the layout `name`, trained on `texts` (default: training_text(rng))."""
     tok = Tokenizer(models.BPE(ignore_merges=(name == "llama3")))
     specials = []
     if name == "gpt2":
@@ -137,10 +138,10 @@ def build(name, rng):
         ])
         specials = ["<s>", "</s>"]
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=1200, min_frequency=2, special_tokens=specials,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
-    tok.train_from_iterator(training_text(rng), trainer=trainer)
+    tok.train_from_iterator(training_text(rng) if texts is None else texts, trainer=trainer)
     if name == "deepseek":
         bos = tok.token_to_id(JANUS_SPECIALS[0])
         tok.post_processor = processors.TemplateProcessing(
