@@ -5,8 +5,12 @@
 // this run, class accuracy and Frechet distance from the bundled classifier. A second AR run
 // with other seeds gives the noise of the quality measures. Writes results.csv, hist.csv
 // (committed tokens per step), acceptance-map PNGs, and the plots (tools/plot_spec_bench.py).
+// A text-to-image model draws from one prompt per class instead, its ids read from --prompts
+// (a JSON list of {"class", "ids"}, as tools/train/train_t2i.py writes class_prompts.json; the
+// bench has no tokenizer); class accuracy is then the prompt's class.
 //
 //   imagegen-spec-bench --per-class 20 --out-dir bench-out
+//   imagegen-spec-bench --model fmnist-t2i --prompts models/fmnist-t2i/class_prompts.json
 #include <ATen/ATen.h>
 
 #include <chrono>
@@ -17,10 +21,14 @@
 #include <fstream>
 #include <map>
 
+#include <nlohmann/json.hpp>
+
 #include "bench/common.h"
 #include "engine/decoding/speculative.h"
 #include "engine/model/classifier.h"
 #include "engine/model/image_model.h"
+#include "engine/util/json.h"
+#include "engine/util/read_file.h"
 
 using namespace imagegen;
 
@@ -86,35 +94,56 @@ void WriteAcceptanceMap(const VqDecoder& vq, const SpecResult& r, int64_t grid,
 }  // namespace
 
 int main(int argc, char** argv) {
-  Flags f(
-      argc, argv,
-      {{"models-dir", DefaultModelsDir()},
-       {"model", "fmnist-gpt"},
-       {"draft", "fmnist-draft"},
-       {"classifier", "fmnist-classifier"},
-       {"per-class", "20"},
-       {"seed", "1000"},
-       {"noise-seed", "500000"},
-       {"cfg", "default"},
-       {"temperature", "default"},
-       {"top-k", "default"},
-       {"top-p", "default"},
-       {"batch", "1"},
-       {"windows", "16,32,64"},
-       {"sd-windows", "4,8,16"},
-       {"methods", "all"},
-       {"split", "1"},
-       {"out-dir", "spec-bench"},
-       {"python", IMAGEGEN_DEFAULT_PYTHON},
-       {"device", "cpu"},
-       {"dtype", "auto"}},
-      "usage: imagegen-spec-bench [--per-class N] [--batch B] [--windows 16,32,64] "
-      "[--methods all|sjd,scd-mc,...] [--split 0|1] [--out-dir DIR] [--device cpu|cuda|cuda:N]");
+  Flags f(argc, argv,
+          {{"models-dir", DefaultModelsDir()},
+           {"model", "fmnist-gpt"},
+           {"draft", "fmnist-draft"},
+           {"prompts", ""},
+           {"classifier", "fmnist-classifier"},
+           {"per-class", "20"},
+           {"seed", "1000"},
+           {"noise-seed", "500000"},
+           {"cfg", "default"},
+           {"temperature", "default"},
+           {"top-k", "default"},
+           {"top-p", "default"},
+           {"batch", "1"},
+           {"windows", "16,32,64"},
+           {"sd-windows", "4,8,16"},
+           {"methods", "all"},
+           {"split", "1"},
+           {"out-dir", "spec-bench"},
+           {"python", IMAGEGEN_DEFAULT_PYTHON},
+           {"device", "cpu"},
+           {"dtype", "auto"}},
+          "usage: imagegen-spec-bench [--per-class N] [--batch B] [--windows 16,32,64] "
+          "[--methods all|sjd,scd-mc,...] [--model M --draft D|'' --prompts F] [--split 0|1] "
+          "[--out-dir DIR] [--device cpu|cuda|cuda:N]");
   const LoadOptions opts = LoadOptionsFromFlags(f);
   ImageModel model = OrDie(LoadImageModel(f.Str("models-dir"), f.Str("model"), opts));
-  auto draft = OrDie(Gpt::Load(f.Str("models-dir") + "/" + f.Str("draft"), opts));
+  // --draft "": no draft model (the sd rows are left out).
+  std::unique_ptr<Gpt> draft;
+  if (!f.Str("draft").empty())
+    draft = OrDie(Gpt::Load(f.Str("models-dir") + "/" + f.Str("draft"), opts));
   auto clf = OrDie(Classifier::Load(f.Str("models-dir") + "/" + f.Str("classifier"), opts));
   const GptConfig& gc = model.gpt->config();
+  // Prompted models: class k draws from prompts[k] (the prompt's class labels accuracy).
+  std::vector<std::vector<int64_t>> prompts;
+  if (gc.prompted()) {
+    if (f.Str("prompts").empty()) f.Fail("model " + model.name + " is prompted: give --prompts");
+    const Json j = OrDie(ParseJson(OrDie(ReadFile(f.Str("prompts")))));
+    if (!j.is_array() || j.empty()) f.Fail("--prompts: expected a non-empty JSON list");
+    for (const Json& e : j) {
+      const auto k = e.at("class").get<size_t>();
+      if (k != prompts.size()) f.Fail("--prompts: entries must be classes 0, 1, ... in order");
+      prompts.push_back(e.at("ids").get<std::vector<int64_t>>());
+    }
+  }
+  const int64_t classes = gc.prompted() ? static_cast<int64_t>(prompts.size()) : gc.num_classes;
+  auto condition = [&](ImageRequest& r, int64_t c) {
+    r.class_id = c;
+    if (gc.prompted()) r.prompt = prompts[static_cast<size_t>(c)];
+  };
   const int64_t per_class = f.Int("per-class"), batch = f.Int("batch");
   if (per_class < 1 || batch < 1) f.Fail("--per-class and --batch must be positive");
   const std::string out = f.Str("out-dir");
@@ -141,7 +170,7 @@ int main(int argc, char** argv) {
   }
   for (int64_t L : f.Ints("sd-windows")) {
     for (const char* m : {"sd", "cool-sd"}) {
-      if (want(m)) add(m, L, "");
+      if (want(m) && draft) add(m, L, "");
     }
   }
   if (want("sjd-pac")) {  // ablation: adaptive continuation with PAC's uniform q, no tree
@@ -160,10 +189,10 @@ int main(int argc, char** argv) {
 
   auto requests = [&](const DecodingPolicy& p, int64_t seed0) {
     std::vector<ImageRequest> all;
-    for (int64_t c = 0; c < gc.num_classes; ++c) {
+    for (int64_t c = 0; c < classes; ++c) {
       for (int64_t i = 0; i < per_class; ++i) {
         ImageRequest r;
-        r.class_id = c;
+        condition(r, c);
         r.seed = static_cast<uint64_t>(seed0 + c * per_class + i);
         r.sampling = SamplingFromFlags(f, gc);
         r.policy = p;
@@ -287,7 +316,7 @@ int main(int argc, char** argv) {
   for (const auto& [preset, L] :
        {std::pair<const char*, int64_t>{"sjd", 32}, {"scd-mc", 32}, {"sjd-pac", 64}}) {
     ImageRequest r;
-    r.class_id = 7 % gc.num_classes;
+    condition(r, 7 % classes);
     r.seed = static_cast<uint64_t>(f.Int("seed"));
     r.sampling = sp;
     r.policy = OrDie(PolicyFromPreset(preset, L));

@@ -31,7 +31,8 @@ ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9464",
 ABSL_FLAG(
     std::string, models_dir, "",
     "directory of model directories (default: $IMAGEGEN_MODELS_DIR, else the bundled models)");
-ABSL_FLAG(std::vector<std::string>, models, {"fmnist-gpt"}, "models to load (comma-separated)");
+ABSL_FLAG(std::vector<std::string>, models, (std::vector<std::string>{"fmnist-gpt", "fmnist-t2i"}),
+          "models to load (comma-separated)");
 ABSL_FLAG(std::string, device, "cpu", "cpu, cuda or cuda:N");
 ABSL_FLAG(std::string, dtype, "auto", "auto (bf16 on CUDA, fp32 on the CPU), fp32, bf16 or fp16");
 ABSL_FLAG(std::string, default_method, "scd-mc",

@@ -35,16 +35,20 @@ using std::chrono::seconds;
 
 constexpr char kService[] = "imagegen.v1.ImageGeneration";
 
-// The daemon on loopback ports chosen by the kernel (reported through --port-file).
+// The daemon on loopback ports chosen by the kernel (reported through --port-file). It serves
+// fmnist-gpt alone unless `flags` name --models or `default_models` keeps the daemon's own
+// default (the bundled fmnist-gpt and fmnist-t2i).
 class Daemon {
  public:
-  explicit Daemon(const std::string& name, std::vector<std::string> flags = {})
+  explicit Daemon(const std::string& name, std::vector<std::string> flags = {},
+                  bool default_models = false)
       : dir_(TempDir(name)) {
     std::vector<std::string> argv = {
         IMAGEGEN_SERVER_BINARY, "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
         "--port-file", dir_ + "/ports", "--models-dir", IMAGEGEN_TEST_MODELS_DIR,
         // One step-cost calibration shared by the tests' daemons (and the engine tests).
         "--cache-dir", SharedStepCostCache()};
+    if (!default_models) argv.insert(argv.end(), {"--models", "fmnist-gpt"});
     argv.insert(argv.end(), flags.begin(), flags.end());
     proc_ = std::make_unique<Process>(argv, dir_ + "/server.log");
     for (int i = 0; i < 600 && port_ == 0; ++i) {
@@ -941,6 +945,57 @@ TEST(E2eTest, TextPromptsAreTokenizedAsTheTokenizersPackageDoes) {
       RunCommand({IMAGEGEN_CLI_BINARY, "models", "--target", d.target()}, &out, dir + "/cli2.log"),
       0);
   EXPECT_NE(out.find("text-to-image: prompts of at most 64 tokens"), std::string::npos) << out;
+  EXPECT_TRUE(d.CallsBalanced());
+}
+
+// The daemon as a user starts it (no --models): the bundled text-to-image model beside
+// fmnist-gpt, drawing what a typed prompt names; LlamaGen's cfg_interval is taken and reported,
+// and a bad one is named.
+TEST(E2eTest, TheDefaultDaemonDrawsWhatTheBundledTextModelsPromptNames) {
+  Daemon d("bundled_t2i", {}, /*default_models=*/true);
+  d.WaitReady();
+  auto stub = d.Stub();
+  {
+    grpc::ClientContext ctx;
+    v1::ListModelsResponse resp;
+    ASSERT_TRUE(stub->ListModels(&ctx, v1::ListModelsRequest(), &resp).ok());
+    ASSERT_EQ(resp.models_size(), 2);
+    EXPECT_EQ(resp.models(0).name(), "fmnist-gpt");
+    EXPECT_EQ(resp.models(1).name(), "fmnist-t2i");
+    EXPECT_TRUE(resp.models(1).prompted());
+    EXPECT_TRUE(resp.models(1).text_prompts());
+  }
+  // Classes the bundled classifier recognises best; the seeds are fixed, so are the images.
+  for (const auto& [prompt, id] : std::vector<std::pair<std::string, int>>{
+           {"a pair of trousers", 1}, {"a sandal", 5}, {"a small bag", 8}}) {
+    v1::GenerateRequest req;
+    req.set_model("fmnist-t2i");
+    req.set_prompt(prompt);
+    req.set_seed(21);
+    req.set_method("scd-mc");
+    grpc::ClientContext ctx;
+    v1::GenerateResponse resp;
+    ASSERT_TRUE(stub->Generate(&ctx, req, &resp).ok()) << prompt;
+    std::string err;
+    EXPECT_EQ(ClassifyPng(resp.image_png(), &err), id) << prompt << " " << err;
+    EXPECT_LT(resp.stats().nfe(), 196) << prompt;  // it did speculate
+    EXPECT_EQ(resp.stats().cfg_interval(), -1);
+  }
+  v1::GenerateRequest req;
+  req.set_model("fmnist-t2i");
+  req.set_prompt("a dark coat");
+  req.set_cfg_interval(20);
+  grpc::ClientContext ctx;
+  v1::GenerateResponse resp;
+  ASSERT_TRUE(stub->Generate(&ctx, req, &resp).ok());
+  EXPECT_EQ(resp.stats().cfg_interval(), 20);
+  req.set_cfg_interval(-2);
+  grpc::ClientContext bad;
+  const grpc::Status st = stub->Generate(&bad, req, &resp);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  google::rpc::BadRequest br;
+  ASSERT_NE(Violations(st, &br), nullptr);
+  EXPECT_EQ(br.field_violations(0).field(), "cfg_interval");
   EXPECT_TRUE(d.CallsBalanced());
 }
 
