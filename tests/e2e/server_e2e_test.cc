@@ -5,6 +5,7 @@
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
+#include <atomic>
 #include <cmath>
 #include <filesystem>
 #include <functional>
@@ -284,14 +285,34 @@ TEST(E2eTest, CancelMidStreamAndDeadlinesFreeTheSlot) {
   EXPECT_TRUE(d.WaitMetric(Requests("ar", "cancelled"), 1));
   EXPECT_TRUE(d.WaitMetric(Slots(), 0));
 
+  // The deadline must pass mid-generation. One AR image alone can take under 300 ms on a fast
+  // CPU (it did once, on a 2-core VM), so 16 other AR requests share its steps: each step then
+  // feeds 34 rows, and its 196 steps take well over the deadline on any CPU.
+  constexpr int kLoad = 16;
+  std::vector<std::thread> load;
+  std::atomic<int> loaded{0};
+  for (int k = 0; k < kLoad; ++k) {
+    load.emplace_back([&stub, &loaded, k] {
+      grpc::ClientContext c;
+      v1::GenerateResponse r;
+      EXPECT_TRUE(stub->Generate(&c, Request("bag", 40 + static_cast<uint64_t>(k), "ar"), &r).ok());
+      ++loaded;
+    });
+  }
+  // Until they all run (polled; on a very fast machine they may be done first).
+  const std::string active = "imagegen_active_requests{model=\"fmnist-gpt\"}";
+  for (int i = 0; i < 2400 && !(MetricValue(d.Metrics(), active) >= kLoad) && loaded < kLoad; ++i) {
+    std::this_thread::sleep_for(milliseconds(50));
+  }
   grpc::ClientContext dctx;
   dctx.set_deadline(std::chrono::system_clock::now() + milliseconds(300));
   v1::GenerateResponse resp;
   EXPECT_EQ(stub->Generate(&dctx, Request("coat", 4, "ar"), &resp).error_code(),
             grpc::StatusCode::DEADLINE_EXCEEDED);
+  for (auto& t : load) t.join();
   EXPECT_TRUE(d.WaitMetric(Requests("ar", "deadline_exceeded"), 1));
   EXPECT_TRUE(d.WaitMetric(Slots(), 0));
-  EXPECT_TRUE(d.WaitMetric("imagegen_active_requests{model=\"fmnist-gpt\"}", 0));
+  EXPECT_TRUE(d.WaitMetric(active, 0));
   EXPECT_TRUE(d.CallsBalanced());
 }
 
