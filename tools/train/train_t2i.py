@@ -159,9 +159,9 @@ class T2I(nn.Module):
             x = layer(x, cos, sin, mask, None if caches is None else caches[i])
         return self.norm(x)
 
-    def forward_train(self, text, is_text, image, is_image):
-        """text/image [B, T] ids (0 where unused), is_text/is_image [B, T] masks; causal.
-        Returns image logits at every position [B, T, V]."""
+    def forward_train(self, text, is_text, image):
+        """text/image [B, T] ids (0 where unused), is_text [B, T] (the other positions are
+        image tokens or right padding); causal. Returns image logits at every position."""
         x = torch.where(is_text[..., None], self.tok_embeddings(text), self.embed_image(image))
         t = x.shape[1]
         mask = torch.ones(t, t, dtype=torch.bool).tril()
@@ -193,7 +193,8 @@ def janus_state_dict(sd: dict, c: Cfg) -> dict:
 
 
 def attributes(x_uint8):
-    """Per image: (brightness word index or -1, size word index or -1), ranked within class."""
+    """Per image: brightness (the mean grey level of its object pixels, those above
+    OBJECT_LEVEL) and area (how many object pixels)."""
     obj = x_uint8 > OBJECT_LEVEL
     area = obj.sum((1, 2)).float()
     bright = (x_uint8.float() * obj).sum((1, 2)) / area.clamp_min(1)
@@ -420,16 +421,14 @@ def main():
         text = torch.zeros(args.batch, T, dtype=torch.long)
         image = torch.zeros(args.batch, T, dtype=torch.long)
         is_text = torch.zeros(args.batch, T, dtype=torch.bool)
-        is_image = torch.zeros(args.batch, T, dtype=torch.bool)
         target = torch.full((args.batch, T), -100, dtype=torch.long)
         for r, (i, p) in enumerate(zip(idx, prompts)):
             L = len(p)
             text[r, :L] = torch.tensor(p)
             is_text[r, :L] = True
             image[r, L:L + n_img - 1] = ttr[i, :-1]
-            is_image[r, L:L + n_img - 1] = True
             target[r, L - 1:L - 1 + n_img] = ttr[i]
-        logits = model.forward_train(text, is_text, image, is_image)
+        logits = model.forward_train(text, is_text, image)
         loss = F.cross_entropy(logits.reshape(-1, c.vocab_size), target.reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -451,7 +450,7 @@ def main():
         T = prompt.shape[1] + img.shape[1]
         ours = model.forward_train(torch.cat([prompt, torch.zeros_like(img)], 1),
                                    torch.arange(T)[None] < prompt.shape[1],
-                                   torch.cat([torch.zeros_like(prompt), img], 1), None)
+                                   torch.cat([torch.zeros_like(prompt), img], 1))
     diff = (ref - ours).abs().max().item()
     log(janus_ref_max_abs_diff=diff)
     assert diff < 1e-4, diff
