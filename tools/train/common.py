@@ -2,6 +2,7 @@
 seeding, logging."""
 import gzip
 import json
+import math
 import os
 import random
 import sys
@@ -42,6 +43,22 @@ def to_unit(x_uint8: torch.Tensor) -> torch.Tensor:
     """uint8 [N, 28, 28] -> float [N, 1, 28, 28] in [-1, 1], the inverse of imagegen's
     uint8 conversion clamp(127.5 x + 128) with truncation (pixel centre at v + 0.5)."""
     return ((x_uint8.float() + 0.5 - 128.0) / 127.5)[:, None]
+
+
+def adamw(decay, no_decay, lr: float, weight_decay: float):
+    """AdamW (betas 0.9, 0.95) with weight decay on `decay` only (the GPT-style training)."""
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95))
+
+
+def set_warmup_cosine_lr(opt, step: int, steps: int, base_lr: float, warm: int) -> float:
+    """Linear warm-up over `warm` steps times a cosine decay to 0 at `steps`; sets and returns
+    the learning rate of `step`."""
+    lr = base_lr * min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * step / steps))
+    for pg in opt.param_groups:
+        pg["lr"] = lr
+    return lr
 
 
 def seed_all(seed: int):

@@ -6,14 +6,14 @@ Next-token cross-entropy with class dropout 0.1 (the null class, for CFG), AdamW
 Needs $IMAGEGEN_TRAIN_DIR/tokens.pt from train_vq.py.
 """
 import argparse
-import math
 import os
 from dataclasses import asdict
 
 import torch
 import torch.nn.functional as F
 
-from common import CLASS_NAMES, MODELS, WORK, Log, fashion_mnist, seed_all
+from common import (CLASS_NAMES, MODELS, WORK, Log, adamw, fashion_mnist, seed_all,
+                    set_warmup_cosine_lr)
 from imagegen_ref import GPT, GPTConfig, load_config, save_model_dir
 
 PRESETS = {
@@ -49,9 +49,7 @@ def main():
 
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95))
+    opt = adamw(decay, no_decay, args.lr, 0.05)
     out = os.path.join(MODELS, args.name)
     log = Log(os.path.join(out, "train_log.jsonl"))
     log(params=sum(p.numel() for p in model.parameters()), **{k: v for k, v in asdict(cfg).items()})
@@ -59,9 +57,7 @@ def main():
     warm = min(200, args.steps // 10)
     model.train()
     for step in range(args.steps):
-        lr = args.lr * min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
-        for pg in opt.param_groups:
-            pg["lr"] = lr
+        lr = set_warmup_cosine_lr(opt, step, args.steps, args.lr, warm)
         idx = torch.randint(0, ttr.size(0), (args.batch,), generator=g)
         x, y = ttr[idx], ytr[idx]
         logits = model(y, x, train=True)

@@ -46,7 +46,8 @@ import math  # noqa: E402
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-from common import CLASS_NAMES, MODELS, WORK, Log, fashion_mnist, seed_all  # noqa: E402
+from common import (CLASS_NAMES, MODELS, WORK, Log, adamw, fashion_mnist, seed_all,  # noqa: E402
+                    set_warmup_cosine_lr)
 from imagegen_ref import load_config, save_model_dir  # noqa: E402
 from mar_ref import MAR, MARConfig  # noqa: E402
 
@@ -281,9 +282,7 @@ def main():
     no_decay = [p for n, p in model.named_parameters()
                 if not (p.dim() >= 2 and "pos_embed" not in n
                         and n not in ("mask_token", "fake_latent"))]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.02},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95))
+    opt = adamw(decay, no_decay, args.lr, 0.02)
     ema = copy.deepcopy(model)
     for p in ema.parameters():
         p.requires_grad_(False)
@@ -297,9 +296,7 @@ def main():
     model.train()
     acc = [0.0, 0.0, 0.0]
     for step in range(steps):
-        lr = args.lr * min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * step / steps))
-        for pg in opt.param_groups:
-            pg["lr"] = lr
+        lr = set_warmup_cosine_lr(opt, step, steps, args.lr, warm)
         idx = torch.randint(0, ttr.size(0), (args.batch,), generator=g)
         loss, mse, vb = train_step(model, tab, ttr[idx], ytr[idx], g, args.mask_ratio_min)
         opt.zero_grad(set_to_none=True)

@@ -28,19 +28,18 @@ and writes a sample grid to docs/img/fmnist_t2i_samples.png.
 """
 import argparse
 import json
-import math
 import os
 import random
-import sys
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import CLASS_NAMES, MODELS, REPO, WORK, Log, fashion_mnist, seed_all, to_unit
-from imagegen_ref import (Classifier, load_config, load_tensors, save_model_dir, to_uint8,
-                          vq_from_dir)
+from common import (CLASS_NAMES, MODELS, REPO, WORK, Log, adamw, fashion_mnist, seed_all,
+                    set_warmup_cosine_lr, to_unit)
+from imagegen_ref import (Classifier, RMSNorm, load_config, load_tensors, save_model_dir,
+                          to_uint8, vq_from_dir)
 import janus_ref  # noqa: E402
 import tokenizer_ref  # noqa: E402
 from convert_janus import PAD_TAG, PROMPT_TEMPLATE  # noqa: E402
@@ -69,16 +68,6 @@ class Cfg:
     max_prompt_len: int = 64
     rope_base: float = 10000.0
     norm_eps: float = 1e-6
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, d, eps):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(d))
-
-    def forward(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
 
 class Block(nn.Module):
@@ -399,17 +388,13 @@ def main():
 
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95))
+    opt = adamw(decay, no_decay, args.lr, 0.05)
     g = torch.Generator().manual_seed(args.seed)
     warm = max(1, min(200, args.steps // 10))
     model.train()
     n_img = c.block_size
     for step in range(args.steps):
-        lr = args.lr * min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
-        for pg in opt.param_groups:
-            pg["lr"] = lr
+        lr = set_warmup_cosine_lr(opt, step, args.steps, args.lr, warm)
         idx = torch.randint(0, ttr.size(0), (args.batch,), generator=g).tolist()
         prompts = []
         for i in idx:
