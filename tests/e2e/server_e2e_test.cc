@@ -71,6 +71,14 @@ class Daemon {
   std::unique_ptr<v1::ImageGeneration::Stub> Stub() const {
     return v1::ImageGeneration::NewStub(Channel());
   }
+  // ListModels; a failed call throws (gtest reports it and ends the test).
+  v1::ListModelsResponse Models() const {
+    grpc::ClientContext ctx;
+    v1::ListModelsResponse resp;
+    const grpc::Status st = Stub()->ListModels(&ctx, v1::ListModelsRequest(), &resp);
+    if (!st.ok()) throw std::runtime_error("ListModels: " + st.error_message());
+    return resp;
+  }
   HealthCheckResponse::ServingStatus Health(const std::string& service) const {
     auto stub = grpc::health::v1::Health::NewStub(Channel());
     grpc::ClientContext ctx;
@@ -223,9 +231,7 @@ TEST(E2eTest, UnaryAndStreamGiveThePngOfTheClassAndTheStreamReassemblesTheGrid) 
     EXPECT_LE(previews, last_step / 5);
   }
   // ListModels describes the bundled model.
-  grpc::ClientContext lctx;
-  v1::ListModelsResponse models;
-  ASSERT_TRUE(stub->ListModels(&lctx, v1::ListModelsRequest(), &models).ok());
+  const v1::ListModelsResponse models = d.Models();
   ASSERT_EQ(models.models_size(), 1);
   EXPECT_EQ(models.models(0).name(), "fmnist-gpt");
   EXPECT_EQ(models.models(0).classes(7).name(), "sneaker");
@@ -837,9 +843,7 @@ TEST(E2eTest, TextPromptsAreTokenizedAsTheTokenizersPackageDoes) {
   d.WaitReady();
   auto stub = d.Stub();
   {
-    grpc::ClientContext ctx;
-    v1::ListModelsResponse resp;
-    ASSERT_TRUE(stub->ListModels(&ctx, v1::ListModelsRequest(), &resp).ok());
+    const v1::ListModelsResponse resp = d.Models();
     ASSERT_EQ(resp.models_size(), 2);
     EXPECT_FALSE(resp.models(0).prompted());
     const v1::ModelInfo& m = resp.models(1);
@@ -977,9 +981,7 @@ TEST(E2eTest, TheDefaultDaemonDrawsWhatTheBundledTextModelsPromptNames) {
   d.WaitReady();
   auto stub = d.Stub();
   {
-    grpc::ClientContext ctx;
-    v1::ListModelsResponse resp;
-    ASSERT_TRUE(stub->ListModels(&ctx, v1::ListModelsRequest(), &resp).ok());
+    const v1::ListModelsResponse resp = d.Models();
     ASSERT_EQ(resp.models_size(), 2);
     EXPECT_EQ(resp.models(0).name(), "fmnist-gpt");
     EXPECT_EQ(resp.models(1).name(), "fmnist-t2i");
@@ -1027,9 +1029,7 @@ TEST(E2eTest, MarAndGptServedSideBySideAndCspdStreams) {
   Daemon d("mar", {"--models", "fmnist-gpt,fmnist-mar"});
   d.WaitReady();
   auto stub = d.Stub();
-  grpc::ClientContext lctx;
-  v1::ListModelsResponse models;
-  ASSERT_TRUE(stub->ListModels(&lctx, v1::ListModelsRequest(), &models).ok());
+  const v1::ListModelsResponse models = d.Models();
   ASSERT_EQ(models.models_size(), 2);
   const v1::ModelInfo& mar = models.models(1);
   EXPECT_EQ(mar.name(), "fmnist-mar");
