@@ -47,24 +47,13 @@ class PromptToy {
     draft = std::move(d).value();
     sampling.cfg_scale = 1.5;
     sampling.top_k = 2;
-    for (const auto& prompt : prompts) table.push_back(Tabulate(prompt));
+    for (size_t pi = 0; pi < prompts.size(); ++pi) table.push_back(Tabulate(Request(pi)));
   }
 
   // Exact AR probability of every complete grid for prompt `pi`.
-  std::vector<double> Ar(size_t pi) const {
-    std::vector<double> out(kSeqs);
-    for (int64_t s = 0; s < kSeqs; ++s) {
-      double pr = 1;
-      int64_t prefix = 0;
-      for (int64_t k = 0; k < kN; ++k) {
-        const int64_t tok = Toy::Digit(s, k);
-        pr *= table[pi][static_cast<size_t>(k)][static_cast<size_t>(prefix * kV + tok)];
-        prefix = prefix * kV + tok;
-      }
-      out[static_cast<size_t>(s)] = pr;
-    }
-    return out;
-  }
+  std::vector<double> Ar(size_t pi) const { return Exact(table[pi]); }
+  // The same for any request (its prompt and negative prompt).
+  std::vector<double> Ar(const ImageRequest& r) const { return Exact(Tabulate(r)); }
 
   ImageRequest Request(size_t pi) const {
     ImageRequest r;
@@ -79,11 +68,26 @@ class PromptToy {
   const std::vector<std::vector<int64_t>> prompts = {{1, 5}, {1, 6, 3, 2}, {1, 4, 4, 7, 5, 3, 2}};
 
  private:
-  // p(. | prompt, image prefix) for every prefix length and prefix, from the target's forward.
-  std::vector<std::vector<double>> Tabulate(const std::vector<int64_t>& prompt) const {
+  static std::vector<double> Exact(const std::vector<std::vector<double>>& t) {
+    std::vector<double> out(kSeqs);
+    for (int64_t s = 0; s < kSeqs; ++s) {
+      double pr = 1;
+      int64_t prefix = 0;
+      for (int64_t k = 0; k < kN; ++k) {
+        const int64_t tok = Toy::Digit(s, k);
+        pr *= t[static_cast<size_t>(k)][static_cast<size_t>(prefix * kV + tok)];
+        prefix = prefix * kV + tok;
+      }
+      out[static_cast<size_t>(s)] = pr;
+    }
+    return out;
+  }
+
+  // p(. | condition rows, image prefix) for every prefix length and prefix, from the target's
+  // forward on the request's conditional and unconditional rows.
+  std::vector<std::vector<double>> Tabulate(const ImageRequest& r) const {
     const GptConfig& cfg = target->config();
-    ImageRequest r;
-    r.prompt = prompt;
+    const std::vector<int64_t> prompt = ConditionTokens(r, cfg);
     const std::vector<int64_t> uncond = UnconditionalTokens(r, cfg);
     const auto P = static_cast<int64_t>(prompt.size());
     std::vector<std::vector<double>> out(kN);
@@ -209,6 +213,67 @@ TEST(PromptTest, CoBatchedPromptsMatchTheirExactDistributions) {
       EXPECT_LT(mean, kN);  // it did speculate
     }
   }
+}
+
+// Negative prompts: the unconditional row is the negative prompt, and the shorter of it and the
+// prompt gets pad ids after its first token. Co-batched, with the negative prompt longer than
+// the prompt in one case and shorter in the other, and a mix of methods, the samples match the
+// exact AR distribution of those rows, and not the distribution without the negative prompt
+// (the test's power: a negative prompt that were ignored would fail it).
+TEST(PromptTest, NegativePromptsMatchTheirExactDistributions) {
+  PromptToy& toy = TheToy();
+  const GptConfig& cfg = toy.target->config();
+  const int64_t pad = cfg.pad_id;
+  ImageRequest longer = toy.Request(0);  // {1, 5}
+  longer.negative_prompt = {1, 6, 3, 2};
+  ImageRequest shorter = toy.Request(2);  // 7 tokens
+  shorter.negative_prompt = {1, 6};
+  EXPECT_EQ(ConditionTokens(longer, cfg), (std::vector<int64_t>{1, pad, pad, 5}));
+  EXPECT_EQ(UnconditionalTokens(longer, cfg), (std::vector<int64_t>{1, 6, 3, 2}));
+  EXPECT_EQ(ConditionTokens(shorter, cfg), toy.prompts[2]);
+  EXPECT_EQ(UnconditionalTokens(shorter, cfg),
+            (std::vector<int64_t>{1, pad, pad, pad, pad, pad, 6}));
+  const std::vector<ImageRequest> cases = {longer, shorter};
+  const std::vector<size_t> plain = {0, 2};  // the same prompts without a negative prompt
+  const std::vector<Method> methods = Methods();
+  constexpr int64_t kPerCase = 20000, kChunk = 5000;
+  std::vector<std::vector<int64_t>> counts(cases.size(), std::vector<int64_t>(kSeqs, 0));
+  SpecOptions opts;
+  opts.prefill_chunk = 2;
+  int64_t prefilled = 0;
+  for (int64_t first = 0; first < kPerCase; first += kChunk) {
+    std::vector<ImageRequest> reqs;
+    for (int64_t i = first; i < first + kChunk; ++i) {
+      for (size_t c = 0; c < cases.size(); ++c) {
+        ImageRequest r = cases[c];
+        r.seed = static_cast<uint64_t>(i * 7907 + static_cast<int64_t>(c) + 11);
+        r.policy =
+            methods[static_cast<size_t>(i + static_cast<int64_t>(c)) % methods.size()].policy;
+        reqs.push_back(r);
+      }
+    }
+    auto res = GenerateSpeculative(*toy.target, toy.draft.get(), reqs, opts);
+    ASSERT_TRUE(res.ok()) << res.status().ToString();
+    for (size_t k = 0; k < res->size(); ++k) {
+      int64_t idx = 0;
+      for (int32_t t : (*res)[k].tokens) idx = idx * kV + t;
+      counts[k % cases.size()][static_cast<size_t>(idx)]++;
+      prefilled += (*res)[k].stats.prefill_forwards > 0 ? 1 : 0;
+    }
+  }
+  for (size_t c = 0; c < cases.size(); ++c) {
+    const auto chi = testing::ChiSquareTest(counts[c], toy.Ar(cases[c]));
+    const auto without = testing::ChiSquareTest(counts[c], toy.Ar(plain[c]));
+    std::printf(
+        "prompt of %zu tokens, negative prompt of %zu: chi2 %.1f df %d p %.4f; against the "
+        "prompt alone p %.3g\n",
+        cases[c].prompt.size(), cases[c].negative_prompt.size(), chi.statistic, chi.df, chi.p_value,
+        without.p_value);
+    EXPECT_GT(chi.p_value, 0.001);
+    EXPECT_LT(without.p_value, 1e-6) << "the negative prompt made no difference";
+  }
+  // Images with the same prompt and negative prompt share a prefill: one per case and chunk.
+  EXPECT_EQ(prefilled, static_cast<int64_t>(cases.size()) * (kPerCase / kChunk));
 }
 
 // Batch-invariant forwards: an image that copies a sibling's prefill is the image it would
@@ -357,6 +422,80 @@ TEST(EnginePromptTest, ServedPromptsGiveTheOfflineImages) {
   EXPECT_EQ(engine.Submit(bad, std::make_shared<Collect>()).status().field(), "prompt");
   bad.prompt_token_ids = {1, 9};
   EXPECT_EQ(engine.Submit(bad, std::make_shared<Collect>()).status().field(), "prompt_token_ids");
+  engine.Shutdown(std::chrono::milliseconds(0));
+}
+
+// A group (a client's n images) is queued at once and admitted in order: the first image
+// prefills, the others copy its prefill, and each image is the one its seed draws alone. Bad
+// groups and negative prompts are refused naming the field.
+TEST(EnginePromptTest, GroupsShareOnePrefillAndBadNegativePromptsNameTheField) {
+  PromptToy& toy = TheToy();
+  EngineOptions o;
+  o.models_dir = toy.dir;
+  o.models = {"toy-t2i"};
+  o.window_policy = "full";
+  o.prefill_tokens_per_step = 2;
+  o.max_queue = 6;
+  auto started = Engine::Start(o);
+  ASSERT_TRUE(started.ok()) << started.status().ToString();
+  Engine& engine = **started;
+  std::vector<GenerateParams> group;
+  std::vector<std::shared_ptr<RequestObserver>> obs;
+  std::vector<ImageRequest> offline;
+  for (int64_t i = 0; i < 4; ++i) {
+    GenerateParams p;
+    p.prompt_token_ids = toy.prompts[2];
+    p.negative_prompt_token_ids = {1, 6, 3};
+    p.seed = static_cast<uint64_t>(900 + i);
+    p.policy = Preset("scd-mc", 6);
+    group.push_back(p);
+    obs.push_back(std::make_shared<Collect>());
+    ImageRequest r = toy.Request(2);
+    r.negative_prompt = p.negative_prompt_token_ids;
+    r.seed = *p.seed;
+    r.policy = p.policy;
+    offline.push_back(r);
+  }
+  auto ids = engine.SubmitGroup(group, obs);
+  ASSERT_TRUE(ids.ok()) << ids.status().ToString();
+  ASSERT_EQ(ids->size(), 4u);
+  SpecOptions so;
+  so.batch_invariant = true;
+  std::vector<SpecResult> expect;
+  for (const ImageRequest& r : offline) {  // each alone
+    auto one = GenerateSpeculative(*toy.target, toy.draft.get(), {r}, so);
+    ASSERT_TRUE(one.ok()) << one.status().ToString();
+    expect.push_back((*one)[0]);
+  }
+  int64_t prefilled = 0;
+  for (size_t i = 0; i < obs.size(); ++i) {
+    auto* c = static_cast<Collect*>(obs[i].get());
+    c->Wait();
+    ASSERT_TRUE(c->error.ok()) << c->error.ToString();
+    EXPECT_EQ(c->result.request_id, (*ids)[i]);
+    EXPECT_EQ(c->result.seed, 900 + i);
+    EXPECT_EQ(c->result.tokens, expect[i].tokens) << "image " << i;
+    prefilled += c->result.stats.prefill_forwards > 0 ? 1 : 0;
+  }
+  EXPECT_EQ(prefilled, 1) << "the group's images copy the first one's prefill";
+  EXPECT_NE(expect[0].tokens, expect[1].tokens);
+
+  auto field = [&](const GenerateParams& p, size_t n = 1) {
+    std::vector<GenerateParams> g(n, p);
+    std::vector<std::shared_ptr<RequestObserver>> os;
+    for (size_t i = 0; i < n; ++i) os.push_back(std::make_shared<Collect>());
+    auto r = engine.SubmitGroup(g, os);
+    return r.ok() ? std::string("ok") : r.status().field();
+  };
+  GenerateParams p = group[0];
+  EXPECT_EQ(field(p, 7), "n");  // larger than the queue of 6 could ever hold
+  p.cfg_scale = 1.0;            // no guidance: a negative prompt would do nothing
+  EXPECT_EQ(field(p), "negative_prompt");
+  p.cfg_scale.reset();
+  p.negative_prompt_token_ids.assign(9, 1);  // max_prompt_len 8
+  EXPECT_EQ(field(p), "negative_prompt");
+  p.negative_prompt_token_ids = {1, 8};  // text ids in [0, 8)
+  EXPECT_EQ(field(p), "negative_prompt_token_ids");
   engine.Shutdown(std::chrono::milliseconds(0));
 }
 

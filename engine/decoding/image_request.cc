@@ -6,12 +6,31 @@
 
 namespace imagegen {
 
+namespace {
+
+// `ids` lengthened to `len` by pad ids after its first token.
+std::vector<int64_t> PadAfterFirst(const std::vector<int64_t>& ids, size_t len, int64_t pad) {
+  if (ids.empty() || ids.size() >= len) return ids;
+  std::vector<int64_t> out;
+  out.reserve(len);
+  out.push_back(ids[0]);
+  out.insert(out.end(), len - ids.size(), pad);
+  out.insert(out.end(), ids.begin() + 1, ids.end());
+  return out;
+}
+
+}  // namespace
+
 std::vector<int64_t> ConditionTokens(const ImageRequest& r, const GptConfig& cfg) {
-  return cfg.prompted() ? r.prompt : std::vector<int64_t>{r.class_id};
+  if (!cfg.prompted()) return {r.class_id};
+  return PadAfterFirst(r.prompt, r.negative_prompt.size(), cfg.pad_id);
 }
 
 std::vector<int64_t> UnconditionalTokens(const ImageRequest& r, const GptConfig& cfg) {
   if (!cfg.prompted()) return {cfg.null_class()};
+  if (!r.negative_prompt.empty()) {
+    return PadAfterFirst(r.negative_prompt, r.prompt.size(), cfg.pad_id);
+  }
   std::vector<int64_t> u = r.prompt;
   for (size_t i = 1; i + 1 < u.size(); ++i) u[i] = cfg.pad_id;
   return u;
@@ -19,7 +38,8 @@ std::vector<int64_t> UnconditionalTokens(const ImageRequest& r, const GptConfig&
 
 bool SharesPrefill(const ImageRequest& a, const ImageRequest& b, const GptConfig& cfg) {
   return a.sampling.uses_cfg() == b.sampling.uses_cfg() &&
-         ConditionTokens(a, cfg) == ConditionTokens(b, cfg);
+         ConditionTokens(a, cfg) == ConditionTokens(b, cfg) &&
+         (!a.sampling.uses_cfg() || UnconditionalTokens(a, cfg) == UnconditionalTokens(b, cfg));
 }
 
 Status ValidateSampledRequest(const ImageRequest& r, const GptConfig& cfg) {
@@ -37,7 +57,29 @@ Status ValidateSampledRequest(const ImageRequest& r, const GptConfig& cfg) {
                                                   std::to_string(cfg.text_vocab_size) + ")");
       }
     }
+    if (!r.negative_prompt.empty()) {
+      const auto m = static_cast<int64_t>(r.negative_prompt.size());
+      if (!r.sampling.uses_cfg()) {
+        return FieldError("negative_prompt",
+                          "takes effect through guidance only: set cfg_scale > 1");
+      }
+      if (m > cfg.max_prompt_len) {
+        return FieldError("negative_prompt", "has " + std::to_string(m) +
+                                                 " tokens; this model takes at most " +
+                                                 std::to_string(cfg.max_prompt_len));
+      }
+      for (int64_t id : r.negative_prompt) {
+        if (id < 0 || id >= cfg.text_vocab_size) {
+          return FieldError("negative_prompt_token_ids",
+                            "id " + std::to_string(id) + " is not in [0, " +
+                                std::to_string(cfg.text_vocab_size) + ")");
+        }
+      }
+    }
   } else {
+    if (!r.negative_prompt.empty()) {
+      return FieldError("negative_prompt", "this model is class-conditional; it takes no prompt");
+    }
     if (!r.prompt.empty()) {
       return FieldError("prompt", "this model is class-conditional; set class_id, not a prompt");
     }

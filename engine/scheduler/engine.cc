@@ -237,6 +237,9 @@ StatusOr<std::unique_ptr<Job>> Engine::Impl::ResolveMar(GenerateParams p, const 
   if (!p.prompt_token_ids.empty()) {
     return FieldError("prompt", "this model is class-conditional; set class_id or class_name");
   }
+  if (!p.negative_prompt_token_ids.empty()) {
+    return FieldError("negative_prompt", "this model is class-conditional; it takes no prompt");
+  }
   if (p.class_id.has_value() && !p.class_name.empty()) {
     return FieldError("class_name", "set class_id or class_name, not both");
   }
@@ -314,6 +317,7 @@ StatusOr<std::unique_ptr<Job>> Engine::Impl::Resolve(GenerateParams p, size_t* m
   } else {
     return FieldError("class_id", "required: set class_id or class_name");
   }
+  job->request.negative_prompt = p.negative_prompt_token_ids;
   job->request.seed = p.seed.has_value() ? *p.seed : RandomSeed();
   SamplingParams& s = job->request.sampling;
   s.cfg_scale = p.cfg_scale.value_or(c.default_cfg_scale);
@@ -330,30 +334,63 @@ StatusOr<std::unique_ptr<Job>> Engine::Impl::Resolve(GenerateParams p, size_t* m
 }
 
 StatusOr<int64_t> Engine::Submit(GenerateParams params, std::shared_ptr<RequestObserver> observer) {
-  if (!observer) return InvalidArgument("observer: required");
+  std::vector<GenerateParams> one;
+  one.push_back(std::move(params));
+  ASSIGN_OR_RETURN(std::vector<int64_t> ids, SubmitGroup(std::move(one), {std::move(observer)}));
+  return ids[0];
+}
+
+StatusOr<std::vector<int64_t>> Engine::SubmitGroup(
+    std::vector<GenerateParams> params, std::vector<std::shared_ptr<RequestObserver>> observers) {
+  if (params.empty() || observers.size() != params.size()) {
+    return InvalidArgument("observer: one per request is required");
+  }
+  for (const auto& o : observers) {
+    if (!o) return InvalidArgument("observer: required");
+  }
+  std::vector<std::unique_ptr<Job>> jobs;
   size_t mi = 0;
-  ASSIGN_OR_RETURN(std::unique_ptr<Job> job, impl_->Resolve(std::move(params), &mi));
-  job->observer = std::move(observer);
-  job->submitted = Clock::now();
+  for (size_t i = 0; i < params.size(); ++i) {
+    size_t m = 0;
+    ASSIGN_OR_RETURN(std::unique_ptr<Job> job, impl_->Resolve(std::move(params[i]), &m));
+    if (i > 0 && m != mi) return InvalidArgument("model: a group draws from one model");
+    mi = m;
+    job->observer = std::move(observers[i]);
+    jobs.push_back(std::move(job));
+  }
+  const auto n = static_cast<int64_t>(jobs.size());
   std::lock_guard<std::mutex> lock(impl_->mu);
   EngineStats& st = impl_->stats;
   if (impl_->draining) {
-    st.rejected += 1;
+    st.rejected += n;
     return Unavailable("the engine is shutting down");
   }
-  const int64_t queued = st.models[mi].queued + impl_->inbox_per_model[mi];
-  if (queued >= impl_->opts.max_queue) {
-    st.rejected += 1;
-    return ResourceExhausted("queue full: " + std::to_string(queued) +
-                             " requests are waiting for model '" + st.models[mi].model + "'");
+  if (n > 1 && n > impl_->opts.max_queue) {
+    st.rejected += n;
+    return FieldError("n", std::to_string(n) + " images can never wait in a queue of " +
+                               std::to_string(impl_->opts.max_queue));
   }
-  const int64_t id = impl_->next_id++;
-  job->id = id;
-  st.submitted += 1;
-  impl_->inbox_per_model[mi] += 1;
-  impl_->inbox.emplace_back(mi, std::move(job));
+  const int64_t queued = st.models[mi].queued + impl_->inbox_per_model[mi];
+  if (queued + n > impl_->opts.max_queue) {
+    st.rejected += n;
+    return ResourceExhausted("queue full: " + std::to_string(queued) +
+                             " requests are waiting for model '" + st.models[mi].model + "'" +
+                             (n > 1 ? " (room for " + std::to_string(n) + " is needed)" : ""));
+  }
+  // One arrival: the group is admitted in order, so that later members copy the first's
+  // prefill.
+  const auto now = Clock::now();
+  std::vector<int64_t> ids;
+  for (auto& job : jobs) {
+    job->id = impl_->next_id++;
+    job->submitted = now;
+    ids.push_back(job->id);
+    impl_->inbox.emplace_back(mi, std::move(job));
+  }
+  st.submitted += n;
+  impl_->inbox_per_model[mi] += n;
   impl_->cv.notify_one();
-  return id;
+  return ids;
 }
 
 void Engine::Cancel(int64_t id) {

@@ -125,6 +125,13 @@ class Engine {
   // UNAVAILABLE once Shutdown has begun. On success the observer will get exactly one
   // OnComplete or OnError; on failure it gets nothing.
   StatusOr<int64_t> Submit(GenerateParams params, std::shared_ptr<RequestObserver> observer);
+  // Several requests of one model (a client's `n` images), each with its observer, queued
+  // together or not at all: every one is validated first, and the queue must have room for
+  // all (RESOURCE_EXHAUSTED otherwise; INVALID_ARGUMENT naming "n" when the group is larger
+  // than the queue could ever hold). Queued back to back, they are admitted in order, so that
+  // requests with the same prompt copy the first one's prefill.
+  StatusOr<std::vector<int64_t>> SubmitGroup(
+      std::vector<GenerateParams> params, std::vector<std::shared_ptr<RequestObserver>> observers);
 
   // The request ends with CANCELLED at the next step boundary and frees its slots. Unknown
   // or finished ids are ignored.

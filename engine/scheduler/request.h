@@ -28,6 +28,10 @@ struct GenerateParams {
   // BOS included (the server tokenizes text with ModelInfo::text_tokenizer_path). Requests
   // with the same ids and CFG use that run at the same time share one prefill.
   std::vector<int64_t> prompt_token_ids;
+  // Prompted models with guidance: the unconditional row's prompt, tokenized like
+  // prompt_token_ids, instead of the model's unconditional prompt (a negative prompt). The
+  // shorter of the two is padded with the model's pad id after its first token.
+  std::vector<int64_t> negative_prompt_token_ids;
   std::optional<uint64_t> seed;  // absent: the engine draws one and reports it
   // Absent: the model's recommended values (config.json "sampling_defaults").
   std::optional<double> cfg_scale, temperature, top_p;
