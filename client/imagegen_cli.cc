@@ -4,6 +4,8 @@
 //   imagegen generate --class sneaker [--method scd-mc] [--seed 7] --out sneaker.png
 //   imagegen generate --class bag --stream --preview-every 5 --preview-dir frames --out bag.png
 //   imagegen generate --model janus-pro-1b --prompt "a red bag" --out bag.png   (text-to-image)
+//   imagegen generate --model fmnist-t2i --prompt "a bag" --negative-prompt "a dark bag"
+//       --n 4 --seed 1 --out bag.png   (writes bag_0.png .. bag_3.png, seeds 1 .. 4)
 //   imagegen load --concurrency 16 --duration 30 --method scd-mc
 //   imagegen health    (grpc.health.v1: exit 0 when SERVING; the image's HEALTHCHECK)
 //
@@ -52,6 +54,11 @@ ABSL_FLAG(std::string, cls, "",
 ABSL_FLAG(std::string, prompt, "", "generate, load: the prompt of a text-to-image model");
 ABSL_FLAG(std::string, prompt_ids, "",
           "generate, load: the prompt as comma-separated token ids (template and BOS included)");
+ABSL_FLAG(std::string, negative_prompt, "",
+          "generate, load: what a text-to-image model's image should not be (needs guidance)");
+ABSL_FLAG(int32_t, n, 1,
+          "generate: images to draw (seeds --seed, --seed + 1, ...); with more than one, --out "
+          "gets _0, _1, ... before its extension");
 ABSL_FLAG(std::string, method, "", "decoding method preset (default: the server's)");
 ABSL_FLAG(int64_t, seed, -1, "seed (-1: the server picks one)");
 ABSL_FLAG(double, cfg, -1, "guidance scale (-1: the model's default)");
@@ -162,6 +169,7 @@ v1::GenerateRequest BuildRequest(bool need_class) {
   const std::string cls = absl::GetFlag(FLAGS_cls);
   const std::string prompt = absl::GetFlag(FLAGS_prompt), ids = absl::GetFlag(FLAGS_prompt_ids);
   if (!prompt.empty()) r.set_prompt(prompt);
+  r.set_negative_prompt(absl::GetFlag(FLAGS_negative_prompt));
   for (size_t at = 0; !ids.empty() && at <= ids.size();) {
     const size_t comma = std::min(ids.find(',', at), ids.size());
     const std::string one = ids.substr(at, comma - at);
@@ -241,6 +249,15 @@ void PrintStats(const v1::GenerateResponse& r, const std::string& out) {
   std::printf("\n");
 }
 
+// Image `index` of `n`: `out` itself for one image, else out with _<index> before its extension.
+std::string OutName(const std::string& out, int index, int n) {
+  if (n <= 1) return out;
+  const std::filesystem::path p(out);
+  return (p.parent_path() /
+          (p.stem().string() + "_" + std::to_string(index) + p.extension().string()))
+      .string();
+}
+
 void WriteOrDie(const std::string& path, const std::string& bytes) {
   std::ofstream f(path, std::ios::binary);
   f << bytes;
@@ -295,12 +312,16 @@ int Models() {
     std::printf("\n  defaults: cfg %.2f, temperature %.2f, top-k %d, top-p %.2f; max window %d\n",
                 d.cfg_scale(), d.temperature(), d.top_k(), d.top_p(), m.max_window());
   }
+  if (resp.max_images() > 0)
+    std::printf("images per request (--n): at most %d\n", resp.max_images());
   return 0;
 }
 
 int Generate() {
   auto stub = v1::ImageGeneration::NewStub(Connect());
   v1::GenerateRequest req = BuildRequest(true);
+  const int n = absl::GetFlag(FLAGS_n);
+  if (n != 1) req.set_n(n);
   const std::string out = absl::GetFlag(FLAGS_out);
   grpc::ClientContext ctx;
   Prepare(&ctx);
@@ -311,8 +332,12 @@ int Generate() {
       std::cerr << "imagegen: " << Describe(st) << "\n";
       return 1;
     }
-    WriteOrDie(out, resp.image_png());
-    PrintStats(resp, out);
+    WriteOrDie(OutName(out, 0, n), resp.image_png());
+    PrintStats(resp, OutName(out, 0, n));
+    for (const v1::GenerateResponse& more : resp.more_images()) {
+      WriteOrDie(OutName(out, more.index(), n), more.image_png());
+      PrintStats(more, OutName(out, more.index(), n));
+    }
     return 0;
   }
   req.set_preview_every(absl::GetFlag(FLAGS_preview_every));
@@ -324,14 +349,14 @@ int Generate() {
   }
   auto reader = stub->GenerateStream(&ctx, req);
   v1::GenerateStreamResponse msg;
-  int frames = 0;
-  bool final_seen = false;
+  int frames = 0, finals = 0;
   while (reader->Read(&msg)) {
     if (msg.has_step()) {
       const v1::StepUpdate& s = msg.step();
       const double acc = s.drafts_verified() > 0
                              ? static_cast<double>(s.drafts_accepted()) / s.drafts_verified()
                              : 0;
+      if (n > 1) std::printf("[%d] ", s.index());
       std::printf("step %3d  +%-3d tokens  %3d/%d  NFE %lld  window %d  acceptance %.2f", s.step(),
                   s.positions_size(), s.committed(), s.total(), static_cast<long long>(s.nfe()),
                   s.window(), acc);
@@ -343,7 +368,11 @@ int Generate() {
       }
       if (!s.preview_png().empty() && !dir.empty()) {
         char name[64];
-        std::snprintf(name, sizeof(name), "/step_%04d.png", s.step());
+        if (n > 1) {
+          std::snprintf(name, sizeof(name), "/image_%d_step_%04d.png", s.index(), s.step());
+        } else {
+          std::snprintf(name, sizeof(name), "/step_%04d.png", s.step());
+        }
         WriteOrDie(dir + name, s.preview_png());
         std::printf("  preview %s%s", dir.c_str(), name);
         ++frames;
@@ -351,9 +380,10 @@ int Generate() {
       std::printf("\n");
       std::fflush(stdout);
     } else if (msg.has_final()) {
-      final_seen = true;
-      WriteOrDie(out, msg.final().image_png());
-      PrintStats(msg.final(), out);
+      finals += 1;
+      const std::string name = OutName(out, msg.final().index(), n);
+      WriteOrDie(name, msg.final().image_png());
+      PrintStats(msg.final(), name);
     }
   }
   grpc::Status st = reader->Finish();
@@ -361,8 +391,9 @@ int Generate() {
     std::cerr << "imagegen: " << Describe(st) << "\n";
     return 1;
   }
-  if (!final_seen) {
-    std::cerr << "imagegen: the stream ended without a final image\n";
+  if (finals != std::max(n, 1)) {
+    std::cerr << "imagegen: the stream ended with " << finals << " of " << std::max(n, 1)
+              << " images\n";
     return 1;
   }
   if (frames > 0) std::printf("%d preview frames in %s\n", frames, dir.c_str());

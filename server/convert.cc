@@ -79,6 +79,11 @@ std::string ProtoField(const std::string& f, const v1::GenerateRequest& req) {
   if (f == "prompt" || f == "prompt_token_ids") {
     return req.prompt_token_ids_size() > 0 && req.prompt().empty() ? "prompt_token_ids" : "prompt";
   }
+  if (f == "negative_prompt" || f == "negative_prompt_token_ids") {
+    return req.negative_prompt_token_ids_size() > 0 && req.negative_prompt().empty()
+               ? "negative_prompt_token_ids"
+               : "negative_prompt";
+  }
   return f;  // model, class_id, class_name, seed, cfg_scale, temperature, top_k, top_p, method, ...
 }
 
@@ -158,6 +163,14 @@ grpc::Status ToParams(const v1::GenerateRequest& req, const std::string& default
   for (int32_t id : req.prompt_token_ids()) {
     if (id < 0) return BadField("prompt_token_ids", "ids must be >= 0");
     out->prompt_token_ids.push_back(id);
+  }
+  if (!req.negative_prompt().empty() && req.negative_prompt_token_ids_size() > 0) {
+    return BadField("negative_prompt_token_ids",
+                    "set negative_prompt or negative_prompt_token_ids, not both");
+  }
+  for (int32_t id : req.negative_prompt_token_ids()) {
+    if (id < 0) return BadField("negative_prompt_token_ids", "ids must be >= 0");
+    out->negative_prompt_token_ids.push_back(id);
   }
   switch (req.class_case()) {
     case v1::GenerateRequest::kClassId:

@@ -27,7 +27,8 @@ Daemon::Daemon(const DaemonOptions& options, TokenAuth auth)
       auth_(auth),
       service_(&metrics_, auth,
                ServiceOptions{options.default_method, options.encoder_threads,
-                              std::chrono::milliseconds(options.stream_stall_ms)}) {}
+                              std::chrono::milliseconds(options.stream_stall_ms),
+                              ServiceOptions().max_request_bytes, options.max_images}) {}
 
 Daemon::~Daemon() { Stop(std::chrono::milliseconds(0)); }
 
@@ -40,6 +41,9 @@ StatusOr<std::unique_ptr<Daemon>> Daemon::Listen(const DaemonOptions& options) {
   }
   if (options.encoder_threads < 1 || options.encoder_threads > 256) {
     return InvalidArgument("--encoder-threads: must be in [1, 256]");
+  }
+  if (options.max_images < 1 || options.max_images > 1024) {
+    return InvalidArgument("--max-images: must be in [1, 1024]");
   }
   if (options.stream_stall_ms < 100) {
     return InvalidArgument("--stream-stall-seconds: must be at least 0.1");

@@ -36,6 +36,7 @@ struct DaemonOptions {
   int64_t max_threads = 512;               // gRPC's threads (calls do not hold one each)
   int encoder_threads = 2;                 // PNG encoding and response building
   int64_t stream_stall_ms = 30000;         // a stream whose client reads nothing this long ends
+  int max_images = 16;                     // GenerateRequest.n at most
   EngineOptions engine;
 };
 

@@ -79,6 +79,9 @@ ABSL_FLAG(int32_t, encoder_threads, 2,
 ABSL_FLAG(double, stream_stall_seconds, 30,
           "a GenerateStream whose client takes no message for this long is ended (ABORTED) and "
           "its request cancelled");
+ABSL_FLAG(int32_t, max_images, 16,
+          "images one request may ask for (GenerateRequest.n); each takes its own place in the "
+          "queue and its own KV slots");
 ABSL_FLAG(std::string, port_file, "",
           "write the bound ports to this file once listening: \"<grpc> <metrics>\"");
 
@@ -129,6 +132,7 @@ int main(int argc, char** argv) {
   o.max_threads = absl::GetFlag(FLAGS_max_threads);
   o.encoder_threads = absl::GetFlag(FLAGS_encoder_threads);
   o.stream_stall_ms = static_cast<int64_t>(absl::GetFlag(FLAGS_stream_stall_seconds) * 1000);
+  o.max_images = absl::GetFlag(FLAGS_max_images);
   EngineOptions& eo = o.engine;
   eo.models_dir = absl::GetFlag(FLAGS_models_dir).empty() ? DefaultModelsDir()
                                                           : absl::GetFlag(FLAGS_models_dir);

@@ -154,10 +154,12 @@ Metrics::Metrics()
                        .Name("imagegen_time_to_first_token_seconds")
                        .Help("Arrival to the first committed token")
                        .Register(*registry_)),
-      latency_(BuildHistogram()
-                   .Name("imagegen_request_duration_seconds")
-                   .Help("Arrival to the final response, successful calls")
-                   .Register(*registry_)),
+      latency_(
+          BuildHistogram()
+              .Name("imagegen_request_duration_seconds")
+              .Help("Arrival to an image's response (a stream's final message for it), per image "
+                    "sent")
+              .Register(*registry_)),
       queue_time_(BuildHistogram()
                       .Name("imagegen_request_queue_seconds")
                       .Help("Time waiting for a KV-cache slot")
@@ -336,13 +338,15 @@ void Metrics::OnRequestStep(const std::string& model, const std::string& method,
 }
 
 void Metrics::OnRequestEnd(const std::string& model, const std::string& method,
-                           const std::string& outcome, const RequestResult* r,
-                           double total_seconds) {
-  const std::string ml = ModelLabel(model);
-  requests_.Add({{"model", ml}, {"method", method}, {"outcome", outcome}}).Increment();
-  if (r == nullptr) return;
-  PerMethod& p = For(ml, method);
-  const RequestStats& s = r->stats;
+                           const std::string& outcome) {
+  requests_.Add({{"model", ModelLabel(model)}, {"method", method}, {"outcome", outcome}})
+      .Increment();
+}
+
+void Metrics::OnImage(const std::string& model, const std::string& method, const RequestResult& r,
+                      double total_seconds) {
+  PerMethod& p = For(ModelLabel(model), method);
+  const RequestStats& s = r.stats;
   p.images->Increment();
   p.draft_forwards->Increment(static_cast<double>(s.counters.draft_forwards));
   p.nfe_per_image->Observe(static_cast<double>(s.counters.nfe));

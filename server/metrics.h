@@ -43,10 +43,13 @@ class Metrics : public EngineListener {
   // Engine thread: one step of one request.
   void OnRequestStep(const std::string& model, const std::string& method, const StepEvent& e);
   // A call ended. `outcome`: ok, invalid_argument, not_found, resource_exhausted, unavailable,
-  // cancelled, deadline_exceeded, unauthenticated, aborted, internal. `result` is set when
-  // outcome is ok.
-  void OnRequestEnd(const std::string& model, const std::string& method, const std::string& outcome,
-                    const RequestResult* result, double total_seconds);
+  // cancelled, deadline_exceeded, unauthenticated, aborted, internal.
+  void OnRequestEnd(const std::string& model, const std::string& method,
+                    const std::string& outcome);
+  // An image was sent to its client (a call has n of them), `total_seconds` after the call
+  // arrived.
+  void OnImage(const std::string& model, const std::string& method, const RequestResult& result,
+               double total_seconds);
 
   // Call accounting: a call is opened when it arrives and closed when gRPC is done with it.
   // `retry`: the call is a client's retry of an attempt that failed (grpc-previous-rpc-attempts).

@@ -104,15 +104,15 @@ void WorkQueue::Post(std::function<void()> task) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Call: one Generate or GenerateStream call, from validation to OnDone. The engine holds it as
-// the request's observer, its reactor holds it until gRPC is done with the call, and the
-// encoder pool holds it while a task for it runs.
+// Call: one Generate or GenerateStream call, from validation to OnDone, for its n images (one
+// engine request each). The engine holds it through each image's observer, its reactor holds
+// it until gRPC is done with the call, and the encoder pool holds it while a task for it runs.
 //
 // Under mu_, the state says who may touch the reactor next: a Pump task (queued_), a write in
 // flight (writing_), or nobody after Finish (finished_). Reactor operations (StartWrite,
 // Finish) are issued after mu_ is released, so that gRPC may run reactions on any thread.
 
-class Call : public RequestObserver, public std::enable_shared_from_this<Call> {
+class Call : public std::enable_shared_from_this<Call> {
  public:
   Call(ImageGenerationService* svc, grpc::CallbackServerContext* ctx)
       : svc_(svc), ctx_(ctx), t0_(Clock::now()), arrived_(std::chrono::system_clock::now()) {}
@@ -129,16 +129,23 @@ class Call : public RequestObserver, public std::enable_shared_from_this<Call> {
   std::string model, method = "unknown";
   int scale = 1;
 
-  // The engine accepted the request as `id`.
-  void Submitted(Engine* engine, int64_t id) {
-    bool cancel = false;
+  // Before submission: the call draws `n` images.
+  void Expect(int n) {
+    results_.resize(static_cast<size_t>(n));
+    image_ended_.assign(static_cast<size_t>(n), false);
+  }
+
+  // The engine accepted the images as `ids` (in index order).
+  void Submitted(Engine* engine, std::vector<int64_t> ids) {
+    EngineRequests cancel;
     {
       std::lock_guard<std::mutex> l(mu_);
       engine_ = engine;
-      id_ = id;
-      cancel = gone_;
+      ids_ = std::move(ids);
+      // Gone, or an image failed, before the ids were known: cancel the rest now.
+      if (gone_ || error_) cancel = RunningLocked();
     }
-    if (cancel) engine->Cancel(id);
+    cancel.Cancel();
   }
 
   // Ends a call that never reached the engine.
@@ -152,36 +159,44 @@ class Call : public RequestObserver, public std::enable_shared_from_this<Call> {
     IssueFinish(st);
   }
 
-  // --- the engine thread ---------------------------------------------------------------------
-  void OnStep(const StepEvent& e) override {
+  // --- the engine thread (through each image's observer) --------------------------------------
+  void OnStep(int index, const StepEvent& e) {
     svc_->metrics_->OnRequestStep(model, method, e);
     if (!streaming()) return;
     std::lock_guard<std::mutex> l(mu_);
     if (finished_ || gone_) return;
-    if (has_pending_) {
-      Merge(pending_, e);
+    auto it = pending_.find(index);
+    if (it != pending_.end()) {
+      Merge(it->second, e);
     } else {
-      pending_ = e;
-      has_pending_ = true;
+      pending_.emplace(index, e);
     }
     ScheduleLocked();
   }
-  void OnComplete(RequestResult r) override {
+  void OnComplete(int index, RequestResult r) {
     std::lock_guard<std::mutex> l(mu_);
-    result_ = std::move(r);
-    ended_ = true;
+    image_ended_[static_cast<size_t>(index)] = true;
+    results_[static_cast<size_t>(index)] = std::move(r);
+    ready_.push_back(index);
+    completed_ += 1;
     ScheduleLocked();
   }
-  void OnError(const Status& s) override {
-    std::lock_guard<std::mutex> l(mu_);
-    error_ = s;
-    ended_ = true;
-    ScheduleLocked();
+  void OnError(int index, const Status& s) {
+    EngineRequests others;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      image_ended_[static_cast<size_t>(index)] = true;
+      if (error_) return;  // the call already ends with the first error
+      error_ = s;
+      others = RunningLocked();  // the call is over: its other images are not wanted
+      ScheduleLocked();
+    }
+    others.Cancel();
   }
 
   // --- gRPC's reactions ----------------------------------------------------------------------
   void Cancelled() {
-    EngineRequest running;
+    EngineRequests running;
     {
       std::lock_guard<std::mutex> l(mu_);
       if (!gone_) expired_ = PastDeadline();
@@ -191,7 +206,7 @@ class Call : public RequestObserver, public std::enable_shared_from_this<Call> {
     running.Cancel();
   }
   void WriteDone(bool ok) {
-    EngineRequest running;
+    EngineRequests running;
     {
       std::lock_guard<std::mutex> l(mu_);
       writing_ = false;
@@ -221,18 +236,26 @@ class Call : public RequestObserver, public std::enable_shared_from_this<Call> {
   }
 
  private:
-  // The engine request to cancel once mu_ is released (none if it has ended).
-  struct EngineRequest {
+  // The engine requests to cancel once mu_ is released.
+  struct EngineRequests {
     Engine* engine = nullptr;
-    int64_t id = -1;
+    std::vector<int64_t> ids;
     void Cancel() const {
-      if (engine != nullptr && id >= 0) engine->Cancel(id);
+      for (int64_t id : ids) engine->Cancel(id);
     }
   };
-  // The client is gone (under mu_): what of the engine request is left to cancel.
-  EngineRequest GoneLocked() {
+  // Under mu_: the submitted images that have not ended.
+  EngineRequests RunningLocked() const {
+    EngineRequests r{engine_, {}};
+    for (size_t i = 0; i < ids_.size(); ++i) {
+      if (!image_ended_[i]) r.ids.push_back(ids_[i]);
+    }
+    return r;
+  }
+  // The client is gone (under mu_): what of the engine requests is left to cancel.
+  EngineRequests GoneLocked() {
     gone_ = true;
-    return ended_ ? EngineRequest() : EngineRequest{engine_, id_};
+    return RunningLocked();
   }
 
   // Queues a Pump unless one is queued, a write is in flight, or the call is finished.
@@ -267,8 +290,7 @@ class Call : public RequestObserver, public std::enable_shared_from_this<Call> {
   }
 
   void RecordEnd(const grpc::Status& st) {
-    svc_->metrics_->OnRequestEnd(model, method, Outcome(st.error_code()),
-                                 st.ok() && result_ ? &*result_ : nullptr, Since(t0_));
+    svc_->metrics_->OnRequestEnd(model, method, Outcome(st.error_code()));
   }
 
   void IssueFinish(const grpc::Status& st) {
@@ -277,6 +299,14 @@ class Call : public RequestObserver, public std::enable_shared_from_this<Call> {
     } else {
       stream_->Finish(st);
     }
+  }
+
+  // Image `index` as a response (its PNG encoded here); counted in the metrics when it is sent.
+  grpc::Status Encode(int index, bool include_tokens, v1::GenerateResponse* out) {
+    const RequestResult& r = *results_[static_cast<size_t>(index)];
+    grpc::Status st = FillResponse(r, scale, include_tokens, Since(t0_), out);
+    out->set_index(index);
+    return st;
   }
 
   // On the encoder pool: the next thing the call needs, if it can be done now.
@@ -292,14 +322,15 @@ class Call : public RequestObserver, public std::enable_shared_from_this<Call> {
         IssueFinish(st);
         return;
       }
-      if (has_pending_) {  // a step update (streams only)
-        StepEvent e = std::move(pending_);
-        pending_ = StepEvent();
-        has_pending_ = false;
+      if (!pending_.empty()) {  // a step update (streams only)
+        const int index = pending_.begin()->first;
+        StepEvent e = std::move(pending_.begin()->second);
+        pending_.erase(pending_.begin());
         writing_ = true;  // reserved while encoding: nobody else starts a write
         l.unlock();
         v1::GenerateStreamResponse msg;
         FillStep(e, scale, msg.mutable_step());
+        msg.mutable_step()->set_index(index);
         grpc::ByteBuffer bb = Serialize(msg);
         l.lock();
         if (gone_) {
@@ -312,7 +343,6 @@ class Call : public RequestObserver, public std::enable_shared_from_this<Call> {
         stream_->StartWrite(&out_);
         return;
       }
-      if (!ended_) return;  // wait for the engine
       if (error_) {
         const grpc::Status st = ToGrpc(*error_, req, svc_->metrics_->RecentGenerationSeconds());
         finished_ = true;
@@ -321,26 +351,45 @@ class Call : public RequestObserver, public std::enable_shared_from_this<Call> {
         IssueFinish(st);
         return;
       }
-      // The image: encoded here, outside the lock (result_ no longer changes).
+      // An image for the client: a stream sends each as it finishes, the unary response all n
+      // at once. Encoded here, outside the lock (a finished image's result no longer changes).
+      const int n = static_cast<int>(results_.size());
+      if (streaming() ? ready_.empty() : completed_ < n) return;  // wait for the engine
+      std::vector<int> images;
+      if (streaming()) {
+        images.push_back(ready_.front());
+        ready_.pop_front();
+      } else {
+        for (int i = 0; i < n; ++i) images.push_back(i);
+      }
+      const bool last = streaming() ? ++sent_ == n : true;
       writing_ = true;
       l.unlock();
       grpc::Status st;
       grpc::ByteBuffer bb;
       if (streaming()) {
         v1::GenerateStreamResponse msg;
-        st = FillResponse(*result_, scale, true, Since(t0_), msg.mutable_final());
+        st = Encode(images[0], true, msg.mutable_final());
         bb = Serialize(msg);
       } else {
         v1::GenerateResponse msg;
-        st = FillResponse(*result_, scale, req.output().include_tokens(), Since(t0_), &msg);
+        const bool tokens = req.output().include_tokens();
+        st = Encode(0, tokens, &msg);
+        for (int i = 1; i < n && st.ok(); ++i) st = Encode(i, tokens, msg.add_more_images());
         bb = Serialize(msg);
       }
       l.lock();
       writing_ = false;
       if (gone_) continue;
-      finished_ = true;
-      RecordEnd(st);
+      if (st.ok()) {
+        for (int i : images) {
+          svc_->metrics_->OnImage(model, method, *results_[static_cast<size_t>(i)], Since(t0_));
+          results_[static_cast<size_t>(i)].reset();  // sent: its pixels are not kept
+        }
+      }
       if (!st.ok() || !streaming()) {
+        finished_ = true;
+        RecordEnd(st);
         if (st.ok()) *unary_out_ = std::move(bb);
         l.unlock();
         IssueFinish(st);
@@ -349,6 +398,13 @@ class Call : public RequestObserver, public std::enable_shared_from_this<Call> {
       out_ = std::move(bb);
       writing_ = true;
       write_started_ = Clock::now();
+      if (!last) {
+        l.unlock();
+        stream_->StartWrite(&out_);
+        return;
+      }
+      finished_ = true;
+      RecordEnd(grpc::Status::OK);
       l.unlock();
       stream_->StartWriteAndFinish(&out_, grpc::WriteOptions(), grpc::Status::OK);
       return;
@@ -365,21 +421,35 @@ class Call : public RequestObserver, public std::enable_shared_from_this<Call> {
 
   std::mutex mu_;
   Engine* engine_ = nullptr;
-  int64_t id_ = -1;
+  std::vector<int64_t> ids_;       // the images' engine requests, by index
+  std::vector<bool> image_ended_;  // the engine reported the image's end
   bool queued_ = false, writing_ = false, finished_ = false;
-  bool ended_ = false;    // the engine reported the end (result_ or error_)
   bool gone_ = false;     // cancelled, past its deadline, stalled, or a write failed
   bool expired_ = false;  // gone because the deadline passed
   bool stalled_ = false;
-  bool has_pending_ = false;
-  StepEvent pending_;
-  std::optional<RequestResult> result_;
-  std::optional<Status> error_;
-  grpc::ByteBuffer out_;  // the message being written
+  std::map<int, StepEvent> pending_;                   // step updates not yet written, by image
+  std::vector<std::optional<RequestResult>> results_;  // finished images not yet sent
+  std::deque<int> ready_;                              // streams: finished, not yet sent
+  int completed_ = 0, sent_ = 0;
+  std::optional<Status> error_;  // the first image error: the call's outcome
+  grpc::ByteBuffer out_;         // the message being written
   Clock::time_point write_started_;
 
   std::mutex ctx_mu_;
   bool done_ = false;  // gRPC is done with the call: ctx_ is gone
+};
+
+// Hands one image's engine events to its call.
+class ImageObserver final : public RequestObserver {
+ public:
+  ImageObserver(std::shared_ptr<Call> call, int index) : call_(std::move(call)), index_(index) {}
+  void OnStep(const StepEvent& e) override { call_->OnStep(index_, e); }
+  void OnComplete(RequestResult r) override { call_->OnComplete(index_, std::move(r)); }
+  void OnError(const Status& s) override { call_->OnError(index_, s); }
+
+ private:
+  std::shared_ptr<Call> call_;
+  const int index_;
 };
 
 namespace {
@@ -450,7 +520,7 @@ Status ImageGenerationService::SetEngine(Engine* engine) {
 }
 
 grpc::Status ImageGenerationService::EncodePrompt(const Engine& engine, const std::string& model,
-                                                  const std::string& text,
+                                                  const std::string& field, const std::string& text,
                                                   std::vector<int64_t>* ids) const {
   const std::vector<ModelInfo>& models = engine.Models();
   const ModelInfo* info = models.empty() ? nullptr : &models[0];
@@ -461,19 +531,19 @@ grpc::Status ImageGenerationService::EncodePrompt(const Engine& engine, const st
     return grpc::Status::OK;  // an unknown model: the engine reports NOT_FOUND
   }
   if (!info->prompted) {
-    return BadField("prompt",
+    return BadField(field,
                     "model '" + info->name + "' is class-conditional; set class_id or class_name");
   }
   auto it = tokenizers_.find(info->name);
   if (it == tokenizers_.end()) {
-    return BadField("prompt", "model '" + info->name +
-                                  "' has no tokenizer.json on this server; send "
-                                  "prompt_token_ids");
+    return BadField(field, "model '" + info->name +
+                               "' has no tokenizer.json on this server; send " + field +
+                               "_token_ids");
   }
   std::string templated = info->prompt_template;
   templated.replace(templated.find("{prompt}"), 8, text);
   StatusOr<std::vector<int32_t>> enc = it->second->Encode(templated);
-  if (!enc.ok()) return BadField("prompt", enc.status().message());
+  if (!enc.ok()) return BadField(field, enc.status().message());
   ids->assign(enc->begin(), enc->end());
   return grpc::Status::OK;
 }
@@ -551,11 +621,21 @@ grpc::Status ImageGenerationService::Begin(const std::shared_ptr<Call>& call,
   const std::string default_method =
       DefaultMethodFor(engine->Models(), call->req.model(), options_.default_method);
   call->method = MethodLabel(call->req, default_method);
+  if (call->req.n() < 0 || call->req.n() > options_.max_images) {
+    return BadField("n", "must be in [1, " + std::to_string(options_.max_images) +
+                             "] (0 means 1); this server's --max-images is " +
+                             std::to_string(options_.max_images));
+  }
   GenerateParams params;
   if (grpc::Status st = ToParams(call->req, default_method, &params); !st.ok()) return st;
   if (!call->req.prompt().empty()) {
-    grpc::Status st =
-        EncodePrompt(*engine, call->req.model(), call->req.prompt(), &params.prompt_token_ids);
+    grpc::Status st = EncodePrompt(*engine, call->req.model(), "prompt", call->req.prompt(),
+                                   &params.prompt_token_ids);
+    if (!st.ok()) return st;
+  }
+  if (!call->req.negative_prompt().empty()) {
+    grpc::Status st = EncodePrompt(*engine, call->req.model(), "negative_prompt",
+                                   call->req.negative_prompt(), &params.negative_prompt_token_ids);
     if (!st.ok()) return st;
   }
   // The client's deadline, as a duration from now on the engine's monotonic clock.
@@ -564,13 +644,22 @@ grpc::Status ImageGenerationService::Begin(const std::shared_ptr<Call>& call,
     params.deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                          deadline - std::chrono::system_clock::now());
   }
+  // n images: one engine request each, queued together (they share the prompt's prefill).
+  const int n = std::max(call->req.n(), 1);
+  std::vector<GenerateParams> images(static_cast<size_t>(n), params);
+  std::vector<std::shared_ptr<RequestObserver>> observers;
+  for (int i = 0; i < n; ++i) {
+    if (params.seed.has_value()) images[static_cast<size_t>(i)].seed = *params.seed + i;
+    observers.push_back(std::make_shared<ImageObserver>(call, i));
+  }
+  call->Expect(n);
   if (call->streaming()) {  // watched from now on; OnDone takes it off the list
     std::lock_guard<std::mutex> l(mu_);
     streams_.push_back(call);
   }
-  StatusOr<int64_t> id = engine->Submit(std::move(params), call);
-  if (!id.ok()) return ToGrpc(id.status(), call->req, metrics_->RecentGenerationSeconds());
-  call->Submitted(engine, *id);
+  StatusOr<std::vector<int64_t>> ids = engine->SubmitGroup(std::move(images), std::move(observers));
+  if (!ids.ok()) return ToGrpc(ids.status(), call->req, metrics_->RecentGenerationSeconds());
+  call->Submitted(engine, std::move(*ids));
   return grpc::Status::OK;
 }
 
@@ -608,6 +697,7 @@ grpc::ServerUnaryReactor* ImageGenerationService::ListModels(grpc::CallbackServe
     return reactor;
   }
   FillModels(engine->Models(), options_.default_method, resp);
+  resp->set_max_images(options_.max_images);
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }

@@ -43,6 +43,7 @@ struct ServiceOptions {
   // A stream whose client has not taken a message for this long is ended.
   std::chrono::milliseconds stall_limit{30000};
   size_t max_request_bytes = 64 << 10;  // larger bodies are INVALID_ARGUMENT
+  int max_images = 16;                  // GenerateRequest.n at most
 };
 
 // A FIFO of tasks run by a fixed set of threads. The destructor runs what is queued, then joins.
@@ -99,8 +100,10 @@ class ImageGenerationService final : public ServiceBase {
   grpc::Status Begin(const std::shared_ptr<Call>& call, grpc::CallbackServerContext* ctx,
                      const grpc::ByteBuffer& request);
   void Watch();  // the stall watchdog's loop
-  // `text` put into the model's template and tokenized: the request's prompt_token_ids.
-  grpc::Status EncodePrompt(const Engine& engine, const std::string& model, const std::string& text,
+  // `text` put into the model's template and tokenized into `ids`; errors name `field`
+  // ("prompt" or "negative_prompt").
+  grpc::Status EncodePrompt(const Engine& engine, const std::string& model,
+                            const std::string& field, const std::string& text,
                             std::vector<int64_t>* ids) const;
   void Forget(const Call* call);
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A short imagegen client in Python: list the models, stream one image, save it.
+"""A short imagegen client in Python: list the models, stream images, save them.
 
 Stubs come from the proto with Debian's python3-grpc-tools (the build does this into
 <build>/python; by hand:
@@ -10,8 +10,11 @@ then put OUT on PYTHONPATH). Runs with Debian's python3-grpcio.
     PYTHONPATH=build/release/python python3 client/python/example_client.py \
         --target 127.0.0.1:50051 --class-name sneaker --method scd-mc --out sneaker.png
     ... --model janus-pro-1b --prompt "a red bag on a table" --out bag.png   (text-to-image)
+    ... --model fmnist-t2i --prompt "a bag" --negative-prompt "a dark bag" --n 4 --seed 1 \
+        --out bag.png   (bag_0.png .. bag_3.png, seeds 1 .. 4)
 """
 import argparse
+import os
 import sys
 
 import grpc
@@ -25,8 +28,13 @@ def main():
     ap.add_argument("--model", default="", help="default: the server's first model")
     ap.add_argument("--class-name", default="sneaker")
     ap.add_argument("--prompt", help="text-to-image models: the prompt (instead of a class)")
+    ap.add_argument("--negative-prompt", default="",
+                    help="text-to-image models: what the image should not be (needs guidance)")
     ap.add_argument("--method", default="")
     ap.add_argument("--seed", type=int)
+    ap.add_argument("--cfg-interval", type=int,
+                    help="LlamaGen's cfg_interval: guide only image tokens 0..N+1")
+    ap.add_argument("--n", type=int, default=1, help="images (seeds seed, seed + 1, ...)")
     ap.add_argument("--token", help="bearer token, if the server wants one")
     ap.add_argument("--out", default="image.png")
     args = ap.parse_args()
@@ -43,33 +51,41 @@ def main():
             print(f"model {model.name}: {model.grid}x{model.grid} tokens, "
                   f"classes {', '.join(c.name for c in model.classes)}")
 
-        request = imagegen_pb2.GenerateRequest(model=model.name, method=args.method)
+        request = imagegen_pb2.GenerateRequest(model=model.name, method=args.method, n=args.n,
+                                               negative_prompt=args.negative_prompt)
         if args.prompt is not None or model.prompted:
             request.prompt = args.prompt or "a dark ankle boot"
         else:
             request.class_name = args.class_name
         if args.seed is not None:
             request.seed = args.seed
-        grid = [None] * (model.grid * model.grid)
-        final = None
+        if args.cfg_interval is not None:
+            request.cfg_interval = args.cfg_interval
+        # With n > 1 the images' messages interleave; each names its image's index.
+        grids = [[None] * (model.grid * model.grid) for _ in range(max(args.n, 1))]
+        finals = {}
         for message in stub.GenerateStream(request, metadata=metadata, timeout=120):
             if message.HasField("step"):
                 step = message.step
                 for position, token in zip(step.positions, step.tokens):
-                    grid[position] = token
-                print(f"step {step.step:3d}: {step.committed:3d}/{step.total} tokens, "
-                      f"NFE {step.nfe}")
+                    grids[step.index][position] = token
+                print(f"image {step.index} step {step.step:3d}: {step.committed:3d}/{step.total} "
+                      f"tokens, NFE {step.nfe}")
             else:
-                final = message.final
-        if final is None:
-            sys.exit("stream ended without an image")
-        if list(final.tokens) != grid:
-            sys.exit("the streamed tokens do not reassemble into the final grid")
-        with open(args.out, "wb") as f:
-            f.write(final.image_png)
-        s = final.stats
-        print(f"seed {s.seed}, method {s.method}: NFE {s.nfe}, step compression "
-              f"{s.step_compression:.2f}x, acceptance {s.acceptance_rate:.2f} -> {args.out}")
+                finals[message.final.index] = message.final
+        if len(finals) != len(grids):
+            sys.exit(f"the stream ended with {len(finals)} of {len(grids)} images")
+        stem, ext = os.path.splitext(args.out)
+        for index, final in sorted(finals.items()):
+            if list(final.tokens) != grids[index]:
+                sys.exit(f"image {index}: the streamed tokens do not reassemble into its grid")
+            out = args.out if len(grids) == 1 else f"{stem}_{index}{ext}"
+            with open(out, "wb") as f:
+                f.write(final.image_png)
+            s = final.stats
+            print(f"image {index}: seed {s.seed}, method {s.method}: NFE {s.nfe}, step "
+                  f"compression {s.step_compression:.2f}x, acceptance {s.acceptance_rate:.2f}, "
+                  f"prefill forwards {s.prefill_forwards} -> {out}")
 
 
 if __name__ == "__main__":

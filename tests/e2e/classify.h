@@ -10,4 +10,8 @@ namespace imagegen::testing {
 // *error set).
 int ClassifyPng(const std::string& png, std::string* error);
 
+// The brightness the bundled text-to-image model's captions name ("dark", "light"): the mean
+// grey level of the pixels above 20 in a grey PNG (-1 on error, with *error set).
+double InkBrightness(const std::string& png, std::string* error);
+
 }  // namespace imagegen::testing
