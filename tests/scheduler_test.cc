@@ -436,6 +436,46 @@ TEST(EngineTest, PreviewsTakeNoMoreThanTheirShareOfTheEngine) {
   EXPECT_EQ(images[0], images[1]);
 }
 
+// GenerateParams::previews (the HTTP API's partial images): k previews, preview j in the first
+// step after (j + 1) / (k + 1) of the tokens are decided, none after; without a budget (share
+// 0) every one comes, each showing more of the grid. A method that commits several tokens a
+// step may pass two thresholds at once: then one preview stands for both.
+TEST(EngineTest, PreviewsSpreadOverTheImageComeAtTheirFractions) {
+  EngineOptions o = BundledOptions();
+  o.preview_share = 0;
+  auto engine = StartOrDie(o);
+  for (const std::string method : {"ar", "scd-mc"}) {
+    GenerateParams p = Params(method, 3, 7);
+    p.previews = 3;
+    auto rec = std::make_shared<Recorder>();
+    ASSERT_TRUE(engine->Submit(p, rec).ok());
+    ASSERT_TRUE(rec->Wait());
+    ASSERT_TRUE(rec->result.has_value());
+    std::vector<int64_t> at;  // tokens decided at each preview
+    for (const StepEvent& e : rec->events) {
+      if (!e.preview.empty()) at.push_back(e.totals.tokens);
+    }
+    std::printf("%s: previews after %s tokens of 196\n", method.c_str(),
+                [&] {
+                  std::string s;
+                  for (int64_t t : at) s += (s.empty() ? "" : ", ") + std::to_string(t);
+                  return s;
+                }()
+                    .c_str());
+    if (method == "ar") {
+      EXPECT_EQ(at, (std::vector<int64_t>{49, 98, 147}));  // 196 / 4, 2 / 4, 3 / 4
+    } else {
+      ASSERT_GE(at.size(), 1u);
+      EXPECT_LE(at.size(), 3u);
+      EXPECT_GE(at[0], 49);
+      EXPECT_LT(at.back(), 196);
+    }
+  }
+  GenerateParams bad = Params("ar", 0, 1);
+  bad.previews = -1;
+  EXPECT_EQ(engine->Submit(bad, std::make_shared<Recorder>()).status().field(), "previews");
+}
+
 // The bundled models with fmnist-gpt's classes renamed "9", "8", ..., "0" (weights linked,
 // config.json rewritten): class_id 7 draws class 7, class_name "7" draws class 2. (The engine
 // once looked an id up as a name first, and drew class 2 for class_id 7.)

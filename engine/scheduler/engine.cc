@@ -273,6 +273,7 @@ StatusOr<std::unique_ptr<Job>> Engine::Impl::ResolveMar(GenerateParams p, const 
   job->request.policy = p.policy;
   RETURN_IF_ERROR(ValidateContinuousPolicy(p.policy, c.seq_len(), m.draft != nullptr));
   if (p.preview_every < 0) return FieldError("preview_every", "must be >= 0");
+  if (p.previews < 0 || p.previews > 64) return FieldError("previews", "must be in [0, 64]");
   job->params = std::move(p);
   return job;
 }
@@ -327,6 +328,7 @@ StatusOr<std::unique_ptr<Job>> Engine::Impl::Resolve(GenerateParams p, size_t* m
   s.cfg_interval = p.cfg_interval.value_or(-1);
   job->request.policy = p.policy;
   if (p.preview_every < 0) return FieldError("preview_every", "must be >= 0");
+  if (p.previews < 0 || p.previews > 64) return FieldError("previews", "must be in [0, 64]");
   RETURN_IF_ERROR(ValidateImageRequest(job->request, *m.gpt, m.draft.get()));
   job->params = std::move(p);
   *model_index = mi;

@@ -2,6 +2,7 @@
 // engine thread owns it (not thread-safe).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -27,6 +28,7 @@ struct Job {
   // The step (nfe) and time of the last preview; 0 and `started` before the first.
   int64_t last_preview_nfe = 0;
   Clock::time_point last_preview;
+  int64_t previews_passed = 0;  // GenerateParams::previews: thresholds served
   // Window control: the request's commits against expectation, and sums over its steps.
   RequestCommits commits;
   int64_t steps = 0, window_sum = 0;
@@ -43,5 +45,26 @@ RequestResult FinishedResult(const Job& j, const std::string& model, int64_t gri
                              const std::vector<int64_t>& verified_at_depth,
                              const std::vector<int64_t>& accepted_at_depth,
                              Clock::time_point t_end);
+
+// A preview due (GenerateParams::preview_every, or the next of GenerateParams::previews) for a
+// request whose image has `decided` of its `total` tokens after `nfe` forwards.
+inline bool PreviewDueAt(const Job& j, int64_t nfe, int64_t decided, int64_t total) {
+  const GenerateParams& p = j.params;
+  if (decided >= total) return false;  // the image itself comes next
+  if (p.previews > 0) {
+    return j.previews_passed < p.previews &&
+           decided * (p.previews + 1) >= (j.previews_passed + 1) * total;
+  }
+  return p.preview_every > 0 && nfe - j.last_preview_nfe >= p.preview_every;
+}
+
+// After a preview: the thresholds it covers (a late preview does not bring a burst of others).
+inline void PreviewServed(Job& j, int64_t nfe, int64_t decided, int64_t total) {
+  j.last_preview_nfe = nfe;
+  if (j.params.previews > 0 && total > 0) {
+    j.previews_passed =
+        std::min<int64_t>(j.params.previews, decided * (j.params.previews + 1) / total);
+  }
+}
 
 }  // namespace imagegen

@@ -512,11 +512,7 @@ void MarScheduler::Step(Outcomes& out) {
     sample.committed += static_cast<int64_t>(a.decided.size());
     sample.tokens += a.rows;
     events.push_back(Event(a));
-    const GenerateParams& gp = a.job->params;
-    if (gp.preview_every > 0 && !a.done(s) &&
-        a.counters.nfe - a.job->last_preview_nfe >= gp.preview_every) {
-      due.push_back(i);
-    }
+    if (PreviewDueAt(*a.job, a.counters.nfe, events.back().totals.tokens, s)) due.push_back(i);
   }
   AddPreviews(due, events);
   for (size_t i = 0; i < active_.size(); ++i) active_[i]->job->observer->OnStep(events[i]);
@@ -576,7 +572,8 @@ void MarScheduler::AddPreviews(const std::vector<size_t>& due, std::vector<StepE
       pending = pending.repeat_interleave(h / g, 0).repeat_interleave(w / g, 1).unsqueeze(-1);
       one = at::where(pending, one.div(4, "floor").add(96), one);
       events[due[b]].preview = PixelsToImage(one);
-      a.job->last_preview_nfe = a.counters.nfe;
+      PreviewServed(*a.job, a.counters.nfe, events[due[b]].totals.tokens,
+                    model_.mar->config().seq_len());
       a.job->last_preview = Clock::now();
     }
   } catch (const std::exception&) {

@@ -398,8 +398,11 @@ void ModelScheduler::Step(Outcomes& out) {
     preview_credit_ -= spent;
     preview_cost_ = preview_cost_ == 0 ? each : 0.8 * preview_cost_ + 0.2 * each;
     for (size_t i : due) {
-      active_[i]->last_preview_nfe = batch_.stats(active_[i]->handle).nfe;
-      active_[i]->last_preview = p0;
+      Job& j = *active_[i];
+      PreviewServed(j, batch_.stats(j.handle).nfe,
+                    static_cast<int64_t>(batch_.tokens(j.handle).size()),
+                    model_.gpt->config().block_size);
+      j.last_preview = p0;
     }
   }
   for (size_t i = 0; i < active_.size(); ++i) {
@@ -455,8 +458,9 @@ StepEvent ModelScheduler::Event(Job& j, int64_t window) {
 }
 
 bool ModelScheduler::PreviewDue(const Job& j) const {
-  return j.params.preview_every > 0 && !batch_.done(j.handle) &&
-         batch_.stats(j.handle).nfe - j.last_preview_nfe >= j.params.preview_every;
+  return PreviewDueAt(j, batch_.stats(j.handle).nfe,
+                      static_cast<int64_t>(batch_.tokens(j.handle).size()),
+                      model_.gpt->config().block_size);
 }
 
 // Previews are decoded on the engine thread, so every request in the batch waits for them: they

@@ -41,7 +41,10 @@ struct GenerateParams {
   Clock::time_point deadline = Clock::time_point::max();
   bool stream_drafts = false;  // step events carry the drafts the next step will verify
   int64_t preview_every = 0;   // a preview image in every k-th step event; 0: none
-  bool decode_image = true;    // the result carries the decoded image (else tokens only)
+  // Instead of preview_every: k previews over the image, preview j due once (j + 1) / (k + 1)
+  // of its tokens are decided (the HTTP API's partial images). 0: none.
+  int64_t previews = 0;
+  bool decode_image = true;  // the result carries the decoded image (else tokens only)
 };
 
 // Counters of one request so far.
