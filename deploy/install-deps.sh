@@ -56,9 +56,10 @@ if [ "${have_torch%%+*}" != "$TORCH_VERSION" ]; then
 fi
 # numpy, safetensors, matplotlib (with Pillow): tools/ and bench plots; kubernetes-validate and
 # yamllint: the Kubernetes manifests' check (deploy/k8s/check.py, a ctest); tokenizers: the
-# reference the prompt tokenizer is tested against (tools/tokenizer_ref.py, a ctest fixture).
+# reference the prompt tokenizer is tested against (tools/tokenizer_ref.py, a ctest fixture);
+# openai: the official SDK as the HTTP API's client (tests/e2e/openai_sdk_check.py).
 as_root "$VENV/bin/python" -m pip install -q numpy safetensors matplotlib \
-  "kubernetes-validate==1.37.0" "yamllint==1.38.0" "tokenizers==0.23.3"
+  "kubernetes-validate==1.37.0" "yamllint==1.38.0" "tokenizers==0.23.3" "openai==3.57.0"
 
 # The wheel's LibTorch is the CUDA 13 build, and its CMake config wants a CUDA toolkit even for
 # a CPU-only machine: nvcc, the CUDA headers, the unversioned libcudart.so and libnvrtc.so, and

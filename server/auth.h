@@ -1,6 +1,7 @@
-// Bearer-token authentication of the ImageGeneration calls: "authorization: Bearer <token>"
-// metadata, compared in time independent of where the tokens differ. Health and reflection
-// stay open (probes and generic tools). Immutable after Load; thread-safe.
+// Bearer-token authentication of the ImageGeneration calls and the HTTP API's requests:
+// "authorization: Bearer <token>" metadata or header, compared in time independent of where the
+// tokens differ. Health and reflection stay open (probes and generic tools). Immutable after
+// Load; thread-safe.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -24,6 +25,8 @@ class TokenAuth {
   bool enabled() const { return !token_.empty(); }
   // True when disabled, or when the call carries the right bearer token.
   bool Allows(const grpc::ServerContextBase& ctx) const;
+  // The same for an HTTP request's Authorization header value (empty: none sent).
+  bool AllowsHeader(std::string_view authorization) const;
 
  private:
   std::string token_;

@@ -2,6 +2,8 @@
 
 #include <google/protobuf/any.pb.h>
 
+#include <algorithm>
+#include <cctype>
 #include <cmath>
 
 #include "engine/decoding/policy.h"
@@ -47,6 +49,30 @@ bool AnyPolicyPart(const v1::GenerateRequest& req) {
 }
 
 }  // namespace
+
+// The call's outcome label: its status code's name in lower case. The label values are fixed
+// (dashboards and alerts select on them), so codes a call is not expected to end with count
+// as internal.
+std::string OutcomeLabel(grpc::StatusCode c) {
+  switch (c) {
+    case grpc::StatusCode::OK:
+    case grpc::StatusCode::INVALID_ARGUMENT:
+    case grpc::StatusCode::NOT_FOUND:
+    case grpc::StatusCode::RESOURCE_EXHAUSTED:
+    case grpc::StatusCode::UNAVAILABLE:
+    case grpc::StatusCode::CANCELLED:
+    case grpc::StatusCode::DEADLINE_EXCEEDED:
+    case grpc::StatusCode::UNAUTHENTICATED:
+    case grpc::StatusCode::ABORTED:
+      break;
+    default:
+      c = grpc::StatusCode::INTERNAL;
+  }
+  std::string label = StatusCodeName(static_cast<int>(c));
+  std::transform(label.begin(), label.end(), label.begin(),
+                 [](unsigned char ch) { return static_cast<char>(std::tolower(ch)); });
+  return label;
+}
 
 grpc::Status BadField(const std::string& field, const std::string& description) {
   google::rpc::BadRequest br;

@@ -12,6 +12,10 @@
 
 namespace imagegen::server {
 
+// A call's outcome label for metrics: its status code's name in lower case (codes a call is not
+// expected to end with count as internal).
+std::string OutcomeLabel(grpc::StatusCode c);
+
 // INVALID_ARGUMENT with a google.rpc.BadRequest naming `field`.
 grpc::Status BadField(const std::string& field, const std::string& description);
 

@@ -80,6 +80,13 @@ StatusOr<std::unique_ptr<Daemon>> Daemon::Listen(const DaemonOptions& options) {
     }
     d->exposer_ = std::move(started).value();
   }
+  if (!options.http_listen.empty()) {
+    auto started = HttpApi::Start(options.http_listen, &d->service_);
+    if (!started.ok()) {
+      return Status(started.status().code(), "--http-listen: " + started.status().message());
+    }
+    d->http_ = std::move(started).value();
+  }
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -158,8 +165,10 @@ EngineStats Daemon::Stop(std::chrono::milliseconds grace) {
   // a second more to send the status the engine ended their requests with.
   const auto deadline = std::chrono::system_clock::now() + grace;
   if (engine_ != nullptr) engine_->Shutdown(grace);
-  server_->Shutdown(
-      std::max(deadline, std::chrono::system_clock::now() + std::chrono::milliseconds(500)));
+  const auto answer_by =
+      std::max(deadline, std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+  server_->Shutdown(answer_by);
+  if (http_ != nullptr) http_->Stop(answer_by);  // answers what the engine ended, then closes
   if (engine_ != nullptr) final_stats_ = engine_->Stats();
   return final_stats_;
 }

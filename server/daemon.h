@@ -21,6 +21,7 @@
 #include "engine/scheduler/engine.h"
 #include "server/auth.h"
 #include "server/metrics.h"
+#include "server/http_api.h"
 #include "server/metrics_http.h"
 #include "server/service.h"
 
@@ -29,6 +30,7 @@ namespace imagegen::server {
 struct DaemonOptions {
   std::string listen = "127.0.0.1:50051";  // host:port; port 0 picks a free one
   std::string metrics_listen;              // host:port; empty: no /metrics endpoint
+  std::string http_listen;                 // host:port; empty: no HTTP API (OpenAI Images)
   std::string tls_cert, tls_key;           // PEM files; both or neither (TLS)
   std::string tls_client_ca;               // PEM CA bundle: clients must present a certificate
   std::string token_file;                  // bearer token that ImageGeneration calls must send
@@ -55,6 +57,7 @@ class Daemon {
 
   int port() const { return port_; }
   int metrics_port() const { return exposer_ ? exposer_->port() : 0; }
+  int http_port() const { return http_ ? http_->port() : 0; }
   bool tls() const { return tls_; }
   bool auth() const { return auth_.enabled(); }
 
@@ -76,13 +79,15 @@ class Daemon {
   const DaemonOptions options_;
   const TokenAuth auth_;
   bool tls_ = false;
-  // Destroyed bottom-up, after Stop(): /metrics first (its gauges read the engine), then the
-  // engine, the (stopped) gRPC server, the service, and the metrics the engine reported to.
+  // Destroyed bottom-up, after Stop(): the (stopped) HTTP API and /metrics first (its gauges
+  // read the engine), then the engine, the (stopped) gRPC server, the service, and the metrics
+  // the engine reported to.
   Metrics metrics_;
   ImageGenerationService service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<Engine> engine_;
   std::unique_ptr<MetricsHttpServer> exposer_;
+  std::unique_ptr<HttpApi> http_;
   int port_ = 0;
   bool stopped_ = false;
   EngineStats final_stats_;

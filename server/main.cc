@@ -79,11 +79,15 @@ ABSL_FLAG(int32_t, encoder_threads, 2,
 ABSL_FLAG(double, stream_stall_seconds, 30,
           "a GenerateStream whose client takes no message for this long is ended (ABORTED) and "
           "its request cancelled");
+ABSL_FLAG(std::string, http_listen, "",
+          "OpenAI-compatible HTTP API address (host:port: POST /v1/images/generations, GET "
+          "/v1/models); empty: off");
 ABSL_FLAG(int32_t, max_images, 16,
           "images one request may ask for (GenerateRequest.n); each takes its own place in the "
           "queue and its own KV slots");
 ABSL_FLAG(std::string, port_file, "",
-          "write the bound ports to this file once listening: \"<grpc> <metrics>\"");
+          "write the bound ports to this file once listening: \"<grpc> <metrics> <http>\" (0: "
+          "off)");
 
 namespace {
 
@@ -124,6 +128,7 @@ int main(int argc, char** argv) {
   server::DaemonOptions o;
   o.listen = absl::GetFlag(FLAGS_listen);
   o.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  o.http_listen = absl::GetFlag(FLAGS_http_listen);
   o.tls_cert = absl::GetFlag(FLAGS_tls_cert);
   o.tls_key = absl::GetFlag(FLAGS_tls_key);
   o.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
@@ -175,8 +180,9 @@ int main(int argc, char** argv) {
   Log("listening on port " + std::to_string(daemon->port()) + (daemon->tls() ? " (TLS)" : "") +
       (daemon->auth() ? " with bearer-token auth" : "") + "; loading models");
   if (const std::string pf = absl::GetFlag(FLAGS_port_file); !pf.empty()) {
-    (void)WriteFileAtomically(
-        pf, std::to_string(daemon->port()) + " " + std::to_string(daemon->metrics_port()) + "\n");
+    (void)WriteFileAtomically(pf, std::to_string(daemon->port()) + " " +
+                                      std::to_string(daemon->metrics_port()) + " " +
+                                      std::to_string(daemon->http_port()) + "\n");
   }
 
   if (Status st = daemon->Load(&Engine::Start); !st.ok()) {
@@ -190,6 +196,10 @@ int main(int argc, char** argv) {
   Log("ready: " + daemon->Describe() +
       (daemon->metrics_port() != 0
            ? "; metrics on port " + std::to_string(daemon->metrics_port()) + " /metrics"
+           : "") +
+      (daemon->http_port() != 0
+           ? "; OpenAI Images API on port " + std::to_string(daemon->http_port()) +
+                 " /v1/images/generations"
            : ""));
 
   int sig = 0;

@@ -98,7 +98,8 @@ Metrics::Metrics()
       gauges_(std::make_shared<EngineGauges>()),
       requests_(BuildCounter()
                     .Name("imagegen_requests_total")
-                    .Help("Generate calls by outcome (ok, invalid_argument, not_found, "
+                    .Help("Generate calls and HTTP image generations by outcome (ok, "
+                          "invalid_argument, not_found, "
                           "resource_exhausted, unavailable, cancelled, deadline_exceeded, "
                           "unauthenticated, aborted (a stream whose client stopped reading), "
                           "internal)")
@@ -219,13 +220,15 @@ Metrics::Metrics()
                 .Register(*registry_)),
       calls_opened_(BuildCounter()
                         .Name("imagegen_calls_opened_total")
-                        .Help("Generate and GenerateStream calls begun; opened - closed = calls "
-                              "open now (equal once every call is done)")
+                        .Help("Generate and GenerateStream calls and HTTP image generations "
+                              "begun; opened - closed = calls open now (equal once every call "
+                              "is done)")
                         .Register(*registry_)
                         .Add({})),
       calls_closed_(BuildCounter()
                         .Name("imagegen_calls_closed_total")
-                        .Help("Generate and GenerateStream calls that gRPC is done with")
+                        .Help("Generate and GenerateStream calls that gRPC is done with, and "
+                              "HTTP image generations whose connection is done")
                         .Register(*registry_)
                         .Add({})),
       call_retries_(BuildCounter()

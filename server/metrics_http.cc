@@ -41,10 +41,11 @@ MHD_Result Handle(void* cls, MHD_Connection* c, const char* url, const char* met
   return Reply(c, MHD_HTTP_NOT_FOUND, "text/plain", "not found; metrics are at /metrics\n");
 }
 
-// A listening socket on host:port (getaddrinfo: names, IPv4, [IPv6]); its port in `*port`.
-StatusOr<int> Listen(const std::string& address, int* port) {
+}  // namespace
+
+StatusOr<int> ListenTcp(const std::string& address, int* port) {
   const auto colon = address.rfind(':');
-  if (colon == std::string::npos) return InvalidArgument("metrics address must be host:port");
+  if (colon == std::string::npos) return InvalidArgument("the address must be host:port");
   std::string host = address.substr(0, colon);
   const std::string service = address.substr(colon + 1);
   if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
@@ -57,7 +58,7 @@ StatusOr<int> Listen(const std::string& address, int* port) {
   addrinfo* res = nullptr;
   if (int rc = ::getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &res);
       rc != 0) {
-    return InvalidArgument("metrics address " + address + ": " + ::gai_strerror(rc));
+    return InvalidArgument("address " + address + ": " + ::gai_strerror(rc));
   }
   int fd = -1;
   std::string err = "no address";
@@ -83,13 +84,11 @@ StatusOr<int> Listen(const std::string& address, int* port) {
   return fd;
 }
 
-}  // namespace
-
 StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
     const std::string& address, std::vector<std::shared_ptr<prometheus::Collectable>> sources) {
   std::unique_ptr<MetricsHttpServer> s(new MetricsHttpServer());
   s->sources_ = std::move(sources);
-  ASSIGN_OR_RETURN(const int fd, Listen(address, &s->port_));
+  ASSIGN_OR_RETURN(const int fd, ListenTcp(address, &s->port_));
   // The library owns the socket from here (MHD_stop_daemon closes it).
   s->daemon_ = MHD_start_daemon(MHD_USE_AUTO_INTERNAL_THREAD, 0, nullptr, nullptr, &Handle, s.get(),
                                 MHD_OPTION_LISTEN_SOCKET, static_cast<MHD_socket>(fd),

@@ -3,37 +3,12 @@
 #include <grpcpp/support/proto_buffer_reader.h>
 
 #include <algorithm>
-#include <cctype>
 #include <optional>
 
 #include "server/convert.h"
 
 namespace imagegen::server {
 namespace {
-
-// The call's outcome label: its status code's name in lower case. The label values are fixed
-// (dashboards and alerts select on them), so codes a call is not expected to end with count
-// as internal.
-std::string Outcome(grpc::StatusCode c) {
-  switch (c) {
-    case grpc::StatusCode::OK:
-    case grpc::StatusCode::INVALID_ARGUMENT:
-    case grpc::StatusCode::NOT_FOUND:
-    case grpc::StatusCode::RESOURCE_EXHAUSTED:
-    case grpc::StatusCode::UNAVAILABLE:
-    case grpc::StatusCode::CANCELLED:
-    case grpc::StatusCode::DEADLINE_EXCEEDED:
-    case grpc::StatusCode::UNAUTHENTICATED:
-    case grpc::StatusCode::ABORTED:
-      break;
-    default:
-      c = grpc::StatusCode::INTERNAL;
-  }
-  std::string label = StatusCodeName(static_cast<int>(c));
-  std::transform(label.begin(), label.end(), label.begin(),
-                 [](unsigned char ch) { return static_cast<char>(std::tolower(ch)); });
-  return label;
-}
 
 double Since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
@@ -290,7 +265,7 @@ class Call : public std::enable_shared_from_this<Call> {
   }
 
   void RecordEnd(const grpc::Status& st) {
-    svc_->metrics_->OnRequestEnd(model, method, Outcome(st.error_code()));
+    svc_->metrics_->OnRequestEnd(model, method, OutcomeLabel(st.error_code()));
   }
 
   void IssueFinish(const grpc::Status& st) {
@@ -583,6 +558,56 @@ void ImageGenerationService::Watch() {
   }
 }
 
+grpc::Status ImageGenerationService::Resolve(const v1::GenerateRequest& req, bool authorized,
+                                             const grpc::Status& parsed,
+                                             std::chrono::system_clock::time_point deadline,
+                                             Engine** engine_out,
+                                             std::vector<GenerateParams>* images,
+                                             std::string* method) const {
+  if (!authorized) {
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "missing or invalid bearer token");
+  }
+  Engine* engine = engine_.load();
+  if (engine == nullptr) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "models are loading");
+  if (draining_.load()) {
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server is shutting down");
+  }
+  if (!parsed.ok()) return parsed;
+  // A continuous-token model's default method is mar, whatever the server's default.
+  const std::string default_method =
+      DefaultMethodFor(engine->Models(), req.model(), options_.default_method);
+  *method = MethodLabel(req, default_method);
+  if (req.n() < 0 || req.n() > options_.max_images) {
+    return BadField("n", "must be in [1, " + std::to_string(options_.max_images) +
+                             "] (0 means 1); this server's --max-images is " +
+                             std::to_string(options_.max_images));
+  }
+  GenerateParams params;
+  if (grpc::Status st = ToParams(req, default_method, &params); !st.ok()) return st;
+  if (!req.prompt().empty()) {
+    grpc::Status st =
+        EncodePrompt(*engine, req.model(), "prompt", req.prompt(), &params.prompt_token_ids);
+    if (!st.ok()) return st;
+  }
+  if (!req.negative_prompt().empty()) {
+    grpc::Status st = EncodePrompt(*engine, req.model(), "negative_prompt", req.negative_prompt(),
+                                   &params.negative_prompt_token_ids);
+    if (!st.ok()) return st;
+  }
+  // The client's deadline, as a duration from now on the engine's monotonic clock.
+  if (deadline != std::chrono::system_clock::time_point::max()) {
+    params.deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                         deadline - std::chrono::system_clock::now());
+  }
+  const int n = std::max(req.n(), 1);
+  images->assign(static_cast<size_t>(n), params);
+  for (int i = 0; i < n; ++i) {
+    if (params.seed.has_value()) (*images)[static_cast<size_t>(i)].seed = *params.seed + i;
+  }
+  *engine_out = engine;
+  return grpc::Status::OK;
+}
+
 grpc::Status ImageGenerationService::Begin(const std::shared_ptr<Call>& call,
                                            grpc::CallbackServerContext* ctx,
                                            const grpc::ByteBuffer& request) {
@@ -608,50 +633,16 @@ grpc::Status ImageGenerationService::Begin(const std::shared_ptr<Call>& call,
     call->method = MethodLabel(call->req, options_.default_method);
     call->scale = OutputScale(call->req);
   }
-  if (!auth_.Allows(*ctx)) {
-    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "missing or invalid bearer token");
-  }
-  Engine* engine = engine_.load();
-  if (engine == nullptr) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "models are loading");
-  if (draining_.load()) {
-    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server is shutting down");
-  }
-  if (!parsed.ok()) return parsed;
-  // A continuous-token model's default method is mar, whatever the server's default.
-  const std::string default_method =
-      DefaultMethodFor(engine->Models(), call->req.model(), options_.default_method);
-  call->method = MethodLabel(call->req, default_method);
-  if (call->req.n() < 0 || call->req.n() > options_.max_images) {
-    return BadField("n", "must be in [1, " + std::to_string(options_.max_images) +
-                             "] (0 means 1); this server's --max-images is " +
-                             std::to_string(options_.max_images));
-  }
-  GenerateParams params;
-  if (grpc::Status st = ToParams(call->req, default_method, &params); !st.ok()) return st;
-  if (!call->req.prompt().empty()) {
-    grpc::Status st = EncodePrompt(*engine, call->req.model(), "prompt", call->req.prompt(),
-                                   &params.prompt_token_ids);
-    if (!st.ok()) return st;
-  }
-  if (!call->req.negative_prompt().empty()) {
-    grpc::Status st = EncodePrompt(*engine, call->req.model(), "negative_prompt",
-                                   call->req.negative_prompt(), &params.negative_prompt_token_ids);
-    if (!st.ok()) return st;
-  }
-  // The client's deadline, as a duration from now on the engine's monotonic clock.
   const auto deadline = ctx->deadline();
-  if (deadline != std::chrono::system_clock::time_point::max()) {
-    params.deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                         deadline - std::chrono::system_clock::now());
-  }
+  Engine* engine = nullptr;
+  std::vector<GenerateParams> images;
+  grpc::Status st =
+      Resolve(call->req, auth_.Allows(*ctx), parsed, deadline, &engine, &images, &call->method);
+  if (!st.ok()) return st;
   // n images: one engine request each, queued together (they share the prompt's prefill).
-  const int n = std::max(call->req.n(), 1);
-  std::vector<GenerateParams> images(static_cast<size_t>(n), params);
+  const int n = static_cast<int>(images.size());
   std::vector<std::shared_ptr<RequestObserver>> observers;
-  for (int i = 0; i < n; ++i) {
-    if (params.seed.has_value()) images[static_cast<size_t>(i)].seed = *params.seed + i;
-    observers.push_back(std::make_shared<ImageObserver>(call, i));
-  }
+  for (int i = 0; i < n; ++i) observers.push_back(std::make_shared<ImageObserver>(call, i));
   call->Expect(n);
   if (call->streaming()) {  // watched from now on; OnDone takes it off the list
     std::lock_guard<std::mutex> l(mu_);

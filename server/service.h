@@ -93,6 +93,22 @@ class ImageGenerationService final : public ServiceBase {
   // Generate and GenerateStream calls not yet done (the accounting check of the tests).
   int64_t open_calls() const;
 
+  // Everything between a parsed request and the engine, for every front (gRPC here, the HTTP
+  // API): who may call, whether models are loaded and the server takes calls, then the
+  // request (`parsed`: the front's own parsing outcome), its defaults (`method`: the metric
+  // label), the prompts tokenized, the deadline, and the request's n engine requests (image
+  // i's seed is seed + i). Errors are what the call must end with; fields are named.
+  grpc::Status Resolve(const v1::GenerateRequest& req, bool authorized, const grpc::Status& parsed,
+                       std::chrono::system_clock::time_point deadline, Engine** engine,
+                       std::vector<GenerateParams>* images, std::string* method) const;
+  Metrics* metrics() const { return metrics_; }
+  const TokenAuth& auth() const { return auth_; }
+  const ServiceOptions& options() const { return options_; }
+  // The engine once SetEngine has run (null before).
+  Engine* engine() const { return engine_.load(); }
+  // Runs `task` on the service's encoder pool (PNG encoding, message building).
+  void PostEncode(std::function<void()> task) { encoders_.Post(std::move(task)); }
+
  private:
   friend class Call;
   // Counts the call, parses, checks and submits it; a status other than OK is what the call

@@ -67,7 +67,7 @@ export UBSAN_OPTIONS="log_path=$logs/ubsan:halt_on_error=1:print_stacktrace=1:su
 #                          prefill, the engine's prompts) run in the other PromptTest cases
 # The ctest preset leaves out the e2e test of the MAR family (MarAndGpt...: minutes of MAR
 # sampling); the MAR scheduler runs on the engine thread like the GPT's, whose paths run here.
-ENGINE_FILTER='-*Spec*:*EngineExactTest.*:*EngineStormTest.*:*GoldenGrids*:*CspdRuleTest.*:*PromptTest.CoBatched*'
+ENGINE_FILTER='-*Spec*:*EngineExactTest.*:*EngineStormTest.*:*GoldenGrids*:*CspdRuleTest.*:*PromptTest.CoBatched*:*PromptTest.NegativePrompts*'
 
 status=0
 echo "== sanitizers: engine unit tests (filter $ENGINE_FILTER)"

@@ -5,7 +5,7 @@
 # coverage (libFuzzer's cov:) and the corpus it grew. Any crash or sanitizer report stops the
 # target with its reproducer in the scratch directory, and the script fails.
 #
-#   tools/fuzz.sh [RUNS] [TARGET...]    (targets: safetensors model_config request)
+#   tools/fuzz.sh [RUNS] [TARGET...]    (targets: safetensors model_config request images_request)
 #
 # Needs clang with libFuzzer (Debian: clang, libclang-rt-14-dev).
 # ctest runs the same targets in every build without libFuzzer (fuzz/replay_main.cc): the
@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 RUNS=${1:-1000000}
 shift || true
 TARGETS=("$@")
-[ ${#TARGETS[@]} -eq 0 ] && TARGETS=(safetensors model_config request)
+[ ${#TARGETS[@]} -eq 0 ] && TARGETS=(safetensors model_config request images_request)
 export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$(dirname "$PWD")}"
 cmake --preset fuzz > /dev/null
 cmake --build --preset fuzz

@@ -55,13 +55,14 @@ class Daemon {
     for (int i = 0; i < 600 && port_ == 0; ++i) {
       std::this_thread::sleep_for(milliseconds(50));
       std::istringstream in(Slurp(dir_ + "/ports"));
-      in >> port_ >> metrics_port_;
+      in >> port_ >> metrics_port_ >> http_port_;
       if (proc_->Wait(milliseconds(0)) >= 0) break;
     }
     if (port_ == 0) throw std::runtime_error("daemon did not start: " + proc_->Log());
   }
   std::string target() const { return "127.0.0.1:" + std::to_string(port_); }
   int metrics_port() const { return metrics_port_; }
+  int http_port() const { return http_port_; }
   Process& proc() { return *proc_; }
   const std::string& dir() const { return dir_; }
 
@@ -136,7 +137,7 @@ class Daemon {
  private:
   std::string dir_;
   std::unique_ptr<Process> proc_;
-  int port_ = 0, metrics_port_ = 0;
+  int port_ = 0, metrics_port_ = 0, http_port_ = 0;
 };
 
 v1::GenerateRequest Request(const std::string& cls, uint64_t seed, const std::string& method) {
@@ -1172,6 +1173,49 @@ TEST(E2eTest, NImagesShareOnePrefillAndANegativePromptSteersAwayFromWhatItNames)
             0)
       << out;
   EXPECT_TRUE(std::filesystem::exists(dir + "/sandal_1.png")) << out;
+  EXPECT_TRUE(d.CallsBalanced());
+}
+
+// The HTTP front with the official `openai` package as its client (tests/e2e/openai_sdk_check.py,
+// the venv's Python): models.list; images.generate with n = 1 and 4, a size and imagegen's
+// options; a stream with partial images; BadRequestError naming the parameter, NotFoundError,
+// AuthenticationError (the daemon wants a token). Then, on a daemon with 2 KV slots and a queue
+// of 1, RateLimitError with Retry-After, and two clients that hang up (a stream, and a request
+// waiting in the queue): both are cancelled and the slots are free. Every HTTP generation is
+// counted as a call, opened and closed.
+TEST(E2eTest, OpenAiSdkDrawsStreamsAndRaisesItsErrors) {
+  const std::string token = TempDir("http_token") + "/token";
+  { std::ofstream(token) << "s3cret\n"; }
+  const std::string script = std::string(IMAGEGEN_SOURCE_DIR) + "/tests/e2e/openai_sdk_check.py";
+  {
+    Daemon d("http_api",
+             {"--http-listen", "127.0.0.1:0", "--preview-share", "0", "--token-file", token},
+             /*default_models=*/true);
+    d.WaitReady();
+    ASSERT_GT(d.http_port(), 0);
+    std::string out;
+    EXPECT_EQ(RunCommand({IMAGEGEN_VENV_PYTHON, script, "--base-url",
+                          "http://127.0.0.1:" + std::to_string(d.http_port()) + "/v1", "--api-key",
+                          "s3cret", "--mode", "api"},
+                         &out, d.dir() + "/sdk.log"),
+              0)
+        << out;
+    std::printf("%s", out.c_str());
+    EXPECT_TRUE(d.CallsBalanced());
+  }
+  Daemon d("http_queue", {"--http-listen", "127.0.0.1:0", "--preview-share", "0", "--max-slots",
+                          "2", "--max-queue", "1"});
+  d.WaitReady();
+  std::string out;
+  EXPECT_EQ(RunCommand({IMAGEGEN_VENV_PYTHON, script, "--base-url",
+                        "http://127.0.0.1:" + std::to_string(d.http_port()) + "/v1", "--mode",
+                        "ratelimit"},
+                       &out, d.dir() + "/sdk.log"),
+            0)
+      << out;
+  std::printf("%s", out.c_str());
+  EXPECT_TRUE(d.WaitMetric(Requests("ar", "cancelled"), 2));
+  EXPECT_TRUE(d.WaitMetric(Slots(), 0));
   EXPECT_TRUE(d.CallsBalanced());
 }
 

@@ -1,0 +1,937 @@
+#include "server/http_api.h"
+
+#include <absl/strings/escaping.h>
+#include <microhttpd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <thread>
+
+#include "engine/image/png.h"
+#include "google/rpc/error_details.pb.h"
+#include "google/rpc/status.pb.h"
+#include "server/convert.h"
+#include "server/metrics_http.h"
+
+namespace imagegen::server {
+
+using json = nlohmann::json;
+
+namespace {
+
+int64_t UnixNow() {
+  return std::chrono::duration_cast<std::chrono::seconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Errors: OpenAI's error JSON and the matching HTTP status.
+
+struct HttpError {
+  unsigned status = MHD_HTTP_INTERNAL_SERVER_ERROR;
+  std::string type = "server_error", message, param, code;
+  double retry_after = -1;  // seconds (429)
+};
+
+json ErrorJson(const HttpError& e) {
+  return {{"error",
+           {{"message", e.message},
+            {"type", e.type},
+            {"param", e.param.empty() ? json(nullptr) : json(e.param)},
+            {"code", e.code.empty() ? json(nullptr) : json(e.code)}}}};
+}
+
+// The request parameter a GenerateRequest field is about.
+std::string HttpParam(const std::string& field) {
+  if (field == "class_id" || field == "class_name" || field == "prompt" ||
+      field == "prompt_token_ids") {
+    return "prompt";
+  }
+  if (field == "negative_prompt_token_ids") return "negative_prompt";
+  if (field == "output.scale") return "size";
+  if (field == "request" || field.rfind("continuous.", 0) == 0) return "";
+  if (field.rfind("policy.", 0) == 0) return "method";
+  return field;
+}
+
+HttpError FromGrpc(const grpc::Status& st) {
+  HttpError e;
+  e.message = st.error_message();
+  google::rpc::Status details;
+  const bool has_details =
+      !st.error_details().empty() && details.ParseFromString(st.error_details());
+  switch (st.error_code()) {
+    case grpc::StatusCode::INVALID_ARGUMENT:
+      e.status = MHD_HTTP_BAD_REQUEST;
+      e.type = "invalid_request_error";
+      for (int i = 0; has_details && i < details.details_size(); ++i) {
+        google::rpc::BadRequest br;
+        if (details.details(i).UnpackTo(&br) && br.field_violations_size() > 0) {
+          const std::string& field = br.field_violations(0).field();
+          e.param = HttpParam(field);
+          // The message names the parameter as this API spells it.
+          if (!e.param.empty() && e.param != field && e.message.rfind(field + ": ", 0) == 0) {
+            e.message = e.param + ": " + e.message.substr(field.size() + 2);
+          }
+        }
+      }
+      break;
+    case grpc::StatusCode::UNAUTHENTICATED:
+      e.status = MHD_HTTP_UNAUTHORIZED;
+      e.type = "invalid_request_error";
+      e.code = "invalid_api_key";
+      break;
+    case grpc::StatusCode::NOT_FOUND:
+      e.status = MHD_HTTP_NOT_FOUND;
+      e.type = "invalid_request_error";
+      e.param = "model";
+      e.code = "model_not_found";
+      break;
+    case grpc::StatusCode::RESOURCE_EXHAUSTED:
+      e.status = MHD_HTTP_TOO_MANY_REQUESTS;
+      e.type = "rate_limit_error";
+      e.code = "rate_limit_exceeded";
+      e.retry_after = 1;
+      for (int i = 0; has_details && i < details.details_size(); ++i) {
+        google::rpc::RetryInfo ri;
+        if (details.details(i).UnpackTo(&ri)) {
+          e.retry_after =
+              static_cast<double>(ri.retry_delay().seconds()) + ri.retry_delay().nanos() / 1e9;
+        }
+      }
+      break;
+    case grpc::StatusCode::UNAVAILABLE:
+      e.status = MHD_HTTP_SERVICE_UNAVAILABLE;
+      e.code = "unavailable";
+      break;
+    case grpc::StatusCode::DEADLINE_EXCEEDED:
+      e.status = MHD_HTTP_GATEWAY_TIMEOUT;
+      e.code = "timeout";
+      break;
+    default:
+      e.status = MHD_HTTP_INTERNAL_SERVER_ERROR;
+      break;
+  }
+  return e;
+}
+
+MHD_Result Reply(MHD_Connection* c, unsigned code, const std::string& body,
+                 const char* type = "application/json", double retry_after = -1) {
+  MHD_Response* r = MHD_create_response_from_buffer(body.size(), const_cast<char*>(body.data()),
+                                                    MHD_RESPMEM_MUST_COPY);
+  if (r == nullptr) return MHD_NO;
+  MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, type);
+  if (retry_after >= 0) {
+    const std::string s = std::to_string(static_cast<int64_t>(std::ceil(retry_after)));
+    MHD_add_response_header(r, MHD_HTTP_HEADER_RETRY_AFTER, s.c_str());
+  }
+  const MHD_Result ok = MHD_queue_response(c, code, r);
+  MHD_destroy_response(r);
+  return ok;
+}
+
+MHD_Result ReplyError(MHD_Connection* c, const HttpError& e) {
+  return Reply(c, e.status, ErrorJson(e).dump(), "application/json", e.retry_after);
+}
+
+// ---------------------------------------------------------------------------------------------
+// JSON shapes of the responses.
+
+json StatsJson(const v1::GenerationStats& s) {
+  return {{"seed", s.seed()},
+          {"model", s.model()},
+          {"method", s.method()},
+          {"policy", s.policy()},
+          {"class_id", s.class_id()},
+          {"cfg_scale", s.cfg_scale()},
+          {"cfg_interval", s.cfg_interval()},
+          {"temperature", s.temperature()},
+          {"top_k", s.top_k()},
+          {"top_p", s.top_p()},
+          {"nfe", s.nfe()},
+          {"draft_forwards", s.draft_forwards()},
+          {"drafts_verified", s.drafts_verified()},
+          {"drafts_accepted", s.drafts_accepted()},
+          {"acceptance_rate", s.acceptance_rate()},
+          {"step_compression", s.step_compression()},
+          {"mean_window", s.mean_window()},
+          {"prompt_tokens", s.prompt_tokens()},
+          {"prefill_forwards", s.prefill_forwards()},
+          {"queue_seconds", s.queue_seconds()},
+          {"first_token_seconds", s.first_token_seconds()},
+          {"generation_seconds", s.generation_seconds()},
+          {"total_seconds", s.total_seconds()}};
+}
+
+json ModelsJson(const std::vector<ModelInfo>& models, const std::string& default_method,
+                int max_images) {
+  json data = json::array();
+  for (const ModelInfo& m : models) {
+    json sizes = json::array();
+    for (int s : {1, 2, 4, 8, 16}) {
+      sizes.push_back(std::to_string(m.image_width * s) + "x" + std::to_string(m.image_height * s));
+    }
+    json classes = json::array();
+    for (const std::string& c : m.class_names) classes.push_back(c);
+    json methods = json::array();
+    for (const std::string& x : m.methods) methods.push_back(x);
+    data.push_back({{"id", m.name},
+                    {"object", "model"},
+                    {"created", 0},
+                    {"owned_by", "imagegen"},
+                    {"imagegen",
+                     {{"prompted", m.prompted},
+                      {"max_prompt_len", m.max_prompt_len},
+                      {"classes", classes},
+                      {"methods", methods},
+                      {"default_method", m.continuous ? std::string("mar") : default_method},
+                      {"sizes", sizes},
+                      {"max_images", max_images},
+                      {"grid", m.grid},
+                      {"sampling_defaults",
+                       {{"cfg_scale", m.sampling_defaults.cfg_scale},
+                        {"temperature", m.sampling_defaults.temperature},
+                        {"top_k", m.sampling_defaults.top_k},
+                        {"top_p", m.sampling_defaults.top_p}}}}}});
+  }
+  return {{"object", "list"}, {"data", data}};
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// The request body
+
+bool ParseImagesRequest(const std::string& body, const std::vector<ModelInfo>& models,
+                        int max_partial_images, ImagesRequest* out, std::string* param,
+                        std::string* message) {
+  auto fail = [&](const std::string& p, const std::string& m) {
+    *param = p;
+    *message = m;
+    return false;
+  };
+  const json j = json::parse(body, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return fail("", "the body is not valid JSON");
+  if (!j.is_object()) return fail("", "the body must be a JSON object");
+  v1::GenerateRequest& r = out->req;
+  // Types first: each parameter has one JSON type.
+  auto str = [&](const char* k, std::string* v) {
+    if (!j.contains(k) || j[k].is_null()) return true;
+    if (!j[k].is_string()) return fail(k, "must be a string");
+    *v = j[k].get<std::string>();
+    return true;
+  };
+  auto num = [&](const char* k, std::optional<double>* v) {
+    if (!j.contains(k) || j[k].is_null()) return true;
+    if (!j[k].is_number()) return fail(k, "must be a number");
+    *v = j[k].get<double>();
+    return true;
+  };
+  auto integer = [&](const char* k, std::optional<int64_t>* v, int64_t lo, int64_t hi) {
+    if (!j.contains(k) || j[k].is_null()) return true;
+    if (!j[k].is_number_integer()) return fail(k, "must be an integer");
+    const auto x = j[k].get<int64_t>();
+    if (x < lo || x > hi) {
+      return fail(k, "must be in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+    }
+    *v = x;
+    return true;
+  };
+  static const std::vector<std::string> kKnown = {"prompt",      "model",           "n",
+                                                  "size",        "response_format", "user",
+                                                  "stream",      "partial_images",  "output_format",
+                                                  "background",  "quality",         "moderation",
+                                                  "seed",        "method",          "cfg_scale",
+                                                  "temperature", "top_k",           "top_p",
+                                                  "window",      "negative_prompt", "cfg_interval"};
+  for (const auto& [k, v] : j.items()) {
+    if (std::find(kKnown.begin(), kKnown.end(), k) == kKnown.end()) {
+      return fail(k,
+                  "unknown parameter (imagegen takes: prompt, model, n, size, "
+                  "response_format, user, stream, partial_images, output_format, background, "
+                  "quality, moderation, seed, method, cfg_scale, temperature, top_k, top_p, "
+                  "window, negative_prompt, cfg_interval)");
+    }
+  }
+  std::string prompt, model, size, format, user, output_format, background, quality, moderation,
+      method, negative;
+  if (!str("prompt", &prompt) || !str("model", &model) || !str("size", &size) ||
+      !str("response_format", &format) || !str("user", &user) ||
+      !str("output_format", &output_format) || !str("background", &background) ||
+      !str("quality", &quality) || !str("moderation", &moderation) || !str("method", &method) ||
+      !str("negative_prompt", &negative)) {
+    return false;
+  }
+  std::optional<int64_t> n, partial, seed, top_k, window, cfg_interval;
+  std::optional<double> cfg, temperature, top_p;
+  if (!integer("n", &n, 1, 1 << 20) ||
+      !integer("partial_images", &partial, 0, max_partial_images) ||
+      !integer("seed", &seed, 0, INT64_MAX) || !integer("top_k", &top_k, 0, 1 << 30) ||
+      !integer("window", &window, 1, 1 << 20) ||
+      !integer("cfg_interval", &cfg_interval, -1, 1 << 20) || !num("cfg_scale", &cfg) ||
+      !num("temperature", &temperature) || !num("top_p", &top_p)) {
+    return false;
+  }
+  if (j.contains("stream") && !j["stream"].is_null()) {
+    if (!j["stream"].is_boolean()) return fail("stream", "must be true or false");
+    out->stream = j["stream"].get<bool>();
+  }
+  if (prompt.empty())
+    return fail("prompt",
+                "required: a text prompt (or, for a class-conditional model, a class name)");
+  if (!format.empty() && format != "b64_json") {
+    return fail("response_format", "only b64_json is served (no image URLs)");
+  }
+  if (!output_format.empty() && output_format != "png") {
+    return fail("output_format", "only png is served");
+  }
+  if (!background.empty() && background != "auto" && background != "opaque") {
+    return fail("background", "auto or opaque (images have no alpha channel)");
+  }
+  if (!quality.empty() && quality != "auto" && quality != "standard") {
+    return fail("quality", "auto or standard (the method sets speed, never quality)");
+  }
+  if (!moderation.empty() && moderation != "auto" && moderation != "low") {
+    return fail("moderation", "auto or low");
+  }
+  if (partial.has_value() && !out->stream) return fail("partial_images", "needs stream: true");
+  out->partial_images = static_cast<int>(partial.value_or(0));
+
+  // The model: as named, or the server's first.
+  const ModelInfo* info = models.empty() ? nullptr : &models[0];
+  for (const ModelInfo& m : models) {
+    if (m.name == model) info = &m;
+  }
+  r.set_model(model);
+  if (info != nullptr && !model.empty() && info->name != model) info = nullptr;  // NOT_FOUND later
+  if (info == nullptr || info->prompted) {
+    r.set_prompt(prompt);
+  } else {
+    r.set_class_name(prompt);  // a class-conditional model: the prompt names the class
+  }
+  if (!negative.empty()) r.set_negative_prompt(negative);
+  if (n.has_value()) r.set_n(static_cast<int32_t>(std::min<int64_t>(*n, INT32_MAX)));
+  if (seed.has_value()) r.set_seed(static_cast<uint64_t>(*seed));
+  if (cfg.has_value()) r.set_cfg_scale(*cfg);
+  if (temperature.has_value()) r.set_temperature(*temperature);
+  if (top_k.has_value()) r.set_top_k(static_cast<int32_t>(*top_k));
+  if (top_p.has_value()) r.set_top_p(*top_p);
+  if (window.has_value()) r.set_window(static_cast<int32_t>(*window));
+  if (cfg_interval.has_value()) r.set_cfg_interval(static_cast<int32_t>(*cfg_interval));
+  r.set_method(method);
+  // The size: the model's own, or an integer multiple of it (nearest-neighbour upscaling).
+  int scale = 1;
+  if (info != nullptr) {
+    const auto w = info->image_width, h = info->image_height;
+    if (!size.empty() && size != "auto") {
+      scale = 0;
+      for (int s = 1; s <= 16; ++s) {
+        if (size == std::to_string(w * s) + "x" + std::to_string(h * s)) scale = s;
+      }
+      if (scale == 0) {
+        return fail("size",
+                    "model '" + info->name + "' draws " + std::to_string(w) + "x" +
+                        std::to_string(h) + " images; sizes are multiples of it up to 16x (" +
+                        std::to_string(w) + "x" + std::to_string(h) + ", " + std::to_string(2 * w) +
+                        "x" + std::to_string(2 * h) + ", ..., " + std::to_string(16 * w) + "x" +
+                        std::to_string(16 * h) + ") or auto");
+      }
+    }
+    out->size = std::to_string(w * scale) + "x" + std::to_string(h * scale);
+  }
+  r.mutable_output()->set_scale(scale);
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The server's shared state and one request.
+
+class HttpCall;
+
+struct HttpApi::Shared : std::enable_shared_from_this<HttpApi::Shared> {
+  ImageGenerationService* service = nullptr;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::map<HttpCall*, std::weak_ptr<HttpCall>> open;  // connections not yet completed
+  bool stop = false;
+  std::thread watchdog;
+};
+
+class HttpCall : public std::enable_shared_from_this<HttpCall> {
+ public:
+  HttpCall(std::shared_ptr<HttpApi::Shared> shared, MHD_Connection* conn)
+      : shared_(std::move(shared)), svc_(shared_->service), conn_(conn), t0_(Clock::now()) {}
+
+  // --- the event loop ------------------------------------------------------------------------
+  void Append(const char* data, size_t size) {
+    if (body_.size() + size > HttpApi::kMaxBodyBytes) {
+      too_large_ = true;
+      return;
+    }
+    body_.append(data, size);
+  }
+
+  MHD_Result Handle(const std::string& path, const std::string& method) {
+    {
+      std::unique_lock<std::mutex> l(mu_);
+      if (state_ == State::kWaiting) {  // resumed
+        if (reply_) {
+          state_ = State::kDone;
+          return Reply(conn_, reply_->first, reply_->second, "application/json", retry_after_);
+        }
+        if (gone_) return MHD_NO;  // the client hung up: close
+        suspended_ = true;
+        MHD_suspend_connection(conn_);
+        return MHD_YES;
+      }
+      if (state_ != State::kNew) return MHD_YES;
+      state_ = State::kDone;  // unless a generation starts below
+    }
+    if (path == "/v1/models") {
+      if (method != MHD_HTTP_METHOD_GET && method != MHD_HTTP_METHOD_HEAD) {
+        return ReplyError(conn_, MethodNotAllowed("GET"));
+      }
+      if (!svc_->auth().AllowsHeader(Header(MHD_HTTP_HEADER_AUTHORIZATION))) {
+        return ReplyError(conn_, FromGrpc(grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                                                       "missing or invalid bearer token")));
+      }
+      Engine* engine = svc_->engine();
+      if (engine == nullptr) {
+        return ReplyError(
+            conn_, FromGrpc(grpc::Status(grpc::StatusCode::UNAVAILABLE, "models are loading")));
+      }
+      return Reply(
+          conn_, MHD_HTTP_OK,
+          ModelsJson(engine->Models(), svc_->options().default_method, svc_->options().max_images)
+              .dump());
+    }
+    if (path == "/v1/images/generations") {
+      if (method != MHD_HTTP_METHOD_POST) return ReplyError(conn_, MethodNotAllowed("POST"));
+      return Start();
+    }
+    HttpError e;
+    e.status = MHD_HTTP_NOT_FOUND;
+    e.type = "invalid_request_error";
+    e.message = "no route " + path + " (POST /v1/images/generations, GET /v1/models)";
+    return ReplyError(conn_, e);
+  }
+
+  // The content reader of a stream: what is ready, or suspends until more is.
+  ssize_t Read(char* buf, size_t max) {
+    std::lock_guard<std::mutex> l(mu_);
+    if (sse_off_ < sse_.size()) {
+      const size_t k = std::min(max, sse_.size() - sse_off_);
+      std::memcpy(buf, sse_.data() + sse_off_, k);
+      sse_off_ += k;
+      if (sse_off_ == sse_.size()) {
+        sse_.clear();
+        sse_off_ = 0;
+      }
+      return static_cast<ssize_t>(k);
+    }
+    if (gone_) return MHD_CONTENT_READER_END_WITH_ERROR;
+    if (sse_done_) return MHD_CONTENT_READER_END_OF_STREAM;
+    suspended_ = true;
+    MHD_suspend_connection(conn_);
+    return 0;
+  }
+
+  // The connection is done (answered, or closed by either side).
+  void Completed(bool ok) {
+    std::vector<int64_t> cancel;
+    bool record = false;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      live_ = false;
+      if (!ok || !finished_) {
+        gone_ = true;
+        cancel = RunningLocked();
+      }
+      if (started_ && !recorded_) {
+        recorded_ = true;
+        record = true;
+      }
+    }
+    for (int64_t id : cancel) engine_->Cancel(id);
+    if (record) {  // the client left before its answer
+      svc_->metrics()->OnRequestEnd(model_, method_label_, "cancelled");
+    }
+    if (started_) svc_->metrics()->OnCallClosed();
+  }
+
+  // --- the watchdog --------------------------------------------------------------------------
+  // While suspended, the library does not watch the socket: a peer that closed it (a read of
+  // zero bytes) is a client that left. Its images are cancelled and the connection resumed, so
+  // that the library closes it.
+  void CheckGone() {
+    std::vector<int64_t> cancel;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      if (!live_ || !suspended_ || gone_) return;
+      const MHD_ConnectionInfo* ci =
+          MHD_get_connection_info(conn_, MHD_CONNECTION_INFO_CONNECTION_FD);
+      if (ci == nullptr) return;
+      char b;
+      const ssize_t r = ::recv(ci->connect_fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
+      if (r > 0 || (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))) return;
+      gone_ = true;
+      cancel = RunningLocked();
+      ResumeLocked();
+    }
+    for (int64_t id : cancel) engine_->Cancel(id);
+  }
+  // Server stop: the request ends now (its images cancelled).
+  void Abort() {
+    std::vector<int64_t> cancel;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      gone_ = true;
+      cancel = RunningLocked();
+      ResumeLocked();
+    }
+    for (int64_t id : cancel) engine_->Cancel(id);
+  }
+
+  // --- engine events (the engine thread) -----------------------------------------------------
+  void OnStep(int index, const StepEvent& e) {
+    svc_->metrics()->OnRequestStep(model_, method_label_, e);
+    // The engine decodes a preview when the next partial image is due (GenerateParams::
+    // previews: once (j + 1) / (partial_images + 1) of the tokens are decided).
+    if (e.preview.pixels.empty()) return;
+    int& next = partial_next_[static_cast<size_t>(index)];
+    if (next >= partial_images_) return;
+    const int partial = next++;
+    Run([this, index, partial, img = e.preview] {
+      StatusOr<std::string> png = EncodePng(img, scale_);
+      if (!png.ok()) return;
+      json ev = EventBase("image_generation.partial_image", index);
+      ev["b64_json"] = absl::Base64Escape(*png);
+      ev["partial_image_index"] = partial;
+      Send("image_generation.partial_image", ev, false);
+    });
+  }
+  void OnComplete(int index, RequestResult r) {
+    Run([this, index, r = std::move(r)] {
+      v1::GenerateResponse resp;
+      const grpc::Status st = FillResponse(
+          r, scale_, false, std::chrono::duration<double>(Clock::now() - t0_).count(), &resp);
+      if (!st.ok()) {
+        Fail(st);
+        return;
+      }
+      svc_->metrics()->OnImage(model_, method_label_, r,
+                               std::chrono::duration<double>(Clock::now() - t0_).count());
+      json item = {{"b64_json", absl::Base64Escape(resp.image_png())},
+                   {"imagegen", StatsJson(resp.stats())}};
+      output_tokens_ += static_cast<int64_t>(r.tokens.size());
+      input_tokens_ = std::max<int64_t>(r.prompt_tokens, 1);
+      if (stream_) {
+        json ev = EventBase("image_generation.completed", index);
+        ev["b64_json"] = item["b64_json"];
+        ev["usage"] = Usage();
+        ev["imagegen"] = item["imagegen"];
+        const bool last = ++done_ == n_;
+        if (last) Record("ok");  // before the end is sent: the connection may close at once
+        Send("image_generation.completed", ev, last);
+        return;
+      }
+      items_[static_cast<size_t>(index)] = std::move(item);
+      if (++done_ < n_) return;
+      json body = {{"created", UnixNow()},   {"data", items_},    {"background", "opaque"},
+                   {"output_format", "png"}, {"quality", "auto"}, {"size", size_},
+                   {"usage", Usage()}};
+      Record("ok");
+      Answer(MHD_HTTP_OK, body.dump(), -1);
+    });
+  }
+  void OnError(int index, const Status& s) {
+    std::vector<int64_t> others;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      image_ended_[static_cast<size_t>(index)] = true;
+      if (failed_) return;
+      failed_ = true;
+      others = RunningLocked();
+    }
+    for (int64_t id : others) engine_->Cancel(id);
+    Run([this, s] { Fail(ToGrpc(s, req_, svc_->metrics()->RecentGenerationSeconds())); });
+  }
+  void Ended(int index) {
+    std::lock_guard<std::mutex> l(mu_);
+    image_ended_[static_cast<size_t>(index)] = true;
+  }
+
+ private:
+  enum class State { kNew, kWaiting, kStreaming, kDone };
+
+  std::string Header(const char* name) const {
+    const char* v = MHD_lookup_connection_value(conn_, MHD_HEADER_KIND, name);
+    return v == nullptr ? "" : v;
+  }
+  static HttpError MethodNotAllowed(const std::string& allowed) {
+    HttpError e;
+    e.status = MHD_HTTP_METHOD_NOT_ALLOWED;
+    e.type = "invalid_request_error";
+    e.message = "this route takes " + allowed;
+    return e;
+  }
+
+  MHD_Result Start();
+
+  // Under mu_: the submitted images that have not ended.
+  std::vector<int64_t> RunningLocked() const {
+    std::vector<int64_t> out;
+    for (size_t i = 0; i < ids_.size(); ++i) {
+      if (!image_ended_[i]) out.push_back(ids_[i]);
+    }
+    return out;
+  }
+  void ResumeLocked() {
+    if (!live_ || !suspended_) return;
+    suspended_ = false;
+    MHD_resume_connection(conn_);
+  }
+
+  // Work for this request on the encoder pool, one task at a time, in order.
+  void Run(std::function<void()> task) {
+    {
+      std::lock_guard<std::mutex> l(strand_mu_);
+      tasks_.push_back(std::move(task));
+      if (running_) return;
+      running_ = true;
+    }
+    svc_->PostEncode([self = shared_from_this()] { self->Drain(); });
+  }
+  void Drain() {
+    while (true) {
+      std::function<void()> task;
+      {
+        std::lock_guard<std::mutex> l(strand_mu_);
+        if (tasks_.empty()) {
+          running_ = false;
+          return;
+        }
+        task = std::move(tasks_.front());
+        tasks_.pop_front();
+      }
+      task();
+    }
+  }
+
+  json EventBase(const char* type, int index) const {
+    return {{"type", type},        {"created_at", UnixNow()}, {"size", size_},
+            {"quality", "auto"},   {"background", "opaque"},  {"output_format", "png"},
+            {"image_index", index}};
+  }
+  json Usage() const {
+    return {{"input_tokens", input_tokens_},
+            {"input_tokens_details", {{"text_tokens", input_tokens_}, {"image_tokens", 0}}},
+            {"output_tokens", output_tokens_},
+            {"total_tokens", input_tokens_ + output_tokens_}};
+  }
+  // A server-sent event for a stream; `last` ends it.
+  void Send(const char* event, const json& data, bool last) {
+    std::lock_guard<std::mutex> l(mu_);
+    if (finished_) return;
+    sse_ += std::string("event: ") + event + "\ndata: " + data.dump() + "\n\n";
+    if (last) {
+      sse_done_ = true;
+      finished_ = true;
+    }
+    ResumeLocked();
+  }
+  // The answer of a unary request.
+  void Answer(unsigned status, std::string body, double retry_after) {
+    std::lock_guard<std::mutex> l(mu_);
+    if (finished_) return;
+    finished_ = true;
+    reply_.emplace(status, std::move(body));
+    retry_after_ = retry_after;
+    ResumeLocked();
+  }
+  void Fail(const grpc::Status& st) {
+    const HttpError e = FromGrpc(st);
+    Record(OutcomeLabel(st.error_code()));
+    if (stream_) {
+      Send("error", ErrorJson(e), true);
+    } else {
+      Answer(e.status, ErrorJson(e).dump(), e.retry_after);
+    }
+  }
+  void Record(const std::string& outcome) {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      if (recorded_) return;
+      recorded_ = true;
+    }
+    svc_->metrics()->OnRequestEnd(model_, method_label_, outcome);
+  }
+
+  const std::shared_ptr<HttpApi::Shared> shared_;
+  ImageGenerationService* const svc_;
+  MHD_Connection* const conn_;
+  const Clock::time_point t0_;
+  std::string body_;
+  bool too_large_ = false;
+
+  // Set by Start (the event loop) before the images are submitted; read-only after.
+  v1::GenerateRequest req_;
+  std::string model_, method_label_ = "unknown", size_;
+  bool stream_ = false;
+  int partial_images_ = 0, scale_ = 1, n_ = 1;
+  bool started_ = false;  // a generation request (counted as a call)
+  Engine* engine_ = nullptr;
+  std::vector<int> partial_next_;  // the engine thread's
+
+  std::mutex mu_;
+  State state_ = State::kNew;
+  bool live_ = true;        // the library still has the connection
+  bool suspended_ = false;  // and it is suspended
+  bool gone_ = false;       // the client left (or the server stops)
+  bool finished_ = false;   // the answer (or the stream's end) is decided
+  bool failed_ = false;     // an image failed: the request's outcome
+  bool recorded_ = false;   // counted in imagegen_requests_total
+  std::vector<int64_t> ids_;
+  std::vector<bool> image_ended_;
+  std::optional<std::pair<unsigned, std::string>> reply_;
+  double retry_after_ = -1;
+  std::string sse_;
+  size_t sse_off_ = 0;
+  bool sse_done_ = false;
+
+  // The encoder pool's (one task at a time).
+  std::vector<json> items_;
+  int done_ = 0;
+  int64_t input_tokens_ = 0, output_tokens_ = 0;
+
+  std::mutex strand_mu_;
+  std::deque<std::function<void()>> tasks_;
+  bool running_ = false;
+};
+
+namespace {
+
+// Hands one image's engine events to its request.
+class HttpImageObserver final : public RequestObserver {
+ public:
+  HttpImageObserver(std::shared_ptr<HttpCall> call, int index)
+      : call_(std::move(call)), index_(index) {}
+  void OnStep(const StepEvent& e) override { call_->OnStep(index_, e); }
+  void OnComplete(RequestResult r) override {
+    call_->Ended(index_);
+    call_->OnComplete(index_, std::move(r));
+  }
+  void OnError(const Status& s) override { call_->OnError(index_, s); }
+
+ private:
+  std::shared_ptr<HttpCall> call_;
+  const int index_;
+};
+
+ssize_t ReadStream(void* cls, uint64_t /*pos*/, char* buf, size_t max) {
+  return static_cast<HttpCall*>(cls)->Read(buf, max);
+}
+
+}  // namespace
+
+MHD_Result HttpCall::Start() {
+  started_ = true;
+  svc_->metrics()->OnCallOpened(false);
+  Engine* engine = svc_->engine();
+  ImagesRequest ir;
+  grpc::Status parsed = grpc::Status::OK;
+  if (too_large_) {
+    parsed = BadField("request",
+                      "the body is over " + std::to_string(HttpApi::kMaxBodyBytes) + " bytes");
+  } else if (engine != nullptr) {
+    std::string param, message;
+    if (!ParseImagesRequest(body_, engine->Models(), HttpApi::kMaxPartialImages, &ir, &param,
+                            &message)) {
+      parsed = BadField(param.empty() ? "request" : param, message);
+    }
+  }
+  req_ = ir.req;
+  model_ = req_.model();
+  stream_ = ir.stream;
+  partial_images_ = ir.partial_images;
+  size_ = ir.size;
+  scale_ = OutputScale(req_);
+  std::vector<GenerateParams> images;
+  grpc::Status st = svc_->Resolve(
+      req_, svc_->auth().AllowsHeader(Header(MHD_HTTP_HEADER_AUTHORIZATION)), parsed,
+      std::chrono::system_clock::time_point::max(), &engine_, &images, &method_label_);
+  if (st.ok()) {
+    n_ = static_cast<int>(images.size());
+    for (GenerateParams& p : images) p.previews = stream_ ? partial_images_ : 0;
+    items_.assign(static_cast<size_t>(n_), json());
+    partial_next_.assign(static_cast<size_t>(n_), 0);
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      image_ended_.assign(static_cast<size_t>(n_), false);
+    }
+    std::vector<std::shared_ptr<RequestObserver>> observers;
+    for (int i = 0; i < n_; ++i) {
+      observers.push_back(std::make_shared<HttpImageObserver>(shared_from_this(), i));
+    }
+    StatusOr<std::vector<int64_t>> ids = engine_->SubmitGroup(std::move(images), observers);
+    if (ids.ok()) {
+      std::lock_guard<std::mutex> l(mu_);
+      ids_ = std::move(*ids);
+      if (failed_) {  // an image failed before its ids were known
+        for (int64_t id : RunningLocked()) engine_->Cancel(id);
+      }
+    } else {
+      st = ToGrpc(ids.status(), req_, svc_->metrics()->RecentGenerationSeconds());
+    }
+  }
+  if (!st.ok()) {
+    Record(OutcomeLabel(st.error_code()));
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      finished_ = true;
+    }
+    return ReplyError(conn_, FromGrpc(st));
+  }
+  if (stream_) {
+    MHD_Response* r =
+        MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16 << 10, &ReadStream, this, nullptr);
+    if (r == nullptr) return MHD_NO;
+    MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
+    MHD_add_response_header(r, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
+    MHD_add_response_header(r, "X-Accel-Buffering", "no");
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      state_ = State::kStreaming;
+    }
+    const MHD_Result ok = MHD_queue_response(conn_, MHD_HTTP_OK, r);
+    MHD_destroy_response(r);
+    return ok;
+  }
+  std::lock_guard<std::mutex> l(mu_);
+  if (reply_) {  // answered already (a fast image, or an early error)
+    state_ = State::kDone;
+    return Reply(conn_, reply_->first, reply_->second, "application/json", retry_after_);
+  }
+  state_ = State::kWaiting;
+  suspended_ = true;
+  MHD_suspend_connection(conn_);
+  return MHD_YES;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The server
+
+namespace {
+
+MHD_Result Handle(void* cls, MHD_Connection* c, const char* url, const char* method,
+                  const char* /*version*/, const char* upload, size_t* upload_size,
+                  void** con_cls) {
+  auto* shared = static_cast<HttpApi::Shared*>(cls);
+  if (*con_cls == nullptr) {
+    auto call = std::make_shared<HttpCall>(shared->shared_from_this(), c);
+    {
+      std::lock_guard<std::mutex> l(shared->mu);
+      shared->open.emplace(call.get(), call);
+    }
+    *con_cls = new std::shared_ptr<HttpCall>(std::move(call));
+    return MHD_YES;
+  }
+  HttpCall& call = **static_cast<std::shared_ptr<HttpCall>*>(*con_cls);
+  if (*upload_size > 0) {
+    call.Append(upload, *upload_size);
+    *upload_size = 0;
+    return MHD_YES;
+  }
+  return call.Handle(url, method);
+}
+
+void Completed(void* cls, MHD_Connection* /*c*/, void** con_cls, MHD_RequestTerminationCode toe) {
+  auto* shared = static_cast<HttpApi::Shared*>(cls);
+  auto* holder = static_cast<std::shared_ptr<HttpCall>*>(*con_cls);
+  if (holder == nullptr) return;
+  (*holder)->Completed(toe == MHD_REQUEST_TERMINATED_COMPLETED_OK);
+  {
+    std::lock_guard<std::mutex> l(shared->mu);
+    shared->open.erase(holder->get());
+  }
+  shared->cv.notify_all();
+  delete holder;
+  *con_cls = nullptr;
+}
+
+}  // namespace
+
+StatusOr<std::unique_ptr<HttpApi>> HttpApi::Start(const std::string& address,
+                                                  ImageGenerationService* service) {
+  std::unique_ptr<HttpApi> s(new HttpApi());
+  s->shared_ = std::make_shared<Shared>();
+  s->shared_->service = service;
+  ASSIGN_OR_RETURN(const int fd, ListenTcp(address, &s->port_));
+  s->daemon_ = MHD_start_daemon(
+      MHD_USE_AUTO_INTERNAL_THREAD | MHD_ALLOW_SUSPEND_RESUME, 0, nullptr, nullptr, &Handle,
+      s->shared_.get(), MHD_OPTION_LISTEN_SOCKET, static_cast<MHD_socket>(fd),
+      MHD_OPTION_CONNECTION_TIMEOUT, kIdleTimeoutSeconds, MHD_OPTION_CONNECTION_LIMIT,
+      kMaxConnections, MHD_OPTION_NOTIFY_COMPLETED, &Completed, s->shared_.get(), MHD_OPTION_END);
+  if (s->daemon_ == nullptr) {
+    ::close(fd);
+    return Unavailable("cannot start the HTTP server on " + address);
+  }
+  Shared* shared = s->shared_.get();
+  shared->watchdog = std::thread([shared] {
+    std::unique_lock<std::mutex> l(shared->mu);
+    while (!shared->stop) {
+      shared->cv.wait_for(l, std::chrono::milliseconds(250));
+      std::vector<std::shared_ptr<HttpCall>> calls;
+      for (const auto& [p, w] : shared->open) {
+        if (auto c = w.lock()) calls.push_back(std::move(c));
+      }
+      l.unlock();
+      for (const auto& c : calls) c->CheckGone();
+      calls.clear();
+      l.lock();
+    }
+  });
+  return s;
+}
+
+int64_t HttpApi::open_requests() const {
+  std::lock_guard<std::mutex> l(shared_->mu);
+  return static_cast<int64_t>(shared_->open.size());
+}
+
+void HttpApi::Stop(std::chrono::system_clock::time_point deadline) {
+  if (daemon_ == nullptr) return;
+  std::vector<std::shared_ptr<HttpCall>> calls;
+  {
+    std::unique_lock<std::mutex> l(shared_->mu);
+    shared_->cv.wait_until(l, deadline, [&] { return shared_->open.empty(); });
+    shared_->stop = true;
+    for (const auto& [p, w] : shared_->open) {
+      if (auto c = w.lock()) calls.push_back(std::move(c));
+    }
+  }
+  shared_->cv.notify_all();
+  shared_->watchdog.join();
+  // The library may not stop with suspended connections: each is resumed and ends.
+  for (const auto& c : calls) c->Abort();
+  calls.clear();
+  MHD_stop_daemon(daemon_);
+  daemon_ = nullptr;
+}
+
+HttpApi::~HttpApi() { Stop(std::chrono::system_clock::now()); }
+
+}  // namespace imagegen::server

@@ -1,0 +1,80 @@
+// The HTTP front (issue 18): the OpenAI Images API on its own port (--http-listen), served by
+// GNU libmicrohttpd (the library of /metrics) on one event-loop thread (epoll), so a slow or
+// idle client holds a connection slot, never the thread.
+//
+//   POST /v1/images/generations   OpenAI's request and response shapes; imagegen's options
+//                                 (seed, method, cfg_scale, ...) as extra fields; `stream`
+//                                 answers with server-sent events (partial images, then each
+//                                 image's completed event)
+//   GET  /v1/models               the loaded models and what they accept
+//
+// A request goes through the same checks as a gRPC call (ImageGenerationService::Resolve: the
+// bearer token, loading and draining, every field) and into the same engine. Errors are
+// OpenAI's error JSON with the matching status: 400 naming the parameter, 401, 404, 413, 429
+// with Retry-After, 503. While a generation runs its connection is suspended (it holds no
+// thread); a watchdog notices a client that hangs up and cancels its images. Engine events are
+// turned into PNG, base64 and JSON on the service's encoder pool, never on the engine thread
+// or the event loop. Thread-safe.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/util/status.h"
+#include "imagegen/v1/imagegen.pb.h"
+#include "server/service.h"
+
+struct MHD_Daemon;
+
+namespace imagegen::server {
+
+// A POST /v1/images/generations body, as the gRPC request it asks for.
+struct ImagesRequest {
+  v1::GenerateRequest req;
+  bool stream = false;
+  int partial_images = 0;  // stream: partial images per image
+  std::string size;        // as echoed: "WxH"
+};
+
+// Parses the JSON body against the loaded models (a class-conditional model takes its class
+// name as the prompt; `size` picks the PNG's upscaling). On failure returns false with the
+// parameter (empty: the body as a whole) and a message.
+bool ParseImagesRequest(const std::string& body, const std::vector<ModelInfo>& models,
+                        int max_partial_images, ImagesRequest* out, std::string* param,
+                        std::string* message);
+
+class HttpApi {
+ public:
+  static constexpr unsigned kIdleTimeoutSeconds = 30;
+  static constexpr unsigned kMaxConnections = 1024;
+  static constexpr size_t kMaxBodyBytes = 64 << 10;
+  static constexpr int kMaxPartialImages = 8;
+
+  // `address` is host:port (port 0 picks a free one); `service` must outlive the server.
+  static StatusOr<std::unique_ptr<HttpApi>> Start(const std::string& address,
+                                                  ImageGenerationService* service);
+  ~HttpApi();  // Stop(now) if still running
+
+  HttpApi(const HttpApi&) = delete;
+  HttpApi& operator=(const HttpApi&) = delete;
+
+  int port() const { return port_; }
+  // Requests whose connection is still open (the accounting check of the tests).
+  int64_t open_requests() const;
+  // Waits up to `deadline` for the open requests to be answered, then ends the rest (their
+  // images cancelled) and closes the port. Idempotent.
+  void Stop(std::chrono::system_clock::time_point deadline);
+
+  struct Shared;  // the state requests share with the server (outlives it while they run)
+
+ private:
+  HttpApi() = default;
+
+  std::shared_ptr<Shared> shared_;
+  MHD_Daemon* daemon_ = nullptr;
+  int port_ = 0;
+};
+
+}  // namespace imagegen::server
