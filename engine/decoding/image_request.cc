@@ -19,6 +19,24 @@ std::vector<int64_t> PadAfterFirst(const std::vector<int64_t>& ids, size_t len, 
   return out;
 }
 
+// A prompt's (or negative prompt's) length and ids; errors name `field` (too long) or
+// `field`_token_ids (an id out of range).
+Status CheckPromptIds(const std::vector<int64_t>& ids, const GptConfig& cfg,
+                      const std::string& field) {
+  const auto n = static_cast<int64_t>(ids.size());
+  if (n > cfg.max_prompt_len) {
+    return FieldError(field, "has " + std::to_string(n) + " tokens; this model takes at most " +
+                                 std::to_string(cfg.max_prompt_len));
+  }
+  for (int64_t id : ids) {
+    if (id < 0 || id >= cfg.text_vocab_size) {
+      return FieldError(field + "_token_ids", "id " + std::to_string(id) + " is not in [0, " +
+                                                  std::to_string(cfg.text_vocab_size) + ")");
+    }
+  }
+  return OkStatus();
+}
+
 }  // namespace
 
 std::vector<int64_t> ConditionTokens(const ImageRequest& r, const GptConfig& cfg) {
@@ -44,37 +62,16 @@ bool SharesPrefill(const ImageRequest& a, const ImageRequest& b, const GptConfig
 
 Status ValidateSampledRequest(const ImageRequest& r, const GptConfig& cfg) {
   if (cfg.prompted()) {
-    const auto n = static_cast<int64_t>(r.prompt.size());
-    if (n == 0) return FieldError("prompt", "this model draws from a prompt; none was given");
-    if (n > cfg.max_prompt_len) {
-      return FieldError("prompt", "has " + std::to_string(n) +
-                                      " tokens; this model takes at most " +
-                                      std::to_string(cfg.max_prompt_len));
+    if (r.prompt.empty()) {
+      return FieldError("prompt", "this model draws from a prompt; none was given");
     }
-    for (int64_t id : r.prompt) {
-      if (id < 0 || id >= cfg.text_vocab_size) {
-        return FieldError("prompt_token_ids", "id " + std::to_string(id) + " is not in [0, " +
-                                                  std::to_string(cfg.text_vocab_size) + ")");
-      }
-    }
+    RETURN_IF_ERROR(CheckPromptIds(r.prompt, cfg, "prompt"));
     if (!r.negative_prompt.empty()) {
-      const auto m = static_cast<int64_t>(r.negative_prompt.size());
       if (!r.sampling.uses_cfg()) {
         return FieldError("negative_prompt",
                           "takes effect through guidance only: set cfg_scale > 1");
       }
-      if (m > cfg.max_prompt_len) {
-        return FieldError("negative_prompt", "has " + std::to_string(m) +
-                                                 " tokens; this model takes at most " +
-                                                 std::to_string(cfg.max_prompt_len));
-      }
-      for (int64_t id : r.negative_prompt) {
-        if (id < 0 || id >= cfg.text_vocab_size) {
-          return FieldError("negative_prompt_token_ids",
-                            "id " + std::to_string(id) + " is not in [0, " +
-                                std::to_string(cfg.text_vocab_size) + ")");
-        }
-      }
+      RETURN_IF_ERROR(CheckPromptIds(r.negative_prompt, cfg, "negative_prompt"));
     }
   } else {
     if (!r.negative_prompt.empty()) {
