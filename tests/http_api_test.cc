@@ -1,0 +1,171 @@
+// The HTTP API (server/http_api.h) without an engine: how a body becomes a GenerateRequest
+// (ParseImagesRequest, every parameter), what the server answers before the models are loaded
+// (OpenAI's error shape), and that clients which connect and then send slowly or nothing do not
+// stop other requests (the same test as /metrics'). With the engine and the official SDK:
+// tests/e2e/openai_sdk_check.py.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "server/http_api.h"
+#include "server/metrics.h"
+#include "tests/http_client.h"
+
+namespace imagegen::testing {
+namespace {
+
+using server::ImagesRequest;
+using server::ParseImagesRequest;
+
+std::vector<ModelInfo> Models() {
+  ModelInfo c;
+  c.name = "fmnist-gpt";
+  c.image_width = c.image_height = 28;
+  c.num_classes = 2;
+  c.class_names = {"t-shirt", "bag"};
+  ModelInfo t = c;
+  t.name = "fmnist-t2i";
+  t.num_classes = 0;
+  t.class_names.clear();
+  t.prompted = true;
+  return {c, t};
+}
+
+// The parameter an invalid body is refused for ("ok" when it parses).
+std::string Refused(const std::string& body, ImagesRequest* out = nullptr) {
+  ImagesRequest r;
+  std::string param, message;
+  const bool ok = ParseImagesRequest(body, Models(), 8, out ? out : &r, &param, &message);
+  if (!ok) {
+    EXPECT_FALSE(message.empty()) << body;
+  }
+  return ok ? "ok" : param.empty() ? "(body)" : param;
+}
+
+TEST(HttpApiParseTest, BodiesBecomeGenerateRequestsAndBadParametersAreNamed) {
+  ImagesRequest r;
+  ASSERT_EQ(Refused(R"({"prompt": "bag", "n": 3, "size": "112x112", "seed": 5, "method": "sjd",
+                        "cfg_scale": 2.5, "top_k": 10, "top_p": 0.9, "temperature": 0.8,
+                        "window": 8, "user": "u", "response_format": "b64_json",
+                        "quality": "auto", "background": "opaque", "output_format": "png"})",
+                    &r),
+            "ok");
+  EXPECT_EQ(r.req.class_name(), "bag");  // the first model is class-conditional
+  EXPECT_TRUE(r.req.prompt().empty());
+  EXPECT_EQ(r.req.n(), 3);
+  EXPECT_EQ(r.req.output().scale(), 4);
+  EXPECT_EQ(r.size, "112x112");
+  EXPECT_EQ(r.req.seed(), 5u);
+  EXPECT_EQ(r.req.method(), "sjd");
+  EXPECT_DOUBLE_EQ(r.req.cfg_scale(), 2.5);
+  EXPECT_EQ(r.req.top_k(), 10);
+  EXPECT_EQ(r.req.window(), 8);
+  EXPECT_FALSE(r.stream);
+
+  ImagesRequest t;
+  ASSERT_EQ(Refused(R"({"model": "fmnist-t2i", "prompt": "a dark bag", "stream": true,
+                        "partial_images": 2, "negative_prompt": "a light bag",
+                        "cfg_interval": 3})",
+                    &t),
+            "ok");
+  EXPECT_EQ(t.req.prompt(), "a dark bag");  // a text-to-image model: the prompt itself
+  EXPECT_EQ(t.req.negative_prompt(), "a light bag");
+  EXPECT_EQ(t.req.cfg_interval(), 3);
+  EXPECT_TRUE(t.stream);
+  EXPECT_EQ(t.partial_images, 2);
+  EXPECT_EQ(t.size, "28x28");
+  EXPECT_EQ(t.req.output().scale(), 1);
+  // An unknown model parses (the engine answers 404 naming it).
+  EXPECT_EQ(Refused(R"({"model": "dall-e-3", "prompt": "x"})"), "ok");
+
+  EXPECT_EQ(Refused("not json"), "(body)");
+  EXPECT_EQ(Refused("[1, 2]"), "(body)");
+  EXPECT_EQ(Refused(R"({"n": 2})"), "prompt");
+  EXPECT_EQ(Refused(R"({"prompt": 7})"), "prompt");
+  EXPECT_EQ(Refused(R"({"prompt": "bag", "n": "2"})"), "n");
+  EXPECT_EQ(Refused(R"({"prompt": "bag", "n": 0})"), "n");
+  EXPECT_EQ(Refused(R"({"prompt": "bag", "n": 1.5})"), "n");
+  EXPECT_EQ(Refused(R"({"prompt": "bag", "seed": -1})"), "seed");
+  EXPECT_EQ(Refused(R"({"prompt": "bag", "cfg_scale": "high"})"), "cfg_scale");
+  EXPECT_EQ(Refused(R"({"prompt": "bag", "size": "1024x1024"})"), "size");
+  EXPECT_EQ(Refused(R"({"prompt": "bag", "size": "56x28"})"), "size");
+  EXPECT_EQ(Refused(R"({"prompt": "bag", "size": "auto"})"), "ok");
+  EXPECT_EQ(Refused(R"({"prompt": "bag", "response_format": "url"})"), "response_format");
+  EXPECT_EQ(Refused(R"({"prompt": "bag", "output_format": "jpeg"})"), "output_format");
+  EXPECT_EQ(Refused(R"({"prompt": "bag", "background": "transparent"})"), "background");
+  EXPECT_EQ(Refused(R"({"prompt": "bag", "quality": "hd"})"), "quality");
+  EXPECT_EQ(Refused(R"({"prompt": "bag", "stream": "yes"})"), "stream");
+  EXPECT_EQ(Refused(R"({"prompt": "bag", "partial_images": 2})"), "partial_images");
+  EXPECT_EQ(Refused(R"({"prompt": "bag", "stream": true, "partial_images": 9})"), "partial_images");
+  EXPECT_EQ(Refused(R"({"prompt": "bag", "style": "vivid"})"), "style");  // unknown
+}
+
+class HttpApiTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto s = server::HttpApi::Start("127.0.0.1:0", &service_);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    api_ = std::move(s).value();
+    ASSERT_GT(api_->port(), 0);
+  }
+
+  server::Metrics metrics_;
+  server::ImageGenerationService service_{&metrics_, server::TokenAuth(), server::ServiceOptions()};
+  std::unique_ptr<server::HttpApi> api_;
+};
+
+// Before the models are loaded every route answers at once, in OpenAI's error shape.
+TEST_F(HttpApiTest, AnswersInOpenAiErrorShapeWhileTheModelsLoad) {
+  const std::string models = Fetch(api_->port(), "GET /v1/models HTTP/1.0\r\n\r\n");
+  EXPECT_NE(models.find(" 503 "), std::string::npos) << models;
+  EXPECT_NE(models.find(R"("message":"models are loading")"), std::string::npos) << models;
+  const std::string body = R"({"prompt": "bag"})";
+  const std::string gen =
+      Fetch(api_->port(), "POST /v1/images/generations HTTP/1.0\r\nContent-Length: " +
+                              std::to_string(body.size()) + "\r\n\r\n" + body);
+  EXPECT_NE(gen.find(" 503 "), std::string::npos) << gen;
+  EXPECT_NE(gen.find(R"("type":"server_error")"), std::string::npos) << gen;
+  const std::string nope = Fetch(api_->port(), "GET /v1/nope HTTP/1.0\r\n\r\n");
+  EXPECT_NE(nope.find(" 404 "), std::string::npos) << nope;
+  EXPECT_NE(nope.find(R"("error":)"), std::string::npos) << nope;
+  const std::string get = Fetch(api_->port(), "GET /v1/images/generations HTTP/1.0\r\n\r\n");
+  EXPECT_NE(get.find(" 405 "), std::string::npos) << get;
+  EXPECT_EQ(api_->open_requests(), 0);
+}
+
+// 500 sockets hold connections open: half sent part of a request line and then nothing, half
+// trickle one byte every 200 ms. Ten requests in a row are all answered (each within 30 s).
+TEST_F(HttpApiTest, SlowAndSilentClientsDoNotStopOthers) {
+  constexpr int kSlow = 500;
+  std::vector<int> fds;
+  for (int i = 0; i < kSlow; ++i) {
+    const int fd = Connect(api_->port());
+    ASSERT_GE(fd, 0) << "connect " << i;
+    SendAll(fd, "POST /v1/images/gen");
+    fds.push_back(fd);
+  }
+  std::atomic<bool> stop{false};
+  std::thread trickle([&] {
+    while (!stop.load()) {
+      for (int i = 0; i < kSlow; i += 2) SendAll(fds[static_cast<size_t>(i)], "e");
+      for (int k = 0; k < 4 && !stop.load(); ++k) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      }
+    }
+  });
+  int answered = 0;
+  for (int i = 0; i < 10; ++i) {
+    const std::string r = Fetch(api_->port(), "GET /v1/models HTTP/1.0\r\n\r\n");
+    if (r.find(R"("error":)") != std::string::npos) ++answered;
+  }
+  stop.store(true);
+  trickle.join();
+  EXPECT_EQ(answered, 10);
+  for (int fd : fds) ::close(fd);
+}
+
+}  // namespace
+}  // namespace imagegen::testing
