@@ -893,7 +893,7 @@ StatusOr<std::unique_ptr<HttpApi>> HttpApi::Start(const std::string& address,
   shared->watchdog = std::thread([shared] {
     std::unique_lock<std::mutex> l(shared->mu);
     while (!shared->stop) {
-      shared->cv.wait_for(l, std::chrono::milliseconds(250));
+      shared->cv.wait_for(l, std::chrono::milliseconds(100));
       std::vector<std::shared_ptr<HttpCall>> calls;
       for (const auto& [p, w] : shared->open) {
         if (auto c = w.lock()) calls.push_back(std::move(c));

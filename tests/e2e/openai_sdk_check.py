@@ -5,11 +5,11 @@ serving fmnist-gpt and fmnist-t2i; exits non-zero with a message on the first fa
 
   api        models.list; images.generate with n = 1 and 4 (b64_json, a size, imagegen's own
              options through extra_body); a stream with partial images; the SDK's errors:
-             BadRequestError naming the parameter, NotFoundError, AuthenticationError
+             BadRequestError naming the parameter, NotFoundError, AuthenticationError; then two
+             clients hang up: a stream after its first partial image, and a request for 16
+             images just after sending it (the test then sees both cancelled, slots free)
   ratelimit  on a daemon with 2 KV slots and a queue of 1: one image runs, more arrive at once,
-             and the SDK raises RateLimitError (max_retries=0) for those the queue cannot take;
-             then two clients hang up: a stream after its first partial image, and a request
-             waiting in the queue behind it (the test then sees both cancelled, slots free)
+             and the SDK raises RateLimitError (max_retries=0) for those the queue cannot take
 """
 import argparse
 import base64
@@ -128,21 +128,24 @@ def ratelimit(client):
           f"{outcomes.count('ok')} ok")
 
 
-def disconnect(client, base_url):
+def disconnect(client, base_url, api_key):
+    # A stream hangs up after its first partial image (22 of 196 tokens, one a step: it cannot
+    # finish in the moment between).
     stream = client.images.generate(model="fmnist-gpt", prompt="dress", stream=True,
                                     partial_images=8, extra_body={"seed": 6, "method": "ar"})
     first = next(iter(stream))
     check(first.type == "image_generation.partial_image", "the stream is running")
-    # A plain request behind it waits in the queue; its client hangs up.
+    stream.close()
+    # A request for 16 images (196 steps of 16 images) hangs up 50 ms after sending it; the
+    # server's watchdog looks at waiting connections every 100 ms.
     url = urllib.parse.urlparse(base_url)
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
     conn.request("POST", url.path + "/images/generations",
-                 json.dumps({"model": "fmnist-gpt", "prompt": "dress", "method": "ar"}),
-                 {"Content-Type": "application/json"})
-    time.sleep(0.5)
+                 json.dumps({"model": "fmnist-gpt", "prompt": "dress", "method": "ar", "n": 16}),
+                 {"Content-Type": "application/json", "Authorization": f"Bearer {api_key}"})
+    time.sleep(0.05)
     conn.close()
-    stream.close()
-    print("a stream and a queued request hung up")
+    print("a stream and a request for 16 images hung up")
 
 
 def main():
@@ -156,9 +159,9 @@ def main():
     if args.mode == "api":
         bad = openai.OpenAI(base_url=args.base_url, api_key="wrong", max_retries=0, timeout=120)
         api(client, bad)
+        disconnect(client, args.base_url, args.api_key)
     else:
         ratelimit(client)
-        disconnect(client, args.base_url)
     print("OK")
 
 

@@ -1179,10 +1179,10 @@ TEST(E2eTest, NImagesShareOnePrefillAndANegativePromptSteersAwayFromWhatItNames)
 // The HTTP front with the official `openai` package as its client (tests/e2e/openai_sdk_check.py,
 // the venv's Python): models.list; images.generate with n = 1 and 4, a size and imagegen's
 // options; a stream with partial images; BadRequestError naming the parameter, NotFoundError,
-// AuthenticationError (the daemon wants a token). Then, on a daemon with 2 KV slots and a queue
-// of 1, RateLimitError with Retry-After, and two clients that hang up (a stream, and a request
-// waiting in the queue): both are cancelled and the slots are free. Every HTTP generation is
-// counted as a call, opened and closed.
+// AuthenticationError (the daemon wants a token); two clients that hang up (a stream, and a
+// request for 16 images) are both cancelled and the slots are free. Then, on a daemon with 2 KV
+// slots and a queue of 1, RateLimitError with Retry-After. Every HTTP generation is counted as a
+// call, opened and closed.
 TEST(E2eTest, OpenAiSdkDrawsStreamsAndRaisesItsErrors) {
   const std::string token = TempDir("http_token") + "/token";
   { std::ofstream(token) << "s3cret\n"; }
@@ -1201,6 +1201,8 @@ TEST(E2eTest, OpenAiSdkDrawsStreamsAndRaisesItsErrors) {
               0)
         << out;
     std::printf("%s", out.c_str());
+    EXPECT_TRUE(d.WaitMetric(Requests("ar", "cancelled"), 2));
+    EXPECT_TRUE(d.WaitMetric(Slots(), 0));
     EXPECT_TRUE(d.CallsBalanced());
   }
   Daemon d("http_queue", {"--http-listen", "127.0.0.1:0", "--preview-share", "0", "--max-slots",
@@ -1214,7 +1216,6 @@ TEST(E2eTest, OpenAiSdkDrawsStreamsAndRaisesItsErrors) {
             0)
       << out;
   std::printf("%s", out.c_str());
-  EXPECT_TRUE(d.WaitMetric(Requests("ar", "cancelled"), 2));
   EXPECT_TRUE(d.WaitMetric(Slots(), 0));
   EXPECT_TRUE(d.CallsBalanced());
 }
