@@ -31,7 +31,7 @@ SERVER=${IMAGEGEN_SERVER:-$BUILD/server/imagegen-server}
 pid=$!
 trap 'kill -TERM $pid 2>/dev/null || true' EXIT
 for _ in $(seq 600); do [ -s "$OUT/ports" ] && break; sleep 0.05; done
-read -r port mport < "$OUT/ports"
+read -r port mport _ < "$OUT/ports"
 T=127.0.0.1:$port
 for _ in $(seq 1200); do
   "$BUILD/client/imagegen" models --target "$T" > /dev/null 2>&1 && break; sleep 0.1

@@ -86,8 +86,8 @@ ABSL_FLAG(int32_t, max_images, 16,
           "images one request may ask for (GenerateRequest.n); each takes its own place in the "
           "queue and its own KV slots");
 ABSL_FLAG(std::string, port_file, "",
-          "write the bound ports to this file once listening: \"<grpc> <metrics> <http>\" (0: "
-          "off)");
+          "write the bound ports to this file once listening: \"<grpc> <metrics>\" (metrics 0: "
+          "off), and \" <http>\" after them when --http-listen is set");
 
 namespace {
 
@@ -180,9 +180,12 @@ int main(int argc, char** argv) {
   Log("listening on port " + std::to_string(daemon->port()) + (daemon->tls() ? " (TLS)" : "") +
       (daemon->auth() ? " with bearer-token auth" : "") + "; loading models");
   if (const std::string pf = absl::GetFlag(FLAGS_port_file); !pf.empty()) {
+    // "<grpc> <metrics>", and " <http>" only when the HTTP API is on (older readers of the
+    // file take two numbers).
+    const std::string http =
+        daemon->http_port() != 0 ? " " + std::to_string(daemon->http_port()) : "";
     (void)WriteFileAtomically(pf, std::to_string(daemon->port()) + " " +
-                                      std::to_string(daemon->metrics_port()) + " " +
-                                      std::to_string(daemon->http_port()) + "\n");
+                                      std::to_string(daemon->metrics_port()) + http + "\n");
   }
 
   if (Status st = daemon->Load(&Engine::Start); !st.ok()) {

@@ -48,7 +48,7 @@ class Daemon:
         self.port = self.mport = 0
         for _ in range(600):
             if os.path.exists(ports) and open(ports).read().strip():
-                self.port, self.mport = map(int, open(ports).read().split())
+                self.port, self.mport = map(int, open(ports).read().split()[:2])
                 break
             if self.proc.poll() is not None:
                 break

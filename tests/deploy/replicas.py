@@ -72,7 +72,7 @@ class Replica:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{name} exited: {self.dir}/server.log")
             time.sleep(0.05)
-        self.port, self.mport = map(int, open(ports).read().split())
+        self.port, self.mport = map(int, open(ports).read().split()[:2])
         self.health = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{self.port}"))
 
     def status(self, timeout=2.0):

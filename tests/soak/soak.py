@@ -106,7 +106,7 @@ class Soak:
             if os.path.exists(ports) and open(ports).read().strip():
                 break
             time.sleep(0.05)
-        self.port, self.mport = map(int, open(ports).read().split())
+        self.port, self.mport = map(int, open(ports).read().split()[:2])
         self.target = f"127.0.0.1:{self.port}"
         self.channel = grpc.insecure_channel(self.target)
         self.stub = imagegen_pb2_grpc.ImageGenerationStub(self.channel)
@@ -184,8 +184,12 @@ class Soak:
                     r = self.request(rng, preview_every=1)
                     r.output.scale = 16
                     call = stub.GenerateStream(r, timeout=600)
-                    # Never read; wait for the daemon to end the call, then read what came.
-                    end = time.time() + self.args.stream_stall_seconds + 300
+                    # Never read; wait for the daemon to end the call, then read what came. The
+                    # client may see the call active until it reads (gRPC Python keeps it so
+                    # while unread messages are buffered): after the stall limit and 15 s more,
+                    # the read tells (a call the daemon did not end would block to its 600 s
+                    # timeout and count as an unintended DEADLINE_EXCEEDED).
+                    end = time.time() + self.args.stream_stall_seconds + 15
                     while call.is_active() and time.time() < end:
                         time.sleep(0.5)
                     try:
