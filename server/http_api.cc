@@ -1,6 +1,7 @@
 #include "server/http_api.h"
 
 #include <absl/strings/escaping.h>
+#include <absl/strings/str_join.h>
 #include <microhttpd.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -23,7 +24,7 @@
 #include "google/rpc/error_details.pb.h"
 #include "google/rpc/status.pb.h"
 #include "server/convert.h"
-#include "server/metrics_http.h"
+#include "server/http_util.h"
 
 namespace imagegen::server {
 
@@ -128,23 +129,8 @@ HttpError FromGrpc(const grpc::Status& st) {
   return e;
 }
 
-MHD_Result Reply(MHD_Connection* c, unsigned code, const std::string& body,
-                 const char* type = "application/json", double retry_after = -1) {
-  MHD_Response* r = MHD_create_response_from_buffer(body.size(), const_cast<char*>(body.data()),
-                                                    MHD_RESPMEM_MUST_COPY);
-  if (r == nullptr) return MHD_NO;
-  MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, type);
-  if (retry_after >= 0) {
-    const std::string s = std::to_string(static_cast<int64_t>(std::ceil(retry_after)));
-    MHD_add_response_header(r, MHD_HTTP_HEADER_RETRY_AFTER, s.c_str());
-  }
-  const MHD_Result ok = MHD_queue_response(c, code, r);
-  MHD_destroy_response(r);
-  return ok;
-}
-
 MHD_Result ReplyError(MHD_Connection* c, const HttpError& e) {
-  return Reply(c, e.status, ErrorJson(e).dump(), "application/json", e.retry_after);
+  return HttpReply(c, e.status, ErrorJson(e).dump(), "application/json", e.retry_after);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -259,11 +245,7 @@ bool ParseImagesRequest(const std::string& body, const std::vector<ModelInfo>& m
                                                   "window",      "negative_prompt", "cfg_interval"};
   for (const auto& [k, v] : j.items()) {
     if (std::find(kKnown.begin(), kKnown.end(), k) == kKnown.end()) {
-      return fail(k,
-                  "unknown parameter (imagegen takes: prompt, model, n, size, "
-                  "response_format, user, stream, partial_images, output_format, background, "
-                  "quality, moderation, seed, method, cfg_scale, temperature, top_k, top_p, "
-                  "window, negative_prompt, cfg_interval)");
+      return fail(k, "unknown parameter (imagegen takes: " + absl::StrJoin(kKnown, ", ") + ")");
     }
   }
   std::string prompt, model, size, format, user, output_format, background, quality, moderation,
@@ -390,7 +372,7 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
       if (state_ == State::kWaiting) {  // resumed
         if (reply_) {
           state_ = State::kDone;
-          return Reply(conn_, reply_->first, reply_->second, "application/json", retry_after_);
+          return HttpReply(conn_, reply_->first, reply_->second, "application/json", retry_after_);
         }
         if (gone_) return MHD_NO;  // the client hung up: close
         suspended_ = true;
@@ -413,7 +395,7 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
         return ReplyError(
             conn_, FromGrpc(grpc::Status(grpc::StatusCode::UNAVAILABLE, "models are loading")));
       }
-      return Reply(
+      return HttpReply(
           conn_, MHD_HTTP_OK,
           ModelsJson(engine->Models(), svc_->options().default_method, svc_->options().max_images)
               .dump());
@@ -524,16 +506,19 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
     });
   }
   void OnComplete(int index, RequestResult r) {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      image_ended_[static_cast<size_t>(index)] = true;
+    }
     Run([this, index, r = std::move(r)] {
+      const double total_seconds = std::chrono::duration<double>(Clock::now() - t0_).count();
       v1::GenerateResponse resp;
-      const grpc::Status st = FillResponse(
-          r, scale_, false, std::chrono::duration<double>(Clock::now() - t0_).count(), &resp);
+      const grpc::Status st = FillResponse(r, scale_, false, total_seconds, &resp);
       if (!st.ok()) {
         Fail(st);
         return;
       }
-      svc_->metrics()->OnImage(model_, method_label_, r,
-                               std::chrono::duration<double>(Clock::now() - t0_).count());
+      svc_->metrics()->OnImage(model_, method_label_, r, total_seconds);
       json item = {{"b64_json", absl::Base64Escape(resp.image_png())},
                    {"imagegen", StatsJson(resp.stats())}};
       output_tokens_ += static_cast<int64_t>(r.tokens.size());
@@ -568,10 +553,6 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
     }
     for (int64_t id : others) engine_->Cancel(id);
     Run([this, s] { Fail(ToGrpc(s, req_, svc_->metrics()->RecentGenerationSeconds())); });
-  }
-  void Ended(int index) {
-    std::lock_guard<std::mutex> l(mu_);
-    image_ended_[static_cast<size_t>(index)] = true;
   }
 
  private:
@@ -724,23 +705,6 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
 
 namespace {
 
-// Hands one image's engine events to its request.
-class HttpImageObserver final : public RequestObserver {
- public:
-  HttpImageObserver(std::shared_ptr<HttpCall> call, int index)
-      : call_(std::move(call)), index_(index) {}
-  void OnStep(const StepEvent& e) override { call_->OnStep(index_, e); }
-  void OnComplete(RequestResult r) override {
-    call_->Ended(index_);
-    call_->OnComplete(index_, std::move(r));
-  }
-  void OnError(const Status& s) override { call_->OnError(index_, s); }
-
- private:
-  std::shared_ptr<HttpCall> call_;
-  const int index_;
-};
-
 ssize_t ReadStream(void* cls, uint64_t /*pos*/, char* buf, size_t max) {
   return static_cast<HttpCall*>(cls)->Read(buf, max);
 }
@@ -784,7 +748,7 @@ MHD_Result HttpCall::Start() {
     }
     std::vector<std::shared_ptr<RequestObserver>> observers;
     for (int i = 0; i < n_; ++i) {
-      observers.push_back(std::make_shared<HttpImageObserver>(shared_from_this(), i));
+      observers.push_back(std::make_shared<ImageObserver<HttpCall>>(shared_from_this(), i));
     }
     StatusOr<std::vector<int64_t>> ids = engine_->SubmitGroup(std::move(images), observers);
     if (ids.ok()) {
@@ -823,7 +787,7 @@ MHD_Result HttpCall::Start() {
   std::lock_guard<std::mutex> l(mu_);
   if (reply_) {  // answered already (a fast image, or an early error)
     state_ = State::kDone;
-    return Reply(conn_, reply_->first, reply_->second, "application/json", retry_after_);
+    return HttpReply(conn_, reply_->first, reply_->second, "application/json", retry_after_);
   }
   state_ = State::kWaiting;
   suspended_ = true;

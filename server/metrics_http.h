@@ -27,10 +27,6 @@ struct MHD_Daemon;
 
 namespace imagegen::server {
 
-// A listening TCP socket on host:port (getaddrinfo: names, IPv4, [IPv6]; port 0 picks a free
-// one), for libmicrohttpd to own; the bound port in `*port`.
-StatusOr<int> ListenTcp(const std::string& address, int* port);
-
 class MetricsHttpServer {
  public:
   static constexpr unsigned kIdleTimeoutSeconds = 10;

@@ -414,19 +414,6 @@ class Call : public std::enable_shared_from_this<Call> {
   bool done_ = false;  // gRPC is done with the call: ctx_ is gone
 };
 
-// Hands one image's engine events to its call.
-class ImageObserver final : public RequestObserver {
- public:
-  ImageObserver(std::shared_ptr<Call> call, int index) : call_(std::move(call)), index_(index) {}
-  void OnStep(const StepEvent& e) override { call_->OnStep(index_, e); }
-  void OnComplete(RequestResult r) override { call_->OnComplete(index_, std::move(r)); }
-  void OnError(const Status& s) override { call_->OnError(index_, s); }
-
- private:
-  std::shared_ptr<Call> call_;
-  const int index_;
-};
-
 namespace {
 
 // A call's gRPC side: forwards cancellation (and, for streams, write completions) to the Call,
@@ -642,7 +629,7 @@ grpc::Status ImageGenerationService::Begin(const std::shared_ptr<Call>& call,
   // n images: one engine request each, queued together (they share the prompt's prefill).
   const int n = static_cast<int>(images.size());
   std::vector<std::shared_ptr<RequestObserver>> observers;
-  for (int i = 0; i < n; ++i) observers.push_back(std::make_shared<ImageObserver>(call, i));
+  for (int i = 0; i < n; ++i) observers.push_back(std::make_shared<ImageObserver<Call>>(call, i));
   call->Expect(n);
   if (call->streaming()) {  // watched from now on; OnDone takes it off the list
     std::lock_guard<std::mutex> l(mu_);

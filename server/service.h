@@ -63,6 +63,21 @@ class WorkQueue {
 
 class Call;
 
+// Hands one image's engine events to the call (gRPC or HTTP) that asked for it: a call of n
+// images has n of these, each with its index.
+template <class C>
+class ImageObserver final : public RequestObserver {
+ public:
+  ImageObserver(std::shared_ptr<C> call, int index) : call_(std::move(call)), index_(index) {}
+  void OnStep(const StepEvent& e) override { call_->OnStep(index_, e); }
+  void OnComplete(RequestResult r) override { call_->OnComplete(index_, std::move(r)); }
+  void OnError(const Status& s) override { call_->OnError(index_, s); }
+
+ private:
+  std::shared_ptr<C> call_;
+  const int index_;
+};
+
 using ServiceBase = v1::ImageGeneration::WithRawCallbackMethod_Generate<
     v1::ImageGeneration::WithRawCallbackMethod_GenerateStream<
         v1::ImageGeneration::WithCallbackMethod_ListModels<v1::ImageGeneration::Service>>>;
