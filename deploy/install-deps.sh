@@ -6,6 +6,8 @@
 #   IMAGEGEN_VENV   where the Python virtual environment with torch goes
 #                   (default /opt/imagegen/venv)
 #   IMAGEGEN_SKIP_APT=1  skip the Debian packages (e.g. on a GPU host without root)
+#   IMAGEGEN_NO_BROWSER=1  skip Chromium (only the playground's e2e test drives it; the image
+#                          build sets this)
 set -euo pipefail
 
 TORCH_VERSION="2.11.0"
@@ -22,6 +24,9 @@ APT_PACKAGES=(
   dataset-fashion-mnist
   python3-grpcio python3-grpc-tools
 )
+if [ "${IMAGEGEN_NO_BROWSER:-0}" != "1" ]; then
+  APT_PACKAGES+=(chromium chromium-driver)
+fi
 
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
@@ -57,9 +62,11 @@ fi
 # numpy, safetensors, matplotlib (with Pillow): tools/ and bench plots; kubernetes-validate and
 # yamllint: the Kubernetes manifests' check (deploy/k8s/check.py, a ctest); tokenizers: the
 # reference the prompt tokenizer is tested against (tools/tokenizer_ref.py, a ctest fixture);
-# openai: the official SDK as the HTTP API's client (tests/e2e/openai_sdk_check.py).
+# openai: the official SDK as the HTTP API's client (tests/e2e/openai_sdk_check.py); selenium:
+# drives Debian's headless Chromium through the playground page (tests/e2e/playground_check.py).
 as_root "$VENV/bin/python" -m pip install -q numpy safetensors matplotlib \
-  "kubernetes-validate==1.37.0" "yamllint==1.38.0" "tokenizers==0.23.3" "openai==3.57.0"
+  "kubernetes-validate==1.37.0" "yamllint==1.38.0" "tokenizers==0.23.3" "openai==3.57.0" \
+  "selenium==4.51.0"
 
 # The wheel's LibTorch is the CUDA 13 build, and its CMake config wants a CUDA toolkit even for
 # a CPU-only machine: nvcc, the CUDA headers, the unversioned libcudart.so and libnvrtc.so, and

@@ -25,6 +25,7 @@
 #include "google/rpc/status.pb.h"
 #include "server/convert.h"
 #include "server/http_util.h"
+#include "server/playground/assets.h"
 
 namespace imagegen::server {
 
@@ -131,6 +132,22 @@ HttpError FromGrpc(const grpc::Status& st) {
 
 MHD_Result ReplyError(MHD_Connection* c, const HttpError& e) {
   return HttpReply(c, e.status, ErrorJson(e).dump(), "application/json", e.retry_after);
+}
+
+// A playground file. It needs no token (it holds no data; the API calls it makes do), and its
+// Content-Security-Policy lets it load nothing but this server's own files.
+MHD_Result ReplyAsset(MHD_Connection* c, const StaticAsset& a) {
+  MHD_Response* r = MHD_create_response_from_buffer(a.size, const_cast<unsigned char*>(a.data),
+                                                    MHD_RESPMEM_PERSISTENT);
+  if (r == nullptr) return MHD_NO;
+  MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, a.type);
+  MHD_add_response_header(r, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
+  MHD_add_response_header(r, "X-Content-Type-Options", "nosniff");
+  MHD_add_response_header(r, "Content-Security-Policy",
+                          "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'");
+  const MHD_Result ok = MHD_queue_response(c, MHD_HTTP_OK, r);
+  MHD_destroy_response(r);
+  return ok;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -242,7 +259,8 @@ bool ParseImagesRequest(const std::string& body, const std::vector<ModelInfo>& m
                                                   "background",  "quality",         "moderation",
                                                   "seed",        "method",          "cfg_scale",
                                                   "temperature", "top_k",           "top_p",
-                                                  "window",      "negative_prompt", "cfg_interval"};
+                                                  "window",      "negative_prompt", "cfg_interval",
+                                                  "stream_steps"};
   for (const auto& [k, v] : j.items()) {
     if (std::find(kKnown.begin(), kKnown.end(), k) == kKnown.end()) {
       return fail(k, "unknown parameter (imagegen takes: " + absl::StrJoin(kKnown, ", ") + ")");
@@ -267,9 +285,12 @@ bool ParseImagesRequest(const std::string& body, const std::vector<ModelInfo>& m
       !num("temperature", &temperature) || !num("top_p", &top_p)) {
     return false;
   }
-  if (j.contains("stream") && !j["stream"].is_null()) {
-    if (!j["stream"].is_boolean()) return fail("stream", "must be true or false");
-    out->stream = j["stream"].get<bool>();
+  for (const auto& [k, v] : {std::pair<const char*, bool*>{"stream", &out->stream},
+                             std::pair<const char*, bool*>{"stream_steps", &out->stream_steps}}) {
+    if (j.contains(k) && !j[k].is_null()) {
+      if (!j[k].is_boolean()) return fail(k, "must be true or false");
+      *v = j[k].get<bool>();
+    }
   }
   if (prompt.empty())
     return fail("prompt",
@@ -290,6 +311,7 @@ bool ParseImagesRequest(const std::string& body, const std::vector<ModelInfo>& m
     return fail("moderation", "auto or low");
   }
   if (partial.has_value() && !out->stream) return fail("partial_images", "needs stream: true");
+  if (out->stream_steps && !out->stream) return fail("stream_steps", "needs stream: true");
   out->partial_images = static_cast<int>(partial.value_or(0));
 
   // The model: as named, or the server's first.
@@ -382,6 +404,12 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
       if (state_ != State::kNew) return MHD_YES;
       state_ = State::kDone;  // unless a generation starts below
     }
+    if (const StaticAsset* a = FindPlaygroundAsset(path)) {
+      if (method != MHD_HTTP_METHOD_GET && method != MHD_HTTP_METHOD_HEAD) {
+        return ReplyError(conn_, MethodNotAllowed("GET"));
+      }
+      return ReplyAsset(conn_, *a);
+    }
     if (path == "/v1/models") {
       if (method != MHD_HTTP_METHOD_GET && method != MHD_HTTP_METHOD_HEAD) {
         return ReplyError(conn_, MethodNotAllowed("GET"));
@@ -407,7 +435,8 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
     HttpError e;
     e.status = MHD_HTTP_NOT_FOUND;
     e.type = "invalid_request_error";
-    e.message = "no route " + path + " (POST /v1/images/generations, GET /v1/models)";
+    e.message = "no route " + path +
+                " (POST /v1/images/generations, GET /v1/models, GET / for the playground)";
     return ReplyError(conn_, e);
   }
 
@@ -490,6 +519,20 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
   // --- engine events (the engine thread) -----------------------------------------------------
   void OnStep(int index, const StepEvent& e) {
     svc_->metrics()->OnRequestStep(model_, method_label_, e);
+    if (stream_steps_) {
+      json ev = {{"type", "imagegen.step"},
+                 {"image_index", index},
+                 {"step", e.step},
+                 {"positions", e.positions},
+                 {"tokens", e.tokens},
+                 {"committed", e.totals.tokens},
+                 {"total", e.total_tokens},
+                 {"nfe", e.totals.nfe},
+                 {"drafts_verified", e.totals.drafts_verified},
+                 {"drafts_accepted", e.totals.drafts_accepted},
+                 {"window", e.window}};
+      Run([this, ev = std::move(ev)] { Send("imagegen.step", ev, false); });
+    }
     // The engine decodes a preview when the next partial image is due (GenerateParams::
     // previews: once (j + 1) / (partial_images + 1) of the tokens are decided).
     if (e.preview.pixels.empty()) return;
@@ -671,7 +714,7 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
   // Set by Start (the event loop) before the images are submitted; read-only after.
   v1::GenerateRequest req_;
   std::string model_, method_label_ = "unknown", size_;
-  bool stream_ = false;
+  bool stream_ = false, stream_steps_ = false;
   int partial_images_ = 0, scale_ = 1, n_ = 1;
   bool started_ = false;  // a generation request (counted as a call)
   Engine* engine_ = nullptr;
@@ -730,6 +773,7 @@ MHD_Result HttpCall::Start() {
   req_ = ir.req;
   model_ = req_.model();
   stream_ = ir.stream;
+  stream_steps_ = ir.stream_steps;
   partial_images_ = ir.partial_images;
   size_ = ir.size;
   scale_ = OutputScale(req_);

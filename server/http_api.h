@@ -34,8 +34,9 @@ namespace imagegen::server {
 struct ImagesRequest {
   v1::GenerateRequest req;
   bool stream = false;
-  int partial_images = 0;  // stream: partial images per image
-  std::string size;        // as echoed: "WxH"
+  bool stream_steps = false;  // stream: an imagegen.step event per engine step (the playground)
+  int partial_images = 0;     // stream: partial images per image
+  std::string size;           // as echoed: "WxH"
 };
 
 // Parses the JSON body against the loaded models (a class-conditional model takes its class

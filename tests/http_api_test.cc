@@ -76,7 +76,11 @@ TEST(HttpApiParseTest, BodiesBecomeGenerateRequestsAndBadParametersAreNamed) {
   EXPECT_EQ(t.req.cfg_interval(), 3);
   EXPECT_TRUE(t.stream);
   EXPECT_EQ(t.partial_images, 2);
+  EXPECT_FALSE(t.stream_steps);
   EXPECT_EQ(t.size, "28x28");
+  ImagesRequest steps;
+  ASSERT_EQ(Refused(R"({"prompt": "bag", "stream": true, "stream_steps": true})", &steps), "ok");
+  EXPECT_TRUE(steps.stream_steps);
   EXPECT_EQ(t.req.output().scale(), 1);
   // An unknown model parses (the engine answers 404 naming it).
   EXPECT_EQ(Refused(R"({"model": "dall-e-3", "prompt": "x"})"), "ok");
@@ -100,6 +104,8 @@ TEST(HttpApiParseTest, BodiesBecomeGenerateRequestsAndBadParametersAreNamed) {
   EXPECT_EQ(Refused(R"({"prompt": "bag", "stream": "yes"})"), "stream");
   EXPECT_EQ(Refused(R"({"prompt": "bag", "partial_images": 2})"), "partial_images");
   EXPECT_EQ(Refused(R"({"prompt": "bag", "stream": true, "partial_images": 9})"), "partial_images");
+  EXPECT_EQ(Refused(R"({"prompt": "bag", "stream_steps": true})"), "stream_steps");
+  EXPECT_EQ(Refused(R"({"prompt": "bag", "stream": true, "stream_steps": 1})"), "stream_steps");
   EXPECT_EQ(Refused(R"({"prompt": "bag", "style": "vivid"})"), "style");  // unknown
 }
 
@@ -133,6 +139,26 @@ TEST_F(HttpApiTest, AnswersInOpenAiErrorShapeWhileTheModelsLoad) {
   EXPECT_NE(nope.find(R"("error":)"), std::string::npos) << nope;
   const std::string get = Fetch(api_->port(), "GET /v1/images/generations HTTP/1.0\r\n\r\n");
   EXPECT_NE(get.find(" 405 "), std::string::npos) << get;
+  EXPECT_EQ(api_->open_requests(), 0);
+}
+
+// The playground's files are served while the models load (the page says so itself), with a
+// Content-Security-Policy that lets it load this server's files only, and no token.
+TEST_F(HttpApiTest, ServesThePlaygroundPageAndItsFiles) {
+  for (const char* path : {"/", "/playground"}) {
+    const std::string page = Fetch(api_->port(), std::string("GET ") + path + " HTTP/1.0\r\n\r\n");
+    EXPECT_NE(page.find(" 200 "), std::string::npos) << page;
+    EXPECT_NE(page.find("Content-Type: text/html; charset=utf-8"), std::string::npos) << page;
+    EXPECT_NE(page.find("Content-Security-Policy: default-src 'self'"), std::string::npos) << page;
+    EXPECT_NE(page.find(R"(<script src="playground.js")"), std::string::npos) << page;
+  }
+  const std::string js = Fetch(api_->port(), "GET /playground.js HTTP/1.0\r\n\r\n");
+  EXPECT_NE(js.find("Content-Type: text/javascript"), std::string::npos) << js.substr(0, 300);
+  EXPECT_NE(js.find("imagegen.step"), std::string::npos);
+  const std::string css = Fetch(api_->port(), "GET /playground.css HTTP/1.0\r\n\r\n");
+  EXPECT_NE(css.find("Content-Type: text/css"), std::string::npos) << css.substr(0, 300);
+  const std::string post = Fetch(api_->port(), "POST / HTTP/1.0\r\nContent-Length: 0\r\n\r\n");
+  EXPECT_NE(post.find(" 405 "), std::string::npos) << post;
   EXPECT_EQ(api_->open_requests(), 0);
 }
 

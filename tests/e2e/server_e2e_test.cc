@@ -1220,6 +1220,30 @@ TEST(E2eTest, OpenAiSdkDrawsStreamsAndRaisesItsErrors) {
   EXPECT_TRUE(d.CallsBalanced());
 }
 
+// The playground page (GET / on the HTTP port) in Debian's headless Chromium, driven by
+// Selenium (tests/e2e/playground_check.py): it loads with no console errors and nothing from
+// another origin, a generation completes with every cell of the grid decided, the grid
+// animates (at least three distinct intermediate frames), and the race view reports ar's NFE
+// (one per token) and the speculative method's (fewer).
+TEST(E2eTest, PlaygroundAnimatesAndRacesInChromium) {
+  Daemon d("playground", {"--http-listen", "127.0.0.1:0"});
+  d.WaitReady();
+  ASSERT_GT(d.http_port(), 0);
+  const std::string script = std::string(IMAGEGEN_SOURCE_DIR) + "/tests/e2e/playground_check.py";
+  std::string out;
+  EXPECT_EQ(RunCommand({IMAGEGEN_VENV_PYTHON, script, "--base-url",
+                        "http://127.0.0.1:" + std::to_string(d.http_port()), "--screenshot",
+                        d.dir() + "/playground.png"},
+                       &out, d.dir() + "/chromium.log", {}, std::chrono::seconds(900)),
+            0)
+      << out;
+  std::printf("%s", out.c_str());
+  EXPECT_TRUE(d.WaitMetric(Requests("ar", "ok"), 1));
+  EXPECT_TRUE(d.WaitMetric(Requests("sjd", "ok"), 2));
+  EXPECT_TRUE(d.WaitMetric(Slots(), 0));
+  EXPECT_TRUE(d.CallsBalanced());
+}
+
 // The continuous-token family beside the GPT in one daemon: ListModels describes both, the CLI
 // streams a cspd image of the requested class, mar is a continuous model's default method, bad
 // fields are named, and the metrics count the requests by method.
