@@ -5,13 +5,14 @@
 #
 #   docker build -t imagegen .                        # CPU image (the default target)
 #   docker build -t imagegen:gpu --target gpu .       # GPU image: docker run --gpus all ...
-#   docker run --rm -p 50051:50051 -p 9464:9464 --stop-timeout 40 imagegen
+#   docker run --rm -p 50051:50051 -p 9464:9464 -p 8080:8080 --stop-timeout 40 imagegen
 #   docker run --rm --gpus all -p 50051:50051 --stop-timeout 40 imagegen:gpu --device cuda
 #   docker compose -f deploy/docker-compose.yml up    # + Prometheus + Grafana
 #   deploy/test-image.sh                              # builds and smoke-tests the image
 #
 # Arguments after the image name are flags of imagegen-server (--help lists them). The ports are
-# IMAGEGEN_PORT and IMAGEGEN_METRICS_PORT (-e), which the HEALTHCHECK follows. Give `docker stop`
+# IMAGEGEN_PORT (gRPC), IMAGEGEN_METRICS_PORT and IMAGEGEN_HTTP_PORT (the OpenAI Images API and
+# the playground page at /; -e IMAGEGEN_HTTP_PORT= turns it off), which the HEALTHCHECK follows. Give `docker stop`
 # (--stop-timeout, compose's stop_grace_period, Kubernetes' terminationGracePeriodSeconds) more
 # than --grace-seconds (30 s by default): Docker's default of 10 s kills a draining daemon.
 #
@@ -27,7 +28,7 @@ RUN --mount=type=secret,id=pip_ca \
     if [ -s /run/secrets/pip_ca ]; then export PIP_CERT=/run/secrets/pip_ca; fi \
     && apt-get update -qq \
     && apt-get install -y -qq --no-install-recommends ca-certificates python3 > /dev/null \
-    && bash deploy/install-deps.sh \
+    && IMAGEGEN_NO_BROWSER=1 bash deploy/install-deps.sh \
     && apt-get clean && rm -rf /var/lib/apt/lists/* /root/.cache/pip
 COPY . .
 # Two builds: the GPU image's links all of LibTorch; the CPU image's links its CPU libraries only
@@ -63,15 +64,15 @@ LABEL org.opencontainers.image.title="imagegen" \
 # XDG_CACHE_HOME: where the daemon keeps its step-cost calibration between starts (the user
 # has no home directory; /tmp is writable, also under a read-only root with an emptyDir).
 ENV IMAGEGEN_MODELS_DIR=/models IMAGEGEN_PORT=50051 IMAGEGEN_METRICS_PORT=9464 \
-    XDG_CACHE_HOME=/tmp/.cache
+    IMAGEGEN_HTTP_PORT=8080 XDG_CACHE_HOME=/tmp/.cache
 USER 10001:10001
-EXPOSE 50051 9464
+EXPOSE 50051 9464 8080
 STOPSIGNAL SIGTERM
 # grpc.health.v1 on the generation service: NOT_SERVING while the models load and once the
 # daemon drains, so an orchestrator stops sending work before the listener closes.
 HEALTHCHECK --interval=10s --timeout=6s --start-period=60s --retries=3 \
   CMD ["/bin/sh", "-c", "exec imagegen health --target 127.0.0.1:${IMAGEGEN_PORT} --timeout 5"]
-ENTRYPOINT ["/bin/sh", "-c", "exec imagegen-server --listen 0.0.0.0:${IMAGEGEN_PORT} --metrics-listen 0.0.0.0:${IMAGEGEN_METRICS_PORT} \"$@\"", "imagegen-server"]
+ENTRYPOINT ["/bin/sh", "-c", "exec imagegen-server --listen 0.0.0.0:${IMAGEGEN_PORT} --metrics-listen 0.0.0.0:${IMAGEGEN_METRICS_PORT} ${IMAGEGEN_HTTP_PORT:+--http-listen 0.0.0.0:${IMAGEGEN_HTTP_PORT}} \"$@\"", "imagegen-server"]
 
 # The GPU image: all of LibTorch and the NVIDIA libraries (run with --gpus all and --device cuda;
 # the NVIDIA container toolkit mounts the driver).

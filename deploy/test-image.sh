@@ -4,7 +4,8 @@
 #   2. the daemon becomes SERVING through the image's own HEALTHCHECK (grpc.health.v1);
 #   3. `imagegen generate` (from a second container of the image) returns a PNG of the requested
 #      class (checked with the bundled classifier, tools/classify_png.py);
-#   4. /metrics answers with imagegen's counters;
+#   4. /metrics answers with imagegen's counters; the HTTP port (IMAGEGEN_HTTP_PORT) serves the
+#      playground page and draws an image through the OpenAI Images API;
 #   5. SIGTERM (`stop` with a timeout above --grace-seconds) drains a streaming request in flight:
 #      the client gets its image, the daemon exits 0; the drain time is reported.
 #
@@ -138,6 +139,7 @@ E image inspect --format 'user {{.Config.User}}; stop signal {{.Config.StopSigna
 # --- 2. run: SERVING through the HEALTHCHECK ----------------------------------------------------
 port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 mport=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+hport=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 name="imagegen-test-$$"
 work="$(mktemp -d)"
 cleanup() {
@@ -146,7 +148,8 @@ cleanup() {
 }
 trap cleanup EXIT
 E run -d --name "$name" "${local_flags[@]}" --network host -e "IMAGEGEN_PORT=$port" \
-  -e "IMAGEGEN_METRICS_PORT=$mport" "$tag" --grace-seconds 30 > /dev/null
+  -e "IMAGEGEN_METRICS_PORT=$mport" -e "IMAGEGEN_HTTP_PORT=$hport" "$tag" --grace-seconds 30 \
+  > /dev/null
 t0=$(date +%s.%N)
 healthy=0
 for _ in $(seq 1 240); do
@@ -185,6 +188,22 @@ fi
 metrics="$(python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:$mport/metrics', timeout=10).read().decode())")"
 echo "$metrics" | grep -q '^imagegen_requests_total{.*} 1' || { echo "$metrics" | head; fail "/metrics"; }
 say "/metrics: $(echo "$metrics" | grep -c '^imagegen_') imagegen samples, requests_total counted"
+http="$(python3 - "$hport" << 'EOF'
+import base64, json, sys, urllib.request
+base = "http://127.0.0.1:%s" % sys.argv[1]
+page = urllib.request.urlopen(base + "/", timeout=30).read().decode()
+assert "imagegen playground" in page, page[:200]
+req = urllib.request.Request(base + "/v1/images/generations", method="POST",
+                             data=json.dumps({"prompt": "trouser", "seed": 3}).encode(),
+                             headers={"Content-Type": "application/json"})
+body = json.load(urllib.request.urlopen(req, timeout=120))
+png = base64.b64decode(body["data"][0]["b64_json"])
+assert png[:8] == b"\x89PNG\r\n\x1a\n"
+print("the playground page (%d bytes); POST /v1/images/generations: a %s PNG, NFE %d"
+      % (len(page), body["size"], body["data"][0]["imagegen"]["nfe"]))
+EOF
+)" || fail "the HTTP port"
+say "HTTP: $http"
 
 # --- 5. SIGTERM drains a request in flight -------------------------------------------------
 E run -d --name "$name-client" "${local_flags[@]}" --network host -v "$work:/out" \
