@@ -62,7 +62,11 @@ def rules(docs):
 
     try:
         dep = one(docs, "Deployment")
-        svc = one(docs, "Service")
+        svcs = [d for _, d in docs if d["kind"] == "Service"]
+        grpc_svcs = [d for d in svcs
+                     if any(p.get("targetPort") == "grpc" for p in d["spec"].get("ports", []))]
+        assert len(grpc_svcs) == 1, f"expected one Service for the grpc port, found {len(grpc_svcs)}"
+        svc = grpc_svcs[0]
         hpa = one(docs, "HorizontalPodAutoscaler")
         pdb = one(docs, "PodDisruptionBudget")
     except AssertionError as e:
@@ -86,6 +90,15 @@ def rules(docs):
     need(env.get("IMAGEGEN_PORT") == str(ports.get("grpc")), "IMAGEGEN_PORT != the grpc port")
     need(env.get("IMAGEGEN_METRICS_PORT") == str(ports.get("metrics")),
          "IMAGEGEN_METRICS_PORT != the metrics port")
+    # The HTTP API: the port the daemon listens on is the one named http, and a Service
+    # balancing per connection (not the headless one) exposes it.
+    need(env.get("IMAGEGEN_HTTP_PORT") == (str(ports["http"]) if "http" in ports else None),
+         "IMAGEGEN_HTTP_PORT != the http port")
+    if "http" in ports:
+        http_svcs = [d for d in svcs
+                     if any(p.get("targetPort") == "http" for p in d["spec"].get("ports", []))]
+        need(len(http_svcs) == 1 and http_svcs[0]["spec"].get("clusterIP") != "None",
+             "Service: one ClusterIP Service for the http port")
     for probe, service in (("livenessProbe", ""), ("readinessProbe", SERVICE),
                            ("startupProbe", "")):
         g = c.get(probe, {}).get("grpc")
@@ -106,8 +119,9 @@ def rules(docs):
     tok = flags.get("token_file", "")
     need(not tok or os.path.dirname(tok) in mounts, "--token_file's folder is not mounted")
     need(svc["spec"].get("clusterIP") == "None", "Service: headless (clusterIP None) for gRPC")
-    need(svc["spec"].get("selector") == {k: labels[k] for k in svc["spec"].get("selector", {})}
-         and svc["spec"].get("selector"), "Service: selector must match the pod labels")
+    for sv in svcs:
+        need(sv["spec"].get("selector") == {k: labels.get(k) for k in sv["spec"].get("selector", {})}
+             and sv["spec"].get("selector"), "Service: selector must match the pod labels")
     ref = hpa["spec"]["scaleTargetRef"]
     need(ref["kind"] == "Deployment" and ref["name"] == dep["metadata"]["name"],
          "HPA: must scale the Deployment")
@@ -171,6 +185,13 @@ def self_test(docs):
             livenessProbe={"httpGet": {"port": 9464, "path": "/metrics"}}),
         "Service not headless": lambda ds: next(d for _, d in ds if d["kind"] == "Service")[
             "spec"].pop("clusterIP"),
+        "HTTP port off in the env": lambda ds: ctr(ds)["env"].__setitem__(
+            slice(None), [e for e in ctr(ds)["env"] if e["name"] != "IMAGEGEN_HTTP_PORT"]),
+        "HTTP Service headless": lambda ds: [d for _, d in ds if d["kind"] == "Service"][1][
+            "spec"].update(clusterIP="None"),
+        "HTTP Service selects other pods": lambda ds: [
+            d for _, d in ds if d["kind"] == "Service"][1]["spec"].update(
+                selector={"app": "other"}),
         "no GPU": lambda ds: ctr(ds)["resources"]["limits"].pop("nvidia.com/gpu"),
         "misspelt field (schema)": lambda ds: dep(ds)["spec"]["template"]["spec"].update(
             terminationGracePeriodSecond=45),
