@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # What the HTTP front costs against gRPC: one daemon with both ports, the same closed-loop load
-# (same method, clients, classes and duration) through gRPC (`imagegen load`, C++), through
+# (same method, clients, classes and duration) through gRPC (`imagegen load`, C++) and through
 # the OpenAI Images API (bench/http_load.py: Python's http.client on keep-alive connections,
-# JSON, base64), and through gRPC again, so that the two gRPC runs give the run-to-run noise.
-# The clients run on the same machine as the daemon and take CPU from it (the Python client
-# more than the C++ one).
+# JSON, base64), in ABAB order: per setting one warm-up run (discarded: the goodput controller
+# learns the setting), then ROUNDS pairs gRPC, HTTP. Each round gives a ratio HTTP/gRPC; the
+# spread of the gRPC runs among themselves is the noise. The clients run on the same machine as
+# the daemon and take CPU from it (the Python client more than the C++ one).
 #
-#   bench/http_overhead.sh [BUILD_DIR] [SECONDS]      (defaults: build/release 20)
+#   bench/http_overhead.sh [BUILD_DIR] [SECONDS] [ROUNDS]      (defaults: build/release 20 3)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${1:-build/release}
 SECS=${2:-20}
+ROUNDS=${3:-3}
 OUT=$(mktemp -d /tmp/imagegen-http-overhead.XXXXXX)
 "$BUILD/server/imagegen-server" --listen 127.0.0.1:0 --metrics-listen "" --http-listen 127.0.0.1:0 \
   --models fmnist-gpt --port-file "$OUT/ports" > "$OUT/server.log" 2>&1 &
@@ -24,23 +26,34 @@ done
 summary() {  # images/s, p50, p99 of a load log
   awk '/images\/s/ {ips = $(NF-1)} /^latency/ {p50 = $4; p99 = $8} END {print ips, p50, p99}' "$1"
 }
-printf "%-8s %4s | %-22s | %-22s | %-22s | %8s %8s\n" method c "gRPC images/s p50 p99" \
-  "HTTP images/s p50 p99" "gRPC again" "HTTP/gRPC" "noise"
+grpc() {
+  "$BUILD/client/imagegen" load --target "127.0.0.1:$port" --method "$1" --concurrency "$2" \
+    --duration "$SECS" > "$3" 2>&1
+}
+http() {
+  python3 bench/http_load.py --url "http://127.0.0.1:$http" --method "$1" --concurrency "$2" \
+    --duration "$SECS" > "$3" 2>&1
+}
+median() { tr ' ' '\n' | sort -g | awk '{v[NR] = $1} END {print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2}'; }
+printf "%-8s %3s | %-26s | %-26s | %-22s %s\n" method c "gRPC img/s p50 p99 (median)" \
+  "HTTP img/s p50 p99 (median)" "HTTP/gRPC per round" "gRPC spread"
 for method in ar scd-mc; do
   for c in 1 16; do
-    "$BUILD/client/imagegen" load --target "127.0.0.1:$port" --method "$method" --concurrency "$c" \
-      --duration "$SECS" > "$OUT/grpc1.log" 2>&1
-    python3 bench/http_load.py --url "http://127.0.0.1:$http" --method "$method" \
-      --concurrency "$c" --duration "$SECS" > "$OUT/http.log" 2>&1
-    "$BUILD/client/imagegen" load --target "127.0.0.1:$port" --method "$method" --concurrency "$c" \
-      --duration "$SECS" > "$OUT/grpc2.log" 2>&1
-    read -r g1 g1p50 g1p99 < <(summary "$OUT/grpc1.log")
-    read -r h hp50 hp99 < <(summary "$OUT/http.log")
-    read -r g2 g2p50 g2p99 < <(summary "$OUT/grpc2.log")
-    printf "%-8s %4s | %7.2f %6.3f %6.3f | %7.2f %6.3f %6.3f | %7.2f %6.3f %6.3f | %8.3f %7.1f%%\n" \
-      "$method" "$c" "$g1" "$g1p50" "$g1p99" "$h" "$hp50" "$hp99" "$g2" "$g2p50" "$g2p99" \
-      "$(awk -v h="$h" -v a="$g1" -v b="$g2" 'BEGIN {print 2 * h / (a + b)}')" \
-      "$(awk -v a="$g1" -v b="$g2" 'BEGIN {d = a - b; if (d < 0) d = -d; print 200 * d / (a + b)}')"
+    grpc "$method" "$c" "$OUT/warmup.log"
+    gi=() gp50=() gp99=() hi=() hp50=() hp99=() ratios=()
+    for r in $(seq "$ROUNDS"); do
+      grpc "$method" "$c" "$OUT/grpc-$method-$c-$r.log"
+      http "$method" "$c" "$OUT/http-$method-$c-$r.log"
+      read -r g a b < <(summary "$OUT/grpc-$method-$c-$r.log")
+      read -r h x y < <(summary "$OUT/http-$method-$c-$r.log")
+      gi+=("$g") gp50+=("$a") gp99+=("$b") hi+=("$h") hp50+=("$x") hp99+=("$y")
+      ratios+=("$(awk -v h="$h" -v g="$g" 'BEGIN {printf "%.2f", h / g}')")
+    done
+    gm=$(echo "${gi[@]}" | median) hm=$(echo "${hi[@]}" | median)
+    printf "%-8s %3s | %6.2f %6.3f %6.3f        | %6.2f %6.3f %6.3f        | %-22s %5.1f%%\n" \
+      "$method" "$c" "$gm" "$(echo "${gp50[@]}" | median)" "$(echo "${gp99[@]}" | median)" \
+      "$hm" "$(echo "${hp50[@]}" | median)" "$(echo "${hp99[@]}" | median)" "${ratios[*]}" \
+      "$(echo "${gi[@]}" | tr ' ' '\n' | sort -g | awk -v m="$gm" 'NR == 1 {lo = $1} {hi = $1} END {print 100 * (hi - lo) / m}')"
   done
 done
 echo "logs: $OUT"

@@ -519,19 +519,22 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
   // --- engine events (the engine thread) -----------------------------------------------------
   void OnStep(int index, const StepEvent& e) {
     svc_->metrics()->OnRequestStep(model_, method_label_, e);
-    if (stream_steps_) {
-      json ev = {{"type", "imagegen.step"},
-                 {"image_index", index},
-                 {"step", e.step},
-                 {"positions", e.positions},
-                 {"tokens", e.tokens},
-                 {"committed", e.totals.tokens},
-                 {"total", e.total_tokens},
-                 {"nfe", e.totals.nfe},
-                 {"drafts_verified", e.totals.drafts_verified},
-                 {"drafts_accepted", e.totals.drafts_accepted},
-                 {"window", e.window}};
-      Run([this, ev = std::move(ev)] { Send("imagegen.step", ev, false); });
+    if (stream_steps_) {  // copied here, turned into JSON on the encoder pool
+      Run([this, index, step = e.step, positions = e.positions, tokens = e.tokens,
+           totals = e.totals, total = e.total_tokens, window = e.window] {
+        const json ev = {{"type", "imagegen.step"},
+                         {"image_index", index},
+                         {"step", step},
+                         {"positions", positions},
+                         {"tokens", tokens},
+                         {"committed", totals.tokens},
+                         {"total", total},
+                         {"nfe", totals.nfe},
+                         {"drafts_verified", totals.drafts_verified},
+                         {"drafts_accepted", totals.drafts_accepted},
+                         {"window", window}};
+        Send("imagegen.step", ev, false);
+      });
     }
     // The engine decodes a preview when the next partial image is due (GenerateParams::
     // previews: once (j + 1) / (partial_images + 1) of the tokens are decided).

@@ -1224,9 +1224,10 @@ TEST(E2eTest, OpenAiSdkDrawsStreamsAndRaisesItsErrors) {
 // Selenium (tests/e2e/playground_check.py): it loads with no console errors and nothing from
 // another origin, a generation completes with every cell of the grid decided, the grid
 // animates (at least three distinct intermediate frames), and the race view reports ar's NFE
-// (one per token) and the speculative method's (fewer).
+// (one per token) and the speculative method's (fewer). Full windows: the goodput controller
+// would shrink sjd's window towards ar's on a loaded machine.
 TEST(E2eTest, PlaygroundAnimatesAndRacesInChromium) {
-  Daemon d("playground", {"--http-listen", "127.0.0.1:0"});
+  Daemon d("playground", {"--http-listen", "127.0.0.1:0", "--window-policy", "full"});
   d.WaitReady();
   ASSERT_GT(d.http_port(), 0);
   const std::string script = std::string(IMAGEGEN_SOURCE_DIR) + "/tests/e2e/playground_check.py";
