@@ -11,10 +11,11 @@
 #   deploy/test-image.sh                              # builds and smoke-tests the image
 #
 # Arguments after the image name are flags of imagegen-server (--help lists them). The ports are
-# IMAGEGEN_PORT (gRPC), IMAGEGEN_METRICS_PORT and IMAGEGEN_HTTP_PORT (the OpenAI Images API and
-# the playground page at /; -e IMAGEGEN_HTTP_PORT= turns it off), which the HEALTHCHECK follows. Give `docker stop`
-# (--stop-timeout, compose's stop_grace_period, Kubernetes' terminationGracePeriodSeconds) more
-# than --grace-seconds (30 s by default): Docker's default of 10 s kills a draining daemon.
+# IMAGEGEN_PORT (gRPC; the HEALTHCHECK follows it), IMAGEGEN_METRICS_PORT and IMAGEGEN_HTTP_PORT
+# (the OpenAI Images API and the playground page at /; -e IMAGEGEN_HTTP_PORT= turns it off).
+# Give `docker stop` (--stop-timeout, compose's stop_grace_period, Kubernetes'
+# terminationGracePeriodSeconds) more than --grace-seconds (30 s by default): Docker's default
+# of 10 s kills a draining daemon.
 #
 # Behind a TLS-intercepting proxy, hand pip its CA bundle as a build secret:
 #   docker build --secret id=pip_ca,src=/etc/ssl/certs/ca-certificates.crt .

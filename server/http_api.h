@@ -1,12 +1,14 @@
-// The HTTP front (issue 18): the OpenAI Images API on its own port (--http-listen), served by
-// GNU libmicrohttpd (the library of /metrics) on one event-loop thread (epoll), so a slow or
-// idle client holds a connection slot, never the thread.
+// The HTTP front (issue 18): the OpenAI Images API and the playground page on their own port
+// (--http-listen), served by GNU libmicrohttpd (the library of /metrics) on one event-loop
+// thread (epoll), so a slow or idle client holds a connection slot, never the thread.
 //
 //   POST /v1/images/generations   OpenAI's request and response shapes; imagegen's options
 //                                 (seed, method, cfg_scale, ...) as extra fields; `stream`
 //                                 answers with server-sent events (partial images, then each
 //                                 image's completed event)
 //   GET  /v1/models               the loaded models and what they accept
+//   GET  /, /playground           the playground page (server/playground/, compiled in) and
+//                                 its files: the grid drawn live from `stream_steps` events
 //
 // A request goes through the same checks as a gRPC call (ImageGenerationService::Resolve: the
 // bearer token, loading and draining, every field) and into the same engine. Errors are

@@ -81,7 +81,7 @@ ABSL_FLAG(double, stream_stall_seconds, 30,
           "its request cancelled");
 ABSL_FLAG(std::string, http_listen, "",
           "OpenAI-compatible HTTP API address (host:port: POST /v1/images/generations, GET "
-          "/v1/models); empty: off");
+          "/v1/models, and the playground page at /); empty: off");
 ABSL_FLAG(int32_t, max_images, 16,
           "images one request may ask for (GenerateRequest.n); each takes its own place in the "
           "queue and its own KV slots");
