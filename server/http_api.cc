@@ -410,6 +410,13 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
       }
       return ReplyAsset(conn_, *a);
     }
+    if (path == "/playground/config") {  // what the page needs to know before any API call
+      if (method != MHD_HTTP_METHOD_GET && method != MHD_HTTP_METHOD_HEAD) {
+        return ReplyError(conn_, MethodNotAllowed("GET"));
+      }
+      return HttpReply(conn_, MHD_HTTP_OK,
+                       json({{"auth_required", svc_->auth().enabled()}}).dump());
+    }
     if (path == "/v1/models") {
       if (method != MHD_HTTP_METHOD_GET && method != MHD_HTTP_METHOD_HEAD) {
         return ReplyError(conn_, MethodNotAllowed("GET"));

@@ -8,7 +8,8 @@
 //                                 image's completed event)
 //   GET  /v1/models               the loaded models and what they accept
 //   GET  /, /playground           the playground page (server/playground/, compiled in) and
-//                                 its files: the grid drawn live from `stream_steps` events
+//                                 its files: the grid drawn live from `stream_steps` events;
+//                                 /playground/config says whether the API wants a token
 //
 // A request goes through the same checks as a gRPC call (ImageGenerationService::Resolve: the
 // bearer token, loading and draining, every field) and into the same engine. Errors are

@@ -157,6 +157,8 @@ TEST_F(HttpApiTest, ServesThePlaygroundPageAndItsFiles) {
   EXPECT_NE(js.find("imagegen.step"), std::string::npos);
   const std::string css = Fetch(api_->port(), "GET /playground.css HTTP/1.0\r\n\r\n");
   EXPECT_NE(css.find("Content-Type: text/css"), std::string::npos) << css.substr(0, 300);
+  const std::string config = Fetch(api_->port(), "GET /playground/config HTTP/1.0\r\n\r\n");
+  EXPECT_NE(config.find(R"({"auth_required":false})"), std::string::npos) << config;
   const std::string post = Fetch(api_->port(), "POST / HTTP/1.0\r\nContent-Length: 0\r\n\r\n");
   EXPECT_NE(post.find(" 405 "), std::string::npos) << post;
   EXPECT_EQ(api_->open_requests(), 0);

@@ -33,10 +33,22 @@ async function apiError(response) {
 
 // --- the models ---------------------------------------------------------------------------
 
+// A server with a token: the page asks for the key before its first API call, so that an
+// unauthenticated call (and the browser's console error for its 401) happens only for a
+// wrong key.
 async function loadModels() {
+  if (state.authRequired === undefined) {
+    const config = await fetch('/playground/config');
+    state.authRequired = config.ok && (await config.json()).auth_required;
+  }
+  if (state.authRequired && !$('key').value.trim()) {
+    showError('This server needs an API key: enter it above.');
+    $('key').focus();
+    return;
+  }
   const response = await fetch('/v1/models', { headers: headers() });
   if (!response.ok) {
-    showError(response.status === 401 ? 'This server needs an API key: enter it above.'
+    showError(response.status === 401 ? 'The API key was refused: enter the server\'s key above.'
                                       : 'Cannot list the models: ' + await apiError(response));
     return;
   }
@@ -274,7 +286,7 @@ document.addEventListener('DOMContentLoaded', () => {
   $('key').value = localStorage.getItem('imagegen.key') || '';
   $('key').addEventListener('change', () => {
     localStorage.setItem('imagegen.key', $('key').value.trim());
-    loadModels();
+    loadModels().catch((e) => showError('Cannot reach the server: ' + e.message));
   });
   $('model').addEventListener('change', modelChanged);
   $('controls').addEventListener('submit', (e) => {

@@ -9,12 +9,15 @@ through Selenium, the way a person would use it, and checks what the page promis
     and at least three distinct intermediate frames (neither the empty grid nor the final one)
     must be seen;
   - the race view runs the baseline (ar) and a speculative method on the same request and
-    reports both NFE counts: ar takes one forward per token, the speculative method fewer.
+    reports both NFE counts: ar takes one forward per token, the speculative method fewer;
+  - with --api-key (a daemon with --token-file): the page asks for the key before any API call,
+    and works once it is typed in.
 
 Run by E2eTest.PlaygroundAnimatesAndRacesInChromium against a daemon started with
 --http-listen; by hand:
 
   python tests/e2e/playground_check.py --base-url http://127.0.0.1:8080 [--screenshot out.png]
+      [--api-key TOKEN] [--model fmnist-t2i --prompt "a dark bag"]
 """
 import argparse
 import json
@@ -25,6 +28,7 @@ import urllib.request
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
+from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
 # Captures the first panel's grid canvas on every animation frame, keeping each distinct frame.
@@ -95,10 +99,12 @@ def main():
     ap.add_argument("--seed", default="11")
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--screenshot", default="")
+    ap.add_argument("--api-key", default="", help="the daemon's token: typed into the page")
     args = ap.parse_args()
     base = args.base_url.rstrip("/")
 
     # The page's own headers: HTML, and a policy that allows this origin only.
+    auth = {"Authorization": "Bearer " + args.api_key} if args.api_key else {}
     with urllib.request.urlopen(base + "/", timeout=30) as r:
         csp = r.headers.get("Content-Security-Policy", "")
         if not r.headers.get("Content-Type", "").startswith("text/html"):
@@ -109,10 +115,17 @@ def main():
     driver = browser()
     try:
         driver.get(base + "/")
+        if args.api_key:
+            WebDriverWait(driver, 60).until(
+                lambda d: "needs an API key" in d.find_element(By.ID, "error").text)
+            key = driver.find_element(By.ID, "key")
+            key.send_keys(args.api_key)
+            key.send_keys(Keys.TAB)  # the change event
         WebDriverWait(driver, 60).until(
             lambda d: len(Select(d.find_element(By.ID, "model")).options) > 0)
         Select(driver.find_element(By.ID, "model")).select_by_value(args.model)
-        with urllib.request.urlopen(base + "/v1/models", timeout=30) as r:
+        with urllib.request.urlopen(urllib.request.Request(base + "/v1/models", headers=auth),
+                                    timeout=30) as r:
             info = next(m for m in json.load(r)["data"] if m["id"] == args.model)["imagegen"]
         grid = info["grid"]
         if info["prompted"]:

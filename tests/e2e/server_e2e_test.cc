@@ -1227,20 +1227,38 @@ TEST(E2eTest, OpenAiSdkDrawsStreamsAndRaisesItsErrors) {
 // (one per token) and the speculative method's (fewer). Full windows: the goodput controller
 // would shrink sjd's window towards ar's on a loaded machine.
 TEST(E2eTest, PlaygroundAnimatesAndRacesInChromium) {
-  Daemon d("playground", {"--http-listen", "127.0.0.1:0", "--window-policy", "full"});
-  d.WaitReady();
-  ASSERT_GT(d.http_port(), 0);
   const std::string script = std::string(IMAGEGEN_SOURCE_DIR) + "/tests/e2e/playground_check.py";
+  {
+    Daemon d("playground", {"--http-listen", "127.0.0.1:0", "--window-policy", "full"});
+    d.WaitReady();
+    ASSERT_GT(d.http_port(), 0);
+    std::string out;
+    EXPECT_EQ(RunCommand({IMAGEGEN_VENV_PYTHON, script, "--base-url",
+                          "http://127.0.0.1:" + std::to_string(d.http_port()), "--screenshot",
+                          d.dir() + "/playground.png"},
+                         &out, d.dir() + "/chromium.log", {}, std::chrono::seconds(900)),
+              0)
+        << out;
+    std::printf("%s", out.c_str());
+    EXPECT_TRUE(d.WaitMetric(Requests("ar", "ok"), 1));
+    EXPECT_TRUE(d.WaitMetric(Requests("sjd", "ok"), 2));
+    EXPECT_TRUE(d.WaitMetric(Slots(), 0));
+    EXPECT_TRUE(d.CallsBalanced());
+  }
+  // A daemon with a token: the page asks for the key first (no call fails on the way, so the
+  // console stays clean) and then works as above.
+  const std::string token = TempDir("playground_key") + "/token";
+  { std::ofstream(token) << "s3cret\n"; }
+  Daemon d("playground_token",
+           {"--http-listen", "127.0.0.1:0", "--window-policy", "full", "--token-file", token});
+  d.WaitReady();
   std::string out;
   EXPECT_EQ(RunCommand({IMAGEGEN_VENV_PYTHON, script, "--base-url",
-                        "http://127.0.0.1:" + std::to_string(d.http_port()), "--screenshot",
-                        d.dir() + "/playground.png"},
+                        "http://127.0.0.1:" + std::to_string(d.http_port()), "--api-key", "s3cret"},
                        &out, d.dir() + "/chromium.log", {}, std::chrono::seconds(900)),
             0)
       << out;
   std::printf("%s", out.c_str());
-  EXPECT_TRUE(d.WaitMetric(Requests("ar", "ok"), 1));
-  EXPECT_TRUE(d.WaitMetric(Requests("sjd", "ok"), 2));
   EXPECT_TRUE(d.WaitMetric(Slots(), 0));
   EXPECT_TRUE(d.CallsBalanced());
 }
