@@ -47,6 +47,12 @@ async function loadModels() {
     return;
   }
   const response = await fetch('/v1/models', { headers: headers() });
+  if (response.status === 503) {  // loading its models (or draining): ask again
+    showError('The server is not ready (' + await apiError(response) + '); retrying.');
+    setTimeout(() => loadModels().catch((e) => showError('Cannot reach the server: ' + e.message)),
+               1000);
+    return;
+  }
   if (!response.ok) {
     showError(response.status === 401 ? 'The API key was refused: enter the server\'s key above.'
                                       : 'Cannot list the models: ' + await apiError(response));
