@@ -404,23 +404,18 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
       if (state_ != State::kNew) return MHD_YES;
       state_ = State::kDone;  // unless a generation starts below
     }
-    if (const StaticAsset* a = FindPlaygroundAsset(path)) {
-      if (method != MHD_HTTP_METHOD_GET && method != MHD_HTTP_METHOD_HEAD) {
-        return ReplyError(conn_, MethodNotAllowed("GET"));
-      }
-      return ReplyAsset(conn_, *a);
+    // The GET routes: the playground's files, its config and the model list.
+    const StaticAsset* asset = FindPlaygroundAsset(path);
+    if ((asset != nullptr || path == "/playground/config" || path == "/v1/models") &&
+        method != MHD_HTTP_METHOD_GET && method != MHD_HTTP_METHOD_HEAD) {
+      return ReplyError(conn_, MethodNotAllowed("GET"));
     }
+    if (asset != nullptr) return ReplyAsset(conn_, *asset);
     if (path == "/playground/config") {  // what the page needs to know before any API call
-      if (method != MHD_HTTP_METHOD_GET && method != MHD_HTTP_METHOD_HEAD) {
-        return ReplyError(conn_, MethodNotAllowed("GET"));
-      }
       return HttpReply(conn_, MHD_HTTP_OK,
                        json({{"auth_required", svc_->auth().enabled()}}).dump());
     }
     if (path == "/v1/models") {
-      if (method != MHD_HTTP_METHOD_GET && method != MHD_HTTP_METHOD_HEAD) {
-        return ReplyError(conn_, MethodNotAllowed("GET"));
-      }
       if (!svc_->auth().AllowsHeader(Header(MHD_HTTP_HEADER_AUTHORIZATION))) {
         return ReplyError(conn_, FromGrpc(grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
                                                        "missing or invalid bearer token")));

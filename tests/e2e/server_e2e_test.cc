@@ -1228,16 +1228,26 @@ TEST(E2eTest, OpenAiSdkDrawsStreamsAndRaisesItsErrors) {
 // would shrink sjd's window towards ar's on a loaded machine.
 TEST(E2eTest, PlaygroundAnimatesAndRacesInChromium) {
   const std::string script = std::string(IMAGEGEN_SOURCE_DIR) + "/tests/e2e/playground_check.py";
-  {
-    Daemon d("playground", {"--http-listen", "127.0.0.1:0", "--window-policy", "full"});
+  const std::string token = TempDir("playground_key") + "/token";
+  { std::ofstream(token) << "s3cret\n"; }
+  // Then a daemon with a token: the page asks for the key first (no call fails on the way, so
+  // the console stays clean) and then works as without one.
+  for (const bool with_token : {false, true}) {
+    SCOPED_TRACE(with_token ? "with a token" : "without a token");
+    std::vector<std::string> flags = {"--http-listen", "127.0.0.1:0", "--window-policy", "full"};
+    if (with_token) flags.insert(flags.end(), {"--token-file", token});
+    Daemon d(with_token ? "playground_token" : "playground", flags);
     d.WaitReady();
     ASSERT_GT(d.http_port(), 0);
+    std::vector<std::string> argv = {IMAGEGEN_VENV_PYTHON, script, "--base-url",
+                                     "http://127.0.0.1:" + std::to_string(d.http_port())};
+    if (with_token) {
+      argv.insert(argv.end(), {"--api-key", "s3cret"});
+    } else {
+      argv.insert(argv.end(), {"--screenshot", d.dir() + "/playground.png"});
+    }
     std::string out;
-    EXPECT_EQ(RunCommand({IMAGEGEN_VENV_PYTHON, script, "--base-url",
-                          "http://127.0.0.1:" + std::to_string(d.http_port()), "--screenshot",
-                          d.dir() + "/playground.png"},
-                         &out, d.dir() + "/chromium.log", {}, std::chrono::seconds(900)),
-              0)
+    EXPECT_EQ(RunCommand(argv, &out, d.dir() + "/chromium.log", {}, std::chrono::seconds(900)), 0)
         << out;
     std::printf("%s", out.c_str());
     EXPECT_TRUE(d.WaitMetric(Requests("ar", "ok"), 1));
@@ -1245,22 +1255,6 @@ TEST(E2eTest, PlaygroundAnimatesAndRacesInChromium) {
     EXPECT_TRUE(d.WaitMetric(Slots(), 0));
     EXPECT_TRUE(d.CallsBalanced());
   }
-  // A daemon with a token: the page asks for the key first (no call fails on the way, so the
-  // console stays clean) and then works as above.
-  const std::string token = TempDir("playground_key") + "/token";
-  { std::ofstream(token) << "s3cret\n"; }
-  Daemon d("playground_token",
-           {"--http-listen", "127.0.0.1:0", "--window-policy", "full", "--token-file", token});
-  d.WaitReady();
-  std::string out;
-  EXPECT_EQ(RunCommand({IMAGEGEN_VENV_PYTHON, script, "--base-url",
-                        "http://127.0.0.1:" + std::to_string(d.http_port()), "--api-key", "s3cret"},
-                       &out, d.dir() + "/chromium.log", {}, std::chrono::seconds(900)),
-            0)
-      << out;
-  std::printf("%s", out.c_str());
-  EXPECT_TRUE(d.WaitMetric(Slots(), 0));
-  EXPECT_TRUE(d.CallsBalanced());
 }
 
 // The continuous-token family beside the GPT in one daemon: ListModels describes both, the CLI
