@@ -46,6 +46,9 @@ ABSL_FLAG(std::string, tls_key, "", "PEM key of --tls-cert");
 ABSL_FLAG(std::string, tls_server_name, "", "expected server name in its certificate");
 ABSL_FLAG(std::string, token_file, "", "file with the bearer token");
 ABSL_FLAG(double, timeout, 0, "deadline of each call in seconds (0: none)");
+ABSL_FLAG(std::string, request_id, "",
+          "generate: the call's x-request-id (the server's log line names it; default: the "
+          "server makes one, printed here)");
 ABSL_FLAG(std::string, model, "", "model name (default: the server's first)");
 // --class (a C++ keyword) is accepted and rewritten to --cls before parsing; dashes and
 // underscores in flag names are interchangeable.
@@ -267,6 +270,16 @@ void WriteOrDie(const std::string& path, const std::string& bytes) {
   }
 }
 
+// The call's id as the server sent it back (x-request-id, in the response's headers, or in its
+// trailers when the call failed at once); empty when none came.
+std::string RequestId(const grpc::ClientContext& ctx) {
+  for (const auto* md : {&ctx.GetServerInitialMetadata(), &ctx.GetServerTrailingMetadata()}) {
+    const auto it = md->find("x-request-id");
+    if (it != md->end()) return std::string(it->second.data(), it->second.size());
+  }
+  return "";
+}
+
 // Newlines and tabs shown as escapes (a chat template on one line).
 std::string Escaped(const std::string& s) {
   std::string out;
@@ -325,13 +338,19 @@ int Generate() {
   const std::string out = absl::GetFlag(FLAGS_out);
   grpc::ClientContext ctx;
   Prepare(&ctx);
+  if (const std::string id = absl::GetFlag(FLAGS_request_id); !id.empty()) {
+    ctx.AddMetadata("x-request-id", id);
+  }
   if (!absl::GetFlag(FLAGS_stream)) {
     v1::GenerateResponse resp;
     grpc::Status st = stub->Generate(&ctx, req, &resp);
+    const std::string id = RequestId(ctx);
     if (!st.ok()) {
-      std::cerr << "imagegen: " << Describe(st) << "\n";
+      std::cerr << "imagegen: " << Describe(st) << (id.empty() ? "" : "\n  request id " + id)
+                << "\n";
       return 1;
     }
+    if (!id.empty()) std::printf("request id %s\n", id.c_str());
     WriteOrDie(OutName(out, 0, n), resp.image_png());
     PrintStats(resp, OutName(out, 0, n));
     for (const v1::GenerateResponse& more : resp.more_images()) {
@@ -387,10 +406,12 @@ int Generate() {
     }
   }
   grpc::Status st = reader->Finish();
+  const std::string id = RequestId(ctx);
   if (!st.ok()) {
-    std::cerr << "imagegen: " << Describe(st) << "\n";
+    std::cerr << "imagegen: " << Describe(st) << (id.empty() ? "" : "\n  request id " + id) << "\n";
     return 1;
   }
+  if (!id.empty()) std::printf("request id %s\n", id.c_str());
   if (finals != std::max(n, 1)) {
     std::cerr << "imagegen: the stream ended with " << finals << " of " << std::max(n, 1)
               << " images\n";

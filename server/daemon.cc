@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <map>
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -22,13 +23,15 @@ StatusOr<std::string> ReadFile(const std::string& flag, const std::string& path)
 
 }  // namespace
 
-Daemon::Daemon(const DaemonOptions& options, TokenAuth auth)
+Daemon::Daemon(const DaemonOptions& options, TokenAuth auth, LogFormat format)
     : options_(options),
       auth_(auth),
+      log_(std::make_unique<RequestLog>(format, options.log_fd)),
       service_(&metrics_, auth,
                ServiceOptions{options.default_method, options.encoder_threads,
                               std::chrono::milliseconds(options.stream_stall_ms),
-                              ServiceOptions().max_request_bytes, options.max_images}) {}
+                              ServiceOptions().max_request_bytes, options.max_images,
+                              options.log_requests ? log_.get() : nullptr}) {}
 
 Daemon::~Daemon() { Stop(std::chrono::milliseconds(0)); }
 
@@ -47,6 +50,13 @@ StatusOr<std::unique_ptr<Daemon>> Daemon::Listen(const DaemonOptions& options) {
   }
   if (options.stream_stall_ms < 100) {
     return InvalidArgument("--stream-stall-seconds: must be at least 0.1");
+  }
+  LogFormat format;
+  if (!ParseLogFormat(options.log_format, &format)) {
+    return InvalidArgument("--log-format: text or json, not '" + options.log_format + "'");
+  }
+  if (!(options.log_stats_seconds >= 0)) {
+    return InvalidArgument("--log-stats-seconds: must be >= 0 (0: no stats lines)");
   }
   std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
   if (options.tls_cert.empty() != options.tls_key.empty()) {
@@ -70,7 +80,7 @@ StatusOr<std::unique_ptr<Daemon>> Daemon::Listen(const DaemonOptions& options) {
     return InvalidArgument("--tls-client-ca needs --tls-cert and --tls-key");
   }
 
-  std::unique_ptr<Daemon> d(new Daemon(options, auth));
+  std::unique_ptr<Daemon> d(new Daemon(options, auth, format));
   d->tls_ = !options.tls_cert.empty();
   if (!options.metrics_listen.empty()) {
     auto started = MetricsHttpServer::Start(options.metrics_listen,
@@ -128,7 +138,46 @@ Status Daemon::Load(const EngineStarter& starter) {
   RETURN_IF_ERROR(service_.SetEngine(engine_.get()));
   metrics_.SetEngine(engine_.get());
   server_->GetHealthCheckService()->SetServingStatus(kServiceName, true);
+  if (options_.log_stats_seconds > 0) stats_ = std::thread([this] { ReportStats(); });
   return OkStatus();
+}
+
+void Daemon::ReportStats() {
+  using Steady = std::chrono::steady_clock;
+  const auto interval = std::chrono::duration_cast<Steady::duration>(
+      std::chrono::duration<double>(options_.log_stats_seconds));
+  std::map<std::string, Metrics::ModelTotals> last = metrics_.Totals();
+  auto last_time = Steady::now();
+  std::unique_lock<std::mutex> l(stats_mu_);
+  while (!stats_cv_.wait_for(l, interval, [&] { return stats_stop_; })) {
+    l.unlock();
+    const auto now = Steady::now();
+    const std::map<std::string, Metrics::ModelTotals> totals = metrics_.Totals();
+    const EngineStats es = engine_->Stats();
+    for (const ModelLoad& m : es.models) {
+      const Metrics::ModelTotals& b = totals.count(m.model) ? totals.at(m.model) : last[m.model];
+      const Metrics::ModelTotals& a = last[m.model];
+      StatsRecord r;
+      r.model = m.model;
+      r.interval_seconds = std::chrono::duration<double>(now - last_time).count();
+      r.running = m.active;
+      r.queued = m.queued;
+      r.slots_used = m.slots_used;
+      r.slots_total = m.slots_total;
+      r.steps = b.steps - a.steps;
+      r.committed = b.committed - a.committed;
+      r.request_forwards = b.request_forwards - a.request_forwards;
+      r.images = b.images - a.images;
+      r.drafts_verified = b.drafts_verified - a.drafts_verified;
+      r.drafts_accepted = b.drafts_accepted - a.drafts_accepted;
+      r.step_seconds = b.step_seconds - a.step_seconds;
+      // Quiet models say nothing: a line per interval only while there is work.
+      if (r.steps > 0 || r.images > 0 || r.running > 0 || r.queued > 0) log_->Stats(r);
+    }
+    last = totals;
+    last_time = now;
+    l.lock();
+  }
 }
 
 std::string Daemon::Describe() const {
@@ -156,6 +205,14 @@ std::string Daemon::Describe() const {
 EngineStats Daemon::Stop(std::chrono::milliseconds grace) {
   if (stopped_ || server_ == nullptr) return final_stats_;
   stopped_ = true;
+  if (stats_.joinable()) {
+    {
+      std::lock_guard<std::mutex> l(stats_mu_);
+      stats_stop_ = true;
+    }
+    stats_cv_.notify_all();
+    stats_.join();
+  }
   server_->GetHealthCheckService()->Shutdown();  // every service NOT_SERVING from now on
   service_.SetDraining();
   metrics_.SetDraining();

@@ -13,16 +13,20 @@
 #include <grpcpp/grpcpp.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 
 #include "engine/scheduler/engine.h"
 #include "server/auth.h"
 #include "server/metrics.h"
 #include "server/http_api.h"
 #include "server/metrics_http.h"
+#include "server/request_log.h"
 #include "server/service.h"
 
 namespace imagegen::server {
@@ -39,6 +43,12 @@ struct DaemonOptions {
   int encoder_threads = 2;                 // PNG encoding and response building
   int64_t stream_stall_ms = 30000;         // a stream whose client reads nothing this long ends
   int max_images = 16;                     // GenerateRequest.n at most
+  // The log on stderr (server/request_log.h): a line per generation call, and a stats line per
+  // busy model every `log_stats_seconds` (0: none).
+  bool log_requests = true;
+  std::string log_format = "text";  // text or json
+  double log_stats_seconds = 10;
+  int log_fd = 2;  // where the log goes (tests)
   EngineOptions engine;
 };
 
@@ -73,12 +83,17 @@ class Daemon {
   // models were never loaded).
   EngineStats Stop(std::chrono::milliseconds grace);
 
+  // The daemon's log (request and stats lines; main's own messages go through it too).
+  RequestLog& log() { return *log_; }
+
  private:
-  explicit Daemon(const DaemonOptions& options, TokenAuth auth);
+  explicit Daemon(const DaemonOptions& options, TokenAuth auth, LogFormat format);
+  void ReportStats();  // the stats thread's loop
 
   const DaemonOptions options_;
   const TokenAuth auth_;
   bool tls_ = false;
+  std::unique_ptr<RequestLog> log_;  // destroyed last: what is queued is written
   // Destroyed bottom-up, after Stop(): the (stopped) HTTP API and /metrics first (its gauges
   // read the engine), then the engine, the (stopped) gRPC server, the service, and the metrics
   // the engine reported to.
@@ -91,6 +106,10 @@ class Daemon {
   int port_ = 0;
   bool stopped_ = false;
   EngineStats final_stats_;
+  std::mutex stats_mu_;
+  std::condition_variable stats_cv_;
+  bool stats_stop_ = false;
+  std::thread stats_;
 };
 
 }  // namespace imagegen::server

@@ -130,8 +130,8 @@ HttpError FromGrpc(const grpc::Status& st) {
   return e;
 }
 
-MHD_Result ReplyError(MHD_Connection* c, const HttpError& e) {
-  return HttpReply(c, e.status, ErrorJson(e).dump(), "application/json", e.retry_after);
+MHD_Result ReplyError(MHD_Connection* c, const HttpError& e, const HttpHeaders& headers = {}) {
+  return HttpReply(c, e.status, ErrorJson(e).dump(), "application/json", e.retry_after, headers);
 }
 
 // A playground file. It needs no token (it holds no data; the API calls it makes do), and its
@@ -394,7 +394,8 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
       if (state_ == State::kWaiting) {  // resumed
         if (reply_) {
           state_ = State::kDone;
-          return HttpReply(conn_, reply_->first, reply_->second, "application/json", retry_after_);
+          return HttpReply(conn_, reply_->first, reply_->second, "application/json", retry_after_,
+                           IdHeader());
         }
         if (gone_) return MHD_NO;  // the client hung up: close
         suspended_ = true;
@@ -404,11 +405,23 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
       if (state_ != State::kNew) return MHD_YES;
       state_ = State::kDone;  // unless a generation starts below
     }
-    // The GET routes: the playground's files, its config and the model list.
+    // The GET routes: health, the playground's files, its config and the model list.
     const StaticAsset* asset = FindPlaygroundAsset(path);
-    if ((asset != nullptr || path == "/playground/config" || path == "/v1/models") &&
+    const bool health = path == "/health" || path == "/health/live" || path == "/health/ready";
+    if ((asset != nullptr || health || path == "/playground/config" || path == "/v1/models") &&
         method != MHD_HTTP_METHOD_GET && method != MHD_HTTP_METHOD_HEAD) {
       return ReplyError(conn_, MethodNotAllowed("GET"));
+    }
+    // Health for load balancers and probes that speak HTTP, no token (as gRPC's Health): live
+    // while the server answers; ready (and /health) once the models are loaded, until draining.
+    if (path == "/health/live") return HttpReply(conn_, MHD_HTTP_OK, R"({"status":"alive"})");
+    if (health) {
+      const char* status = svc_->engine() == nullptr ? "loading"
+                           : svc_->draining()        ? "draining"
+                                                     : "ready";
+      return HttpReply(conn_,
+                       status == std::string("ready") ? MHD_HTTP_OK : MHD_HTTP_SERVICE_UNAVAILABLE,
+                       json({{"status", status}}).dump());
     }
     if (asset != nullptr) return ReplyAsset(conn_, *asset);
     if (path == "/playground/config") {  // what the page needs to know before any API call
@@ -437,8 +450,9 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
     HttpError e;
     e.status = MHD_HTTP_NOT_FOUND;
     e.type = "invalid_request_error";
-    e.message = "no route " + path +
-                " (POST /v1/images/generations, GET /v1/models, GET / for the playground)";
+    e.message =
+        "no route " + path +
+        " (POST /v1/images/generations, GET /v1/models, GET /health, GET / for the playground)";
     return ReplyError(conn_, e);
   }
 
@@ -481,6 +495,7 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
     for (int64_t id : cancel) engine_->Cancel(id);
     if (record) {  // the client left before its answer
       svc_->metrics()->OnRequestEnd(model_, method_label_, "cancelled");
+      Log("cancelled", "the client closed the connection", stream_ ? MHD_HTTP_OK : 0);
     }
     if (started_) svc_->metrics()->OnCallClosed();
   }
@@ -567,6 +582,10 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
         return;
       }
       svc_->metrics()->OnImage(model_, method_label_, r, total_seconds);
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        record_.AddImage(r);
+      }
       json item = {{"b64_json", absl::Base64Escape(resp.image_png())},
                    {"imagegen", StatsJson(resp.stats())}};
       output_tokens_ += static_cast<int64_t>(r.tokens.size());
@@ -577,7 +596,7 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
         ev["usage"] = Usage();
         ev["imagegen"] = item["imagegen"];
         const bool last = ++done_ == n_;
-        if (last) Record("ok");  // before the end is sent: the connection may close at once
+        if (last) Record("ok", "", MHD_HTTP_OK);  // before the end is sent: it may close at once
         Send("image_generation.completed", ev, last);
         return;
       }
@@ -586,7 +605,7 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
       json body = {{"created", UnixNow()},   {"data", items_},    {"background", "opaque"},
                    {"output_format", "png"}, {"quality", "auto"}, {"size", size_},
                    {"usage", Usage()}};
-      Record("ok");
+      Record("ok", "", MHD_HTTP_OK);
       Answer(MHD_HTTP_OK, body.dump(), -1);
     });
   }
@@ -693,20 +712,48 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
   }
   void Fail(const grpc::Status& st) {
     const HttpError e = FromGrpc(st);
-    Record(OutcomeLabel(st.error_code()));
+    Record(OutcomeLabel(st.error_code()), st.error_message(), stream_ ? MHD_HTTP_OK : e.status);
     if (stream_) {
       Send("error", ErrorJson(e), true);
     } else {
       Answer(e.status, ErrorJson(e).dump(), e.retry_after);
     }
   }
-  void Record(const std::string& outcome) {
+  // Once: the request's outcome in the metrics and the request log (`http_status`: the status
+  // line sent, 0 when none was).
+  void Record(const std::string& outcome, const std::string& error, unsigned http_status) {
     {
       std::lock_guard<std::mutex> l(mu_);
       if (recorded_) return;
       recorded_ = true;
     }
     svc_->metrics()->OnRequestEnd(model_, method_label_, outcome);
+    Log(outcome, error, http_status);
+  }
+  void Log(const std::string& outcome, const std::string& error, unsigned http_status) {
+    RequestLog* log = svc_->request_log();
+    if (log == nullptr) return;
+    CallRecord r;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      r = record_;
+    }
+    r.request_id = request_id_;
+    r.api = stream_ ? "http-stream" : "http";
+    r.peer = peer_;
+    r.model = svc_->ModelName(model_);
+    r.method = method_label_;
+    r.images = std::max(req_.n(), 1);
+    r.outcome = outcome;
+    r.error = error;
+    r.http_status = static_cast<int>(http_status);
+    r.seconds = std::chrono::duration<double>(Clock::now() - t0_).count();
+    log->Call(r);
+  }
+  // The x-request-id header of every answer to a generation request.
+  HttpHeaders IdHeader() const {
+    if (request_id_.empty()) return {};
+    return {{"x-request-id", request_id_}};
   }
 
   const std::shared_ptr<HttpApi::Shared> shared_;
@@ -722,6 +769,7 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
   bool stream_ = false, stream_steps_ = false;
   int partial_images_ = 0, scale_ = 1, n_ = 1;
   bool started_ = false;  // a generation request (counted as a call)
+  std::string request_id_, peer_;
   Engine* engine_ = nullptr;
   std::vector<int> partial_next_;  // the engine thread's
 
@@ -735,6 +783,7 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
   bool recorded_ = false;   // counted in imagegen_requests_total
   std::vector<int64_t> ids_;
   std::vector<bool> image_ended_;
+  CallRecord record_;  // the images done so far, for the request log
   std::optional<std::pair<unsigned, std::string>> reply_;
   double retry_after_ = -1;
   std::string sse_;
@@ -775,6 +824,8 @@ MHD_Result HttpCall::Start() {
       parsed = BadField(param.empty() ? "request" : param, message);
     }
   }
+  parsed = ImageGenerationService::CheckRequestId(Header("X-Request-Id"), parsed, &request_id_);
+  peer_ = HttpPeer(conn_);
   req_ = ir.req;
   model_ = req_.model();
   stream_ = ir.stream;
@@ -811,12 +862,13 @@ MHD_Result HttpCall::Start() {
     }
   }
   if (!st.ok()) {
-    Record(OutcomeLabel(st.error_code()));
+    const HttpError e = FromGrpc(st);
+    Record(OutcomeLabel(st.error_code()), st.error_message(), e.status);
     {
       std::lock_guard<std::mutex> l(mu_);
       finished_ = true;
     }
-    return ReplyError(conn_, FromGrpc(st));
+    return ReplyError(conn_, e, IdHeader());
   }
   if (stream_) {
     MHD_Response* r =
@@ -825,6 +877,7 @@ MHD_Result HttpCall::Start() {
     MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
     MHD_add_response_header(r, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
     MHD_add_response_header(r, "X-Accel-Buffering", "no");
+    MHD_add_response_header(r, "x-request-id", request_id_.c_str());
     {
       std::lock_guard<std::mutex> l(mu_);
       state_ = State::kStreaming;
@@ -836,7 +889,8 @@ MHD_Result HttpCall::Start() {
   std::lock_guard<std::mutex> l(mu_);
   if (reply_) {  // answered already (a fast image, or an early error)
     state_ = State::kDone;
-    return HttpReply(conn_, reply_->first, reply_->second, "application/json", retry_after_);
+    return HttpReply(conn_, reply_->first, reply_->second, "application/json", retry_after_,
+                     IdHeader());
   }
   state_ = State::kWaiting;
   suspended_ = true;

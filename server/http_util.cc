@@ -1,5 +1,6 @@
 #include "server/http_util.h"
 
+#include <arpa/inet.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -12,7 +13,7 @@
 namespace imagegen::server {
 
 MHD_Result HttpReply(MHD_Connection* c, unsigned code, const std::string& body, const char* type,
-                     double retry_after) {
+                     double retry_after, const HttpHeaders& headers) {
   MHD_Response* r = MHD_create_response_from_buffer(body.size(), const_cast<char*>(body.data()),
                                                     MHD_RESPMEM_MUST_COPY);
   if (r == nullptr) return MHD_NO;
@@ -21,9 +22,30 @@ MHD_Result HttpReply(MHD_Connection* c, unsigned code, const std::string& body, 
     const std::string s = std::to_string(static_cast<int64_t>(std::ceil(retry_after)));
     MHD_add_response_header(r, MHD_HTTP_HEADER_RETRY_AFTER, s.c_str());
   }
+  for (const auto& [name, value] : headers) {
+    MHD_add_response_header(r, name.c_str(), value.c_str());
+  }
   const MHD_Result ok = MHD_queue_response(c, code, r);
   MHD_destroy_response(r);
   return ok;
+}
+
+std::string HttpPeer(MHD_Connection* c) {
+  const MHD_ConnectionInfo* ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CLIENT_ADDRESS);
+  if (ci == nullptr || ci->client_addr == nullptr) return "";
+  char host[INET6_ADDRSTRLEN] = {};
+  const sockaddr* a = ci->client_addr;
+  if (a->sa_family == AF_INET) {
+    const auto* in = reinterpret_cast<const sockaddr_in*>(a);
+    ::inet_ntop(AF_INET, &in->sin_addr, host, sizeof host);
+    return std::string("ipv4:") + host + ":" + std::to_string(ntohs(in->sin_port));
+  }
+  if (a->sa_family == AF_INET6) {
+    const auto* in6 = reinterpret_cast<const sockaddr_in6*>(a);
+    ::inet_ntop(AF_INET6, &in6->sin6_addr, host, sizeof host);
+    return std::string("ipv6:[") + host + "]:" + std::to_string(ntohs(in6->sin6_port));
+  }
+  return "";
 }
 
 StatusOr<int> ListenTcp(const std::string& address, int* port) {

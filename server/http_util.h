@@ -5,6 +5,8 @@
 #include <microhttpd.h>
 
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "engine/util/status.h"
 
@@ -14,9 +16,17 @@ namespace imagegen::server {
 // one), for libmicrohttpd to own; the bound port in `*port`.
 StatusOr<int> ListenTcp(const std::string& address, int* port);
 
+using HttpHeaders = std::vector<std::pair<std::string, std::string>>;
+
 // Queues `body` as the response (`type` its Content-Type; a Retry-After header of
-// ceil(retry_after) seconds when retry_after >= 0). Call from libmicrohttpd's handler.
+// ceil(retry_after) seconds when retry_after >= 0; `headers` besides). Call from
+// libmicrohttpd's handler.
 MHD_Result HttpReply(MHD_Connection* c, unsigned code, const std::string& body,
-                     const char* type = "application/json", double retry_after = -1);
+                     const char* type = "application/json", double retry_after = -1,
+                     const HttpHeaders& headers = {});
+
+// The client's address as gRPC writes a peer: "ipv4:127.0.0.1:41234", "ipv6:[::1]:41234"
+// (empty when unknown).
+std::string HttpPeer(MHD_Connection* c);
 
 }  // namespace imagegen::server

@@ -85,13 +85,28 @@ ABSL_FLAG(std::string, http_listen, "",
 ABSL_FLAG(int32_t, max_images, 16,
           "images one request may ask for (GenerateRequest.n); each takes its own place in the "
           "queue and its own KV slots");
+ABSL_FLAG(bool, log_requests, true,
+          "log a line per generation call on stderr (request id, front, peer, model, method, "
+          "outcome, seconds, tokens, NFE, acceptance; never the prompt)");
+ABSL_FLAG(std::string, log_format, "text",
+          "text (\"imagegen-server: <event> key=value ...\") or json (one object per line)");
+ABSL_FLAG(double, log_stats_seconds, 10,
+          "every this many seconds, a stats line per model with work (running, queued, KV "
+          "slots, steps, tokens and images per second, tokens per forward, acceptance, busy "
+          "share); 0: none");
 ABSL_FLAG(std::string, port_file, "",
           "write the bound ports to this file once listening: \"<grpc> <metrics>\" (metrics 0: "
           "off), and \" <http>\" after them when --http-listen is set");
 
 namespace {
 
-void Log(const std::string& msg) { std::fprintf(stderr, "imagegen-server: %s\n", msg.c_str()); }
+imagegen::server::LogFormat log_format = imagegen::server::LogFormat::kText;
+
+// One line, in --log-format, in one write.
+void Log(const std::string& msg) {
+  const std::string line = imagegen::server::FormatMessage(log_format, msg);
+  std::fwrite(line.data(), 1, line.size(), stderr);
+}
 
 }  // namespace
 
@@ -138,6 +153,10 @@ int main(int argc, char** argv) {
   o.encoder_threads = absl::GetFlag(FLAGS_encoder_threads);
   o.stream_stall_ms = static_cast<int64_t>(absl::GetFlag(FLAGS_stream_stall_seconds) * 1000);
   o.max_images = absl::GetFlag(FLAGS_max_images);
+  o.log_requests = absl::GetFlag(FLAGS_log_requests);
+  o.log_format = absl::GetFlag(FLAGS_log_format);
+  o.log_stats_seconds = absl::GetFlag(FLAGS_log_stats_seconds);
+  (void)server::ParseLogFormat(o.log_format, &log_format);  // Listen names a bad one
   EngineOptions& eo = o.engine;
   eo.models_dir = absl::GetFlag(FLAGS_models_dir).empty() ? DefaultModelsDir()
                                                           : absl::GetFlag(FLAGS_models_dir);
@@ -150,7 +169,7 @@ int main(int argc, char** argv) {
   eo.max_tokens_per_step = absl::GetFlag(FLAGS_max_tokens_per_step);
   eo.prefill_tokens_per_step = absl::GetFlag(FLAGS_prefill_tokens_per_step);
   if (eo.prefill_tokens_per_step < 1) {
-    std::fprintf(stderr, "imagegen-server: --prefill-tokens-per-step must be >= 1\n");
+    Log("--prefill-tokens-per-step must be >= 1");
     return 2;
   }
   eo.window_policy = absl::GetFlag(FLAGS_window_policy);
@@ -218,6 +237,7 @@ int main(int argc, char** argv) {
   force.detach();
   const EngineStats st = daemon->Stop(
       std::chrono::milliseconds(static_cast<int64_t>(absl::GetFlag(FLAGS_grace_seconds) * 1000)));
+  daemon->log().Flush();  // the last calls' lines before the final one
   Log("stopped: " + std::to_string(st.completed) + " images, " + std::to_string(st.cancelled) +
       " cancelled, " + std::to_string(st.expired) + " expired, " + std::to_string(st.failed) +
       " failed");

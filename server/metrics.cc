@@ -312,6 +312,11 @@ void Metrics::OnStep(const StepSample& s) {
     expected_tokens_.Add(lb).Increment(s.expected_committed);
     realised_tokens_.Add(lb).Increment(static_cast<double>(s.committed));
   }
+  std::lock_guard<std::mutex> l(totals_mu_);
+  ModelTotals& t = totals_[s.model];
+  t.steps += 1;
+  t.committed += s.committed;
+  t.step_seconds += s.seconds;
 }
 
 void Metrics::OnRequestStep(const std::string& model, const std::string& method,
@@ -323,6 +328,13 @@ void Metrics::OnRequestStep(const std::string& model, const std::string& method,
   p.window->Observe(static_cast<double>(e.window));
   if (e.verified > 0) p.drafted->Increment(static_cast<double>(e.verified));
   if (e.accepted > 0) p.accepted->Increment(static_cast<double>(e.accepted));
+  {
+    std::lock_guard<std::mutex> l(totals_mu_);
+    ModelTotals& t = totals_[ml];
+    t.request_forwards += 1;
+    t.drafts_verified += e.verified;
+    t.drafts_accepted += e.accepted;
+  }
   for (size_t d = 0; d < e.verified_at_depth.size(); ++d) {
     const int64_t v = e.verified_at_depth[d];
     const int64_t a = d < e.accepted_at_depth.size() ? e.accepted_at_depth[d] : 0;
@@ -348,7 +360,8 @@ void Metrics::OnRequestEnd(const std::string& model, const std::string& method,
 
 void Metrics::OnImage(const std::string& model, const std::string& method, const RequestResult& r,
                       double total_seconds) {
-  PerMethod& p = For(ModelLabel(model), method);
+  const std::string ml = ModelLabel(model);
+  PerMethod& p = For(ml, method);
   const RequestStats& s = r.stats;
   p.images->Increment();
   p.draft_forwards->Increment(static_cast<double>(s.counters.draft_forwards));
@@ -358,8 +371,17 @@ void Metrics::OnImage(const std::string& model, const std::string& method, const
   p.latency->Observe(total_seconds);
   p.queue_time->Observe(s.queue_seconds);
   p.generation->Observe(s.generation_seconds);
+  {
+    std::lock_guard<std::mutex> l(totals_mu_);
+    totals_[ml].images += 1;
+  }
   std::lock_guard<std::mutex> l(mu_);
   recent_generation_ = 0.8 * recent_generation_ + 0.2 * s.generation_seconds;
+}
+
+std::map<std::string, Metrics::ModelTotals> Metrics::Totals() const {
+  std::lock_guard<std::mutex> l(totals_mu_);
+  return totals_;
 }
 
 double Metrics::RecentGenerationSeconds() const {

@@ -61,6 +61,14 @@ class Metrics : public EngineListener {
   // Mean seconds of a recent image's generation (for RetryInfo), 1 s before any.
   double RecentGenerationSeconds() const;
 
+  // Per model since the start (what the log's periodic stats line reports per interval).
+  struct ModelTotals {
+    int64_t steps = 0, committed = 0, request_forwards = 0, images = 0;
+    int64_t drafts_verified = 0, drafts_accepted = 0;
+    double step_seconds = 0;
+  };
+  std::map<std::string, ModelTotals> Totals() const;
+
  private:
   struct PerMethod {
     prometheus::Counter *drafted, *accepted, *nfe, *draft_forwards, *images;
@@ -109,6 +117,8 @@ class Metrics : public EngineListener {
   std::map<std::pair<std::string, std::string>, PerMethod> per_method_;
   std::vector<std::string> models_;  // loaded model names (label values)
   double recent_generation_ = 1.0;
+  mutable std::mutex totals_mu_;
+  std::map<std::string, ModelTotals> totals_;
 };
 
 }  // namespace imagegen::server

@@ -103,6 +103,7 @@ class Call : public std::enable_shared_from_this<Call> {
   v1::GenerateRequest req;
   std::string model, method = "unknown";
   int scale = 1;
+  std::string request_id, peer;  // for the request log
 
   // Before submission: the call draws `n` images.
   void Expect(int n) {
@@ -264,8 +265,22 @@ class Call : public std::enable_shared_from_this<Call> {
                     : grpc::Status(grpc::StatusCode::CANCELLED, "cancelled by the client");
   }
 
+  // Under mu_, once: the call's outcome in the metrics and the request log.
   void RecordEnd(const grpc::Status& st) {
-    svc_->metrics_->OnRequestEnd(model, method, OutcomeLabel(st.error_code()));
+    const std::string outcome = OutcomeLabel(st.error_code());
+    svc_->metrics_->OnRequestEnd(model, method, outcome);
+    RequestLog* log = svc_->options_.request_log;
+    if (log == nullptr) return;
+    record_.request_id = request_id;
+    record_.api = streaming() ? "grpc-stream" : "grpc";
+    record_.peer = peer;
+    record_.model = svc_->ModelName(model);
+    record_.method = method;
+    record_.images = std::max(req.n(), 1);
+    record_.outcome = outcome;
+    record_.error = st.ok() ? "" : st.error_message();
+    record_.seconds = Since(t0_);
+    log->Call(record_);
   }
 
   void IssueFinish(const grpc::Status& st) {
@@ -359,6 +374,7 @@ class Call : public std::enable_shared_from_this<Call> {
       if (st.ok()) {
         for (int i : images) {
           svc_->metrics_->OnImage(model, method, *results_[static_cast<size_t>(i)], Since(t0_));
+          record_.AddImage(*results_[static_cast<size_t>(i)]);
           results_[static_cast<size_t>(i)].reset();  // sent: its pixels are not kept
         }
       }
@@ -407,6 +423,7 @@ class Call : public std::enable_shared_from_this<Call> {
   std::deque<int> ready_;                              // streams: finished, not yet sent
   int completed_ = 0, sent_ = 0;
   std::optional<Status> error_;  // the first image error: the call's outcome
+  CallRecord record_;            // the images sent so far, for the request log
   grpc::ByteBuffer out_;         // the message being written
   Clock::time_point write_started_;
 
@@ -510,6 +527,13 @@ grpc::Status ImageGenerationService::EncodePrompt(const Engine& engine, const st
   return grpc::Status::OK;
 }
 
+std::string ImageGenerationService::ModelName(const std::string& requested) const {
+  if (!requested.empty()) return requested;
+  const Engine* engine = engine_.load();
+  if (engine == nullptr || engine->Models().empty()) return "";
+  return engine->Models()[0].name;
+}
+
 void ImageGenerationService::SetDraining() { draining_.store(true); }
 
 int64_t ImageGenerationService::open_calls() const {
@@ -543,6 +567,18 @@ void ImageGenerationService::Watch() {
     calls.clear();  // release outside mu_: the last reference may go here
     l.lock();
   }
+}
+
+grpc::Status ImageGenerationService::CheckRequestId(const std::string& request_id,
+                                                    const grpc::Status& parsed,
+                                                    std::string* request_id_out) {
+  if (!request_id.empty() && ValidRequestId(request_id)) {
+    *request_id_out = request_id;
+    return parsed;
+  }
+  *request_id_out = NewRequestId();
+  if (request_id.empty() || !parsed.ok()) return parsed;
+  return BadField("x-request-id", RequestIdError(request_id));
 }
 
 grpc::Status ImageGenerationService::Resolve(const v1::GenerateRequest& req, bool authorized,
@@ -608,6 +644,7 @@ grpc::Status ImageGenerationService::Begin(const std::shared_ptr<Call>& call,
   metrics_->OnCallOpened(attempts != md.end() && attempts->second != "0");
   // The body first (for the metric labels), then who may call, then what it asks.
   grpc::Status parsed = grpc::Status::OK;
+  const auto rid = md.find("x-request-id");
   grpc::ByteBuffer copy(request);
   if (request.Length() > options_.max_request_bytes) {
     parsed =
@@ -620,6 +657,14 @@ grpc::Status ImageGenerationService::Begin(const std::shared_ptr<Call>& call,
     call->method = MethodLabel(call->req, options_.default_method);
     call->scale = OutputScale(call->req);
   }
+  parsed =
+      CheckRequestId(rid == md.end() ? "" : std::string(rid->second.data(), rid->second.size()),
+                     parsed, &call->request_id);
+  // In the response's headers, and in its trailers too: a call that fails at once is answered
+  // with trailers only.
+  ctx->AddInitialMetadata("x-request-id", call->request_id);
+  ctx->AddTrailingMetadata("x-request-id", call->request_id);
+  call->peer = ctx->peer();
   const auto deadline = ctx->deadline();
   Engine* engine = nullptr;
   std::vector<GenerateParams> images;

@@ -33,6 +33,7 @@
 #include "imagegen/v1/imagegen.grpc.pb.h"
 #include "server/auth.h"
 #include "server/metrics.h"
+#include "server/request_log.h"
 #include "server/tokenizer.h"
 
 namespace imagegen::server {
@@ -44,6 +45,7 @@ struct ServiceOptions {
   std::chrono::milliseconds stall_limit{30000};
   size_t max_request_bytes = 64 << 10;  // larger bodies are INVALID_ARGUMENT
   int max_images = 16;                  // GenerateRequest.n at most
+  RequestLog* request_log = nullptr;    // a line per call when set (outlives the service)
 };
 
 // A FIFO of tasks run by a fixed set of threads. The destructor runs what is queued, then joins.
@@ -95,6 +97,7 @@ class ImageGenerationService final : public ServiceBase {
   Status SetEngine(Engine* engine);
   // From now on new calls are UNAVAILABLE; calls in flight go on.
   void SetDraining();
+  bool draining() const { return draining_.load(); }
 
   grpc::ServerUnaryReactor* Generate(grpc::CallbackServerContext* ctx,
                                      const grpc::ByteBuffer* request,
@@ -113,10 +116,19 @@ class ImageGenerationService final : public ServiceBase {
   // request (`parsed`: the front's own parsing outcome), its defaults (`method`: the metric
   // label), the prompts tokenized, the deadline, and the request's n engine requests (image
   // i's seed is seed + i). Errors are what the call must end with; fields are named.
+  // `request_id` is what the client sent as x-request-id (empty: none); *request_id_out is the
+  // call's id (the client's, or a new one), and an invalid one is INVALID_ARGUMENT naming
+  // `x-request-id` when `parsed` was OK.
+  static grpc::Status CheckRequestId(const std::string& request_id, const grpc::Status& parsed,
+                                     std::string* request_id_out);
   grpc::Status Resolve(const v1::GenerateRequest& req, bool authorized, const grpc::Status& parsed,
                        std::chrono::system_clock::time_point deadline, Engine** engine,
                        std::vector<GenerateParams>* images, std::string* method) const;
   Metrics* metrics() const { return metrics_; }
+  RequestLog* request_log() const { return options_.request_log; }
+  // The model a request names, or the one it gets by naming none (the engine's first; empty
+  // while the models load).
+  std::string ModelName(const std::string& requested) const;
   const TokenAuth& auth() const { return auth_; }
   const ServiceOptions& options() const { return options_; }
   // The engine once SetEngine has run (null before).

@@ -9,9 +9,11 @@
 #include <cmath>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <memory>
 #include <regex>
 #include <set>
+#include <sstream>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -23,6 +25,7 @@
 #include "imagegen/v1/imagegen.grpc.pb.h"
 #include "tests/e2e/classify.h"
 #include "tests/e2e/process.h"
+#include "tests/http_client.h"
 #include "tests/temp_dir.h"
 
 namespace imagegen::testing {
@@ -628,8 +631,13 @@ TEST(E2eTest, TlsAndBearerTokenAcceptTheRightTokenOnly) {
 }
 
 TEST(E2eTest, SigtermDrainsInFlightStreamsThenExitsZero) {
-  Daemon d("sigterm", {"--grace-seconds", "60"});
+  Daemon d("sigterm", {"--grace-seconds", "60", "--http-listen", "127.0.0.1:0"});
   d.WaitReady();
+  // The HTTP port's health routes (for load balancers that do not speak gRPC): ready now.
+  EXPECT_EQ(HttpGet(d.http_port(), "/health"),
+            std::make_pair(200, std::string(R"({"status":"ready"})")));
+  EXPECT_EQ(HttpGet(d.http_port(), "/health/ready").first, 200);
+  EXPECT_EQ(HttpGet(d.http_port(), "/health/live").first, 200);
   auto stub = d.Stub();
   grpc::ClientContext a, b;
   auto ra = stub->GenerateStream(&a, Request("shirt", 1, "ar"));
@@ -654,6 +662,9 @@ TEST(E2eTest, SigtermDrainsInFlightStreamsThenExitsZero) {
     if (!not_serving) std::this_thread::sleep_for(milliseconds(10));
   }
   EXPECT_TRUE(not_serving);
+  EXPECT_EQ(HttpGet(d.http_port(), "/health"),
+            std::make_pair(503, std::string(R"({"status":"draining"})")));
+  EXPECT_EQ(HttpGet(d.http_port(), "/health/live").first, 200);  // alive while it drains
   EXPECT_EQ(RunCommand({IMAGEGEN_CLI_BINARY, "health", "--target", d.target()}, &out,
                        d.dir() + "/health2.log"),
             1)
@@ -671,6 +682,138 @@ TEST(E2eTest, SigtermDrainsInFlightStreamsThenExitsZero) {
   }
   EXPECT_EQ(d.proc().Wait(seconds(60)), 0) << d.proc().Log();
   EXPECT_NE(d.proc().Log().find("stopped: 2 images"), std::string::npos) << d.proc().Log();
+}
+
+// The daemon's log (server/request_log.h), here as JSON lines: every generation call, from
+// either front, is one `request` line that names it by the id the response carries back
+// (x-request-id: the client's when it sends a valid one, else the server's), with its outcome
+// and the same NFE and seed the response reports; a busy model gets `stats` lines; and
+// --log-requests=false writes no request line.
+TEST(E2eTest, RequestLogNamesEveryCallByTheIdItEchoes) {
+  Daemon d("request_log",
+           {"--http-listen", "127.0.0.1:0", "--log-format", "json", "--log-stats-seconds", "0.5"});
+  d.WaitReady();
+  auto stub = d.Stub();
+  auto id_of = [](const grpc::ClientContext& ctx) {
+    for (const auto* md : {&ctx.GetServerInitialMetadata(), &ctx.GetServerTrailingMetadata()}) {
+      const auto it = md->find("x-request-id");
+      if (it != md->end()) return std::string(it->second.data(), it->second.size());
+    }
+    return std::string();
+  };
+  const std::regex server_id("req_[0-9a-f]{32}");
+
+  grpc::ClientContext c1;  // the client's id
+  c1.AddMetadata("x-request-id", "e2e-grpc-1");
+  v1::GenerateResponse r1;
+  ASSERT_TRUE(stub->Generate(&c1, Request("bag", 11, "sjd"), &r1).ok());
+  EXPECT_EQ(id_of(c1), "e2e-grpc-1");
+
+  grpc::ClientContext c2;  // none: the server's
+  v1::GenerateResponse r2;
+  ASSERT_TRUE(stub->Generate(&c2, Request("sneaker", 12, "ar"), &r2).ok());
+  const std::string id2 = id_of(c2);
+  EXPECT_TRUE(std::regex_match(id2, server_id)) << id2;
+
+  grpc::ClientContext c3;  // an invalid one: refused, naming it
+  c3.AddMetadata("x-request-id", std::string(200, 'x'));
+  v1::GenerateResponse r3;
+  const grpc::Status s3 = stub->Generate(&c3, Request("bag", 13, "ar"), &r3);
+  ASSERT_EQ(s3.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  google::rpc::BadRequest br;
+  ASSERT_NE(Violations(s3, &br), nullptr);
+  EXPECT_EQ(br.field_violations(0).field(), "x-request-id");
+  const std::string id3 = id_of(c3);
+  EXPECT_TRUE(std::regex_match(id3, server_id)) << id3;
+
+  grpc::ClientContext c4;  // a stream
+  c4.AddMetadata("x-request-id", "e2e-stream-1");
+  auto reader = stub->GenerateStream(&c4, Request("trouser", 14, "scd-mc"));
+  v1::GenerateStreamResponse msg;
+  int64_t stream_nfe = 0;
+  while (reader->Read(&msg)) {
+    if (msg.has_final()) stream_nfe = msg.final().stats().nfe();
+  }
+  ASSERT_TRUE(reader->Finish().ok());
+  EXPECT_EQ(id_of(c4), "e2e-stream-1");
+
+  // The HTTP API: the header in, the same header out.
+  const std::string body = R"({"prompt": "bag", "seed": 15, "method": "ar"})";
+  const std::string http = Fetch(d.http_port(),
+                                 "POST /v1/images/generations HTTP/1.0\r\nHost: 127.0.0.1\r\n"
+                                 "Content-Type: application/json\r\nX-Request-Id: e2e-http-1\r\n"
+                                 "Content-Length: " +
+                                     std::to_string(body.size()) + "\r\n\r\n" + body);
+  ASSERT_EQ(http.rfind("HTTP/1.1 200", 0), 0u) << http.substr(0, 300);
+  EXPECT_NE(http.find("\r\nx-request-id: e2e-http-1\r\n"), std::string::npos)
+      << http.substr(0, http.find("\r\n\r\n"));
+
+  // A stats line for the model the calls kept busy.
+  bool stats = false;
+  for (int i = 0; i < 2400 && !stats; ++i) {
+    stats = d.proc().Log().find(R"("event":"stats")") != std::string::npos;
+    if (!stats) std::this_thread::sleep_for(milliseconds(50));
+  }
+  EXPECT_TRUE(stats) << d.proc().Log();
+
+  // Stopped, the daemon has written every line (the log is flushed before it exits).
+  d.proc().Signal(SIGTERM);
+  ASSERT_EQ(d.proc().Wait(seconds(60)), 0) << d.proc().Log();
+  std::map<std::string, nlohmann::json> calls;
+  int request_lines = 0;
+  nlohmann::json stats_line;
+  std::istringstream in(d.proc().Log());
+  for (std::string line; std::getline(in, line);) {
+    const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+    ASSERT_TRUE(j.is_object() && j.contains("ts") && j.contains("event")) << line;
+    if (j["event"] == "request") {
+      request_lines += 1;
+      calls[j["request_id"].get<std::string>()] = j;
+    } else if (j["event"] == "stats" && j["images_per_second"].get<double>() > 0) {
+      stats_line = j;
+    }
+  }
+  EXPECT_EQ(request_lines, 5);
+  ASSERT_EQ(calls.size(), 5u) << d.proc().Log();
+  const nlohmann::json& g1 = calls["e2e-grpc-1"];
+  EXPECT_EQ(g1["api"], "grpc");
+  EXPECT_EQ(g1["model"], "fmnist-gpt");
+  EXPECT_EQ(g1["method"], "sjd");
+  EXPECT_EQ(g1["outcome"], "ok");
+  EXPECT_EQ(g1["nfe"], r1.stats().nfe());
+  EXPECT_EQ(g1["tokens"], 196);
+  EXPECT_EQ(g1["seed"], "11");
+  EXPECT_EQ(g1["peer"].get<std::string>().rfind("ipv4:127.0.0.1:", 0), 0u) << g1;
+  EXPECT_EQ(calls[id2]["method"], "ar");
+  EXPECT_EQ(calls[id2]["nfe"], 196);
+  EXPECT_EQ(calls[id3]["outcome"], "invalid_argument");
+  EXPECT_NE(calls[id3]["error"].get<std::string>().find("x-request-id"), std::string::npos);
+  EXPECT_FALSE(calls[id3].contains("nfe"));
+  EXPECT_EQ(calls["e2e-stream-1"]["api"], "grpc-stream");
+  EXPECT_EQ(calls["e2e-stream-1"]["nfe"], stream_nfe);
+  const nlohmann::json& h1 = calls["e2e-http-1"];
+  EXPECT_EQ(h1["api"], "http");
+  EXPECT_EQ(h1["status"], 200);
+  EXPECT_EQ(h1["outcome"], "ok");
+  EXPECT_EQ(h1["seed"], "15");
+  EXPECT_EQ(h1["nfe"], 196);
+  ASSERT_FALSE(stats_line.is_null()) << d.proc().Log();
+  EXPECT_EQ(stats_line["model"], "fmnist-gpt");
+  EXPECT_GT(stats_line["tokens_per_second"].get<double>(), 0);
+
+  // Off: no request lines (and no stats lines), the daemon's own messages still in text.
+  Daemon quiet("request_log_off", {"--log-requests=false", "--log-stats-seconds", "0"});
+  quiet.WaitReady();
+  grpc::ClientContext c5;
+  v1::GenerateResponse r5;
+  ASSERT_TRUE(quiet.Stub()->Generate(&c5, Request("bag", 16, "ar"), &r5).ok());
+  EXPECT_TRUE(std::regex_match(id_of(c5), server_id));  // the id is still sent back
+  quiet.proc().Signal(SIGTERM);
+  ASSERT_EQ(quiet.proc().Wait(seconds(60)), 0) << quiet.proc().Log();
+  const std::string log = quiet.proc().Log();
+  EXPECT_EQ(log.find("imagegen-server: request"), std::string::npos) << log;
+  EXPECT_EQ(log.find("imagegen-server: stats"), std::string::npos) << log;
+  EXPECT_NE(log.find("imagegen-server: stopped: 1 images"), std::string::npos) << log;
 }
 
 // A real Prometheus server scrapes the daemon with deploy/prometheus.yml (target and interval
