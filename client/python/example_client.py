@@ -64,7 +64,12 @@ def main():
         # With n > 1 the images' messages interleave; each names its image's index.
         grids = [[None] * (model.grid * model.grid) for _ in range(max(args.n, 1))]
         finals = {}
-        for message in stub.GenerateStream(request, metadata=metadata, timeout=120):
+        call = stub.GenerateStream(request, metadata=metadata, timeout=120)
+        # The server's id for the call (its log line names it): the response's first header.
+        request_id = dict(call.initial_metadata()).get("x-request-id", "")
+        if request_id:
+            print(f"request id {request_id}")
+        for message in call:
             if message.HasField("step"):
                 step = message.step
                 for position, token in zip(step.positions, step.tokens):

@@ -928,13 +928,17 @@ TEST(E2eTest, CliAndPythonClientsWork) {
       << out;
   std::string err;
   EXPECT_EQ(ClassifyPng(Slurp(dir + "/sneaker.png"), &err), 7) << err;
-  ASSERT_EQ(RunCommand({IMAGEGEN_CLI_BINARY, "generate", "--target", d.target(), "--class", "bag",
-                        "--stream", "--preview-every", "10", "--preview-dir", dir + "/frames",
-                        "--out", dir + "/bag.png", "--method", "ar"},
-                       &out, dir + "/cli3.log"),
-            0)
+  const std::regex server_id("request id req_[0-9a-f]{32}\n");
+  EXPECT_TRUE(std::regex_search(out, server_id)) << out;  // the id the server's log names
+  ASSERT_EQ(
+      RunCommand({IMAGEGEN_CLI_BINARY, "generate", "--target", d.target(), "--class", "bag",
+                  "--stream", "--preview-every", "10", "--preview-dir", dir + "/frames", "--out",
+                  dir + "/bag.png", "--method", "ar", "--request-id", "cli-stream-1"},
+                 &out, dir + "/cli3.log"),
+      0)
       << out;
   EXPECT_NE(out.find("step 196"), std::string::npos);
+  EXPECT_NE(out.find("request id cli-stream-1\n"), std::string::npos) << out;
   // Previews come when due (the budget is off for this daemon): some did.
   EXPECT_FALSE(std::filesystem::is_empty(dir + "/frames"));
   EXPECT_EQ(RunCommand({IMAGEGEN_CLI_BINARY, "generate", "--target", d.target(), "--class", "bag",
@@ -942,6 +946,7 @@ TEST(E2eTest, CliAndPythonClientsWork) {
                        &out, dir + "/cli4.log"),
             1);
   EXPECT_NE(out.find("field top_p"), std::string::npos) << out;
+  EXPECT_TRUE(std::regex_search(out, server_id)) << out;  // beside the error too
   ASSERT_EQ(RunCommand({IMAGEGEN_CLI_BINARY, "load", "--target", d.target(), "--concurrency", "2",
                         "--duration", "2", "--method", "sjd"},
                        &out, dir + "/cli5.log"),
@@ -959,6 +964,7 @@ TEST(E2eTest, CliAndPythonClientsWork) {
                        &out, dir + "/py.log", {"PYTHONPATH=" + std::string(IMAGEGEN_PYTHON_STUBS)}),
             0)
       << out;
+  EXPECT_TRUE(std::regex_search(out, server_id)) << out;
   EXPECT_EQ(ClassifyPng(Slurp(dir + "/trouser.png"), &err), 1) << err;
 }
 
