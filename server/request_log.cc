@@ -18,9 +18,8 @@ namespace {
 using json = nlohmann::ordered_json;
 
 bool RequestIdChar(char c) {
-  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-         c == '-' || c == '_' || c == '.' || c == ':' || c == '/' || c == '+' || c == '=' ||
-         c == '@';
+  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-' ||
+         c == '_' || c == '.' || c == ':' || c == '/' || c == '+' || c == '=' || c == '@';
 }
 
 uint64_t SplitMix64(uint64_t x) {
@@ -33,9 +32,8 @@ uint64_t SplitMix64(uint64_t x) {
 std::string Timestamp() {
   const auto now = std::chrono::system_clock::now();
   const std::time_t t = std::chrono::system_clock::to_time_t(now);
-  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(now.time_since_epoch())
-                      .count() %
-                  1000;
+  const auto ms =
+      std::chrono::duration_cast<std::chrono::milliseconds>(now.time_since_epoch()).count() % 1000;
   std::tm tm{};
   gmtime_r(&t, &tm);
   char buf[40];
@@ -114,8 +112,7 @@ class Line {
     return *this;
   }
   std::string Done() const {
-    return (f_ == LogFormat::kJson ? j_.dump(-1, ' ', false, json::error_handler_t::replace)
-                                   : s_) +
+    return (f_ == LogFormat::kJson ? j_.dump(-1, ' ', false, json::error_handler_t::replace) : s_) +
            "\n";
   }
 
@@ -222,8 +219,7 @@ std::string FormatStats(LogFormat format, const StatsRecord& r) {
         Ratio(static_cast<double>(r.committed), static_cast<double>(r.request_forwards)), 2);
   if (r.drafts_verified > 0) {
     l.Num("acceptance",
-          Ratio(static_cast<double>(r.drafts_accepted), static_cast<double>(r.drafts_verified)),
-          3);
+          Ratio(static_cast<double>(r.drafts_accepted), static_cast<double>(r.drafts_verified)), 3);
   }
   l.Num("busy", Ratio(r.step_seconds, s), 2);
   return l.Done();

@@ -52,16 +52,16 @@ struct CallRecord {
   std::string api;   // grpc, grpc-stream, http, http-stream
   std::string peer;  // "ipv4:127.0.0.1:41234", "ipv6:[::1]:41234"
   std::string model, method;
-  int images = 1;          // asked for (n)
-  std::string outcome;     // ok, invalid_argument, ... (imagegen_requests_total's label)
-  std::string error;       // the message of an outcome other than ok
-  int http_status = 0;     // the HTTP front: the status line sent (0: none, or gRPC)
-  double seconds = 0;      // from the call's arrival to its end
+  int images = 1;       // asked for (n)
+  std::string outcome;  // ok, invalid_argument, ... (imagegen_requests_total's label)
+  std::string error;    // the message of an outcome other than ok
+  int http_status = 0;  // the HTTP front: the status line sent (0: none, or gRPC)
+  double seconds = 0;   // from the call's arrival to its end
   // Over the images sent to the client.
   int images_sent = 0;
   int64_t tokens = 0, nfe = 0, drafts_verified = 0, drafts_accepted = 0, prompt_tokens = 0;
-  double queue_seconds = 0;       // the longest wait of its images for a KV slot
-  std::optional<uint64_t> seed;   // the first image's
+  double queue_seconds = 0;      // the longest wait of its images for a KV slot
+  std::optional<uint64_t> seed;  // the first image's
 
   void AddImage(const RequestResult& r);
 };

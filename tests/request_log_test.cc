@@ -63,8 +63,11 @@ CallRecord Sample() {
   RequestResult a, b;
   a.seed = 7;
   a.prompt_tokens = 0;
-  a.stats.counters = {.nfe = 60, .draft_forwards = 0, .drafts_verified = 300,
-                      .drafts_accepted = 136, .tokens = 196};
+  a.stats.counters = {.nfe = 60,
+                      .draft_forwards = 0,
+                      .drafts_verified = 300,
+                      .drafts_accepted = 136,
+                      .tokens = 196};
   a.stats.queue_seconds = 0.25;
   b = a;
   b.seed = 8;
