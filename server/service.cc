@@ -283,6 +283,14 @@ class Call : public std::enable_shared_from_this<Call> {
     log->Call(record_);
   }
 
+  // The Pump task, before the call's first message or its successful answer: the request id in
+  // the response's headers as well (they go out with it).
+  void Headers() {
+    if (headers_) return;
+    headers_ = true;
+    ctx_->AddInitialMetadata("x-request-id", request_id);
+  }
+
   void IssueFinish(const grpc::Status& st) {
     if (unary_ != nullptr) {
       unary_->Finish(st);
@@ -330,6 +338,7 @@ class Call : public std::enable_shared_from_this<Call> {
         out_ = std::move(bb);
         write_started_ = Clock::now();
         l.unlock();
+        Headers();
         stream_->StartWrite(&out_);
         return;
       }
@@ -383,6 +392,7 @@ class Call : public std::enable_shared_from_this<Call> {
         RecordEnd(st);
         if (st.ok()) *unary_out_ = std::move(bb);
         l.unlock();
+        if (st.ok()) Headers();
         IssueFinish(st);
         return;
       }
@@ -391,12 +401,14 @@ class Call : public std::enable_shared_from_this<Call> {
       write_started_ = Clock::now();
       if (!last) {
         l.unlock();
+        Headers();
         stream_->StartWrite(&out_);
         return;
       }
       finished_ = true;
       RecordEnd(grpc::Status::OK);
       l.unlock();
+      Headers();
       stream_->StartWriteAndFinish(&out_, grpc::WriteOptions(), grpc::Status::OK);
       return;
     }
@@ -425,6 +437,7 @@ class Call : public std::enable_shared_from_this<Call> {
   std::optional<Status> error_;  // the first image error: the call's outcome
   CallRecord record_;            // the images sent so far, for the request log
   grpc::ByteBuffer out_;         // the message being written
+  bool headers_ = false;         // Pump's: the request id is in the initial metadata
   Clock::time_point write_started_;
 
   std::mutex ctx_mu_;
@@ -660,9 +673,9 @@ grpc::Status ImageGenerationService::Begin(const std::shared_ptr<Call>& call,
   parsed =
       CheckRequestId(rid == md.end() ? "" : std::string(rid->second.data(), rid->second.size()),
                      parsed, &call->request_id);
-  // In the response's headers, and in its trailers too: a call that fails at once is answered
-  // with trailers only.
-  ctx->AddInitialMetadata("x-request-id", call->request_id);
+  // In the trailers of every call; in the headers too once a message or an image goes out
+  // (Call::Headers). Not before: a response with headers is one gRPC's client may no longer
+  // retry (gRFC A6), and an UNAVAILABLE from a draining replica must stay retryable.
   ctx->AddTrailingMetadata("x-request-id", call->request_id);
   call->peer = ctx->peer();
   const auto deadline = ctx->deadline();
