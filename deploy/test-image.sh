@@ -195,8 +195,11 @@ page = urllib.request.urlopen(base + "/", timeout=30).read().decode()
 assert "imagegen playground" in page, page[:200]
 req = urllib.request.Request(base + "/v1/images/generations", method="POST",
                              data=json.dumps({"prompt": "trouser", "seed": 3}).encode(),
-                             headers={"Content-Type": "application/json"})
-body = json.load(urllib.request.urlopen(req, timeout=120))
+                             headers={"Content-Type": "application/json",
+                                      "X-Request-Id": "image-test-1"})
+resp = urllib.request.urlopen(req, timeout=120)
+assert resp.headers.get("x-request-id") == "image-test-1", dict(resp.headers)
+body = json.load(resp)
 png = base64.b64decode(body["data"][0]["b64_json"])
 assert png[:8] == b"\x89PNG\r\n\x1a\n"
 print("the playground page (%d bytes); POST /v1/images/generations: a %s PNG, NFE %d"
@@ -204,6 +207,17 @@ print("the playground page (%d bytes); POST /v1/images/generations: a %s PNG, NF
 EOF
 )" || fail "the HTTP port"
 say "HTTP: $http"
+# The daemon's log: a line for that call, named by the id the client sent (written by the log's
+# own thread, so it may land a moment after the answer).
+logged=""
+for _ in $(seq 1 100); do
+  logged="$(E logs "$name" 2>&1 | grep 'request request_id=image-test-1 ' || true)"
+  [ -n "$logged" ] && break
+  sleep 0.1
+done
+[ -n "$logged" ] || { E logs "$name" 2>&1 | tail -n 5; fail "no log line for request image-test-1"; }
+echo "$logged" | grep -q 'api=http .*outcome=ok status=200' || fail "the log line: $logged"
+say "log: ${logged#imagegen-server: }"
 
 # --- 5. SIGTERM drains a request in flight -------------------------------------------------
 # Sixteen ar images in one streaming call: 16 x 196 steps, about 2 s on an idle 2-core machine
