@@ -2,7 +2,7 @@
 # What the daemon's log costs (server/request_log.h): two daemons on the same models, one with
 # every log line on (a JSON request line per call, a stats line every second, stderr to a
 # file) and one with none (--log-requests=false --log-stats-seconds 0), under the same
-# closed-loop gRPC load (`imagegen load`) in ABAB order: per setting one warm-up run on each
+# closed-loop gRPC load (`imagegen load`) in ABAB order (bench/abab.sh): per setting one warm-up run on each
 # (discarded), then ROUNDS pairs off, on. Each round gives a ratio on/off; the spread of the
 # "off" runs among themselves is the noise. Many short calls (ar, 16 clients) log the most
 # lines per second.
@@ -35,35 +35,16 @@ port() {
 }
 on=$(port on)
 off=$(port off)
-summary() {  # images/s, p50, p99 of a load log
-  awk '/images\/s/ {ips = $(NF-1)} /^latency/ {p50 = $4; p99 = $8} END {print ips, p50, p99}' "$1"
-}
+source bench/abab.sh
+off_run() { load "$off" "$@"; }
+on_run() { load "$on" "$@"; }
 load() {  # port, method, clients, log
   "$BUILD/client/imagegen" load --target "127.0.0.1:$1" --method "$2" --concurrency "$3" \
     --duration "$SECS" > "$4" 2>&1
 }
-median() { tr ' ' '\n' | sort -g | awk '{v[NR] = $1} END {print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2}'; }
-printf "%-8s %3s | %-26s | %-26s | %-22s %s\n" method c "off img/s p50 p99 (median)" \
-  "on img/s p50 p99 (median)" "on/off per round" "off spread"
+abab_header off on
 for method in ar scd-mc; do
-  for c in 16; do
-    load "$off" "$method" "$c" "$OUT/warmup-off.log"
-    load "$on" "$method" "$c" "$OUT/warmup-on.log"
-    oi=() op50=() op99=() ni=() np50=() np99=() ratios=()
-    for r in $(seq "$ROUNDS"); do
-      load "$off" "$method" "$c" "$OUT/off-$method-$c-$r.log"
-      load "$on" "$method" "$c" "$OUT/on-$method-$c-$r.log"
-      read -r g a b < <(summary "$OUT/off-$method-$c-$r.log")
-      read -r h x y < <(summary "$OUT/on-$method-$c-$r.log")
-      oi+=("$g") op50+=("$a") op99+=("$b") ni+=("$h") np50+=("$x") np99+=("$y")
-      ratios+=("$(awk -v h="$h" -v g="$g" 'BEGIN {printf "%.2f", h / g}')")
-    done
-    om=$(echo "${oi[@]}" | median) nm=$(echo "${ni[@]}" | median)
-    printf "%-8s %3s | %6.2f %6.3f %6.3f        | %6.2f %6.3f %6.3f        | %-22s %5.1f%%\n" \
-      "$method" "$c" "$om" "$(echo "${op50[@]}" | median)" "$(echo "${op99[@]}" | median)" \
-      "$nm" "$(echo "${np50[@]}" | median)" "$(echo "${np99[@]}" | median)" "${ratios[*]}" \
-      "$(echo "${oi[@]}" | tr ' ' '\n' | sort -g | awk -v m="$om" 'NR == 1 {lo = $1} {hi = $1} END {print 100 * (hi - lo) / m}')"
-  done
+  abab "$method" 16 off_run on_run
 done
 echo "log lines written by the logging daemon: $(grep -c '"event":"request"' "$OUT/on.log") request," \
   "$(grep -c '"event":"stats"' "$OUT/on.log") stats; dropped notices:" \
