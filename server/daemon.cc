@@ -147,17 +147,17 @@ void Daemon::ReportStats() {
   using Steady = std::chrono::steady_clock;
   const auto interval = std::chrono::duration_cast<Steady::duration>(
       std::chrono::duration<double>(options_.log_stats_seconds));
-  std::map<std::string, Metrics::ModelTotals> last = metrics_.Totals();
+  std::map<std::string, WorkTotals> last = metrics_.Totals();
   auto last_time = Steady::now();
   std::unique_lock<std::mutex> l(stats_mu_);
   while (!stats_cv_.wait_for(l, interval, [&] { return stats_stop_; })) {
     l.unlock();
     const auto now = Steady::now();
-    const std::map<std::string, Metrics::ModelTotals> totals = metrics_.Totals();
+    const std::map<std::string, WorkTotals> totals = metrics_.Totals();
     const EngineStats es = engine_->Stats();
     for (const ModelLoad& m : es.models) {
-      const Metrics::ModelTotals& b = totals.count(m.model) ? totals.at(m.model) : last[m.model];
-      const Metrics::ModelTotals& a = last[m.model];
+      const WorkTotals& a = last[m.model];
+      const auto b = totals.find(m.model);
       StatsRecord r;
       r.model = m.model;
       r.interval_seconds = std::chrono::duration<double>(now - last_time).count();
@@ -165,15 +165,11 @@ void Daemon::ReportStats() {
       r.queued = m.queued;
       r.slots_used = m.slots_used;
       r.slots_total = m.slots_total;
-      r.steps = b.steps - a.steps;
-      r.committed = b.committed - a.committed;
-      r.request_forwards = b.request_forwards - a.request_forwards;
-      r.images = b.images - a.images;
-      r.drafts_verified = b.drafts_verified - a.drafts_verified;
-      r.drafts_accepted = b.drafts_accepted - a.drafts_accepted;
-      r.step_seconds = b.step_seconds - a.step_seconds;
+      r.work = (b == totals.end() ? a : b->second) - a;
       // Quiet models say nothing: a line per interval only while there is work.
-      if (r.steps > 0 || r.images > 0 || r.running > 0 || r.queued > 0) log_->Stats(r);
+      if (r.work.steps > 0 || r.work.images > 0 || r.running > 0 || r.queued > 0) {
+        log_->Stats(r);
+      }
     }
     last = totals;
     last_time = now;

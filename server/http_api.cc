@@ -416,12 +416,12 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
     // while the server answers; ready (and /health) once the models are loaded, until draining.
     if (path == "/health/live") return HttpReply(conn_, MHD_HTTP_OK, R"({"status":"alive"})");
     if (health) {
-      const char* status = svc_->engine() == nullptr ? "loading"
-                           : svc_->draining()        ? "draining"
-                                                     : "ready";
-      return HttpReply(conn_,
-                       status == std::string("ready") ? MHD_HTTP_OK : MHD_HTTP_SERVICE_UNAVAILABLE,
-                       json({{"status", status}}).dump());
+      const bool loading = svc_->engine() == nullptr, draining = svc_->draining();
+      return HttpReply(conn_, loading || draining ? MHD_HTTP_SERVICE_UNAVAILABLE : MHD_HTTP_OK,
+                       json({{"status", loading    ? "loading"
+                                        : draining ? "draining"
+                                                   : "ready"}})
+                           .dump());
     }
     if (asset != nullptr) return ReplyAsset(conn_, *asset);
     if (path == "/playground/config") {  // what the page needs to know before any API call

@@ -313,7 +313,7 @@ void Metrics::OnStep(const StepSample& s) {
     realised_tokens_.Add(lb).Increment(static_cast<double>(s.committed));
   }
   std::lock_guard<std::mutex> l(totals_mu_);
-  ModelTotals& t = totals_[s.model];
+  WorkTotals& t = totals_[s.model];
   t.steps += 1;
   t.committed += s.committed;
   t.step_seconds += s.seconds;
@@ -330,7 +330,7 @@ void Metrics::OnRequestStep(const std::string& model, const std::string& method,
   if (e.accepted > 0) p.accepted->Increment(static_cast<double>(e.accepted));
   {
     std::lock_guard<std::mutex> l(totals_mu_);
-    ModelTotals& t = totals_[ml];
+    WorkTotals& t = totals_[ml];
     t.request_forwards += 1;
     t.drafts_verified += e.verified;
     t.drafts_accepted += e.accepted;
@@ -379,7 +379,7 @@ void Metrics::OnImage(const std::string& model, const std::string& method, const
   recent_generation_ = 0.8 * recent_generation_ + 0.2 * s.generation_seconds;
 }
 
-std::map<std::string, Metrics::ModelTotals> Metrics::Totals() const {
+std::map<std::string, WorkTotals> Metrics::Totals() const {
   std::lock_guard<std::mutex> l(totals_mu_);
   return totals_;
 }

@@ -19,6 +19,7 @@
 #include <string>
 
 #include "engine/scheduler/engine.h"
+#include "server/request_log.h"
 
 namespace imagegen::server {
 
@@ -62,12 +63,7 @@ class Metrics : public EngineListener {
   double RecentGenerationSeconds() const;
 
   // Per model since the start (what the log's periodic stats line reports per interval).
-  struct ModelTotals {
-    int64_t steps = 0, committed = 0, request_forwards = 0, images = 0;
-    int64_t drafts_verified = 0, drafts_accepted = 0;
-    double step_seconds = 0;
-  };
-  std::map<std::string, ModelTotals> Totals() const;
+  std::map<std::string, WorkTotals> Totals() const;
 
  private:
   struct PerMethod {
@@ -118,7 +114,7 @@ class Metrics : public EngineListener {
   std::vector<std::string> models_;  // loaded model names (label values)
   double recent_generation_ = 1.0;
   mutable std::mutex totals_mu_;
-  std::map<std::string, ModelTotals> totals_;
+  std::map<std::string, WorkTotals> totals_;
 };
 
 }  // namespace imagegen::server

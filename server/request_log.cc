@@ -164,6 +164,16 @@ std::string NewRequestId() {
   return buf;
 }
 
+WorkTotals WorkTotals::operator-(const WorkTotals& e) const {
+  return {steps - e.steps,
+          committed - e.committed,
+          request_forwards - e.request_forwards,
+          images - e.images,
+          drafts_verified - e.drafts_verified,
+          drafts_accepted - e.drafts_accepted,
+          step_seconds - e.step_seconds};
+}
+
 void CallRecord::AddImage(const RequestResult& r) {
   if (images_sent == 0) seed = r.seed;
   images_sent += 1;
@@ -208,20 +218,21 @@ std::string FormatCall(LogFormat format, const CallRecord& r) {
 
 std::string FormatStats(LogFormat format, const StatsRecord& r) {
   const double s = r.interval_seconds;
+  const WorkTotals& w = r.work;
   Line l(format, "stats");
   l.Str("model", r.model).Num("interval_seconds", s, 1);
   l.Int("running", r.running).Int("queued", r.queued);
   l.Str("kv_slots", std::to_string(r.slots_used) + "/" + std::to_string(r.slots_total));
-  l.Num("steps_per_second", Ratio(static_cast<double>(r.steps), s), 1);
-  l.Num("tokens_per_second", Ratio(static_cast<double>(r.committed), s), 1);
-  l.Num("images_per_second", Ratio(static_cast<double>(r.images), s), 2);
+  l.Num("steps_per_second", Ratio(static_cast<double>(w.steps), s), 1);
+  l.Num("tokens_per_second", Ratio(static_cast<double>(w.committed), s), 1);
+  l.Num("images_per_second", Ratio(static_cast<double>(w.images), s), 2);
   l.Num("tokens_per_forward",
-        Ratio(static_cast<double>(r.committed), static_cast<double>(r.request_forwards)), 2);
-  if (r.drafts_verified > 0) {
+        Ratio(static_cast<double>(w.committed), static_cast<double>(w.request_forwards)), 2);
+  if (w.drafts_verified > 0) {
     l.Num("acceptance",
-          Ratio(static_cast<double>(r.drafts_accepted), static_cast<double>(r.drafts_verified)), 3);
+          Ratio(static_cast<double>(w.drafts_accepted), static_cast<double>(w.drafts_verified)), 3);
   }
-  l.Num("busy", Ratio(r.step_seconds, s), 2);
+  l.Num("busy", Ratio(w.step_seconds, s), 2);
   return l.Done();
 }
 

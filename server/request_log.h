@@ -66,16 +66,22 @@ struct CallRecord {
   void AddImage(const RequestResult& r);
 };
 
+// A model's work (kept since the start by Metrics; a stats line reports the difference over
+// its interval): engine steps, image tokens committed, per-request forwards (NFE), images
+// sent, drafts verified and accepted, and the seconds the steps took.
+struct WorkTotals {
+  int64_t steps = 0, committed = 0, request_forwards = 0, images = 0;
+  int64_t drafts_verified = 0, drafts_accepted = 0;
+  double step_seconds = 0;
+  WorkTotals operator-(const WorkTotals& earlier) const;
+};
+
 // One model over one interval, as its `stats` line says it.
 struct StatsRecord {
   std::string model;
   double interval_seconds = 0;
   int64_t running = 0, queued = 0, slots_used = 0, slots_total = 0;
-  // In the interval: engine steps, image tokens committed, per-request forwards (NFE), images
-  // sent, drafts verified and accepted, and the seconds the steps took.
-  int64_t steps = 0, committed = 0, request_forwards = 0, images = 0;
-  int64_t drafts_verified = 0, drafts_accepted = 0;
-  double step_seconds = 0;
+  WorkTotals work;  // in the interval
 };
 
 // A line as `format` writes it (with its newline): the daemon's own messages, calls and stats.

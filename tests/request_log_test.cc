@@ -131,13 +131,22 @@ TEST(RequestLogTest, AStatsLineGivesRatesOverItsInterval) {
   s.queued = 1;
   s.slots_used = 6;
   s.slots_total = 64;
-  s.steps = 2000;
-  s.committed = 5880;
-  s.request_forwards = 2100;
-  s.images = 30;
-  s.drafts_verified = 9000;
-  s.drafts_accepted = 3780;
-  s.step_seconds = 9.1;
+  const server::WorkTotals before{.steps = 500,
+                                  .committed = 120,
+                                  .request_forwards = 400,
+                                  .images = 2,
+                                  .drafts_verified = 1000,
+                                  .drafts_accepted = 220,
+                                  .step_seconds = 3.0};
+  server::WorkTotals after = before;
+  after.steps += 2000;
+  after.committed += 5880;
+  after.request_forwards += 2100;
+  after.images += 30;
+  after.drafts_verified += 9000;
+  after.drafts_accepted += 3780;
+  after.step_seconds += 9.1;
+  s.work = after - before;
   EXPECT_EQ(FormatStats(LogFormat::kText, s),
             "imagegen-server: stats model=fmnist-gpt interval_seconds=10.0 running=3 queued=1 "
             "kv_slots=6/64 steps_per_second=200.0 tokens_per_second=588.0 images_per_second=3.00 "
