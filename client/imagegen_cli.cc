@@ -46,6 +46,11 @@ ABSL_FLAG(std::string, tls_key, "", "PEM key of --tls-cert");
 ABSL_FLAG(std::string, tls_server_name, "", "expected server name in its certificate");
 ABSL_FLAG(std::string, token_file, "", "file with the bearer token");
 ABSL_FLAG(double, timeout, 0, "deadline of each call in seconds (0: none)");
+ABSL_FLAG(int32_t, priority, 0,
+          "generate: admission priority (a lower value is admitted first; default 0)");
+ABSL_FLAG(std::string, user, "",
+          "generate: who the request is for (the server shares its slots fairly between users; "
+          "default: this machine's address)");
 ABSL_FLAG(std::string, request_id, "",
           "generate: the call's x-request-id (the server's log line names it; default: the "
           "server makes one, printed here)");
@@ -196,6 +201,8 @@ v1::GenerateRequest BuildRequest(bool need_class) {
     std::exit(2);
   }
   if (absl::GetFlag(FLAGS_seed) >= 0) r.set_seed(static_cast<uint64_t>(absl::GetFlag(FLAGS_seed)));
+  r.set_priority(absl::GetFlag(FLAGS_priority));
+  r.set_user(absl::GetFlag(FLAGS_user));
   if (absl::GetFlag(FLAGS_cfg) >= 0) r.set_cfg_scale(absl::GetFlag(FLAGS_cfg));
   if (absl::GetFlag(FLAGS_cfg_interval) != -1)
     r.set_cfg_interval(absl::GetFlag(FLAGS_cfg_interval));

@@ -308,6 +308,10 @@ grpc::Status ToParams(const v1::GenerateRequest& req, const std::string& default
   }
   out->preview_every = req.preview_every();
   out->stream_drafts = req.stream_drafts();
+  if (req.user().size() > 256) {
+    return BadField("user", "at most 256 bytes, got " + std::to_string(req.user().size()));
+  }
+  out->priority = req.priority();
   const v1::OutputOptions& o = req.output();
   if (o.format() != v1::IMAGE_FORMAT_UNSPECIFIED && o.format() != v1::IMAGE_FORMAT_PNG &&
       o.format() != v1::IMAGE_FORMAT_NONE) {
@@ -316,6 +320,18 @@ grpc::Status ToParams(const v1::GenerateRequest& req, const std::string& default
   out->decode_image = o.format() != v1::IMAGE_FORMAT_NONE;
   if (o.scale() < 0 || o.scale() > 16) return BadField("output.scale", "must be in [0, 16]");
   return grpc::Status::OK;
+}
+
+std::string ClientOf(const std::string& user, const std::string& peer) {
+  if (!user.empty()) return "user:" + user;
+  // gRPC's "ipv4:10.1.2.3:5678" / "ipv6:[::1]:5678" (and HttpPeer's): the host without the port.
+  const auto colon = peer.rfind(':');
+  const auto bracket = peer.rfind(']');
+  if (colon != std::string::npos && colon > 5 &&
+      (bracket == std::string::npos || colon > bracket)) {
+    return peer.substr(0, colon);
+  }
+  return peer;
 }
 
 int OutputScale(const v1::GenerateRequest& req) { return std::max(req.output().scale(), 1); }

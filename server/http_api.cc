@@ -253,14 +253,15 @@ bool ParseImagesRequest(const std::string& body, const std::vector<ModelInfo>& m
     *v = x;
     return true;
   };
-  static const std::vector<std::string> kKnown = {"prompt",      "model",           "n",
-                                                  "size",        "response_format", "user",
-                                                  "stream",      "partial_images",  "output_format",
-                                                  "background",  "quality",         "moderation",
-                                                  "seed",        "method",          "cfg_scale",
-                                                  "temperature", "top_k",           "top_p",
-                                                  "window",      "negative_prompt", "cfg_interval",
-                                                  "stream_steps"};
+  static const std::vector<std::string> kKnown = {
+      "prompt",       "model",           "n",
+      "size",         "response_format", "user",
+      "stream",       "partial_images",  "output_format",
+      "background",   "quality",         "moderation",
+      "seed",         "method",          "cfg_scale",
+      "temperature",  "top_k",           "top_p",
+      "window",       "negative_prompt", "cfg_interval",
+      "stream_steps", "priority"};
   for (const auto& [k, v] : j.items()) {
     if (std::find(kKnown.begin(), kKnown.end(), k) == kKnown.end()) {
       return fail(k, "unknown parameter (imagegen takes: " + absl::StrJoin(kKnown, ", ") + ")");
@@ -275,13 +276,14 @@ bool ParseImagesRequest(const std::string& body, const std::vector<ModelInfo>& m
       !str("negative_prompt", &negative)) {
     return false;
   }
-  std::optional<int64_t> n, partial, seed, top_k, window, cfg_interval;
+  std::optional<int64_t> n, partial, seed, top_k, window, cfg_interval, priority;
   std::optional<double> cfg, temperature, top_p;
   if (!integer("n", &n, 1, 1 << 20) ||
       !integer("partial_images", &partial, 0, max_partial_images) ||
       !integer("seed", &seed, 0, INT64_MAX) || !integer("top_k", &top_k, 0, 1 << 30) ||
       !integer("window", &window, 1, 1 << 20) ||
-      !integer("cfg_interval", &cfg_interval, -1, 1 << 20) || !num("cfg_scale", &cfg) ||
+      !integer("cfg_interval", &cfg_interval, -1, 1 << 20) ||
+      !integer("priority", &priority, INT32_MIN, INT32_MAX) || !num("cfg_scale", &cfg) ||
       !num("temperature", &temperature) || !num("top_p", &top_p)) {
     return false;
   }
@@ -335,6 +337,8 @@ bool ParseImagesRequest(const std::string& body, const std::vector<ModelInfo>& m
   if (top_p.has_value()) r.set_top_p(*top_p);
   if (window.has_value()) r.set_window(static_cast<int32_t>(*window));
   if (cfg_interval.has_value()) r.set_cfg_interval(static_cast<int32_t>(*cfg_interval));
+  if (priority.has_value()) r.set_priority(static_cast<int32_t>(*priority));
+  r.set_user(user);
   r.set_method(method);
   // The size: the model's own, or an integer multiple of it (nearest-neighbour upscaling).
   int scale = 1;
@@ -744,6 +748,8 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
     r.model = svc_->ModelName(model_);
     r.method = method_label_;
     r.images = std::max(req_.n(), 1);
+    r.user = req_.user().substr(0, 256);
+    r.priority = req_.priority();
     r.outcome = outcome;
     r.error = error;
     r.http_status = static_cast<int>(http_status);
@@ -836,7 +842,7 @@ MHD_Result HttpCall::Start() {
   std::vector<GenerateParams> images;
   grpc::Status st = svc_->Resolve(
       req_, svc_->auth().AllowsHeader(Header(MHD_HTTP_HEADER_AUTHORIZATION)), parsed,
-      std::chrono::system_clock::time_point::max(), &engine_, &images, &method_label_);
+      std::chrono::system_clock::time_point::max(), peer_, &engine_, &images, &method_label_);
   if (st.ok()) {
     n_ = static_cast<int>(images.size());
     for (GenerateParams& p : images) p.previews = stream_ ? partial_images_ : 0;

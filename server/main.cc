@@ -39,6 +39,10 @@ ABSL_FLAG(std::string, default_method, "scd-mc",
           "decoding method of requests that name none (lossless: ar, sjd, scd-mc, scd-gs, sjd-pac, "
           "pac-gumbel, sd)");
 ABSL_FLAG(int64_t, max_queue, 256, "requests waiting per model before RESOURCE_EXHAUSTED");
+ABSL_FLAG(std::string, admission, "fair",
+          "the order waiting requests are admitted in: fair (priority, then the user with the "
+          "fewest requests running, then the oldest; a full queue gives up the newest request of "
+          "the user with the most waiting to another user's) or fifo (priority, then the oldest)");
 ABSL_FLAG(int64_t, max_slots, 64, "KV-cache slots per model (a request with guidance takes 2)");
 ABSL_FLAG(int64_t, kv_cache_mb, 256, "KV-cache memory per model, MiB (caps the slots)");
 ABSL_FLAG(std::string, window_policy, "goodput",
@@ -164,6 +168,7 @@ int main(int argc, char** argv) {
   eo.device = absl::GetFlag(FLAGS_device);
   eo.dtype = absl::GetFlag(FLAGS_dtype);
   eo.max_queue = absl::GetFlag(FLAGS_max_queue);
+  eo.admission = absl::GetFlag(FLAGS_admission);
   eo.max_slots = absl::GetFlag(FLAGS_max_slots);
   eo.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_mb) << 20;
   eo.max_tokens_per_step = absl::GetFlag(FLAGS_max_tokens_per_step);

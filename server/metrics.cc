@@ -74,6 +74,16 @@ class EngineGauges : public prometheus::Collectable {
     out.push_back(active);
     out.push_back(used);
     out.push_back(total);
+    MetricFamily shed{"imagegen_queue_shed_total",
+                      "Waiting requests that gave up their place in a full queue to an arrival "
+                      "of higher priority or of a client with fewer requests waiting "
+                      "(docs/serving.md, Admission); they end RESOURCE_EXHAUSTED",
+                      MetricType::Counter,
+                      {}};
+    ClientMetric c;
+    c.counter.value = static_cast<double>(e->Stats().shed);
+    shed.metric.push_back(c);
+    out.push_back(shed);
     return out;
   }
 

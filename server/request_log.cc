@@ -195,7 +195,9 @@ std::string FormatCall(LogFormat format, const CallRecord& r) {
   Line l(format, "request");
   l.Str("request_id", r.request_id).Str("api", r.api);
   if (!r.peer.empty()) l.Str("peer", r.peer);
+  if (!r.user.empty()) l.Str("user", r.user);
   l.Str("model", r.model.empty() ? "-" : r.model).Str("method", r.method);
+  if (r.priority != 0) l.Int("priority", r.priority);
   l.Int("n", r.images).Str("outcome", r.outcome);
   if (r.http_status != 0) l.Int("status", r.http_status);
   l.Num("seconds", r.seconds, 3);

@@ -277,6 +277,8 @@ class Call : public std::enable_shared_from_this<Call> {
     record_.model = svc_->ModelName(model);
     record_.method = method;
     record_.images = std::max(req.n(), 1);
+    record_.user = req.user().substr(0, 256);
+    record_.priority = req.priority();
     record_.outcome = outcome;
     record_.error = st.ok() ? "" : st.error_message();
     record_.seconds = Since(t0_);
@@ -597,7 +599,7 @@ grpc::Status ImageGenerationService::CheckRequestId(const std::string& request_i
 grpc::Status ImageGenerationService::Resolve(const v1::GenerateRequest& req, bool authorized,
                                              const grpc::Status& parsed,
                                              std::chrono::system_clock::time_point deadline,
-                                             Engine** engine_out,
+                                             const std::string& peer, Engine** engine_out,
                                              std::vector<GenerateParams>* images,
                                              std::string* method) const {
   if (!authorized) {
@@ -635,6 +637,7 @@ grpc::Status ImageGenerationService::Resolve(const v1::GenerateRequest& req, boo
     params.deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                          deadline - std::chrono::system_clock::now());
   }
+  params.client = ClientOf(req.user(), peer);
   const int n = std::max(req.n(), 1);
   images->assign(static_cast<size_t>(n), params);
   for (int i = 0; i < n; ++i) {
@@ -682,8 +685,8 @@ grpc::Status ImageGenerationService::Begin(const std::shared_ptr<Call>& call,
   const auto deadline = ctx->deadline();
   Engine* engine = nullptr;
   std::vector<GenerateParams> images;
-  grpc::Status st =
-      Resolve(call->req, auth_.Allows(*ctx), parsed, deadline, &engine, &images, &call->method);
+  grpc::Status st = Resolve(call->req, auth_.Allows(*ctx), parsed, deadline, call->peer, &engine,
+                            &images, &call->method);
   if (!st.ok()) return st;
   // n images: one engine request each, queued together (they share the prompt's prefill).
   const int n = static_cast<int>(images.size());

@@ -121,9 +121,12 @@ class ImageGenerationService final : public ServiceBase {
   // `x-request-id` when `parsed` was OK.
   static grpc::Status CheckRequestId(const std::string& request_id, const grpc::Status& parsed,
                                      std::string* request_id_out);
+  // `peer` (the caller's address, as gRPC names it) stands for the user when the request
+  // names none (GenerateParams::client).
   grpc::Status Resolve(const v1::GenerateRequest& req, bool authorized, const grpc::Status& parsed,
-                       std::chrono::system_clock::time_point deadline, Engine** engine,
-                       std::vector<GenerateParams>* images, std::string* method) const;
+                       std::chrono::system_clock::time_point deadline, const std::string& peer,
+                       Engine** engine, std::vector<GenerateParams>* images,
+                       std::string* method) const;
   Metrics* metrics() const { return metrics_; }
   RequestLog* request_log() const { return options_.request_log; }
   // The model a request names, or the one it gets by naming none (the engine's first; empty

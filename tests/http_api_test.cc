@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "server/convert.h"
 #include "server/http_api.h"
 #include "server/metrics.h"
 #include "tests/http_client.h"
@@ -50,7 +51,8 @@ TEST(HttpApiParseTest, BodiesBecomeGenerateRequestsAndBadParametersAreNamed) {
   ASSERT_EQ(Refused(R"({"prompt": "bag", "n": 3, "size": "112x112", "seed": 5, "method": "sjd",
                         "cfg_scale": 2.5, "top_k": 10, "top_p": 0.9, "temperature": 0.8,
                         "window": 8, "user": "u", "response_format": "b64_json",
-                        "quality": "auto", "background": "opaque", "output_format": "png"})",
+                        "quality": "auto", "background": "opaque", "output_format": "png",
+                        "priority": -3})",
                     &r),
             "ok");
   EXPECT_EQ(r.req.class_name(), "bag");  // the first model is class-conditional
@@ -63,6 +65,8 @@ TEST(HttpApiParseTest, BodiesBecomeGenerateRequestsAndBadParametersAreNamed) {
   EXPECT_DOUBLE_EQ(r.req.cfg_scale(), 2.5);
   EXPECT_EQ(r.req.top_k(), 10);
   EXPECT_EQ(r.req.window(), 8);
+  EXPECT_EQ(r.req.user(), "u");  // OpenAI's end-user id: imagegen's fair-share key
+  EXPECT_EQ(r.req.priority(), -3);
   EXPECT_FALSE(r.stream);
 
   ImagesRequest t;
@@ -107,6 +111,25 @@ TEST(HttpApiParseTest, BodiesBecomeGenerateRequestsAndBadParametersAreNamed) {
   EXPECT_EQ(Refused(R"({"prompt": "bag", "stream_steps": true})"), "stream_steps");
   EXPECT_EQ(Refused(R"({"prompt": "bag", "stream": true, "stream_steps": 1})"), "stream_steps");
   EXPECT_EQ(Refused(R"({"prompt": "bag", "style": "vivid"})"), "style");  // unknown
+  EXPECT_EQ(Refused(R"({"prompt": "bag", "priority": 0.5})"), "priority");
+  EXPECT_EQ(Refused(R"({"prompt": "bag", "priority": 3000000000})"), "priority");
+  EXPECT_EQ(Refused(R"({"prompt": "bag", "user": 12})"), "user");
+}
+
+// Who a request is for, the engine's fair-share key: its user, else the caller's host (gRPC's
+// peer names and HttpPeer's, without the port: one machine's connections are one client).
+TEST(HttpApiParseTest, TheClientIsTheUserElseThePeersHost) {
+  using server::ClientOf;
+  EXPECT_EQ(ClientOf("alice", "ipv4:10.0.0.7:51234"), "user:alice");
+  EXPECT_EQ(ClientOf("", "ipv4:10.0.0.7:51234"), "ipv4:10.0.0.7");
+  EXPECT_EQ(ClientOf("", "ipv4:10.0.0.7:40000"), ClientOf("", "ipv4:10.0.0.7:51234"));
+  EXPECT_EQ(ClientOf("", "ipv6:[::1]:51234"), "ipv6:[::1]");
+  EXPECT_EQ(ClientOf("", "ipv6:%5B::1%5D:51234"), "ipv6:%5B::1%5D");  // gRPC's escaping
+  EXPECT_EQ(ClientOf("", "ipv6:[::1]"), "ipv6:[::1]");
+  EXPECT_EQ(ClientOf("", "unix:/run/imagegen.sock"), "unix:/run/imagegen.sock");
+  EXPECT_EQ(ClientOf("", ""), "");
+  // A user that looks like an address is still a user.
+  EXPECT_NE(ClientOf("ipv4:10.0.0.7", "ipv4:10.0.0.8:1"), ClientOf("", "ipv4:10.0.0.7:1"));
 }
 
 class HttpApiTest : public ::testing::Test {

@@ -27,6 +27,15 @@ int64_t CacheBytesPerSlot(const Gpt& g) {
          static_cast<int64_t>(c10::elementSize(g.options().dtype));
 }
 
+// The error of a waiting request that gave up its place in a full queue.
+Status ShedStatus(ShedReason reason) {
+  return ResourceExhausted(
+      reason == ShedReason::kPriority
+          ? "queue full: this request gave up its place to one of higher priority"
+          : "queue full: this request gave up its place to another client's (fair share: its "
+            "client had the most requests waiting)");
+}
+
 }  // namespace
 
 uint64_t RandomSeed() {
@@ -54,6 +63,14 @@ struct Engine::Impl {
   std::vector<std::pair<size_t, std::unique_ptr<Job>>> inbox;  // (model index, job)
   std::unordered_set<int64_t> cancels;
   std::vector<int64_t> inbox_per_model;
+  // Per model, for a full queue's choice (wait_queue.h, Displace): the waiting requests by
+  // class as of the last round, the arrivals since, and the waiting requests chosen to give
+  // up their place that the engine thread has not ended yet (each counts as gone).
+  std::vector<WaitCensus> census, inbox_census;
+  std::vector<std::vector<Shed>> shed;
+  int64_t Queued(size_t mi) const {
+    return stats.models[mi].queued + inbox_per_model[mi] - static_cast<int64_t>(shed[mi].size());
+  }
   EngineStats stats;  // counters, and loads as of the last round
   bool draining = false;
   Clock::time_point grace_end = Clock::time_point::max();
@@ -83,6 +100,10 @@ StatusOr<std::unique_ptr<Engine>> Engine::Start(const EngineOptions& options,
   if (o.max_slots < 2) return InvalidArgument("max_slots: must be >= 2");
   if (o.max_tokens_per_step != 0 && o.max_tokens_per_step != -1 && o.max_tokens_per_step < 2) {
     return InvalidArgument("max_tokens_per_step: must be -1 (by device), 0 (no budget) or >= 2");
+  }
+  if (o.admission != "fair" && o.admission != "fifo") {
+    return InvalidArgument("admission: must be fair or fifo, got '" + o.admission.substr(0, 64) +
+                           "'");
   }
   if (o.window_policy != "goodput" && o.window_policy != "budget" && o.window_policy != "full") {
     return InvalidArgument("window_policy: must be goodput, budget or full, got '" +
@@ -193,6 +214,9 @@ Status Engine::Impl::Load() {
     models.push_back({name, std::move(model), nullptr});
   }
   inbox_per_model.assign(models.size(), 0);
+  census.assign(models.size(), {});
+  inbox_census.assign(models.size(), {});
+  shed.assign(models.size(), {});
   return OkStatus();
 }
 
@@ -356,6 +380,9 @@ StatusOr<std::vector<int64_t>> Engine::SubmitGroup(
     size_t m = 0;
     ASSIGN_OR_RETURN(std::unique_ptr<Job> job, impl_->Resolve(std::move(params[i]), &m));
     if (i > 0 && m != mi) return InvalidArgument("model: a group draws from one model");
+    if (i > 0 && ClassOf(job->params) != ClassOf(jobs[0]->params)) {
+      return InvalidArgument("priority: a group has one priority and client");
+    }
     mi = m;
     job->observer = std::move(observers[i]);
     jobs.push_back(std::move(job));
@@ -372,12 +399,24 @@ StatusOr<std::vector<int64_t>> Engine::SubmitGroup(
     return FieldError("n", std::to_string(n) + " images can never wait in a queue of " +
                                std::to_string(impl_->opts.max_queue));
   }
-  const int64_t queued = st.models[mi].queued + impl_->inbox_per_model[mi];
+  const WaitClass cls = ClassOf(jobs[0]->params);
+  const int64_t queued = impl_->Queued(mi);
+  std::vector<Shed> displaced;
   if (queued + n > impl_->opts.max_queue) {
-    st.rejected += n;
-    return ResourceExhausted("queue full: " + std::to_string(queued) +
-                             " requests are waiting for model '" + st.models[mi].model + "'" +
-                             (n > 1 ? " (room for " + std::to_string(n) + " is needed)" : ""));
+    // Full: the arrivals take the places of waiting requests that rank after them, if enough
+    // do (wait_queue.h).
+    WaitCensus c = impl_->census[mi];
+    for (const auto& [k, v] : impl_->inbox_census[mi]) c[k] += v;
+    for (const Shed& x : impl_->shed[mi]) c[x.victim] -= 1;
+    std::optional<std::vector<Shed>> d = Displace(
+        std::move(c), cls, n, impl_->opts.max_queue - queued, impl_->opts.admission == "fair");
+    if (!d.has_value()) {
+      st.rejected += n;
+      return ResourceExhausted("queue full: " + std::to_string(queued) +
+                               " requests are waiting for model '" + st.models[mi].model + "'" +
+                               (n > 1 ? " (room for " + std::to_string(n) + " is needed)" : ""));
+    }
+    displaced = std::move(*d);
   }
   // One arrival: the group is admitted in order, so that later members copy the first's
   // prefill.
@@ -391,6 +430,8 @@ StatusOr<std::vector<int64_t>> Engine::SubmitGroup(
   }
   st.submitted += n;
   impl_->inbox_per_model[mi] += n;
+  impl_->inbox_census[mi][cls] += n;
+  for (Shed& x : displaced) impl_->shed[mi].push_back(std::move(x));
   impl_->cv.notify_one();
   return ids;
 }
@@ -404,7 +445,7 @@ void Engine::Cancel(int64_t id) {
 EngineStats Engine::Stats() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   EngineStats s = impl_->stats;
-  for (size_t i = 0; i < s.models.size(); ++i) s.models[i].queued += impl_->inbox_per_model[i];
+  for (size_t i = 0; i < s.models.size(); ++i) s.models[i].queued = impl_->Queued(i);
   return s;
 }
 
@@ -432,24 +473,38 @@ void Engine::Shutdown(std::chrono::milliseconds grace) {
 void Engine::Impl::Run() {
   std::vector<std::pair<size_t, std::unique_ptr<Job>>> arrived;
   std::unordered_set<int64_t> cancelled;
+  std::vector<std::vector<Shed>> to_shed(schedulers.size());
   while (true) {
     bool draining_now = false, out_of_time = false;
     {
       std::lock_guard<std::mutex> lock(mu);
       arrived.swap(inbox);
       cancelled.swap(cancels);
-      // Until this round's figures replace them, the arrivals count as queued (Submit's bound).
+      // Until this round's figures replace them, the arrivals count as queued and the
+      // requests to shed as gone (Submit's bound).
       for (size_t i = 0; i < inbox_per_model.size(); ++i) {
-        stats.models[i].queued += inbox_per_model[i];
+        stats.models[i].queued = Queued(i);
         inbox_per_model[i] = 0;
+        for (const auto& [k, v] : inbox_census[i]) census[i][k] += v;
+        inbox_census[i].clear();
+        for (const Shed& x : shed[i]) census[i][x.victim] -= 1;
+        to_shed[i].swap(shed[i]);
       }
       draining_now = draining;
       out_of_time = draining && Clock::now() >= grace_end;
     }
     for (auto& [mi, job] : arrived) schedulers[mi]->Enqueue(std::move(job));
     arrived.clear();
-    // A round: each model ends its cancelled and expired requests, admits, and steps.
+    // A round: each model ends the requests that gave up their places in its full queue, its
+    // cancelled and expired requests, admits, and steps.
     Outcomes out;
+    for (size_t i = 0; i < to_shed.size(); ++i) {
+      for (const Shed& x : to_shed[i]) {
+        // None left of its class: one was admitted or ended meanwhile, which made the room.
+        out.shed += schedulers[i]->Shed(x.victim, ShedStatus(x.reason)) ? 1 : 0;
+      }
+      to_shed[i].clear();
+    }
     bool stepped = false;
     const auto now = Clock::now();
     for (auto& r : schedulers) stepped |= r->Tick(cancelled, now, out);
@@ -469,9 +524,11 @@ void Engine::Impl::Run() {
       stats.cancelled += out.cancelled;
       stats.expired += out.expired;
       stats.failed += out.failed;
+      stats.shed += out.shed;
       for (size_t i = 0; i < schedulers.size(); ++i) {
         ModelLoad& l = stats.models[i];
         l.queued = schedulers[i]->queued();
+        census[i] = schedulers[i]->census();
         l.active = schedulers[i]->active();
         l.slots_used = schedulers[i]->slots_used();
         idle &= schedulers[i]->idle();

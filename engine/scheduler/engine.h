@@ -29,6 +29,11 @@ struct EngineOptions {
   int64_t kv_cache_bytes = int64_t{256} << 20;
   int64_t max_slots = 64;
   int64_t max_queue = 256;  // waiting requests per model; beyond: RESOURCE_EXHAUSTED
+  // The order the waiting requests are admitted in (wait_queue.h): "fair" (priority, then the
+  // client with the fewest requests running, then the oldest; a full queue gives up the
+  // newest request of the client with the most waiting to another client's arrival) or
+  // "fifo" (priority, then the oldest; a full queue gives up only lower priorities).
+  std::string admission = "fair";
   // Target-forward tokens per step and model (a CFG request's token counts twice). Windows
   // shrink toward one token when the active requests want more; requests are admitted only
   // while every active one can still feed one token. 0: no budget. -1: by device: 256 on the
@@ -106,6 +111,7 @@ struct EngineStats {
   std::vector<ModelLoad> models;
   int64_t steps = 0;
   int64_t submitted = 0, completed = 0, cancelled = 0, expired = 0, failed = 0, rejected = 0;
+  int64_t shed = 0;  // queued, then gave up their place in a full queue to a later arrival
   bool draining = false;
 };
 
@@ -121,15 +127,17 @@ class Engine {
   Engine& operator=(const Engine&) = delete;
 
   // Validates the request (INVALID_ARGUMENT naming the field; NOT_FOUND for an unknown model),
-  // queues it and returns its id at once. RESOURCE_EXHAUSTED when the model's queue is full,
+  // queues it and returns its id at once. RESOURCE_EXHAUSTED when the model's queue is full
+  // and nothing waiting ranks after the request (wait_queue.h, Displace; otherwise the
+  // request that ranks last gives up its place and ends with RESOURCE_EXHAUSTED),
   // UNAVAILABLE once Shutdown has begun. On success the observer will get exactly one
   // OnComplete or OnError; on failure it gets nothing.
   StatusOr<int64_t> Submit(GenerateParams params, std::shared_ptr<RequestObserver> observer);
   // Several requests of one model (a client's `n` images), each with its observer, queued
   // together or not at all: every one is validated first, and the queue must have room for
-  // all (RESOURCE_EXHAUSTED otherwise; INVALID_ARGUMENT naming "n" when the group is larger
-  // than the queue could ever hold). Queued back to back, they are admitted in order, so that
-  // requests with the same prompt copy the first one's prefill.
+  // all, or requests ranked after them to give up (RESOURCE_EXHAUSTED otherwise; INVALID_ARGUMENT
+  // naming "n" when the group is larger than the queue could ever hold). Queued back to back, they
+  // are admitted in order, so that requests with the same prompt copy the first one's prefill.
   StatusOr<std::vector<int64_t>> SubmitGroup(
       std::vector<GenerateParams> params, std::vector<std::shared_ptr<RequestObserver>> observers);
 

@@ -10,30 +10,45 @@
 
 #include "engine/scheduler/engine.h"
 #include "engine/scheduler/job.h"
+#include "engine/scheduler/wait_queue.h"
 
 namespace imagegen {
 
 struct Outcomes {
   int64_t completed = 0, cancelled = 0, expired = 0, failed = 0;
+  int64_t shed = 0;  // gave up their place in a full queue (wait_queue.h, Displace)
 };
 
 class FamilyScheduler {
  public:
+  explicit FamilyScheduler(const EngineOptions& opts) : waiting_(opts.admission == "fair") {}
   virtual ~FamilyScheduler() = default;
-  virtual void Enqueue(std::unique_ptr<Job> job) = 0;
-  // One scheduling round: ends the cancelled and expired requests, admits what fits (FIFO),
-  // and runs one step if a request is active. Returns whether a step ran.
+  void Enqueue(std::unique_ptr<Job> job) { waiting_.Push(std::move(job)); }
+  // The waiting requests by class (Engine::SubmitGroup weighs an arrival against them).
+  WaitCensus census() const { return waiting_.Census(); }
+  // Ends the newest waiting request of `cls` with `status`; false when none is waiting.
+  bool Shed(const WaitClass& cls, const Status& status) {
+    std::unique_ptr<Job> j = waiting_.TakeNewest(cls);
+    if (!j) return false;
+    j->observer->OnError(status);
+    return true;
+  }
+  // One scheduling round: ends the cancelled and expired requests, admits what fits (in the
+  // WaitQueue's order), and runs one step if a request is active. Returns whether a step ran.
   virtual bool Tick(const std::unordered_set<int64_t>& cancelled, Clock::time_point now,
                     Outcomes& out) = 0;
   // Ends every request, queued or active, with `status`.
   virtual void EndAll(const Status& status, Outcomes& out) = 0;
-  virtual int64_t queued() const = 0;
+  int64_t queued() const { return waiting_.size(); }
   virtual int64_t active() const = 0;
   virtual int64_t slots_total() const = 0;
   virtual int64_t slots_used() const = 0;
   bool idle() const { return queued() == 0 && active() == 0; }
   // The earliest deadline of any request (max() if none).
   virtual Clock::time_point next_deadline() const = 0;
+
+ protected:
+  WaitQueue waiting_;
 };
 
 }  // namespace imagegen

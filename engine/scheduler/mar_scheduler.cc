@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <exception>
 #include <numeric>
+#include <unordered_map>
 
 #include "engine/decoding/cspd_rule.h"
 #include "engine/decoding/mar_sampler.h"
@@ -165,15 +166,13 @@ struct MarScheduler::Active {
 
 MarScheduler::MarScheduler(const MarModel& model, int64_t slots, const EngineOptions& opts,
                            EngineListener* listener)
-    : model_(model), opts_(opts), listener_(listener), slots_(slots) {}
+    : FamilyScheduler(opts), model_(model), opts_(opts), listener_(listener), slots_(slots) {}
 
 MarScheduler::~MarScheduler() = default;
 
-void MarScheduler::Enqueue(std::unique_ptr<Job> job) { waiting_.push_back(std::move(job)); }
-
 Clock::time_point MarScheduler::next_deadline() const {
   Clock::time_point t = Clock::time_point::max();
-  for (const auto& j : waiting_) t = std::min(t, j->params.deadline);
+  for (const auto& j : waiting_.jobs()) t = std::min(t, j->params.deadline);
   for (const auto& a : active_) t = std::min(t, a->job->params.deadline);
   return t;
 }
@@ -184,11 +183,11 @@ void MarScheduler::End(Active& a, const Status& status) {
 }
 
 void MarScheduler::EndAll(const Status& status, Outcomes& out) {
+  std::vector<std::unique_ptr<Job>> waiting = waiting_.TakeAll();
   for (auto& a : active_) End(*a, status);
-  for (auto& j : waiting_) j->observer->OnError(status);
-  out.failed += static_cast<int64_t>(active_.size() + waiting_.size());
+  for (auto& j : waiting) j->observer->OnError(status);
+  out.failed += static_cast<int64_t>(active_.size() + waiting.size());
   active_.clear();
-  waiting_.clear();
 }
 
 bool MarScheduler::Tick(const std::unordered_set<int64_t>& cancelled, Clock::time_point now,
@@ -212,7 +211,7 @@ bool MarScheduler::Tick(const std::unordered_set<int64_t>& cancelled, Clock::tim
     }
     return true;
   };
-  std::erase_if(waiting_, [&](const std::unique_ptr<Job>& j) { return ended(*j, nullptr); });
+  waiting_.EraseIf([&](Job& j) { return ended(j, nullptr); });
   std::erase_if(active_, [&](const std::unique_ptr<Active>& a) { return ended(*a->job, a.get()); });
   Admit(out);
   if (active_.empty()) return false;
@@ -220,15 +219,17 @@ bool MarScheduler::Tick(const std::unordered_set<int64_t>& cancelled, Clock::tim
   return true;
 }
 
-// FIFO, as the discrete scheduler: the oldest request first, nothing overtakes it. A request
-// takes the rows it feeds the target forward: one per context (gamma + 1 for cspd's paper
-// rule), twice with CFG.
+// In the WaitQueue's order, as the discrete scheduler; the request next in that order is never
+// overtaken. A request takes the rows it feeds the target forward: one per context (gamma + 1
+// for cspd's paper rule), twice with CFG.
 void MarScheduler::Admit(Outcomes& out) {
   const MarConfig& cfg = model_.mar->config();
   const int64_t s = cfg.seq_len(), c = cfg.token_dim(), steps = model_.mar->head().steps();
   const auto now = Clock::now();
-  while (!waiting_.empty()) {
-    Job& j = *waiting_.front();
+  std::unordered_map<std::string, int64_t> running;
+  for (const auto& a : active_) running[a->job->params.client] += 1;
+  while (Job* next = waiting_.Next(running)) {
+    Job& j = *next;
     const DecodingPolicy& p = j.request.policy;
     auto a = std::make_unique<Active>();
     a->cspd = p.draft == DraftSource::kDraftModel;
@@ -244,7 +245,7 @@ void MarScheduler::Admit(Outcomes& out) {
                                                    " forward rows per step, the server has " +
                                                    std::to_string(slots_) + " (--max-slots)"));
       out.failed += 1;
-      waiting_.pop_front();
+      waiting_.Take(&j);
       continue;
     }
     if (used_ + a->rows > slots_) break;
@@ -264,8 +265,8 @@ void MarScheduler::Admit(Outcomes& out) {
     j.started = now;
     j.last_preview = now;
     used_ += a->rows;
-    a->job = std::move(waiting_.front());
-    waiting_.pop_front();
+    running[j.params.client] += 1;
+    a->job = waiting_.Take(&j);
     active_.push_back(std::move(a));
   }
 }

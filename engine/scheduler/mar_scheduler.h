@@ -1,4 +1,4 @@
-// The scheduler of one continuous-token model (MAR): a FIFO queue, admission up to `slots`
+// The scheduler of one continuous-token model (MAR): a waiting queue, admission up to `slots`
 // concurrent rows, and a step that co-batches every active request, whatever its method:
 //   mar   one MAR iteration (the tokens its cosine schedule reveals) in the shared target forward
 //   cspd  (seed 000, Algorithm 1) a pre-fill of target-only tokens, then per step: gamma draft
@@ -13,7 +13,6 @@
 // The engine thread owns it (not thread-safe).
 #pragma once
 
-#include <deque>
 #include <memory>
 #include <unordered_set>
 #include <vector>
@@ -31,11 +30,9 @@ class MarScheduler : public FamilyScheduler {
                EngineListener* listener);
   ~MarScheduler() override;
 
-  void Enqueue(std::unique_ptr<Job> job) override;
   bool Tick(const std::unordered_set<int64_t>& cancelled, Clock::time_point now,
             Outcomes& out) override;
   void EndAll(const Status& status, Outcomes& out) override;
-  int64_t queued() const override { return static_cast<int64_t>(waiting_.size()); }
   int64_t active() const override { return static_cast<int64_t>(active_.size()); }
   int64_t slots_total() const override { return slots_; }
   int64_t slots_used() const override { return used_; }
@@ -55,7 +52,6 @@ class MarScheduler : public FamilyScheduler {
   const EngineOptions& opts_;
   EngineListener* listener_;
   int64_t slots_, used_ = 0;
-  std::deque<std::unique_ptr<Job>> waiting_;
   std::vector<std::unique_ptr<Active>> active_;  // in admission order
 };
 

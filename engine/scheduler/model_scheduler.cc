@@ -9,6 +9,7 @@
 #include <exception>
 #include <filesystem>
 #include <sstream>
+#include <unordered_map>
 
 #include "engine/util/read_file.h"
 
@@ -46,13 +47,12 @@ std::string FileSafe(const std::string& s) {
 
 ModelScheduler::ModelScheduler(const ImageModel& model, int64_t slots, const EngineOptions& opts,
                                EngineListener* listener)
-    : model_(model),
+    : FamilyScheduler(opts),
+      model_(model),
       opts_(opts),
       listener_(listener),
       slots_(slots),
       batch_(*model.gpt, model.draft.get(), slots, BatchOptions(opts)) {}
-
-void ModelScheduler::Enqueue(std::unique_ptr<Job> job) { waiting_.push_back(std::move(job)); }
 
 Status ModelScheduler::Calibrate(const LoadOptions& load) {
   if (opts_.window_policy != "goodput") return OkStatus();
@@ -221,7 +221,7 @@ std::vector<int64_t> ModelScheduler::ChooseWindows(const std::vector<size_t>& id
 
 Clock::time_point ModelScheduler::next_deadline() const {
   Clock::time_point t = Clock::time_point::max();
-  for (const auto& j : waiting_) t = std::min(t, j->params.deadline);
+  for (const auto& j : waiting_.jobs()) t = std::min(t, j->params.deadline);
   for (const auto& j : active_) t = std::min(t, j->params.deadline);
   return t;
 }
@@ -235,11 +235,11 @@ void ModelScheduler::End(Job& job, const Status& status) {
 }
 
 void ModelScheduler::EndAll(const Status& status, Outcomes& out) {
+  std::vector<std::unique_ptr<Job>> waiting = waiting_.TakeAll();
   for (auto& j : active_) End(*j, status);
-  for (auto& j : waiting_) End(*j, status);
-  out.failed += static_cast<int64_t>(active_.size() + waiting_.size());
+  for (auto& j : waiting) End(*j, status);
+  out.failed += static_cast<int64_t>(active_.size() + waiting.size());
   active_.clear();
-  waiting_.clear();
 }
 
 bool ModelScheduler::Tick(const std::unordered_set<int64_t>& cancelled, Clock::time_point now,
@@ -260,7 +260,7 @@ bool ModelScheduler::Tick(const std::unordered_set<int64_t>& cancelled, Clock::t
     }
     return false;
   };
-  std::erase_if(waiting_, [&](const std::unique_ptr<Job>& j) { return ended(*j); });
+  waiting_.EraseIf(ended);
   std::erase_if(active_, [&](const std::unique_ptr<Job>& j) { return ended(*j); });
   Admit(out);
   if (active_.empty()) return false;
@@ -268,15 +268,19 @@ bool ModelScheduler::Tick(const std::unordered_set<int64_t>& cancelled, Clock::t
   return true;
 }
 
-// FIFO: the oldest request is admitted first, and nothing overtakes it (no starvation). A
-// request needs its KV slots and room in the token budget for one token of every active
-// request plus its own.
+// In the WaitQueue's order (priority, then the client with the fewest requests running, then
+// the oldest); the request next in that order is never overtaken (nothing starves). It needs
+// its KV slots and room in the token budget for one token of every active request plus its own.
 void ModelScheduler::Admit(Outcomes& out) {
   int64_t rows = 0;
-  for (const auto& j : active_) rows += batch_.RowsPerNode(j->handle);
+  std::unordered_map<std::string, int64_t> running;
+  for (const auto& j : active_) {
+    rows += batch_.RowsPerNode(j->handle);
+    running[j->params.client] += 1;
+  }
   const auto now = Clock::now();
-  while (!waiting_.empty()) {
-    Job& j = *waiting_.front();
+  while (Job* next = waiting_.Next(running)) {
+    Job& j = *next;
     const int64_t need = j.request.sampling.uses_cfg() ? 2 : 1;
     if (batch_.free_slots() < need) break;
     if (opts_.max_tokens_per_step > 0 && rows + need > opts_.max_tokens_per_step) break;
@@ -290,15 +294,15 @@ void ModelScheduler::Admit(Outcomes& out) {
     if (!h.ok()) {  // validated at submission; only a model-level surprise gets here
       j.observer->OnError(h.status());
       out.failed += 1;
-      waiting_.pop_front();
+      waiting_.Take(&j);
       continue;
     }
     j.handle = *h;
     j.started = now;
     j.last_preview = now;
     rows += need;
-    active_.push_back(std::move(waiting_.front()));
-    waiting_.pop_front();
+    running[j.params.client] += 1;
+    active_.push_back(waiting_.Take(&j));
   }
 }
 

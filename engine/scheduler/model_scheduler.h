@@ -1,8 +1,7 @@
-// One model's scheduler: a FIFO waiting queue, the KV-cache slots, admission, the token budget,
-// the step, and the events each step produces. The engine thread owns it (not thread-safe).
+// One model's scheduler: the waiting queue (wait_queue.h), the KV-cache slots, admission, the token
+// budget, the step, and the events each step produces. The engine thread owns it (not thread-safe).
 #pragma once
 
-#include <deque>
 #include <memory>
 #include <unordered_set>
 #include <vector>
@@ -30,12 +29,9 @@ class ModelScheduler : public FamilyScheduler {
   Status Calibrate(const LoadOptions& load);
   const StepCostModel& step_cost() const { return cost_; }
 
-  void Enqueue(std::unique_ptr<Job> job) override;
-
   bool Tick(const std::unordered_set<int64_t>& cancelled, Clock::time_point now,
             Outcomes& out) override;
   void EndAll(const Status& status, Outcomes& out) override;
-  int64_t queued() const override { return static_cast<int64_t>(waiting_.size()); }
   int64_t active() const override { return static_cast<int64_t>(active_.size()); }
   int64_t slots_total() const override { return slots_; }
   int64_t slots_used() const override { return slots_ - batch_.free_slots(); }
@@ -71,7 +67,6 @@ class ModelScheduler : public FamilyScheduler {
   EngineListener* listener_;
   int64_t slots_;
   SpecBatch batch_;
-  std::deque<std::unique_ptr<Job>> waiting_;
   std::vector<std::unique_ptr<Job>> active_;  // in admission order
   // The preview budget (EngineOptions::preview_share): seconds of decoding earned and not yet
   // spent, and the recent cost of one preview.

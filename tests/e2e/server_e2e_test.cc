@@ -444,6 +444,7 @@ TEST(E2eTest, EachInvalidFieldIsNamedInBadRequest) {
        }},
       {"preview_every", [](v1::GenerateRequest& r) { r.set_preview_every(-3); }},
       {"output.scale", [](v1::GenerateRequest& r) { r.mutable_output()->set_scale(99); }},
+      {"user", [](v1::GenerateRequest& r) { r.set_user(std::string(257, 'u')); }},
   };
   for (const Case& c : cases) {
     v1::GenerateRequest req = Request("dress", 1, "scd-mc");
@@ -703,10 +704,13 @@ TEST(E2eTest, RequestLogNamesEveryCallByTheIdItEchoes) {
   };
   const std::regex server_id("req_[0-9a-f]{32}");
 
-  grpc::ClientContext c1;  // the client's id
+  grpc::ClientContext c1;  // the client's id; a user and a priority
   c1.AddMetadata("x-request-id", "e2e-grpc-1");
   v1::GenerateResponse r1;
-  ASSERT_TRUE(stub->Generate(&c1, Request("bag", 11, "sjd"), &r1).ok());
+  v1::GenerateRequest q1 = Request("bag", 11, "sjd");
+  q1.set_user("e2e-user");
+  q1.set_priority(-2);
+  ASSERT_TRUE(stub->Generate(&c1, q1, &r1).ok());
   EXPECT_EQ(id_of(c1), "e2e-grpc-1");
 
   grpc::ClientContext c2;  // none: the server's
@@ -783,6 +787,10 @@ TEST(E2eTest, RequestLogNamesEveryCallByTheIdItEchoes) {
   EXPECT_EQ(g1["tokens"], 196);
   EXPECT_EQ(g1["seed"], "11");
   EXPECT_EQ(g1["peer"].get<std::string>().rfind("ipv4:127.0.0.1:", 0), 0u) << g1;
+  EXPECT_EQ(g1["user"], "e2e-user");
+  EXPECT_EQ(g1["priority"], -2);
+  EXPECT_FALSE(calls[id2].contains("user"));  // none named, priority 0: neither is written
+  EXPECT_FALSE(calls[id2].contains("priority"));
   EXPECT_EQ(calls[id2]["method"], "ar");
   EXPECT_EQ(calls[id2]["nfe"], 196);
   std::string id3;  // the refused call's: the server's, found in its log line

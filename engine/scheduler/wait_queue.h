@@ -1,0 +1,82 @@
+// A model's waiting requests and the order admission takes them in (docs/serving.md,
+// "Admission"):
+//   1. priority: a lower GenerateParams::priority first (vLLM's convention);
+//   2. within a priority, with the fair admission (EngineOptions::admission "fair"), the
+//      client (GenerateParams::client) with the fewest requests running first, so that a
+//      client who queues a hundred requests does not make a client who queues one wait for
+//      all of them: each client with work waiting gets its turn as slots free up;
+//   3. then the oldest request.
+// And what a full queue gives up for an arrival that ranks before something waiting (Displace):
+// the newest request of the lowest priority's client with the most requests waiting.
+// The engine thread owns a WaitQueue (not thread-safe); Displace is a pure function that
+// Engine::SubmitGroup calls under its lock on a census of the queue.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "engine/scheduler/job.h"
+
+namespace imagegen {
+
+// (priority, client): the requests a full queue weighs against each other.
+using WaitClass = std::pair<int32_t, std::string>;
+// How many requests of each class are waiting.
+using WaitCensus = std::map<WaitClass, int64_t>;
+
+inline WaitClass ClassOf(const GenerateParams& p) { return {p.priority, p.client}; }
+
+// Why a request gave up its place to an arrival.
+enum class ShedReason { kPriority, kFairShare };
+
+struct Shed {
+  WaitClass victim;
+  ShedReason reason = ShedReason::kPriority;
+};
+
+// For `n` arrivals of class `arriving` at a queue holding `census` that has room for
+// `room` (< n) more: the waiting requests to give up, one per arrival beyond the room, or
+// nullopt when not enough of them rank after the arrivals (the arrivals are refused). A
+// request ranks after an arrival when its priority value is higher, or, with `fair`, when it
+// has the same priority and its client has at least two more requests waiting than the
+// arrival's client would have (so that giving one up never just swaps which client has more).
+std::optional<std::vector<Shed>> Displace(WaitCensus census, const WaitClass& arriving,
+                                          int64_t n, int64_t room, bool fair);
+
+class WaitQueue {
+ public:
+  explicit WaitQueue(bool fair) : fair_(fair) {}
+
+  void Push(std::unique_ptr<Job> job) { jobs_.push_back(std::move(job)); }
+  bool empty() const { return jobs_.empty(); }
+  int64_t size() const { return static_cast<int64_t>(jobs_.size()); }
+
+  // The request admission takes next, given how many requests each client has running
+  // (null when the queue is empty). It stays next until taken: admission never skips it for a
+  // later one that would fit (nothing is overtaken within its rank, so nothing starves).
+  Job* Next(const std::unordered_map<std::string, int64_t>& running) const;
+  std::unique_ptr<Job> Take(const Job* job);
+  // The newest waiting request of `cls` (null if none).
+  std::unique_ptr<Job> TakeNewest(const WaitClass& cls);
+
+  WaitCensus Census() const;
+  // In arrival order.
+  const std::vector<std::unique_ptr<Job>>& jobs() const { return jobs_; }
+  template <class Pred>
+  void EraseIf(Pred pred) {
+    std::erase_if(jobs_, [&](const std::unique_ptr<Job>& j) { return pred(*j); });
+  }
+  std::vector<std::unique_ptr<Job>> TakeAll();  // empties the queue
+
+ private:
+  bool fair_;
+  std::vector<std::unique_ptr<Job>> jobs_;  // in arrival order (ids increase)
+};
+
+}  // namespace imagegen

@@ -1,0 +1,321 @@
+// Admission order and a full queue's choice (engine/scheduler/wait_queue.h): priority first,
+// then, with the fair admission, the client with the fewest requests running, then age; a full
+// queue gives up the newest request of the lowest priority's most-queued client to an arrival
+// that ranks before it. The pure parts (Displace, WaitQueue::Next) directly, then the engine on
+// the enumerable toy, where a gate (an observer that holds the engine thread inside a step
+// event) lets the test queue requests while nothing is admitted, so the order is exact.
+// Each engine test runs the same load under "fifo" too, where the fair order must not appear
+// (the check's power).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "engine/scheduler/engine.h"
+#include "engine/scheduler/wait_queue.h"
+#include "tests/spec_toy.h"
+
+namespace imagegen {
+namespace {
+
+using namespace imagegen::testing;  // NOLINT: the toy's constants and types
+
+std::unique_ptr<Job> MakeJob(int64_t id, int32_t priority, const std::string& client) {
+  auto j = std::make_unique<Job>();
+  j->id = id;
+  j->params.priority = priority;
+  j->params.client = client;
+  return j;
+}
+
+TEST(WaitQueueTest, NextTakesPriorityThenTheLeastServedClientThenTheOldest) {
+  WaitQueue fair(true), fifo(false);
+  for (WaitQueue* q : {&fair, &fifo}) {
+    q->Push(MakeJob(1, 0, "a"));
+    q->Push(MakeJob(2, 0, "a"));
+    q->Push(MakeJob(3, 0, "b"));
+    q->Push(MakeJob(4, 5, "c"));
+  }
+  std::unordered_map<std::string, int64_t> running = {{"a", 2}, {"b", 0}};
+  EXPECT_EQ(fair.Next(running)->id, 3);  // b has nothing running
+  EXPECT_EQ(fifo.Next(running)->id, 1);  // the oldest
+  running["b"] = 2;
+  EXPECT_EQ(fair.Next(running)->id, 1);  // equal shares: the oldest
+  running["b"] = 3;
+  EXPECT_EQ(fair.Next(running)->id, 1);
+  // A lower priority value goes first, whatever its client runs.
+  fair.Push(MakeJob(5, -1, "a"));
+  running["a"] = 50;
+  EXPECT_EQ(fair.Next(running)->id, 5);
+  EXPECT_EQ(fair.Take(fair.Next(running))->id, 5);
+  EXPECT_EQ(fair.TakeNewest({0, "a"})->id, 2);
+  EXPECT_EQ(fair.TakeNewest({0, "z"}), nullptr);
+  const WaitCensus c = fair.Census();
+  EXPECT_EQ(c.at({0, "a"}), 1);
+  EXPECT_EQ(c.at({0, "b"}), 1);
+  EXPECT_EQ(c.at({5, "c"}), 1);
+  EXPECT_EQ(fair.TakeAll().size(), 3u);
+  EXPECT_TRUE(fair.empty());
+  EXPECT_EQ(fair.Next(running), nullptr);
+}
+
+TEST(WaitQueueTest, DisplaceGivesUpLowerPrioritiesThenTheMostQueuedClient) {
+  const WaitCensus census = {{{0, "a"}, 6}, {{0, "b"}, 1}, {{3, "c"}, 2}};
+  // Priority first: c's two (priority 3) go before anything of priority 0.
+  auto d = Displace(census, {0, "b"}, 3, 0, /*fair=*/true);
+  ASSERT_TRUE(d.has_value());
+  ASSERT_EQ(d->size(), 3u);
+  EXPECT_EQ((*d)[0].victim, (WaitClass{3, "c"}));
+  EXPECT_EQ((*d)[0].reason, ShedReason::kPriority);
+  EXPECT_EQ((*d)[1].victim, (WaitClass{3, "c"}));
+  EXPECT_EQ((*d)[2].victim, (WaitClass{0, "a"}));
+  EXPECT_EQ((*d)[2].reason, ShedReason::kFairShare);
+  // Within a priority: a gives up while it has at least two more waiting than b would have.
+  // b has 1: a's 6 -> 5 (b 2), 5 -> 4 (b 3), then 4 vs 3 stops.
+  d = Displace({{{0, "a"}, 6}, {{0, "b"}, 1}}, {0, "b"}, 3, 0, true);
+  EXPECT_FALSE(d.has_value());
+  d = Displace({{{0, "a"}, 6}, {{0, "b"}, 1}}, {0, "b"}, 2, 0, true);
+  ASSERT_TRUE(d.has_value());
+  EXPECT_EQ(d->size(), 2u);
+  // The arrivals that fit count first: with room for one, b has 2 before it displaces.
+  d = Displace({{{0, "a"}, 6}, {{0, "b"}, 1}}, {0, "b"}, 3, 1, true);
+  ASSERT_TRUE(d.has_value());
+  EXPECT_EQ(d->size(), 2u);
+  d = Displace({{{0, "a"}, 6}, {{0, "b"}, 1}}, {0, "b"}, 4, 1, true);
+  EXPECT_FALSE(d.has_value());
+  // A client never displaces itself, a higher priority value never displaces, and without
+  // the fair admission only priority does.
+  EXPECT_FALSE(Displace({{{0, "a"}, 6}}, {0, "a"}, 1, 0, true).has_value());
+  EXPECT_FALSE(Displace({{{0, "a"}, 6}}, {1, "b"}, 1, 0, true).has_value());
+  EXPECT_FALSE(Displace({{{0, "a"}, 6}}, {0, "b"}, 1, 0, false).has_value());
+  d = Displace({{{0, "a"}, 6}}, {-1, "a"}, 1, 0, false);
+  ASSERT_TRUE(d.has_value());
+  EXPECT_EQ((*d)[0].reason, ShedReason::kPriority);
+  // Classes already emptied (pending sheds) are skipped.
+  EXPECT_FALSE(Displace({{{0, "a"}, 0}, {{0, "b"}, -1}}, {-5, "c"}, 1, 0, true).has_value());
+}
+
+// Holds the engine thread inside the gate request's second step event until Open(): after the
+// round that admitted it has ended, so the engine's counts no longer hold it as queued.
+class Gate : public RequestObserver {
+ public:
+  void OnStep(const StepEvent& e) override {
+    if (e.step < 2) return;
+    std::unique_lock<std::mutex> l(mu_);
+    inside_ = true;
+    cv_.notify_all();
+    cv_.wait(l, [&] { return open_; });
+  }
+  void OnComplete(RequestResult) override {}
+  void OnError(const Status&) override {}
+  void WaitInside() {
+    std::unique_lock<std::mutex> l(mu_);
+    cv_.wait(l, [&] { return inside_; });
+  }
+  void Open() {
+    std::lock_guard<std::mutex> l(mu_);
+    open_ = true;
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool inside_ = false, open_ = false;
+};
+
+// Records the order requests take their first step in and how each ends.
+struct Log {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::string> started;
+  std::map<std::string, Status> ended;
+};
+
+class Named : public RequestObserver {
+ public:
+  Named(Log* log, std::string name) : log_(log), name_(std::move(name)) {}
+  void OnStep(const StepEvent& e) override {
+    if (e.step != 1) return;
+    std::lock_guard<std::mutex> l(log_->mu);
+    log_->started.push_back(name_);
+  }
+  void OnComplete(RequestResult) override { End(Status()); }
+  void OnError(const Status& s) override { End(s); }
+
+ private:
+  void End(const Status& s) {
+    std::lock_guard<std::mutex> l(log_->mu);
+    log_->ended[name_] = s;
+    log_->cv.notify_all();
+  }
+  Log* log_;
+  std::string name_;
+};
+
+struct Gated {
+  Log log;
+  std::shared_ptr<Gate> gate = std::make_shared<Gate>();
+  std::unique_ptr<Engine> engine;  // destroyed first (its observers use the log)
+  ~Gated() {
+    gate->Open();  // a test that failed before opening it must not hang the shutdown
+    engine.reset();
+  }
+};
+
+// An engine with two KV slots (one request without guidance each) whose thread is held by the
+// gate request (client "gate", one slot) once Start returns.
+std::unique_ptr<Gated> StartGated(const std::string& admission, int64_t max_queue) {
+  auto g = std::make_unique<Gated>();
+  EngineOptions o;
+  o.models_dir = TheToy().dir;
+  o.models = {"toy-gpt"};
+  o.max_slots = 2;
+  o.max_queue = max_queue;
+  o.admission = admission;
+  auto started = Engine::Start(o);
+  if (!started.ok()) throw std::runtime_error(started.status().ToString());
+  g->engine = std::move(*started);
+  GenerateParams p;
+  p.class_id = 0;
+  p.cfg_scale = 1.0;
+  p.client = "gate";
+  if (!g->engine->Submit(p, g->gate).ok()) throw std::runtime_error("gate refused");
+  g->gate->WaitInside();
+  return g;
+}
+
+Status Submit(Gated& g, const std::string& name, const std::string& client, int32_t priority) {
+  GenerateParams p;
+  p.class_id = 1;
+  p.cfg_scale = 1.0;  // one KV slot
+  p.seed = 7;
+  p.client = client;
+  p.priority = priority;
+  auto id = g.engine->Submit(p, std::make_shared<Named>(&g.log, name));
+  return id.ok() ? Status() : id.status();
+}
+
+void WaitEnded(Gated& g, size_t n) {
+  std::unique_lock<std::mutex> l(g.log.mu);
+  ASSERT_TRUE(g.log.cv.wait_for(l, std::chrono::seconds(120), [&] { return g.log.ended.size() >= n; }))
+      << g.log.ended.size() << " of " << n << " requests ended";
+}
+
+int64_t Position(const std::vector<std::string>& order, const std::string& name) {
+  auto it = std::find(order.begin(), order.end(), name);
+  return it == order.end() ? -1 : it - order.begin();
+}
+
+// Client a queues ten requests, then client b one: fair admission serves b as soon as the
+// first slot frees (a already runs one), FIFO only after all ten of a's.
+TEST(AdmissionTest, ALateClientIsNotHeldBehindAnotherClientsBurst) {
+  for (const std::string admission : {"fair", "fifo"}) {
+    SCOPED_TRACE(admission);
+    auto g = StartGated(admission, 64);
+    for (int i = 0; i < 10; ++i) ASSERT_TRUE(Submit(*g, "a" + std::to_string(i), "a", 0).ok());
+    ASSERT_TRUE(Submit(*g, "b0", "b", 0).ok());
+    g->gate->Open();
+    WaitEnded(*g, 11);
+    const std::vector<std::string> order = g->log.started;
+    ASSERT_EQ(order.size(), 11u);
+    EXPECT_EQ(order[0], "a0");  // equal shares (nothing running): the oldest
+    if (admission == "fair") {
+      EXPECT_EQ(Position(order, "b0"), 1);
+    } else {
+      EXPECT_EQ(Position(order, "b0"), 10);
+    }
+    // Within a client, its own requests in arrival order.
+    std::vector<std::string> as;
+    for (const auto& n : order) {
+      if (n[0] == 'a') as.push_back(n);
+    }
+    for (int i = 0; i < 10; ++i) EXPECT_EQ(as[static_cast<size_t>(i)], "a" + std::to_string(i));
+    g->engine->Shutdown(std::chrono::seconds(10));
+  }
+}
+
+// Priority before everything: a request of priority -1 queued last is admitted first, and one
+// of priority 1 last, in both admissions.
+TEST(AdmissionTest, LowerPriorityValuesAreAdmittedFirst) {
+  for (const std::string admission : {"fair", "fifo"}) {
+    SCOPED_TRACE(admission);
+    auto g = StartGated(admission, 64);
+    ASSERT_TRUE(Submit(*g, "late", "x", 1).ok());
+    for (int i = 0; i < 4; ++i) ASSERT_TRUE(Submit(*g, "n" + std::to_string(i), "x", 0).ok());
+    ASSERT_TRUE(Submit(*g, "urgent", "y", -1).ok());
+    g->gate->Open();
+    WaitEnded(*g, 6);
+    const std::vector<std::string> order = g->log.started;
+    ASSERT_EQ(order.size(), 6u);
+    EXPECT_EQ(order.front(), "urgent");
+    EXPECT_EQ(order.back(), "late");
+    g->engine->Shutdown(std::chrono::seconds(10));
+  }
+}
+
+// A queue of 4, filled by client a: a's fifth is refused; client b's first two arrivals each
+// take the place of a's newest waiting request (which ends RESOURCE_EXHAUSTED, saying why),
+// b's third is refused (2 each); an arrival of priority -1 takes a place whatever its client,
+// one of priority 1 never. FIFO admission gives up places to priority only.
+TEST(AdmissionTest, AFullQueueGivesUpTheMostQueuedClientsNewestRequest) {
+  for (const std::string admission : {"fair", "fifo"}) {
+    SCOPED_TRACE(admission);
+    const bool fair = admission == "fair";
+    auto g = StartGated(admission, 4);
+    for (int i = 0; i < 4; ++i) ASSERT_TRUE(Submit(*g, "a" + std::to_string(i), "a", 0).ok());
+    Status st = Submit(*g, "a4", "a", 0);
+    EXPECT_EQ(st.code(), Code::kResourceExhausted) << st.ToString();
+    EXPECT_EQ(Submit(*g, "b0", "b", 0).ok(), fair);
+    EXPECT_EQ(Submit(*g, "b1", "b", 0).ok(), fair);
+    EXPECT_EQ(Submit(*g, "b2", "b", 0).code(), Code::kResourceExhausted);
+    EXPECT_TRUE(Submit(*g, "c0", "c", -1).ok());
+    EXPECT_EQ(Submit(*g, "d0", "d", 1).code(), Code::kResourceExhausted);
+    EngineStats s = g->engine->Stats();
+    EXPECT_EQ(s.models[0].queued, 4);  // the places given up count as gone at once
+    g->gate->Open();
+    const size_t accepted = fair ? 7 : 5;  // a0-a3, (b0, b1), c0
+    WaitEnded(*g, accepted);
+    std::map<std::string, Status> ended;
+    {
+      std::lock_guard<std::mutex> l(g->log.mu);
+      ended = g->log.ended;
+    }
+    ASSERT_EQ(ended.size(), accepted);
+    int shed = 0;
+    for (const auto& [name, status] : ended) {
+      if (status.ok()) continue;
+      ++shed;
+      EXPECT_EQ(status.code(), Code::kResourceExhausted) << name;
+      EXPECT_EQ(name[0], 'a') << name << " " << status.ToString();
+      const bool by_priority = status.message().find("higher priority") != std::string::npos;
+      const bool by_share = status.message().find("fair share") != std::string::npos;
+      EXPECT_TRUE(by_priority || by_share) << status.ToString();
+    }
+    if (fair) {
+      // a3 and a2 gave up their places to b0 and b1, one more a (or b) to c0.
+      EXPECT_FALSE(ended.at("a3").ok());
+      EXPECT_FALSE(ended.at("a2").ok());
+      EXPECT_TRUE(ended.at("a0").ok());
+      EXPECT_TRUE(ended.at("b0").ok() || ended.at("b1").ok());
+    } else {
+      EXPECT_FALSE(ended.at("a3").ok());  // c0's place
+      EXPECT_TRUE(ended.at("a2").ok());
+    }
+    EXPECT_TRUE(ended.at("c0").ok());
+    EXPECT_EQ(shed, fair ? 3 : 1);
+    g->engine->Shutdown(std::chrono::seconds(10));
+    s = g->engine->Stats();
+    EXPECT_EQ(s.shed, shed);
+    EXPECT_EQ(s.rejected, fair ? 3 : 5);  // a4, b2, d0; and b0, b1 without fairness
+    EXPECT_EQ(s.completed, static_cast<int64_t>(accepted) - shed + 1);  // + the gate
+    EXPECT_EQ(s.models[0].slots_used, 0);
+  }
+}
+
+}  // namespace
+}  // namespace imagegen
