@@ -24,9 +24,11 @@ namespace {
 
 using namespace imagegen::testing;  // NOLINT: the toy's constants and types
 
-std::unique_ptr<Job> MakeJob(int64_t id, int32_t priority, const std::string& client) {
+std::unique_ptr<Job> MakeJob(int64_t id, int32_t priority, const std::string& client,
+                             int64_t group = -1) {
   auto j = std::make_unique<Job>();
   j->id = id;
+  j->group = group < 0 ? id : group;
   j->params.priority = priority;
   j->params.client = client;
   return j;
@@ -40,16 +42,17 @@ TEST(WaitQueueTest, NextTakesPriorityThenTheLeastServedClientThenTheOldest) {
     q->Push(MakeJob(3, 0, "b"));
     q->Push(MakeJob(4, 5, "c"));
   }
-  std::unordered_map<std::string, int64_t> running = {{"a", 2}, {"b", 0}};
+  WaitQueue::Running running;
+  running.per_client = {{"a", 2}, {"b", 0}};
   EXPECT_EQ(fair.Next(running)->id, 3);  // b has nothing running
   EXPECT_EQ(fifo.Next(running)->id, 1);  // the oldest
-  running["b"] = 2;
+  running.per_client["b"] = 2;
   EXPECT_EQ(fair.Next(running)->id, 1);  // equal shares: the oldest
-  running["b"] = 3;
+  running.per_client["b"] = 3;
   EXPECT_EQ(fair.Next(running)->id, 1);
   // A lower priority value goes first, whatever its client runs.
   fair.Push(MakeJob(5, -1, "a"));
-  running["a"] = 50;
+  running.per_client["a"] = 50;
   EXPECT_EQ(fair.Next(running)->id, 5);
   EXPECT_EQ(fair.Take(fair.Next(running))->id, 5);
   EXPECT_EQ(fair.TakeNewest({0, "a"})->id, 2);
@@ -61,6 +64,18 @@ TEST(WaitQueueTest, NextTakesPriorityThenTheLeastServedClientThenTheOldest) {
   EXPECT_EQ(fair.TakeAll().size(), 3u);
   EXPECT_TRUE(fair.empty());
   EXPECT_EQ(fair.Next(running), nullptr);
+}
+
+// The rest of a group whose first request runs follows it, ahead of other clients' requests.
+TEST(WaitQueueTest, AGroupStaysTogether) {
+  WaitQueue q(true);
+  q.Push(MakeJob(11, 0, "a", 10));  // the group's request 10 runs
+  q.Push(MakeJob(12, 0, "b"));
+  WaitQueue::Running running;
+  running.per_client = {{"a", 1}};
+  EXPECT_EQ(q.Next(running)->id, 12);  // without the group: a runs one, b none
+  running.groups = {10};
+  EXPECT_EQ(q.Next(running)->id, 11);
 }
 
 TEST(WaitQueueTest, DisplaceGivesUpLowerPrioritiesThenTheMostQueuedClient) {
@@ -99,22 +114,29 @@ TEST(WaitQueueTest, DisplaceGivesUpLowerPrioritiesThenTheMostQueuedClient) {
   EXPECT_FALSE(Displace({{{0, "a"}, 0}, {{0, "b"}, -1}}, {-5, "c"}, 1, 0, true).has_value());
 }
 
-// Holds the engine thread inside the gate request's second step event until Open(): after the
-// round that admitted it has ended, so the engine's counts no longer hold it as queued.
+// Holds the engine thread inside the gate request's step events from its second on (after the
+// round that admitted it has ended, so the engine's counts no longer hold it as queued), each
+// until released, all once opened.
 class Gate : public RequestObserver {
  public:
   void OnStep(const StepEvent& e) override {
     if (e.step < 2) return;
     std::unique_lock<std::mutex> l(mu_);
-    inside_ = true;
+    at_ = e.step;
     cv_.notify_all();
-    cv_.wait(l, [&] { return open_; });
+    cv_.wait(l, [&] { return open_ || released_ >= e.step; });
   }
   void OnComplete(RequestResult) override {}
   void OnError(const Status&) override {}
-  void WaitInside() {
+  // Whether the engine thread is held in step `step` (false after 120 s).
+  bool WaitAt(int64_t step) {
     std::unique_lock<std::mutex> l(mu_);
-    cv_.wait(l, [&] { return inside_; });
+    return cv_.wait_for(l, std::chrono::seconds(120), [&] { return at_ >= step; });
+  }
+  void Release(int64_t step) {
+    std::lock_guard<std::mutex> l(mu_);
+    released_ = step;
+    cv_.notify_all();
   }
   void Open() {
     std::lock_guard<std::mutex> l(mu_);
@@ -125,7 +147,8 @@ class Gate : public RequestObserver {
  private:
   std::mutex mu_;
   std::condition_variable cv_;
-  bool inside_ = false, open_ = false;
+  int64_t at_ = 0, released_ = 0;
+  bool open_ = false;
 };
 
 // Records the order requests take their first step in and how each ends.
@@ -185,24 +208,29 @@ std::unique_ptr<Gated> StartGated(const std::string& admission, int64_t max_queu
   p.cfg_scale = 1.0;
   p.client = "gate";
   if (!g->engine->Submit(p, g->gate).ok()) throw std::runtime_error("gate refused");
-  g->gate->WaitInside();
+  if (!g->gate->WaitAt(2)) throw std::runtime_error("the gate request did not reach step 2");
   return g;
 }
 
-Status Submit(Gated& g, const std::string& name, const std::string& client, int32_t priority) {
+GenerateParams OneSlot(const std::string& client, int32_t priority) {
   GenerateParams p;
   p.class_id = 1;
   p.cfg_scale = 1.0;  // one KV slot
   p.seed = 7;
   p.client = client;
   p.priority = priority;
-  auto id = g.engine->Submit(p, std::make_shared<Named>(&g.log, name));
+  return p;
+}
+
+Status Submit(Gated& g, const std::string& name, const std::string& client, int32_t priority) {
+  auto id = g.engine->Submit(OneSlot(client, priority), std::make_shared<Named>(&g.log, name));
   return id.ok() ? Status() : id.status();
 }
 
 void WaitEnded(Gated& g, size_t n) {
   std::unique_lock<std::mutex> l(g.log.mu);
-  ASSERT_TRUE(g.log.cv.wait_for(l, std::chrono::seconds(120), [&] { return g.log.ended.size() >= n; }))
+  ASSERT_TRUE(
+      g.log.cv.wait_for(l, std::chrono::seconds(120), [&] { return g.log.ended.size() >= n; }))
       << g.log.ended.size() << " of " << n << " requests ended";
 }
 
@@ -237,6 +265,43 @@ TEST(AdmissionTest, ALateClientIsNotHeldBehindAnotherClientsBurst) {
     for (int i = 0; i < 10; ++i) EXPECT_EQ(as[static_cast<size_t>(i)], "a" + std::to_string(i));
     g->engine->Shutdown(std::chrono::seconds(10));
   }
+}
+
+// A client's n images (one SubmitGroup) are admitted back to back even under fair share, so
+// that they share a prefill: b's request, queued after a's group of three, comes fourth.
+TEST(AdmissionTest, TheImagesOfOneCallStayTogether) {
+  auto g = StartGated("fair", 64);
+  std::vector<GenerateParams> params(3, OneSlot("a", 0));
+  std::vector<std::shared_ptr<RequestObserver>> obs;
+  for (int i = 0; i < 3; ++i)
+    obs.push_back(std::make_shared<Named>(&g->log, "a" + std::to_string(i)));
+  ASSERT_TRUE(g->engine->SubmitGroup(params, obs).ok());
+  ASSERT_TRUE(Submit(*g, "b0", "b", 0).ok());
+  g->gate->Open();
+  WaitEnded(*g, 4);
+  EXPECT_EQ(g->log.started, (std::vector<std::string>{"a0", "a1", "a2", "b0"}));
+  g->engine->Shutdown(std::chrono::seconds(10));
+}
+
+// Submit weighs an arrival against the queue as the last round ended it; a request admitted in
+// the round in progress has made room since, and then nobody gives way. Queue of 2: x0 and x1
+// arrive, x0 is admitted in the round the gate then holds; y0 arrives and counts 2 waiting, so
+// x1 is chosen to give way, but when the engine comes to it x1 and y0 fit: both are drawn.
+TEST(AdmissionTest, NoRequestGivesWayWhenAdmissionsMadeRoom) {
+  auto g = StartGated("fair", 2);
+  ASSERT_TRUE(Submit(*g, "x0", "x", 0).ok());
+  ASSERT_TRUE(Submit(*g, "x1", "x", 0).ok());
+  g->gate->Release(2);
+  ASSERT_TRUE(g->gate->WaitAt(3));  // the round that admitted x0
+  ASSERT_TRUE(Submit(*g, "y0", "y", 0).ok());
+  g->gate->Open();
+  WaitEnded(*g, 3);
+  for (const char* n : {"x0", "x1", "y0"}) {
+    std::lock_guard<std::mutex> l(g->log.mu);
+    EXPECT_TRUE(g->log.ended.at(n).ok()) << n << ": " << g->log.ended.at(n).ToString();
+  }
+  g->engine->Shutdown(std::chrono::seconds(10));
+  EXPECT_EQ(g->engine->Stats().shed, 0);
 }
 
 // Priority before everything: a request of priority -1 queued last is admitted first, and one

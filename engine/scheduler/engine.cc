@@ -422,8 +422,10 @@ StatusOr<std::vector<int64_t>> Engine::SubmitGroup(
   // prefill.
   const auto now = Clock::now();
   std::vector<int64_t> ids;
+  const int64_t group = impl_->next_id;
   for (auto& job : jobs) {
     job->id = impl_->next_id++;
+    job->group = group;
     job->submitted = now;
     ids.push_back(job->id);
     impl_->inbox.emplace_back(mi, std::move(job));
@@ -500,7 +502,10 @@ void Engine::Impl::Run() {
     Outcomes out;
     for (size_t i = 0; i < to_shed.size(); ++i) {
       for (const Shed& x : to_shed[i]) {
-        // None left of its class: one was admitted or ended meanwhile, which made the room.
+        // Submit counted the queue as of the last round's end: requests admitted since may
+        // have made the room, and then nobody gives way. None left of the class: one was
+        // admitted or ended meanwhile (the queue is over its bound until the next admission).
+        if (schedulers[i]->queued() <= opts.max_queue) break;
         out.shed += schedulers[i]->Shed(x.victim, ShedStatus(x.reason)) ? 1 : 0;
       }
       to_shed[i].clear();

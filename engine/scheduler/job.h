@@ -16,6 +16,7 @@ namespace imagegen {
 
 struct Job {
   int64_t id = 0;
+  int64_t group = 0;     // the id of the first request of its Engine::SubmitGroup call
   ImageRequest request;  // resolved and validated once, at submission
   GenerateParams params;
   std::shared_ptr<RequestObserver> observer;

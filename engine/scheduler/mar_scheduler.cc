@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <exception>
 #include <numeric>
-#include <unordered_map>
 
 #include "engine/decoding/cspd_rule.h"
 #include "engine/decoding/mar_sampler.h"
@@ -226,8 +225,8 @@ void MarScheduler::Admit(Outcomes& out) {
   const MarConfig& cfg = model_.mar->config();
   const int64_t s = cfg.seq_len(), c = cfg.token_dim(), steps = model_.mar->head().steps();
   const auto now = Clock::now();
-  std::unordered_map<std::string, int64_t> running;
-  for (const auto& a : active_) running[a->job->params.client] += 1;
+  WaitQueue::Running running;
+  for (const auto& a : active_) running.Add(*a->job);
   while (Job* next = waiting_.Next(running)) {
     Job& j = *next;
     const DecodingPolicy& p = j.request.policy;
@@ -265,7 +264,7 @@ void MarScheduler::Admit(Outcomes& out) {
     j.started = now;
     j.last_preview = now;
     used_ += a->rows;
-    running[j.params.client] += 1;
+    running.Add(j);
     a->job = waiting_.Take(&j);
     active_.push_back(std::move(a));
   }

@@ -9,7 +9,6 @@
 #include <exception>
 #include <filesystem>
 #include <sstream>
-#include <unordered_map>
 
 #include "engine/util/read_file.h"
 
@@ -273,10 +272,10 @@ bool ModelScheduler::Tick(const std::unordered_set<int64_t>& cancelled, Clock::t
 // its KV slots and room in the token budget for one token of every active request plus its own.
 void ModelScheduler::Admit(Outcomes& out) {
   int64_t rows = 0;
-  std::unordered_map<std::string, int64_t> running;
+  WaitQueue::Running running;
   for (const auto& j : active_) {
     rows += batch_.RowsPerNode(j->handle);
-    running[j->params.client] += 1;
+    running.Add(*j);
   }
   const auto now = Clock::now();
   while (Job* next = waiting_.Next(running)) {
@@ -301,7 +300,7 @@ void ModelScheduler::Admit(Outcomes& out) {
     j.started = now;
     j.last_preview = now;
     rows += need;
-    running[j.params.client] += 1;
+    running.Add(j);
     active_.push_back(waiting_.Take(&j));
   }
 }

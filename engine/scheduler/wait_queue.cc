@@ -5,8 +5,8 @@
 
 namespace imagegen {
 
-std::optional<std::vector<Shed>> Displace(WaitCensus census, const WaitClass& arriving,
-                                          int64_t n, int64_t room, bool fair) {
+std::optional<std::vector<Shed>> Displace(WaitCensus census, const WaitClass& arriving, int64_t n,
+                                          int64_t room, bool fair) {
   std::vector<Shed> shed;
   int64_t& mine = census[arriving];
   mine += std::max<int64_t>(room, 0);  // the arrivals that fit come first
@@ -37,14 +37,14 @@ std::optional<std::vector<Shed>> Displace(WaitCensus census, const WaitClass& ar
   return shed;
 }
 
-Job* WaitQueue::Next(const std::unordered_map<std::string, int64_t>& running) const {
+Job* WaitQueue::Next(const Running& running) const {
   Job* best = nullptr;
   std::tuple<int32_t, int64_t> best_key;
   for (const auto& j : jobs_) {
     int64_t load = 0;
-    if (fair_) {
-      auto it = running.find(j->params.client);
-      if (it != running.end()) load = it->second;
+    if (fair_ && running.groups.count(j->group) == 0) {
+      auto it = running.per_client.find(j->params.client);
+      if (it != running.per_client.end()) load = it->second;
     }
     const std::tuple<int32_t, int64_t> key{j->params.priority, load};
     if (best == nullptr || key < best_key) {  // strict: the oldest of equals stays

@@ -6,6 +6,9 @@
 //      client who queues a hundred requests does not make a client who queues one wait for
 //      all of them: each client with work waiting gets its turn as slots free up;
 //   3. then the oldest request.
+// The requests of one Engine::SubmitGroup call (a client's n images) stay together: once one of
+// them runs, the others count as their client's first (no running requests), so they follow it
+// back to back and copy its prefill; one client can thus be ahead by at most one group.
 // And what a full queue gives up for an arrival that ranks before something waiting (Displace):
 // the newest request of the lowest priority's client with the most requests waiting.
 // The engine thread owns a WaitQueue (not thread-safe); Displace is a pure function that
@@ -18,6 +21,7 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -46,8 +50,8 @@ struct Shed {
 // request ranks after an arrival when its priority value is higher, or, with `fair`, when it
 // has the same priority and its client has at least two more requests waiting than the
 // arrival's client would have (so that giving one up never just swaps which client has more).
-std::optional<std::vector<Shed>> Displace(WaitCensus census, const WaitClass& arriving,
-                                          int64_t n, int64_t room, bool fair);
+std::optional<std::vector<Shed>> Displace(WaitCensus census, const WaitClass& arriving, int64_t n,
+                                          int64_t room, bool fair);
 
 class WaitQueue {
  public:
@@ -57,10 +61,19 @@ class WaitQueue {
   bool empty() const { return jobs_.empty(); }
   int64_t size() const { return static_cast<int64_t>(jobs_.size()); }
 
-  // The request admission takes next, given how many requests each client has running
-  // (null when the queue is empty). It stays next until taken: admission never skips it for a
-  // later one that would fit (nothing is overtaken within its rank, so nothing starves).
-  Job* Next(const std::unordered_map<std::string, int64_t>& running) const;
+  // How many requests each client has running, and the groups with a request running.
+  struct Running {
+    std::unordered_map<std::string, int64_t> per_client;
+    std::unordered_set<int64_t> groups;
+    void Add(const Job& j) {
+      per_client[j.params.client] += 1;
+      groups.insert(j.group);
+    }
+  };
+  // The request admission takes next (null when the queue is empty). It stays next until
+  // taken: admission never skips it for a later one that would fit (nothing is overtaken
+  // within its rank, so nothing starves).
+  Job* Next(const Running& running) const;
   std::unique_ptr<Job> Take(const Job* job);
   // The newest waiting request of `cls` (null if none).
   std::unique_ptr<Job> TakeNewest(const WaitClass& cls);
