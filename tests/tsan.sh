@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # ThreadSanitizer on the engine's threads and on the daemon's: the engine thread with client
 # threads submitting, cancelling, timing out, asking for previews and shutting it down
-# (EngineTest.*), and the daemon's gRPC callback reactors, encoder pool, metrics server, drain
+# (EngineTest.*), submitting into a full queue while an observer holds the engine thread
+# (AdmissionTest.*: places given up across threads), and the daemon's gRPC callback reactors, encoder pool, metrics server, drain
 # and shutdown (the server and end-to-end tests: the daemon, CLI and Python client with streams,
 # cancels, deadlines, a full queue, stalled readers, TLS, SIGTERM drain). CI runs it; `--soak`
 # adds the soak (tests/soak/soak.py: clients that stream, cancel, time out, read slowly, stop
@@ -152,8 +153,8 @@ tsan_planted_race_control "$build" "$supp" || status=1
 
 export OMP_NUM_THREADS=1
 export TSAN_OPTIONS="log_path=$logs/tsan:halt_on_error=0:second_deadlock_stack=1:$supp"
-echo "== tsan: EngineTest.*"
-(cd "$build/tests" && ./engine_tests --gtest_filter='EngineTest.*') || status=1
+echo "== tsan: EngineTest.*, AdmissionTest.*"
+(cd "$build/tests" && ./engine_tests --gtest_filter='EngineTest.*:AdmissionTest.*') || status=1
 engine_done=$(date +%s)
 echo "== tsan: server and end-to-end tests"
 # The preset leaves out the MAR family's e2e test (minutes of MAR sampling under TSan); the MAR
