@@ -23,29 +23,13 @@
 #include <mutex>
 #include <vector>
 
-#include "bench/flags.h"
+#include "bench/common.h"  // flags, OrDie (header-only: no libpng needed)
 #include "engine/scheduler/engine.h"
 #include "engine/util/percentile.h"
 
 using namespace imagegen;
 
 namespace {
-
-template <typename T>
-T OrDie(StatusOr<T> v) {
-  if (!v.ok()) {
-    std::fprintf(stderr, "error: %s\n", v.status().ToString().c_str());
-    std::exit(1);
-  }
-  return std::move(v).value();
-}
-
-void OrDie(const Status& s) {
-  if (!s.ok()) {
-    std::fprintf(stderr, "error: %s\n", s.ToString().c_str());
-    std::exit(1);
-  }
-}
 
 double Since(Clock::time_point t0, Clock::time_point t) {
   return std::chrono::duration<double>(t - t0).count();
