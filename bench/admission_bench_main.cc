@@ -1,18 +1,22 @@
 // imagegen-admission-bench: one client's burst against another client's steady requests, on
 // the serving engine (no gRPC), under each admission order side by side (wait_queue.h):
 // "fair" (the default: within a priority, the client with the fewest requests running first)
-// and "fifo". Per round, for each admission in alternating order (ABAB):
-//   - client "heavy" submits --burst requests at once;
+// and "fifo", and "fair-keys": fair with each client an API key's tenant (GenerateParams::tenant,
+// the name of its key in the daemon). Per round, for each admission in alternating order (ABAB):
+//   - client "heavy" submits --burst requests at once, spread over --heavy-users user names
+//     (one tenant "heavy" under fair-keys: an app relaying its many users' requests);
 //   - client "light" then submits --light requests one after another (each once the previous
 //     has finished), the first right after the burst;
 //   - the round ends when every request has finished.
 // Reported per admission (median over --repeat rounds): the light client's latency (its first
 // request's and its worst, submission to image) and the time its requests take together, the
 // heavy burst's makespan, and the images per second of the whole round; then fair / fifo
-// ratios from rounds run back to back. The engine (and its
+// ratios (and the first admission listed / each other) from rounds run back to back. The engine
+// (and its
 // step-cost calibration, cached) is started once per admission and reused across rounds.
 //
 //   imagegen-admission-bench --burst 48 --light 6 --method ar --slots 8 --repeat 3
+//   imagegen-admission-bench --heavy-users 8 --admissions fair-keys,fair
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
@@ -68,11 +72,13 @@ struct Round {
   double images_per_second = 0;
 };
 
-Round RunRound(Engine& engine, const Flags& f, const DecodingPolicy& policy, uint64_t seed0) {
-  const int64_t burst = f.Int("burst"), light = f.Int("light");
+Round RunRound(Engine& engine, const Flags& f, const DecodingPolicy& policy, uint64_t seed0,
+               bool tenants) {
+  const int64_t burst = f.Int("burst"), light = f.Int("light"), users = f.Int("heavy-users");
   Done::Shared shared;
   auto params = [&](const std::string& client, uint64_t seed) {
     GenerateParams p;
+    if (tenants) p.tenant = client.substr(0, client.find('-'));
     p.model = f.Str("model");
     p.class_id = static_cast<int64_t>(seed % 10);
     p.seed = seed;
@@ -85,14 +91,15 @@ Round RunRound(Engine& engine, const Flags& f, const DecodingPolicy& policy, uin
   std::vector<std::shared_ptr<Done>> heavy;
   for (int64_t i = 0; i < burst; ++i) {
     heavy.push_back(std::make_shared<Done>(&shared));
-    OrDie(engine.Submit(params("heavy", seed0 + static_cast<uint64_t>(i)), heavy.back()).status());
+    const std::string user = "heavy-" + std::to_string(i % std::max<int64_t>(users, 1));
+    OrDie(engine.Submit(params(user, seed0 + static_cast<uint64_t>(i)), heavy.back()).status());
   }
   std::vector<double> light_latency;
   const auto light_t0 = Clock::now();
   for (int64_t i = 0; i < light; ++i) {
     auto d = std::make_shared<Done>(&shared);
     const auto t = Clock::now();
-    OrDie(engine.Submit(params("light", seed0 + 1000 + static_cast<uint64_t>(i)), d).status());
+    OrDie(engine.Submit(params("light-0", seed0 + 1000 + static_cast<uint64_t>(i)), d).status());
     std::unique_lock<std::mutex> l(shared.mu);
     shared.cv.wait(l, [&] { return d->at != Clock::time_point{}; });
     light_latency.push_back(Since(t, d->at));
@@ -127,6 +134,7 @@ int main(int argc, char** argv) {
            {"method", "ar"},
            {"burst", "48"},
            {"light", "6"},
+           {"heavy-users", "1"},
            {"slots", "8"},
            {"repeat", "3"},
            {"threads", "0"},
@@ -143,7 +151,11 @@ int main(int argc, char** argv) {
     o.models = {f.Str("model")};
     o.max_slots = f.Int("slots");
     o.max_queue = f.Int("burst") + f.Int("light") + 8;
-    o.admission = a;
+    o.admission = a == "fifo" ? "fifo" : "fair";
+    if (a != "fair" && a != "fifo" && a != "fair-keys") {
+      std::fprintf(stderr, "--admissions: fair, fifo or fair-keys, not '%s'\n", a.c_str());
+      return 2;
+    }
     o.cpu_threads = f.Int("threads");
     o.cache_dir =
         f.Str("cache-dir").empty()
@@ -156,9 +168,10 @@ int main(int argc, char** argv) {
     std::vector<std::string> order = admissions;
     if (r % 2 == 1) std::reverse(order.begin(), order.end());  // ABAB: neither always first
     for (const std::string& a : order) {
-      const Round x = RunRound(*engines[a], f, policy, static_cast<uint64_t>(r) * 10000);
+      const Round x =
+          RunRound(*engines[a], f, policy, static_cast<uint64_t>(r) * 10000, a == "fair-keys");
       std::printf(
-          "round %lld %-4s light: first %.2f s, worst %.2f s, all %.2f s | heavy makespan %.2f s "
+          "round %lld %-9s light: first %.2f s, worst %.2f s, all %.2f s | heavy makespan %.2f s "
           "| %.2f images/s\n",
           static_cast<long long>(r), a.c_str(), x.light_first, x.light_worst, x.light_total,
           x.heavy_makespan, x.images_per_second);
@@ -171,10 +184,10 @@ int main(int argc, char** argv) {
     for (const Round& r : v) x.push_back(r.*m);
     return Percentile(x, 0.5);
   };
-  std::printf("\n%s, burst %lld + light %lld, %lld slots, median of %lld rounds\n",
+  std::printf("\n%s, burst %lld (%lld users) + light %lld, %lld slots, median of %lld rounds\n",
               f.Str("method").c_str(), static_cast<long long>(f.Int("burst")),
-              static_cast<long long>(f.Int("light")), static_cast<long long>(f.Int("slots")),
-              static_cast<long long>(f.Int("repeat")));
+              static_cast<long long>(f.Int("heavy-users")), static_cast<long long>(f.Int("light")),
+              static_cast<long long>(f.Int("slots")), static_cast<long long>(f.Int("repeat")));
   std::printf(
       "| admission | light: first image (s) | light: worst (s) | light: all %lld (s) | heavy "
       "makespan (s) | images/s |\n|---|---|---|---|---|---|\n",
@@ -185,11 +198,12 @@ int main(int argc, char** argv) {
                 median(rounds[a], &Round::light_total), median(rounds[a], &Round::heavy_makespan),
                 median(rounds[a], &Round::images_per_second));
   }
-  if (rounds.count("fair") && rounds.count("fifo")) {
-    // Per round, fair / fifo, from rounds run back to back.
-    std::printf("\nper round, fair / fifo:");
-    for (size_t i = 0; i < rounds["fair"].size(); ++i) {
-      const Round &a = rounds["fair"][i], &b = rounds["fifo"][i];
+  // Per round, the first admission listed / each other, from rounds run back to back.
+  for (size_t k = 1; k < admissions.size(); ++k) {
+    const std::string &x = admissions[0], &y = admissions[k];
+    std::printf("\nper round, %s / %s:", x.c_str(), y.c_str());
+    for (size_t i = 0; i < rounds[x].size(); ++i) {
+      const Round &a = rounds[x][i], &b = rounds[y][i];
       std::printf(" [light first %.2fx, all %.2fx; heavy makespan %.2fx; images/s %.2fx]",
                   a.light_first / b.light_first, a.light_total / b.light_total,
                   a.heavy_makespan / b.heavy_makespan, a.images_per_second / b.images_per_second);

@@ -43,16 +43,16 @@ TEST(WaitQueueTest, NextTakesPriorityThenTheLeastServedClientThenTheOldest) {
     q->Push(MakeJob(4, 5, "c"));
   }
   WaitQueue::Running running;
-  running.per_client = {{"a", 2}, {"b", 0}};
+  running.per_client = {{{"", "a"}, 2}, {{"", "b"}, 0}};
   EXPECT_EQ(fair.Next(running)->id, 3);  // b has nothing running
   EXPECT_EQ(fifo.Next(running)->id, 1);  // the oldest
-  running.per_client["b"] = 2;
+  running.per_client[{"", "b"}] = 2;
   EXPECT_EQ(fair.Next(running)->id, 1);  // equal shares: the oldest
-  running.per_client["b"] = 3;
+  running.per_client[{"", "b"}] = 3;
   EXPECT_EQ(fair.Next(running)->id, 1);
   // A lower priority value goes first, whatever its client runs.
   fair.Push(MakeJob(5, -1, "a"));
-  running.per_client["a"] = 50;
+  running.per_client[{"", "a"}] = 50;
   EXPECT_EQ(fair.Next(running)->id, 5);
   EXPECT_EQ(fair.Take(fair.Next(running))->id, 5);
   EXPECT_EQ(fair.TakeNewest({0, "a"})->id, 2);
@@ -72,10 +72,74 @@ TEST(WaitQueueTest, AGroupStaysTogether) {
   q.Push(MakeJob(11, 0, "a", 10));  // the group's request 10 runs
   q.Push(MakeJob(12, 0, "b"));
   WaitQueue::Running running;
-  running.per_client = {{"a", 1}};
+  running.per_client = {{{"", "a"}, 1}};
   EXPECT_EQ(q.Next(running)->id, 12);  // without the group: a runs one, b none
   running.groups = {10};
   EXPECT_EQ(q.Next(running)->id, 11);
+}
+
+// Tenants (API keys) first, then clients within a tenant: a tenant's many clients count as one
+// against another tenant.
+TEST(WaitQueueTest, NextServesTheLeastServedTenantThenItsLeastServedClient) {
+  WaitQueue q(true);
+  auto job = [](int64_t id, const std::string& client, const std::string& tenant) {
+    auto j = MakeJob(id, 0, client);
+    j->params.tenant = tenant;
+    return j;
+  };
+  q.Push(job(1, "u1", "A"));  // u1 runs nothing, but its tenant A runs three
+  q.Push(job(2, "u2", "A"));
+  q.Push(job(3, "b", "B"));  // b runs one, the only one of B's
+  WaitQueue::Running running;
+  running.per_tenant = {{"A", 3}, {"B", 1}};
+  running.per_client = {{{"A", "u0"}, 1}, {{"A", "u2"}, 2}, {{"B", "b"}, 1}};
+  EXPECT_EQ(q.Next(running)->id, 3);
+  running.per_tenant["B"] = 3;  // equal tenants: A's client with fewer running (u1)
+  EXPECT_EQ(q.Next(running)->id, 1);
+  running.per_client[{"A", "u1"}] = 3;  // equal tenants: u1 3, u2 2, b 1 running
+  EXPECT_EQ(q.Next(running)->id, 3);
+  running.per_tenant["B"] = 4;  // B runs more: A's u2 before its u1
+  EXPECT_EQ(q.Next(running)->id, 2);
+  // A client name means nothing across tenants: b of A is not b of B.
+  q.Push(job(4, "b", "A"));
+  running.per_client[{"A", "b"}] = 0;
+  EXPECT_EQ(q.Next(running)->id, 4);
+}
+
+TEST(WaitQueueTest, DisplaceWeighsTenantsBeforeClients) {
+  // Tenant A's six clients have one request waiting each, tenant B's one client two. Between
+  // tenants B's arrival takes one of A's places (6 >= 2 + 2); counted as clients (no tenants)
+  // nobody has two more than b and the arrival is refused.
+  WaitCensus by_tenant = {{{0, "b", "B"}, 2}};
+  WaitCensus flat = {{{0, "b"}, 2}};
+  for (int i = 0; i < 6; ++i) {
+    by_tenant[{0, "u" + std::to_string(i), "A"}] = 1;
+    flat[{0, "u" + std::to_string(i)}] = 1;
+  }
+  auto d = Displace(by_tenant, {0, "b", "B"}, 1, 0, true);
+  ASSERT_TRUE(d.has_value());
+  EXPECT_EQ((*d)[0].victim.tenant, "A");
+  EXPECT_EQ((*d)[0].reason, ShedReason::kFairShare);
+  EXPECT_FALSE(Displace(flat, {0, "b"}, 1, 0, true).has_value());
+  // A: 6 -> 5 (B 3), 5 -> 4 (B 4); then 4 vs 4 stops.
+  EXPECT_EQ(Displace(by_tenant, {0, "b", "B"}, 2, 0, true)->size(), 2u);
+  EXPECT_FALSE(Displace(by_tenant, {0, "b", "B"}, 3, 0, true).has_value());
+  // Within its own tenant an arrival weighs clients: u9 of A displaces A's client with the
+  // most waiting when it has two more than u9, never another tenant's.
+  EXPECT_FALSE(Displace(by_tenant, {0, "u9", "A"}, 1, 0, true).has_value());
+  by_tenant[{0, "u3", "A"}] = 4;
+  d = Displace(by_tenant, {0, "u9", "A"}, 1, 0, true);
+  ASSERT_TRUE(d.has_value());
+  EXPECT_EQ((*d)[0].victim, (WaitClass{0, "u3", "A"}));
+  // A lower priority is given up first whatever its tenant; of it, the most-queued tenant's
+  // most-queued client.
+  by_tenant[{2, "x", "C"}] = 1;
+  by_tenant[{2, "y", "D"}] = 1;
+  by_tenant[{2, "z", "D"}] = 2;
+  d = Displace(by_tenant, {0, "b", "B"}, 1, 0, true);
+  ASSERT_TRUE(d.has_value());
+  EXPECT_EQ((*d)[0].victim, (WaitClass{2, "z", "D"}));
+  EXPECT_EQ((*d)[0].reason, ShedReason::kPriority);
 }
 
 TEST(WaitQueueTest, DisplaceGivesUpLowerPrioritiesThenTheMostQueuedClient) {
@@ -212,18 +276,22 @@ std::unique_ptr<Gated> StartGated(const std::string& admission, int64_t max_queu
   return g;
 }
 
-GenerateParams OneSlot(const std::string& client, int32_t priority) {
+GenerateParams OneSlot(const std::string& client, int32_t priority,
+                       const std::string& tenant = "") {
   GenerateParams p;
   p.class_id = 1;
   p.cfg_scale = 1.0;  // one KV slot
   p.seed = 7;
   p.client = client;
   p.priority = priority;
+  p.tenant = tenant;
   return p;
 }
 
-Status Submit(Gated& g, const std::string& name, const std::string& client, int32_t priority) {
-  auto id = g.engine->Submit(OneSlot(client, priority), std::make_shared<Named>(&g.log, name));
+Status Submit(Gated& g, const std::string& name, const std::string& client, int32_t priority,
+              const std::string& tenant = "") {
+  auto id =
+      g.engine->Submit(OneSlot(client, priority, tenant), std::make_shared<Named>(&g.log, name));
   return id.ok() ? Status() : id.status();
 }
 
@@ -263,6 +331,29 @@ TEST(AdmissionTest, ALateClientIsNotHeldBehindAnotherClientsBurst) {
       if (n[0] == 'a') as.push_back(n);
     }
     for (int i = 0; i < 10; ++i) EXPECT_EQ(as[static_cast<size_t>(i)], "a" + std::to_string(i));
+    g->engine->Shutdown(std::chrono::seconds(10));
+  }
+}
+
+// Tenant A sends six requests from six clients (one user each), then tenant B one: B's is
+// admitted as soon as a slot frees, since A runs one and B none. Without tenants (the power
+// control: the same clients, no API keys) all seven clients run nothing when a slot frees,
+// and B's request waits for A's six as the newest.
+TEST(AdmissionTest, ATenantsManyClientsCountAsOneAgainstAnotherTenant) {
+  for (const bool tenants : {true, false}) {
+    SCOPED_TRACE(tenants ? "tenants" : "no tenants");
+    auto g = StartGated("fair", 64);
+    for (int i = 0; i < 6; ++i) {
+      const std::string u = "u" + std::to_string(i);
+      ASSERT_TRUE(Submit(*g, u, u, 0, tenants ? "A" : "").ok());
+    }
+    ASSERT_TRUE(Submit(*g, "b0", "b", 0, tenants ? "B" : "").ok());
+    g->gate->Open();
+    WaitEnded(*g, 7);
+    const std::vector<std::string> order = g->log.started;
+    ASSERT_EQ(order.size(), 7u);
+    EXPECT_EQ(order[0], "u0");
+    EXPECT_EQ(Position(order, "b0"), tenants ? 1 : 6);
     g->engine->Shutdown(std::chrono::seconds(10));
   }
 }

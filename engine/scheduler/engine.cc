@@ -33,7 +33,7 @@ Status ShedStatus(ShedReason reason) {
       reason == ShedReason::kPriority
           ? "queue full: this request gave up its place to one of higher priority"
           : "queue full: this request gave up its place to another client's (fair share: its "
-            "client had the most requests waiting)");
+            "client or API key had the most requests waiting)");
 }
 
 }  // namespace
@@ -381,7 +381,7 @@ StatusOr<std::vector<int64_t>> Engine::SubmitGroup(
     ASSIGN_OR_RETURN(std::unique_ptr<Job> job, impl_->Resolve(std::move(params[i]), &m));
     if (i > 0 && m != mi) return InvalidArgument("model: a group draws from one model");
     if (i > 0 && ClassOf(job->params) != ClassOf(jobs[0]->params)) {
-      return InvalidArgument("priority: a group has one priority and client");
+      return InvalidArgument("priority: a group has one priority, client and tenant");
     }
     mi = m;
     job->observer = std::move(observers[i]);

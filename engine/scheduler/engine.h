@@ -30,8 +30,9 @@ struct EngineOptions {
   int64_t max_slots = 64;
   int64_t max_queue = 256;  // waiting requests per model; beyond: RESOURCE_EXHAUSTED
   // The order the waiting requests are admitted in (wait_queue.h): "fair" (priority, then the
-  // client with the fewest requests running, then the oldest; a full queue gives up the
-  // newest request of the client with the most waiting to another client's arrival) or
+  // tenant and the client with the fewest requests running, then the oldest; a full queue
+  // gives up the newest request of the tenant and client with the most waiting to another's
+  // arrival) or
   // "fifo" (priority, then the oldest; a full queue gives up only lower priorities).
   std::string admission = "fair";
   // Target-forward tokens per step and model (a CFG request's token counts twice). Windows

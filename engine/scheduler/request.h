@@ -46,11 +46,13 @@ struct GenerateParams {
   int64_t previews = 0;
   bool decode_image = true;  // the result carries the decoded image (else tokens only)
   // Admission (wait_queue.h): a lower priority value is admitted first; within a priority the
-  // client with the fewest requests running goes first (EngineOptions::admission "fair"),
-  // then the oldest request. A full queue gives up its lowest-ranked waiting request to an
-  // arrival that ranks before it (RESOURCE_EXHAUSTED for the request given up).
+  // tenant, then the client within it, with the fewest requests running goes first
+  // (EngineOptions::admission "fair"), then the oldest request. A full queue gives up its
+  // lowest-ranked waiting request to an arrival that ranks before it (RESOURCE_EXHAUSTED for
+  // the request given up).
   int32_t priority = 0;
-  std::string client;  // who asks (the server: the request's user, else the peer's address)
+  std::string client;  // who asks (the server: the request's user, else the caller's address)
+  std::string tenant;  // whose (the server: the API key's name; empty: one tenant for all)
 };
 
 // Counters of one request so far.
