@@ -5,7 +5,8 @@
 #   3. `imagegen generate` (from a second container of the image) returns a PNG of the requested
 #      class (checked with the bundled classifier, tools/classify_png.py);
 #   4. /metrics answers with imagegen's counters; the HTTP port (IMAGEGEN_HTTP_PORT) serves the
-#      playground page and draws an image through the OpenAI Images API;
+#      playground page and draws an image through the OpenAI Images API; SIGHUP (API key reload)
+#      sent with exec reaches the daemon and leaves it running;
 #   5. SIGTERM (`stop` with a timeout above --grace-seconds) drains a streaming request in flight:
 #      the client gets its image, the daemon exits 0; the drain time is reported.
 #
@@ -207,17 +208,30 @@ print("the playground page (%d bytes); POST /v1/images/generations: a %s PNG, NF
 EOF
 )" || fail "the HTTP port"
 say "HTTP: $http"
-# The daemon's log: a line for that call, named by the id the client sent (written by the log's
-# own thread, so it may land a moment after the answer).
-logged=""
-for _ in $(seq 1 100); do
-  logged="$(E logs "$name" 2>&1 | grep 'request request_id=image-test-1 ' || true)"
-  [ -n "$logged" ] && break
-  sleep 0.1
-done
+# The daemon's log lines matching $1, waited for up to 10 s (written by the log's own thread, so
+# a line may land a moment after what it reports).
+log_lines() {
+  local found=""
+  for _ in $(seq 1 100); do
+    found="$(E logs "$name" 2>&1 | grep "$1" || true)"
+    [ -n "$found" ] && break
+    sleep 0.1
+  done
+  echo "$found"
+}
+# A line for that call, named by the id the client sent.
+logged="$(log_lines 'request request_id=image-test-1 ')"
 [ -n "$logged" ] || { E logs "$name" 2>&1 | tail -n 5; fail "no log line for request image-test-1"; }
 echo "$logged" | grep -q 'api=http .*outcome=ok status=200' || fail "the log line: $logged"
 say "log: ${logged#imagegen-server: }"
+# SIGHUP, sent the way docs/serving.md says to rotate API keys on Kubernetes (`kubectl exec ...
+# sh -c 'kill -HUP 1'`), reaches the daemon as the container's PID 1 and does not stop it (this
+# daemon has no --token-file, so it says there is nothing to read again).
+E exec "$name" sh -c 'kill -HUP 1'
+hup="$(log_lines 'SIGHUP')"
+[ -n "$hup" ] || fail "no log line for SIGHUP"
+[ "$(E inspect --format '{{.State.Running}}' "$name")" = true ] || fail "SIGHUP stopped the daemon"
+say "SIGHUP through exec as PID 1: ${hup#imagegen-server: }; still running"
 
 # --- 5. SIGTERM drains a request in flight -------------------------------------------------
 # Sixteen ar images in one streaming call: 16 x 196 steps, about 2 s on an idle 2-core machine

@@ -1,10 +1,31 @@
 #include "server/auth.h"
 
+#include <absl/strings/numbers.h>
+#include <absl/strings/str_split.h>
+
 #include <algorithm>
+#include <set>
 
 #include "engine/util/read_file.h"
 
 namespace imagegen::server {
+
+namespace {
+
+bool ValidName(absl::string_view n) {
+  if (n.empty() || n.size() > 64) return false;
+  return std::all_of(n.begin(), n.end(), [](char c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
+           c == '_' || c == '-';
+  });
+}
+
+std::shared_ptr<const ApiKey> OpenKey() {
+  static const auto* open = new std::shared_ptr<const ApiKey>(std::make_shared<ApiKey>());
+  return *open;
+}
+
+}  // namespace
 
 bool ConstantTimeEquals(std::string_view a, std::string_view b) {
   const size_t n = std::max(a.size(), b.size());
@@ -17,28 +38,107 @@ bool ConstantTimeEquals(std::string_view a, std::string_view b) {
   return diff == 0;
 }
 
+StatusOr<std::vector<ApiKey>> ParseKeys(std::string_view text) {
+  std::vector<ApiKey> keys;
+  std::set<std::string> tokens, names;
+  int line_no = 0;
+  // Debian's Abseil has its own string_view.
+  for (absl::string_view line : absl::StrSplit(absl::string_view(text.data(), text.size()), '\n')) {
+    ++line_no;
+    const std::vector<absl::string_view> fields =
+        absl::StrSplit(line, absl::ByAnyChar(" \t\r"), absl::SkipEmpty());
+    if (fields.empty() || fields[0][0] == '#') continue;
+    const std::string where = "line " + std::to_string(line_no) + ": ";
+    ApiKey k;
+    k.token = std::string(fields[0]);
+    if (k.token.rfind("name=", 0) == 0 || k.token.rfind("priority=", 0) == 0) {
+      return InvalidArgument(where + "the token comes first, then its attributes");
+    }
+    for (size_t i = 1; i < fields.size(); ++i) {
+      const absl::string_view f = fields[i];
+      const size_t eq = f.find('=');
+      const absl::string_view attr = f.substr(0, eq), value = eq == f.npos ? "" : f.substr(eq + 1);
+      if (eq == f.npos) {
+        return InvalidArgument(where + "'" + std::string(f) +
+                               "' is not an attribute (name=<name> or priority=<n>); a token "
+                               "has no spaces");
+      }
+      if (attr == "name") {
+        if (!ValidName(value)) {
+          return InvalidArgument(where + "name: 1 to 64 of [A-Za-z0-9._-]");
+        }
+        if (!k.name.empty()) return InvalidArgument(where + "name: given twice");
+        k.name = std::string(value);
+      } else if (attr == "priority") {
+        int32_t p = 0;
+        if (!absl::SimpleAtoi(value, &p)) {
+          return InvalidArgument(where + "priority: must be an integer");
+        }
+        if (k.priority.has_value()) return InvalidArgument(where + "priority: given twice");
+        k.priority = p;
+      } else {
+        return InvalidArgument(where + "unknown attribute '" + std::string(attr) +
+                               "' (name or priority)");
+      }
+    }
+    if (!tokens.insert(k.token).second) {
+      return InvalidArgument(where + "the same token as an earlier line");
+    }
+    if (!k.name.empty() && !names.insert(k.name).second) {
+      return InvalidArgument(where + "name: '" + k.name + "' is an earlier key's");
+    }
+    keys.push_back(std::move(k));
+  }
+  if (keys.empty()) return InvalidArgument("no key (a line holding a token)");
+  return keys;
+}
+
 StatusOr<TokenAuth> TokenAuth::FromFile(const std::string& path) {
-  ASSIGN_OR_RETURN(const std::string t, ReadFile(path));
-  const auto b = t.find_first_not_of(" \t\r\n"), e = t.find_last_not_of(" \t\r\n");
-  if (b == std::string::npos) return InvalidArgument("token file '" + path + "' is empty");
   TokenAuth a;
-  a.token_ = t.substr(b, e - b + 1);
+  a.state_ = std::make_shared<State>();
+  a.state_->path = path;
+  RETURN_IF_ERROR(a.Reload().status());
   return a;
 }
 
-bool TokenAuth::Allows(const grpc::ServerContextBase& ctx) const {
-  if (!enabled()) return true;
-  const auto& md = ctx.client_metadata();
-  auto it = md.find("authorization");
-  if (it == md.end()) return false;
-  return AllowsHeader(std::string_view(it->second.data(), it->second.size()));
+StatusOr<size_t> TokenAuth::Reload() const {
+  if (!enabled()) return FailedPrecondition("no key file");
+  auto text = ReadFile(state_->path);
+  if (!text.ok()) return text.status();
+  auto parsed = ParseKeys(*text);
+  if (!parsed.ok()) {
+    return InvalidArgument("'" + state_->path + "': " + parsed.status().message());
+  }
+  auto keys = std::make_shared<Keys>();
+  for (ApiKey& k : *parsed) keys->push_back(std::make_shared<const ApiKey>(std::move(k)));
+  std::lock_guard<std::mutex> l(state_->mu);
+  state_->keys = std::move(keys);
+  return state_->keys->size();
 }
 
-bool TokenAuth::AllowsHeader(std::string_view v) const {
-  if (!enabled()) return true;
+std::shared_ptr<const ApiKey> TokenAuth::Authenticate(const grpc::ServerContextBase& ctx) const {
+  if (!enabled()) return OpenKey();
+  const auto& md = ctx.client_metadata();
+  auto it = md.find("authorization");
+  if (it == md.end()) return nullptr;
+  return AuthenticateHeader(std::string_view(it->second.data(), it->second.size()));
+}
+
+std::shared_ptr<const ApiKey> TokenAuth::AuthenticateHeader(std::string_view v) const {
+  if (!enabled()) return OpenKey();
   constexpr std::string_view kPrefix = "Bearer ";
-  if (v.size() < kPrefix.size() || v.substr(0, kPrefix.size()) != kPrefix) return false;
-  return ConstantTimeEquals(v.substr(kPrefix.size()), token_);
+  if (v.size() < kPrefix.size() || v.substr(0, kPrefix.size()) != kPrefix) return nullptr;
+  const std::string_view sent = v.substr(kPrefix.size());
+  std::shared_ptr<const Keys> keys;
+  {
+    std::lock_guard<std::mutex> l(state_->mu);
+    keys = state_->keys;
+  }
+  std::shared_ptr<const ApiKey> match;
+  for (const auto& k : *keys) {  // no early exit
+    if (ConstantTimeEquals(sent, k->token)) match = k;
+  }
+  return match;
 }
 
 }  // namespace imagegen::server

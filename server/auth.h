@@ -1,13 +1,27 @@
-// Bearer-token authentication of the ImageGeneration calls and the HTTP API's requests:
-// "authorization: Bearer <token>" metadata or header, compared in time independent of where the
-// tokens differ. Health and reflection stay open (probes and generic tools). Immutable after
-// Load; thread-safe.
+// API keys: bearer-token authentication of the ImageGeneration calls and the HTTP API's
+// requests ("authorization: Bearer <token>" metadata or header), compared in time independent
+// of where the tokens differ. Health and reflection stay open (probes and generic tools).
+//
+// The key file (--token-file) holds one key per line: the token, then optional attributes
+//   <token> [name=<name>] [priority=<n>]
+// with blank lines and lines starting with '#' ignored. A key's name makes its callers one
+// tenant of the fair-share admission (docs/serving.md, "Admission") and appears in the request
+// log; its priority is the one its requests get when they ask for none, and the most urgent
+// they may ask for. A file holding only a token (the format before names) is one unnamed key.
+// Reload() reads the file again (the daemon does on SIGHUP): the new keys apply to calls that
+// begin afterwards, and a file that no longer parses leaves the keys as they were.
+// Thread-safe.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
 
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "engine/util/status.h"
 
@@ -16,20 +30,44 @@ namespace imagegen::server {
 // Compares without an early exit: the time depends on the lengths only.
 bool ConstantTimeEquals(std::string_view a, std::string_view b);
 
+struct ApiKey {
+  std::string token;
+  std::string name;                 // empty: unnamed (its callers are not a tenant of their own)
+  std::optional<int32_t> priority;  // the default and most urgent priority of its requests
+};
+
+// The keys of a key file's text; the error names the line and what is wrong with it.
+StatusOr<std::vector<ApiKey>> ParseKeys(std::string_view text);
+
 class TokenAuth {
  public:
-  TokenAuth() = default;  // disabled: every call is allowed
-  // The token is the file's content without surrounding whitespace; it must not be empty.
+  TokenAuth() = default;  // disabled: every call is allowed, as the open key
   static StatusOr<TokenAuth> FromFile(const std::string& path);
 
-  bool enabled() const { return !token_.empty(); }
-  // True when disabled, or when the call carries the right bearer token.
-  bool Allows(const grpc::ServerContextBase& ctx) const;
+  bool enabled() const { return state_ != nullptr; }
+  // The key the call's bearer token matches: the open key (no name, no priority) when
+  // disabled, null when refused. Every key is compared, so the time does not tell which
+  // matched. The key stays valid while the caller holds it, whatever Reload does.
+  std::shared_ptr<const ApiKey> Authenticate(const grpc::ServerContextBase& ctx) const;
   // The same for an HTTP request's Authorization header value (empty: none sent).
-  bool AllowsHeader(std::string_view authorization) const;
+  std::shared_ptr<const ApiKey> AuthenticateHeader(std::string_view authorization) const;
+  bool Allows(const grpc::ServerContextBase& ctx) const { return Authenticate(ctx) != nullptr; }
+  bool AllowsHeader(std::string_view authorization) const {
+    return AuthenticateHeader(authorization) != nullptr;
+  }
+
+  // Reads the file again; on an error the keys stay as they were. Returns how many keys there
+  // are now. Disabled auth has nothing to reload (an error).
+  StatusOr<size_t> Reload() const;
 
  private:
-  std::string token_;
+  using Keys = std::vector<std::shared_ptr<const ApiKey>>;
+  struct State {
+    std::string path;
+    mutable std::mutex mu;
+    std::shared_ptr<const Keys> keys;  // under mu
+  };
+  std::shared_ptr<State> state_;  // shared by copies (the service's and the HTTP front's)
 };
 
 }  // namespace imagegen::server

@@ -63,6 +63,7 @@ std::string OutcomeLabel(grpc::StatusCode c) {
     case grpc::StatusCode::CANCELLED:
     case grpc::StatusCode::DEADLINE_EXCEEDED:
     case grpc::StatusCode::UNAUTHENTICATED:
+    case grpc::StatusCode::PERMISSION_DENIED:
     case grpc::StatusCode::ABORTED:
       break;
     default:
@@ -74,12 +75,25 @@ std::string OutcomeLabel(grpc::StatusCode c) {
   return label;
 }
 
-grpc::Status BadField(const std::string& field, const std::string& description) {
+namespace {
+
+grpc::Status FieldStatus(grpc::StatusCode code, const std::string& field,
+                         const std::string& description) {
   google::rpc::BadRequest br;
   auto* v = br.add_field_violations();
   v->set_field(field);
   v->set_description(description);
-  return WithDetail(grpc::StatusCode::INVALID_ARGUMENT, field + ": " + description, br);
+  return WithDetail(code, field + ": " + description, br);
+}
+
+}  // namespace
+
+grpc::Status BadField(const std::string& field, const std::string& description) {
+  return FieldStatus(grpc::StatusCode::INVALID_ARGUMENT, field, description);
+}
+
+grpc::Status DeniedField(const std::string& field, const std::string& description) {
+  return FieldStatus(grpc::StatusCode::PERMISSION_DENIED, field, description);
 }
 
 grpc::Status Overloaded(const std::string& message, double retry_seconds) {

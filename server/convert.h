@@ -18,6 +18,8 @@ std::string OutcomeLabel(grpc::StatusCode c);
 
 // INVALID_ARGUMENT with a google.rpc.BadRequest naming `field`.
 grpc::Status BadField(const std::string& field, const std::string& description);
+// PERMISSION_DENIED with the same detail: a valid value the caller's API key may not ask for.
+grpc::Status DeniedField(const std::string& field, const std::string& description);
 
 // RESOURCE_EXHAUSTED with a google.rpc.RetryInfo asking the client to wait `retry_seconds`.
 grpc::Status Overloaded(const std::string& message, double retry_seconds);
@@ -43,7 +45,7 @@ std::string DefaultMethodFor(const std::vector<ModelInfo>& models, const std::st
                              const std::string& default_method);
 
 // Who a request is for (GenerateParams::client): "user:" + its user when it names one, else
-// the caller's address without the port ("ipv4:10.1.2.3").
+// the caller's address without the port ("ipv4:10.1.2.3"; TrustedProxies::ClientAddress).
 std::string ClientOf(const std::string& user, const std::string& peer);
 // The PNG upscaling the request asks for (output.scale; 0 means 1).
 int OutputScale(const v1::GenerateRequest& req);

@@ -23,7 +23,8 @@ StatusOr<std::string> ReadFile(const std::string& flag, const std::string& path)
 
 }  // namespace
 
-Daemon::Daemon(const DaemonOptions& options, TokenAuth auth, LogFormat format)
+Daemon::Daemon(const DaemonOptions& options, TokenAuth auth, TrustedProxies proxies,
+               LogFormat format)
     : options_(options),
       auth_(auth),
       log_(std::make_unique<RequestLog>(format, options.log_fd)),
@@ -31,7 +32,7 @@ Daemon::Daemon(const DaemonOptions& options, TokenAuth auth, LogFormat format)
                ServiceOptions{options.default_method, options.encoder_threads,
                               std::chrono::milliseconds(options.stream_stall_ms),
                               ServiceOptions().max_request_bytes, options.max_images,
-                              options.log_requests ? log_.get() : nullptr}) {}
+                              options.log_requests ? log_.get() : nullptr, std::move(proxies)}) {}
 
 Daemon::~Daemon() { Stop(std::chrono::milliseconds(0)); }
 
@@ -42,6 +43,8 @@ StatusOr<std::unique_ptr<Daemon>> Daemon::Listen(const DaemonOptions& options) {
     if (!a.ok()) return InvalidArgument("--token-file: " + a.status().message());
     auth = *a;
   }
+  auto proxies = TrustedProxies::Parse(options.trusted_proxies);
+  if (!proxies.ok()) return InvalidArgument("--trusted-proxies: " + proxies.status().message());
   if (options.encoder_threads < 1 || options.encoder_threads > 256) {
     return InvalidArgument("--encoder-threads: must be in [1, 256]");
   }
@@ -80,7 +83,7 @@ StatusOr<std::unique_ptr<Daemon>> Daemon::Listen(const DaemonOptions& options) {
     return InvalidArgument("--tls-client-ca needs --tls-cert and --tls-key");
   }
 
-  std::unique_ptr<Daemon> d(new Daemon(options, auth, format));
+  std::unique_ptr<Daemon> d(new Daemon(options, auth, std::move(*proxies), format));
   d->tls_ = !options.tls_cert.empty();
   if (!options.metrics_listen.empty()) {
     auto started = MetricsHttpServer::Start(options.metrics_listen,

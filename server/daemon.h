@@ -37,7 +37,8 @@ struct DaemonOptions {
   std::string http_listen;                 // host:port; empty: no HTTP API (OpenAI Images)
   std::string tls_cert, tls_key;           // PEM files; both or neither (TLS)
   std::string tls_client_ca;               // PEM CA bundle: clients must present a certificate
-  std::string token_file;                  // bearer token that ImageGeneration calls must send
+  std::string token_file;                  // the API keys (auth.h); empty: no auth
+  std::string trusted_proxies;             // addresses and CIDR ranges (forwarded.h)
   std::string default_method = "scd-mc";   // of requests that name none
   int64_t max_threads = 512;               // gRPC's threads (calls do not hold one each)
   int encoder_threads = 2;                 // PNG encoding and response building
@@ -70,6 +71,9 @@ class Daemon {
   int http_port() const { return http_ ? http_->port() : 0; }
   bool tls() const { return tls_; }
   bool auth() const { return auth_.enabled(); }
+  // Reads the key file again (SIGHUP): the new keys apply to calls that begin afterwards; on an
+  // error the keys stay as they were. Returns how many keys there are.
+  StatusOr<size_t> ReloadKeys() { return auth_.Reload(); }
 
   // Starts the engine with `starter` (blocking while the models load), checks that it serves
   // the default method (else INVALID_ARGUMENT with field() "--default-method"), and turns the
@@ -87,7 +91,7 @@ class Daemon {
   RequestLog& log() { return *log_; }
 
  private:
-  explicit Daemon(const DaemonOptions& options, TokenAuth auth, LogFormat format);
+  Daemon(const DaemonOptions& options, TokenAuth auth, TrustedProxies proxies, LogFormat format);
   void ReportStats();  // the stats thread's loop
 
   const DaemonOptions options_;

@@ -8,6 +8,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <strings.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
@@ -88,6 +90,17 @@ HttpError FromGrpc(const grpc::Status& st) {
           if (!e.param.empty() && e.param != field && e.message.rfind(field + ": ", 0) == 0) {
             e.message = e.param + ": " + e.message.substr(field.size() + 2);
           }
+        }
+      }
+      break;
+    case grpc::StatusCode::PERMISSION_DENIED:
+      e.status = MHD_HTTP_FORBIDDEN;
+      e.type = "invalid_request_error";
+      e.code = "permission_denied";
+      for (int i = 0; has_details && i < details.details_size(); ++i) {
+        google::rpc::BadRequest br;
+        if (details.details(i).UnpackTo(&br) && br.field_violations_size() > 0) {
+          e.param = HttpParam(br.field_violations(0).field());
         }
       }
       break;
@@ -633,6 +646,25 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
     const char* v = MHD_lookup_connection_value(conn_, MHD_HEADER_KIND, name);
     return v == nullptr ? "" : v;
   }
+  // Every value of a header that may repeat (X-Forwarded-For), in order, joined by commas.
+  std::string AllHeaders(const char* name) const {
+    struct Want {
+      const char* name;
+      std::string values;
+    } want{name, ""};
+    MHD_get_connection_values(
+        conn_, MHD_HEADER_KIND,
+        [](void* cls, MHD_ValueKind, const char* key, const char* value) -> MHD_Result {
+          auto* w = static_cast<Want*>(cls);
+          if (key != nullptr && value != nullptr && strcasecmp(key, w->name) == 0) {
+            if (!w->values.empty()) w->values += ",";
+            w->values += value;
+          }
+          return MHD_YES;
+        },
+        &want);
+    return want.values;
+  }
   static HttpError MethodNotAllowed(const std::string& allowed) {
     HttpError e;
     e.status = MHD_HTTP_METHOD_NOT_ALLOWED;
@@ -749,7 +781,9 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
     r.method = method_label_;
     r.images = std::max(req_.n(), 1);
     r.user = req_.user().substr(0, 256);
-    r.priority = req_.priority();
+    r.priority = priority_;
+    r.key = caller_.key ? caller_.key->name : "";
+    r.address = caller_.forwarded ? caller_.address : "";
     r.outcome = outcome;
     r.error = error;
     r.http_status = static_cast<int>(http_status);
@@ -776,6 +810,8 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
   int partial_images_ = 0, scale_ = 1, n_ = 1;
   bool started_ = false;  // a generation request (counted as a call)
   std::string request_id_, peer_;
+  Caller caller_;
+  int32_t priority_ = 0;
   Engine* engine_ = nullptr;
   std::vector<int> partial_next_;  // the engine thread's
 
@@ -840,9 +876,13 @@ MHD_Result HttpCall::Start() {
   size_ = ir.size;
   scale_ = OutputScale(req_);
   std::vector<GenerateParams> images;
-  grpc::Status st = svc_->Resolve(
-      req_, svc_->auth().AllowsHeader(Header(MHD_HTTP_HEADER_AUTHORIZATION)), parsed,
-      std::chrono::system_clock::time_point::max(), peer_, &engine_, &images, &method_label_);
+  caller_ =
+      svc_->Identify(Header(MHD_HTTP_HEADER_AUTHORIZATION), peer_, AllHeaders("X-Forwarded-For"));
+  priority_ = req_.priority();
+  grpc::Status st =
+      svc_->Resolve(req_, caller_, parsed, std::chrono::system_clock::time_point::max(), &engine_,
+                    &images, &method_label_);
+  if (!images.empty()) priority_ = images[0].priority;
   if (st.ok()) {
     n_ = static_cast<int>(images.size());
     for (GenerateParams& p : images) p.previews = stream_ ? partial_images_ : 0;

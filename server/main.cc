@@ -5,7 +5,7 @@
 // "imagegen.v1.ImageGeneration" NOT_SERVING; once the models are loaded the service turns
 // SERVING (ready). SIGTERM or SIGINT: both turn NOT_SERVING, new calls get UNAVAILABLE, calls
 // in flight get --grace-seconds to finish, then the process exits 0. A second signal exits at
-// once with status 1.
+// once with status 1. SIGHUP reads the --token-file again (key rotation without a restart).
 #include <absl/flags/flag.h>
 #include <absl/flags/parse.h>
 #include <absl/flags/usage.h>
@@ -73,8 +73,13 @@ ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls-cert");
 ABSL_FLAG(std::string, tls_client_ca, "",
           "PEM CA bundle; when set, clients must present a certificate it signed (mTLS)");
 ABSL_FLAG(std::string, token_file, "",
-          "file holding a bearer token that ImageGeneration calls must send "
-          "(authorization: Bearer <token>)");
+          "API keys: a file of lines '<token> [name=<name>] [priority=<n>]' (or one token); "
+          "calls must send one (authorization: Bearer <token>); a name makes the key's callers "
+          "one fair-share tenant, a priority is its requests' default and most urgent; "
+          "SIGHUP reads it again");
+ABSL_FLAG(std::string, trusted_proxies, "",
+          "comma-separated addresses and CIDR ranges of proxies whose X-Forwarded-For names the "
+          "caller (HTTP header or gRPC metadata); empty: the peer is the caller");
 ABSL_FLAG(double, grace_seconds, 30, "on SIGTERM/SIGINT, time for calls in flight to finish");
 ABSL_FLAG(int64_t, max_threads, 512,
           "gRPC's threads (calls run on gRPC's callback API and do not hold a thread each)");
@@ -142,6 +147,7 @@ int main(int argc, char** argv) {
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   server::DaemonOptions o;
@@ -152,6 +158,7 @@ int main(int argc, char** argv) {
   o.tls_key = absl::GetFlag(FLAGS_tls_key);
   o.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
   o.token_file = absl::GetFlag(FLAGS_token_file);
+  o.trusted_proxies = absl::GetFlag(FLAGS_trusted_proxies);
   o.default_method = absl::GetFlag(FLAGS_default_method);
   o.max_threads = absl::GetFlag(FLAGS_max_threads);
   o.encoder_threads = absl::GetFlag(FLAGS_encoder_threads);
@@ -230,12 +237,22 @@ int main(int argc, char** argv) {
            : ""));
 
   int sig = 0;
-  sigwait(&signals, &sig);
+  for (;;) {
+    sigwait(&signals, &sig);
+    if (sig != SIGHUP) break;
+    if (!daemon->auth()) {
+      Log("SIGHUP: no --token-file to read again");
+      continue;
+    }
+    auto keys = daemon->ReloadKeys();
+    Log(keys.ok() ? "SIGHUP: --token-file read again: " + std::to_string(*keys) + " keys"
+                  : "SIGHUP: --token-file kept as it was: " + keys.status().message());
+  }
   Log(std::string("received ") + (sig == SIGTERM ? "SIGTERM" : "SIGINT") + ", draining for up to " +
       absl::StrFormat("%g", absl::GetFlag(FLAGS_grace_seconds)) + " s");
   std::thread force([&] {
-    int again = 0;
-    sigwait(&signals, &again);
+    int again = SIGHUP;
+    while (again == SIGHUP) sigwait(&signals, &again);
     Log("second signal: exiting now");
     std::_Exit(1);
   });

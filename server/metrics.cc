@@ -111,7 +111,8 @@ Metrics::Metrics()
                     .Help("Generate calls and HTTP image generations by outcome (ok, "
                           "invalid_argument, not_found, "
                           "resource_exhausted, unavailable, cancelled, deadline_exceeded, "
-                          "unauthenticated, aborted (a stream whose client stopped reading), "
+                          "unauthenticated, permission_denied, aborted (a stream whose client "
+                          "stopped reading), "
                           "internal)")
                     .Register(*registry_)),
       drafted_(BuildCounter()

@@ -44,7 +44,8 @@ class Metrics : public EngineListener {
   // Engine thread: one step of one request.
   void OnRequestStep(const std::string& model, const std::string& method, const StepEvent& e);
   // A call ended. `outcome`: ok, invalid_argument, not_found, resource_exhausted, unavailable,
-  // cancelled, deadline_exceeded, unauthenticated, aborted, internal.
+  // cancelled, deadline_exceeded, unauthenticated, permission_denied, aborted,
+  // internal.
   void OnRequestEnd(const std::string& model, const std::string& method,
                     const std::string& outcome);
   // An image was sent to its client (a call has n of them), `total_seconds` after the call

@@ -195,6 +195,8 @@ std::string FormatCall(LogFormat format, const CallRecord& r) {
   Line l(format, "request");
   l.Str("request_id", r.request_id).Str("api", r.api);
   if (!r.peer.empty()) l.Str("peer", r.peer);
+  if (!r.address.empty()) l.Str("addr", r.address);
+  if (!r.key.empty()) l.Str("key", r.key);
   if (!r.user.empty()) l.Str("user", r.user);
   l.Str("model", r.model.empty() ? "-" : r.model).Str("method", r.method);
   if (r.priority != 0) l.Int("priority", r.priority);

@@ -52,8 +52,10 @@ struct CallRecord {
   std::string api;   // grpc, grpc-stream, http, http-stream
   std::string peer;  // "ipv4:127.0.0.1:41234", "ipv6:[::1]:41234"
   std::string model, method;
-  std::string user;  // the request's own (empty: none named)
-  int priority = 0;
+  std::string user;     // the request's own (empty: none named)
+  std::string key;      // the name of the caller's API key (empty: unnamed, or no auth)
+  std::string address;  // the caller's, when X-Forwarded-For named it (forwarded.h)
+  int priority = 0;     // the request's, or its key's default
   int images = 1;       // asked for (n)
   std::string outcome;  // ok, invalid_argument, ... (imagegen_requests_total's label)
   std::string error;    // the message of an outcome other than ok

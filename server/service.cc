@@ -104,6 +104,8 @@ class Call : public std::enable_shared_from_this<Call> {
   std::string model, method = "unknown";
   int scale = 1;
   std::string request_id, peer;  // for the request log
+  Caller caller;
+  int32_t priority = 0;  // the request's, or its key's (after Resolve)
 
   // Before submission: the call draws `n` images.
   void Expect(int n) {
@@ -278,7 +280,9 @@ class Call : public std::enable_shared_from_this<Call> {
     record_.method = method;
     record_.images = std::max(req.n(), 1);
     record_.user = req.user().substr(0, 256);
-    record_.priority = req.priority();
+    record_.priority = priority;
+    record_.key = caller.key ? caller.key->name : "";
+    record_.address = caller.forwarded ? caller.address : "";
     record_.outcome = outcome;
     record_.error = st.ok() ? "" : st.error_message();
     record_.seconds = Since(t0_);
@@ -596,13 +600,22 @@ grpc::Status ImageGenerationService::CheckRequestId(const std::string& request_i
   return BadField("x-request-id", RequestIdError(request_id));
 }
 
-grpc::Status ImageGenerationService::Resolve(const v1::GenerateRequest& req, bool authorized,
+Caller ImageGenerationService::Identify(std::string_view authorization, const std::string& peer,
+                                        std::string_view forwarded_for) const {
+  Caller c;
+  c.key = auth_.AuthenticateHeader(authorization);
+  c.address = options_.trusted_proxies.ClientAddress(peer, forwarded_for);
+  c.forwarded = c.address != ClientOf("", peer);
+  return c;
+}
+
+grpc::Status ImageGenerationService::Resolve(const v1::GenerateRequest& req, const Caller& caller,
                                              const grpc::Status& parsed,
                                              std::chrono::system_clock::time_point deadline,
-                                             const std::string& peer, Engine** engine_out,
+                                             Engine** engine_out,
                                              std::vector<GenerateParams>* images,
                                              std::string* method) const {
-  if (!authorized) {
+  if (caller.key == nullptr) {
     return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "missing or invalid bearer token");
   }
   Engine* engine = engine_.load();
@@ -637,7 +650,18 @@ grpc::Status ImageGenerationService::Resolve(const v1::GenerateRequest& req, boo
     params.deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                          deadline - std::chrono::system_clock::now());
   }
-  params.client = ClientOf(req.user(), peer);
+  if (caller.key->priority.has_value()) {
+    const int32_t floor = *caller.key->priority;
+    if (req.priority() == 0) {
+      params.priority = floor;
+    } else if (req.priority() < floor) {
+      return DeniedField("priority", std::to_string(req.priority()) +
+                                         " is more urgent than this API key may ask for (at most " +
+                                         std::to_string(floor) + ", its default)");
+    }
+  }
+  params.tenant = caller.key->name;
+  params.client = ClientOf(req.user(), caller.address);
   const int n = std::max(req.n(), 1);
   images->assign(static_cast<size_t>(n), params);
   for (int i = 0; i < n; ++i) {
@@ -682,11 +706,22 @@ grpc::Status ImageGenerationService::Begin(const std::shared_ptr<Call>& call,
   // UNAVAILABLE of a draining replica not retried (2 runs of 8). Errors are answered as
   // before; their id is in the server's log line.
   call->peer = ctx->peer();
+  std::string authorization, forwarded_for;
+  if (auto a = md.find("authorization"); a != md.end()) {
+    authorization.assign(a->second.data(), a->second.size());
+  }
+  for (auto [it, end] = md.equal_range("x-forwarded-for"); it != end; ++it) {
+    if (!forwarded_for.empty()) forwarded_for += ",";
+    forwarded_for.append(it->second.data(), it->second.size());
+  }
+  call->caller = Identify(authorization, call->peer, forwarded_for);
+  call->priority = call->req.priority();
   const auto deadline = ctx->deadline();
   Engine* engine = nullptr;
   std::vector<GenerateParams> images;
-  grpc::Status st = Resolve(call->req, auth_.Allows(*ctx), parsed, deadline, call->peer, &engine,
-                            &images, &call->method);
+  grpc::Status st =
+      Resolve(call->req, call->caller, parsed, deadline, &engine, &images, &call->method);
+  if (!images.empty()) call->priority = images[0].priority;
   if (!st.ok()) return st;
   // n images: one engine request each, queued together (they share the prompt's prefill).
   const int n = static_cast<int>(images.size());

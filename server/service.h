@@ -32,6 +32,7 @@
 #include "engine/scheduler/engine.h"
 #include "imagegen/v1/imagegen.grpc.pb.h"
 #include "server/auth.h"
+#include "server/forwarded.h"
 #include "server/metrics.h"
 #include "server/request_log.h"
 #include "server/tokenizer.h"
@@ -46,6 +47,15 @@ struct ServiceOptions {
   size_t max_request_bytes = 64 << 10;  // larger bodies are INVALID_ARGUMENT
   int max_images = 16;                  // GenerateRequest.n at most
   RequestLog* request_log = nullptr;    // a line per call when set (outlives the service)
+  TrustedProxies trusted_proxies;       // whose X-Forwarded-For names the caller (forwarded.h)
+};
+
+// Who a call is from: the API key its bearer token matched (null: refused; auth.h), and its
+// address (forwarded.h).
+struct Caller {
+  std::shared_ptr<const ApiKey> key;
+  std::string address;     // "ipv4:10.1.2.3", "ipv6:[::1]" (no port)
+  bool forwarded = false;  // the address is X-Forwarded-For's, not the peer's
 };
 
 // A FIFO of tasks run by a fixed set of threads. The destructor runs what is queued, then joins.
@@ -121,12 +131,18 @@ class ImageGenerationService final : public ServiceBase {
   // `x-request-id` when `parsed` was OK.
   static grpc::Status CheckRequestId(const std::string& request_id, const grpc::Status& parsed,
                                      std::string* request_id_out);
-  // `peer` (the caller's address, as gRPC names it) stands for the user when the request
-  // names none (GenerateParams::client).
-  grpc::Status Resolve(const v1::GenerateRequest& req, bool authorized, const grpc::Status& parsed,
-                       std::chrono::system_clock::time_point deadline, const std::string& peer,
+  // The caller's API key is its tenant (GenerateParams::tenant) and sets its priority's
+  // default and floor (a request asking for a more urgent one is PERMISSION_DENIED naming
+  // `priority`); its address stands for the user when the request names none
+  // (GenerateParams::client).
+  grpc::Status Resolve(const v1::GenerateRequest& req, const Caller& caller,
+                       const grpc::Status& parsed, std::chrono::system_clock::time_point deadline,
                        Engine** engine, std::vector<GenerateParams>* images,
                        std::string* method) const;
+  // The caller of a call from `peer` ("ipv4:10.1.2.3:5678") with this Authorization value and
+  // X-Forwarded-For values (joined by commas).
+  Caller Identify(std::string_view authorization, const std::string& peer,
+                  std::string_view forwarded_for) const;
   Metrics* metrics() const { return metrics_; }
   RequestLog* request_log() const { return options_.request_log; }
   // The model a request names, or the one it gets by naming none (the engine's first; empty

@@ -631,6 +631,115 @@ TEST(E2eTest, TlsAndBearerTokenAcceptTheRightTokenOnly) {
   EXPECT_EQ(CallWith(no_cert, ""), grpc::StatusCode::UNAVAILABLE);
 }
 
+// Named API keys (server/auth.h) and trusted proxies (server/forwarded.h): a key's name is in
+// the request line, its priority is its requests' default and the most urgent they may ask for
+// (PERMISSION_DENIED naming `priority` on gRPC, 403 on HTTP), a trusted proxy's
+// X-Forwarded-For names the caller while anyone else's is ignored, and SIGHUP reads the key
+// file again (a broken file keeps the keys).
+TEST(E2eTest, ApiKeysNameTenantsBoundPrioritiesAndReloadOnSighup) {
+  const std::string dir = TempDir("api_keys_file");
+  const std::string keys = dir + "/keys";
+  { std::ofstream(keys) << "# e2e\ntok-batch name=batch priority=5\ntok-app name=app\n"; }
+  Daemon d("api_keys", {"--token-file", keys, "--http-listen", "127.0.0.1:0", "--log-format",
+                        "json", "--trusted-proxies", "127.0.0.0/8"});
+  d.WaitReady();
+  auto stub = d.Stub();
+  auto call = [&](const std::string& token, int priority, const std::string& id,
+                  const std::string& forwarded_for) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + seconds(60));
+    ctx.AddMetadata("authorization", "Bearer " + token);
+    ctx.AddMetadata("x-request-id", id);
+    if (!forwarded_for.empty()) ctx.AddMetadata("x-forwarded-for", forwarded_for);
+    v1::GenerateRequest q = Request("bag", 21, "ar");
+    q.set_priority(priority);
+    v1::GenerateResponse resp;
+    return stub->Generate(&ctx, q, &resp);
+  };
+  EXPECT_TRUE(call("tok-batch", 0, "k-batch-default", "").ok());
+  EXPECT_TRUE(call("tok-batch", 7, "k-batch-7", "").ok());
+  const grpc::Status denied = call("tok-batch", 2, "k-batch-2", "");
+  EXPECT_EQ(denied.error_code(), grpc::StatusCode::PERMISSION_DENIED) << denied.error_message();
+  google::rpc::BadRequest br;
+  ASSERT_NE(Violations(denied, &br), nullptr);
+  EXPECT_EQ(br.field_violations(0).field(), "priority");
+  EXPECT_TRUE(call("tok-app", -3, "k-app-forwarded", "198.51.100.7, 203.0.113.9").ok());
+  // HTTP: the same floor, as OpenAI's 403 shape naming the parameter; X-Forwarded-For from a
+  // trusted proxy (loopback here) names the caller.
+  const std::string body = R"({"prompt": "bag", "seed": 22, "method": "ar", "priority": 1})";
+  const std::string http = Fetch(d.http_port(),
+                                 "POST /v1/images/generations HTTP/1.0\r\nHost: 127.0.0.1\r\n"
+                                 "Content-Type: application/json\r\nX-Request-Id: k-http-2\r\n"
+                                 "Authorization: Bearer tok-batch\r\n"
+                                 "X-Forwarded-For: 192.0.2.44\r\nContent-Length: " +
+                                     std::to_string(body.size()) + "\r\n\r\n" + body);
+  ASSERT_EQ(http.rfind("HTTP/1.1 403", 0), 0u) << http.substr(0, 300);
+  const nlohmann::json err = nlohmann::json::parse(http.substr(http.find("\r\n\r\n") + 4));
+  EXPECT_EQ(err["error"]["param"], "priority") << err;
+  EXPECT_EQ(err["error"]["code"], "permission_denied") << err;
+
+  // Rotation: SIGHUP with a new file; the old keys stop working, the new one works.
+  { std::ofstream(keys) << "tok-new name=rotated\n"; }
+  // Whether the daemon's log says `text` within 120 s.
+  auto logged = [&](const std::string& text) {
+    for (int i = 0; i < 2400; ++i) {
+      if (d.proc().Log().find(text) != std::string::npos) return true;
+      std::this_thread::sleep_for(milliseconds(50));
+    }
+    return false;
+  };
+  d.proc().Signal(SIGHUP);
+  ASSERT_TRUE(logged("read again: 1 keys")) << d.proc().Log();
+  EXPECT_EQ(call("tok-app", 0, "k-app-old", "").error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_TRUE(call("tok-new", 0, "k-new", "").ok());
+  // A broken file keeps the keys as they were.
+  { std::ofstream(keys) << "tok-x name=a/b\n"; }
+  d.proc().Signal(SIGHUP);
+  ASSERT_TRUE(logged("kept as it was")) << d.proc().Log();
+  EXPECT_TRUE(call("tok-new", 0, "k-new-again", "").ok());
+
+  d.proc().Signal(SIGTERM);
+  ASSERT_EQ(d.proc().Wait(seconds(60)), 0) << d.proc().Log();
+  std::map<std::string, nlohmann::json> calls;
+  std::istringstream in(d.proc().Log());
+  for (std::string line; std::getline(in, line);) {
+    const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+    if (j.is_object() && j.value("event", "") == "request") {
+      calls[j["request_id"].get<std::string>()] = j;
+    }
+  }
+  ASSERT_EQ(calls.size(), 8u) << d.proc().Log();
+  EXPECT_EQ(calls["k-batch-default"]["key"], "batch");
+  EXPECT_EQ(calls["k-batch-default"]["priority"], 5);  // the key's default
+  EXPECT_EQ(calls["k-batch-7"]["priority"], 7);
+  EXPECT_EQ(calls["k-batch-2"]["outcome"], "permission_denied");
+  EXPECT_FALSE(calls["k-batch-default"].contains("addr"));  // no X-Forwarded-For
+  EXPECT_EQ(calls["k-app-forwarded"]["key"], "app");
+  EXPECT_EQ(calls["k-app-forwarded"]["priority"], -3);  // no floor: as asked
+  EXPECT_EQ(calls["k-app-forwarded"]["addr"], "ipv4:203.0.113.9");
+  EXPECT_EQ(calls["k-http-2"]["status"], 403);
+  EXPECT_EQ(calls["k-http-2"]["addr"], "ipv4:192.0.2.44");
+  EXPECT_EQ(calls["k-app-old"]["outcome"], "unauthenticated");
+  EXPECT_EQ(calls["k-new"]["key"], "rotated");
+  EXPECT_EQ(calls["k-new-again"]["outcome"], "ok");
+
+  // Not a trusted proxy: X-Forwarded-For is ignored (no tenant either: no key file).
+  Daemon open("api_keys_untrusted", {"--log-format", "json", "--trusted-proxies", "10.0.0.0/8"});
+  open.WaitReady();
+  grpc::ClientContext ctx;
+  ctx.AddMetadata("x-request-id", "k-untrusted");
+  ctx.AddMetadata("x-forwarded-for", "203.0.113.9");
+  v1::GenerateResponse resp;
+  ASSERT_TRUE(open.Stub()->Generate(&ctx, Request("bag", 23, "ar"), &resp).ok());
+  open.proc().Signal(SIGTERM);
+  ASSERT_EQ(open.proc().Wait(seconds(60)), 0) << open.proc().Log();
+  const std::string log = open.proc().Log();
+  const size_t line = log.find(R"("request_id":"k-untrusted")");
+  ASSERT_NE(line, std::string::npos) << log;
+  EXPECT_EQ(log.find("203.0.113.9"), std::string::npos) << log;
+  RemoveTree(dir);
+}
+
 TEST(E2eTest, SigtermDrainsInFlightStreamsThenExitsZero) {
   Daemon d("sigterm", {"--grace-seconds", "60", "--http-listen", "127.0.0.1:0"});
   d.WaitReady();

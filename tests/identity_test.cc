@@ -1,0 +1,162 @@
+// Who a call is from: API keys (server/auth.h: the key file's lines, names and priorities,
+// matching, reloading) and the caller's address behind trusted proxies (server/forwarded.h).
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <string>
+
+#include "server/auth.h"
+#include "server/forwarded.h"
+#include "tests/temp_dir.h"
+
+namespace imagegen {
+namespace {
+
+using server::ApiKey;
+using server::ParseKeys;
+using server::TokenAuth;
+using server::TrustedProxies;
+
+TEST(ApiKeysTest, LinesGiveTokensWithNamesAndPriorities) {
+  auto keys = ParseKeys(
+      "# the interactive app\n"
+      "tok-a name=app priority=-1\n"
+      "\n"
+      "   tok-b\tname=batch   priority=10  \r\n"
+      "tok-c==\n");  // base64 padding is part of a token
+  ASSERT_TRUE(keys.ok()) << keys.status().ToString();
+  ASSERT_EQ(keys->size(), 3u);
+  EXPECT_EQ((*keys)[0].token, "tok-a");
+  EXPECT_EQ((*keys)[0].name, "app");
+  EXPECT_EQ((*keys)[0].priority, -1);
+  EXPECT_EQ((*keys)[1].token, "tok-b");
+  EXPECT_EQ((*keys)[1].name, "batch");
+  EXPECT_EQ((*keys)[1].priority, 10);
+  EXPECT_EQ((*keys)[2].token, "tok-c==");
+  EXPECT_EQ((*keys)[2].name, "");
+  EXPECT_FALSE((*keys)[2].priority.has_value());
+  // The format before names: the file is one token.
+  keys = ParseKeys("s3cret-token-0123456789\n");
+  ASSERT_TRUE(keys.ok());
+  ASSERT_EQ(keys->size(), 1u);
+  EXPECT_EQ((*keys)[0].token, "s3cret-token-0123456789");
+}
+
+TEST(ApiKeysTest, BadLinesAreRefusedNamingTheLineAndWhatIsWrong) {
+  const std::pair<const char*, const char*> bad[] = {
+      {"", "no key"},
+      {"# only a comment\n\n", "no key"},
+      {"tok\nname=x tok2\n", "line 2: the token comes first"},
+      {"tok two words\n", "line 1: 'two' is not an attribute"},
+      {"tok name=\n", "line 1: name: 1 to 64"},
+      {"tok name=has/slash\n", "line 1: name: 1 to 64"},
+      {"tok name=a name=b\n", "line 1: name: given twice"},
+      {"tok priority=high\n", "line 1: priority: must be an integer"},
+      {"tok priority=99999999999\n", "line 1: priority: must be an integer"},
+      {"tok weight=2\n", "line 1: unknown attribute 'weight'"},
+      {"tok name=a\ntok name=b\n", "line 2: the same token as an earlier line"},
+      {"t1 name=a\nt2 name=a\n", "line 2: name: 'a' is an earlier key's"},
+  };
+  for (const auto& [text, message] : bad) {
+    auto keys = ParseKeys(text);
+    ASSERT_FALSE(keys.ok()) << text;
+    EXPECT_NE(keys.status().message().find(message), std::string::npos)
+        << text << " -> " << keys.status().message();
+  }
+}
+
+TEST(ApiKeysTest, AuthenticateFindsTheKeyAndReloadReplacesThem) {
+  const std::string dir = testing::TempDir("api_keys");
+  const std::string path = dir + "/keys";
+  { std::ofstream(path) << "tok-a name=app priority=-1\ntok-b name=batch priority=10\n"; }
+  auto auth = TokenAuth::FromFile(path);
+  ASSERT_TRUE(auth.ok()) << auth.status().ToString();
+  ASSERT_TRUE(auth->enabled());
+  auto a = auth->AuthenticateHeader("Bearer tok-a");
+  ASSERT_NE(a, nullptr);
+  EXPECT_EQ(a->name, "app");
+  EXPECT_EQ(auth->AuthenticateHeader("Bearer tok-b")->name, "batch");
+  for (const char* wrong :
+       {"Bearer tok-c", "Bearer tok-", "Bearer tok-aa", "bearer tok-a", "tok-a", "Bearer ", ""}) {
+    EXPECT_EQ(auth->AuthenticateHeader(wrong), nullptr) << wrong;
+  }
+  // Copies share the keys (the service's and the daemon's), and a reload replaces them for
+  // every copy; a key already matched stays valid.
+  const TokenAuth copy = *auth;
+  { std::ofstream(path) << "tok-c name=new\n"; }
+  auto n = copy.Reload();
+  ASSERT_TRUE(n.ok()) << n.status().ToString();
+  EXPECT_EQ(*n, 1u);
+  EXPECT_EQ(auth->AuthenticateHeader("Bearer tok-a"), nullptr);
+  EXPECT_EQ(auth->AuthenticateHeader("Bearer tok-c")->name, "new");
+  EXPECT_EQ(a->name, "app");
+  // A file that no longer parses (or is gone) leaves the keys as they were.
+  { std::ofstream(path) << "tok-d name=bad/name\n"; }
+  n = auth->Reload();
+  ASSERT_FALSE(n.ok());
+  EXPECT_NE(n.status().message().find("line 1: name"), std::string::npos) << n.status().message();
+  std::remove(path.c_str());
+  EXPECT_FALSE(auth->Reload().ok());
+  EXPECT_EQ(auth->AuthenticateHeader("Bearer tok-c")->name, "new");
+  // Disabled: every call is the open key (no name, no priority); nothing to reload.
+  const TokenAuth open;
+  auto k = open.AuthenticateHeader("");
+  ASSERT_NE(k, nullptr);
+  EXPECT_EQ(k->name, "");
+  EXPECT_FALSE(k->priority.has_value());
+  EXPECT_FALSE(open.Reload().ok());
+  testing::RemoveTree(dir);
+}
+
+TEST(TrustedProxiesTest, RangesParseAndContainAddresses) {
+  auto t = TrustedProxies::Parse("10.0.0.0/8, 192.168.1.7 ,fd00::/8,::1,::ffff:172.16.0.0/108");
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  for (const char* in : {"10.0.0.1", "10.255.255.255", "192.168.1.7", "fd12::3", "::1", "[::1]",
+                         "[::1]:443", "10.1.2.3:8080", "ipv4:10.1.2.3", "ipv6:[fd00::1]",
+                         "ipv6:%5B::1%5D", "::ffff:10.9.9.9", "172.16.5.5"}) {
+    EXPECT_TRUE(t->Contains(in)) << in;
+  }
+  for (const char* out : {"11.0.0.1", "192.168.1.8", "fe80::1", "::2", "172.32.0.1", "",
+                          "not-an-address", "10.0.0.1.5"}) {
+    EXPECT_FALSE(t->Contains(out)) << out;
+  }
+  EXPECT_TRUE(TrustedProxies::Parse("").ok());
+  EXPECT_TRUE(TrustedProxies::Parse("")->empty());
+  EXPECT_TRUE(TrustedProxies::Parse("0.0.0.0/0")->Contains("8.8.8.8"));
+  for (const char* bad : {"10.0.0.0/33", "fd00::/129", "10.0.0.0/x", "proxy.local", "10.0.0/8",
+                          "::ffff:10.0.0.0/95"}) {
+    auto p = TrustedProxies::Parse(bad);
+    ASSERT_FALSE(p.ok()) << bad;
+    EXPECT_NE(p.status().message().find(bad), std::string::npos) << p.status().message();
+  }
+}
+
+TEST(TrustedProxiesTest, TheCallerIsTheFirstUntrustedAddressFromTheRight) {
+  const TrustedProxies none;
+  auto t = TrustedProxies::Parse("10.0.0.0/8,::1");
+  ASSERT_TRUE(t.ok());
+  // Without trusted proxies, or from an untrusted peer, X-Forwarded-For is ignored.
+  EXPECT_EQ(none.ClientAddress("ipv4:10.0.0.5:4000", "203.0.113.9"), "ipv4:10.0.0.5");
+  EXPECT_EQ(t->ClientAddress("ipv4:198.51.100.1:4000", "203.0.113.9"), "ipv4:198.51.100.1");
+  // A trusted peer without the header is the caller.
+  EXPECT_EQ(t->ClientAddress("ipv4:10.0.0.5:4000", ""), "ipv4:10.0.0.5");
+  // Through one proxy, then two (the client's own entry on the left is spoofable and skipped
+  // once an untrusted address is met).
+  EXPECT_EQ(t->ClientAddress("ipv4:10.0.0.5:4000", "203.0.113.9"), "ipv4:203.0.113.9");
+  EXPECT_EQ(t->ClientAddress("ipv4:10.0.0.5:4000", "1.2.3.4, 203.0.113.9, 10.0.0.6"),
+            "ipv4:203.0.113.9");
+  // All trusted: the leftmost.
+  EXPECT_EQ(t->ClientAddress("ipv4:10.0.0.5:4000", "10.1.1.1, 10.0.0.6"), "ipv4:10.1.1.1");
+  // An entry that is not an address ends the walk at the last address read.
+  EXPECT_EQ(t->ClientAddress("ipv4:10.0.0.5:4000", "unknown, 10.0.0.6"), "ipv4:10.0.0.6");
+  // IPv6 peers (gRPC escapes the brackets), bracketed entries with ports, v4 with ports.
+  EXPECT_EQ(t->ClientAddress("ipv6:%5B::1%5D:4000", "[2001:db8::7]:5555"), "ipv6:[2001:db8::7]");
+  EXPECT_EQ(t->ClientAddress("ipv6:[::1]:4000", "2001:db8::7"), "ipv6:[2001:db8::7]");
+  EXPECT_EQ(t->ClientAddress("ipv4:10.0.0.5:4000", "203.0.113.9:61000"), "ipv4:203.0.113.9");
+  // Untouched peers keep their own spelling (the fair-share key of a request without user).
+  EXPECT_EQ(t->ClientAddress("ipv6:%5B::2%5D:4000", "203.0.113.9"), "ipv6:%5B::2%5D");
+  EXPECT_EQ(t->ClientAddress("unix:/run/imagegen.sock", "203.0.113.9"), "unix:/run/imagegen.sock");
+}
+
+}  // namespace
+}  // namespace imagegen
