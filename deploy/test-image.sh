@@ -224,9 +224,9 @@ logged="$(log_lines 'request request_id=image-test-1 ')"
 [ -n "$logged" ] || { E logs "$name" 2>&1 | tail -n 5; fail "no log line for request image-test-1"; }
 echo "$logged" | grep -q 'api=http .*outcome=ok status=200' || fail "the log line: $logged"
 say "log: ${logged#imagegen-server: }"
-# SIGHUP, sent the way docs/serving.md says to rotate API keys on Kubernetes (`kubectl exec ...
-# sh -c 'kill -HUP 1'`), reaches the daemon as the container's PID 1 and does not stop it (this
-# daemon has no --token-file, so it says there is nothing to read again).
+# SIGHUP (which reads the API keys again) sent with exec (`kubectl exec ... sh -c 'kill -HUP 1'`)
+# reaches the daemon as the container's PID 1 and does not stop it (this daemon has no
+# --token-file, so it says there is nothing to read again).
 E exec "$name" sh -c 'kill -HUP 1'
 hup="$(log_lines 'SIGHUP')"
 [ -n "$hup" ] || fail "no log line for SIGHUP"

@@ -3,7 +3,10 @@
 #include <absl/strings/numbers.h>
 #include <absl/strings/str_split.h>
 
+#include <sys/stat.h>
+
 #include <algorithm>
+#include <cstring>
 #include <set>
 
 #include "engine/util/read_file.h"
@@ -48,13 +51,21 @@ StatusOr<std::vector<ApiKey>> ParseKeys(std::string_view text) {
     const std::vector<absl::string_view> fields =
         absl::StrSplit(line, absl::ByAnyChar(" \t\r"), absl::SkipEmpty());
     if (fields.empty() || fields[0][0] == '#') continue;
+    const size_t n_fields =
+        std::find_if(fields.begin(), fields.end(),
+                     [](absl::string_view f) { return f[0] == '#'; }) -  // a comment
+        fields.begin();
     const std::string where = "line " + std::to_string(line_no) + ": ";
     ApiKey k;
     k.token = std::string(fields[0]);
     if (k.token.rfind("name=", 0) == 0 || k.token.rfind("priority=", 0) == 0) {
       return InvalidArgument(where + "the token comes first, then its attributes");
     }
-    for (size_t i = 1; i < fields.size(); ++i) {
+    if (k.token.size() > kMaxTokenBytes) {
+      return InvalidArgument(where + "the token is longer than " + std::to_string(kMaxTokenBytes) +
+                             " bytes");
+    }
+    for (size_t i = 1; i < n_fields; ++i) {
       const absl::string_view f = fields[i];
       const size_t eq = f.find('=');
       const absl::string_view attr = f.substr(0, eq), value = eq == f.npos ? "" : f.substr(eq + 1);
@@ -101,8 +112,34 @@ StatusOr<TokenAuth> TokenAuth::FromFile(const std::string& path) {
   return a;
 }
 
+namespace {
+
+// The file's identity and version as stat (through symbolic links) sees it; empty if missing.
+std::string Signature(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) return "";
+  return std::to_string(st.st_dev) + ":" + std::to_string(st.st_ino) + ":" +
+         std::to_string(st.st_size) + ":" + std::to_string(st.st_mtim.tv_sec) + "." +
+         std::to_string(st.st_mtim.tv_nsec);
+}
+
+}  // namespace
+
+bool TokenAuth::Changed() const {
+  if (!enabled()) return false;
+  const std::string now = Signature(state_->path);
+  std::lock_guard<std::mutex> l(state_->mu);
+  return now != state_->read_as;
+}
+
 StatusOr<size_t> TokenAuth::Reload() const {
   if (!enabled()) return FailedPrecondition("no key file");
+  {
+    // Taken before the read: a change while reading is seen by the next Changed().
+    const std::string sig = Signature(state_->path);
+    std::lock_guard<std::mutex> l(state_->mu);
+    state_->read_as = sig;
+  }
   auto text = ReadFile(state_->path);
   if (!text.ok()) return text.status();
   auto parsed = ParseKeys(*text);
@@ -129,14 +166,24 @@ std::shared_ptr<const ApiKey> TokenAuth::AuthenticateHeader(std::string_view v) 
   constexpr std::string_view kPrefix = "Bearer ";
   if (v.size() < kPrefix.size() || v.substr(0, kPrefix.size()) != kPrefix) return nullptr;
   const std::string_view sent = v.substr(kPrefix.size());
+  if (sent.size() > kMaxTokenBytes) return nullptr;  // no key is that long
   std::shared_ptr<const Keys> keys;
   {
     std::lock_guard<std::mutex> l(state_->mu);
     keys = state_->keys;
   }
   std::shared_ptr<const ApiKey> match;
+  // Both sides padded with zeros to kMaxTokenBytes, and the lengths compared apart: the same
+  // work for every key and every token sent.
+  char a[kMaxTokenBytes] = {}, b[kMaxTokenBytes] = {};
+  std::memcpy(a, sent.data(), sent.size());
   for (const auto& k : *keys) {  // no early exit
-    if (ConstantTimeEquals(sent, k->token)) match = k;
+    std::memset(b, 0, sizeof b);
+    std::memcpy(b, k->token.data(), k->token.size());
+    const bool same =
+        ConstantTimeEquals(std::string_view(a, sizeof a), std::string_view(b, sizeof b)) &
+        (sent.size() == k->token.size());
+    if (same) match = k;
   }
   return match;
 }

@@ -3,14 +3,16 @@
 // of where the tokens differ. Health and reflection stay open (probes and generic tools).
 //
 // The key file (--token-file) holds one key per line: the token, then optional attributes
-//   <token> [name=<name>] [priority=<n>]
-// with blank lines and lines starting with '#' ignored. A key's name makes its callers one
-// tenant of the fair-share admission (docs/serving.md, "Admission") and appears in the request
-// log; its priority is the one its requests get when they ask for none, and the most urgent
-// they may ask for. A file holding only a token (the format before names) is one unnamed key.
-// Reload() reads the file again (the daemon does on SIGHUP): the new keys apply to calls that
-// begin afterwards, and a file that no longer parses leaves the keys as they were.
-// Thread-safe.
+//   <token> [name=<name>] [priority=<n>] [# comment]
+// with blank lines and comments ('#' to the end of the line) ignored. Tokens are at most 512
+// bytes. A key's name makes its callers one tenant of the fair-share admission
+// (docs/serving.md, "Admission"; the callers of every unnamed key together are one more) and
+// labels its request lines and usage metrics; its priority is the one its requests get when
+// they ask for none, and the most urgent they may ask for (a key without one may ask for any).
+// A file holding only a token (the format before names) is one unnamed key.
+// Reload() reads the file again (the daemon does on SIGHUP, and when the file changes): the
+// new keys apply to calls that begin afterwards, and a file that no longer parses leaves the
+// keys as they were. Thread-safe.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -30,6 +32,8 @@ namespace imagegen::server {
 // Compares without an early exit: the time depends on the lengths only.
 bool ConstantTimeEquals(std::string_view a, std::string_view b);
 
+constexpr size_t kMaxTokenBytes = 512;
+
 struct ApiKey {
   std::string token;
   std::string name;                 // empty: unnamed (its callers are not a tenant of their own)
@@ -46,8 +50,9 @@ class TokenAuth {
 
   bool enabled() const { return state_ != nullptr; }
   // The key the call's bearer token matches: the open key (no name, no priority) when
-  // disabled, null when refused. Every key is compared, so the time does not tell which
-  // matched. The key stays valid while the caller holds it, whatever Reload does.
+  // disabled, null when refused. Every key is compared over kMaxTokenBytes whatever its
+  // length, so the time tells neither which key matched nor how long the keys are (only how
+  // many there are). The key stays valid while the caller holds it, whatever Reload does.
   std::shared_ptr<const ApiKey> Authenticate(const grpc::ServerContextBase& ctx) const;
   // The same for an HTTP request's Authorization header value (empty: none sent).
   std::shared_ptr<const ApiKey> AuthenticateHeader(std::string_view authorization) const;
@@ -59,6 +64,9 @@ class TokenAuth {
   // Reads the file again; on an error the keys stay as they were. Returns how many keys there
   // are now. Disabled auth has nothing to reload (an error).
   StatusOr<size_t> Reload() const;
+  // Whether the file differs (device, inode, size or modification time; through symbolic
+  // links, so a Kubernetes Secret volume's swap counts) from when it was last read.
+  bool Changed() const;
 
  private:
   using Keys = std::vector<std::shared_ptr<const ApiKey>>;
@@ -66,6 +74,7 @@ class TokenAuth {
     std::string path;
     mutable std::mutex mu;
     std::shared_ptr<const Keys> keys;  // under mu
+    std::string read_as;               // under mu: the file's signature when last read
   };
   std::shared_ptr<State> state_;  // shared by copies (the service's and the HTTP front's)
 };

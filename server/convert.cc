@@ -336,16 +336,8 @@ grpc::Status ToParams(const v1::GenerateRequest& req, const std::string& default
   return grpc::Status::OK;
 }
 
-std::string ClientOf(const std::string& user, const std::string& peer) {
-  if (!user.empty()) return "user:" + user;
-  // gRPC's "ipv4:10.1.2.3:5678" / "ipv6:[::1]:5678" (and HttpPeer's): the host without the port.
-  const auto colon = peer.rfind(':');
-  const auto bracket = peer.rfind(']');
-  if (colon != std::string::npos && colon > 5 &&
-      (bracket == std::string::npos || colon > bracket)) {
-    return peer.substr(0, colon);
-  }
-  return peer;
+std::string ClientOf(const std::string& user, const std::string& address) {
+  return user.empty() ? address : "user:" + user;
 }
 
 int OutputScale(const v1::GenerateRequest& req) { return std::max(req.output().scale(), 1); }

@@ -45,8 +45,8 @@ std::string DefaultMethodFor(const std::vector<ModelInfo>& models, const std::st
                              const std::string& default_method);
 
 // Who a request is for (GenerateParams::client): "user:" + its user when it names one, else
-// the caller's address without the port ("ipv4:10.1.2.3"; TrustedProxies::ClientAddress).
-std::string ClientOf(const std::string& user, const std::string& peer);
+// the caller's address (TrustedProxies::ClientAddress: "ipv4:10.1.2.3", "ipv6:[::1]", no port).
+std::string ClientOf(const std::string& user, const std::string& address);
 // The PNG upscaling the request asks for (output.scale; 0 means 1).
 int OutputScale(const v1::GenerateRequest& req);
 // The result and the step updates with their images encoded as PNG here, in the calling

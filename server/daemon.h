@@ -74,6 +74,8 @@ class Daemon {
   // Reads the key file again (SIGHUP): the new keys apply to calls that begin afterwards; on an
   // error the keys stay as they were. Returns how many keys there are.
   StatusOr<size_t> ReloadKeys() { return auth_.Reload(); }
+  // Whether the key file changed since it was last read.
+  bool KeysChanged() const { return auth_.Changed(); }
 
   // Starts the engine with `starter` (blocking while the models load), checks that it serves
   // the default method (else INVALID_ARGUMENT with field() "--default-method"), and turns the

@@ -74,7 +74,10 @@ std::string PeerForm(const IpAddress& a) {
 // (a unix socket) as they are.
 std::string PeerHost(std::string_view peer) {
   const auto colon = peer.rfind(':');
-  const auto bracket = peer.rfind(']');
+  auto bracket = peer.rfind(']');
+  if (const auto escaped = peer.rfind("%5D"); escaped != peer.npos) {  // gRPC's escaping
+    bracket = bracket == peer.npos ? escaped : std::max(bracket, escaped);
+  }
   if (colon != peer.npos && colon > 5 && (bracket == peer.npos || colon > bracket)) {
     return std::string(peer.substr(0, colon));
   }
@@ -107,8 +110,8 @@ StatusOr<TrustedProxies> TrustedProxies::Parse(std::string_view list) {
       const std::string_view len = e.substr(slash + 1);
       if (!absl::SimpleAtoi(absl::string_view(len.data(), len.size()), &bits) ||
           bits < (mapped ? 96 : 0) || bits > (mapped ? 128 : max_bits)) {
-        return InvalidArgument("'" + std::string(e) + "': the prefix length must be in [0, " +
-                               std::to_string(max_bits) + "]");
+        return InvalidArgument("'" + std::string(e) + "': the prefix length must be in [" +
+                               (mapped ? "96, 128" : "0, " + std::to_string(max_bits)) + "]");
       }
       r.bits = mapped ? bits - 96 : bits;
     }
@@ -137,24 +140,24 @@ bool TrustedProxies::Contains(const IpAddress& address) const {
   return false;
 }
 
-std::string TrustedProxies::ClientAddress(std::string_view peer,
-                                          std::string_view forwarded_for) const {
+std::string TrustedProxies::ClientAddress(std::string_view peer, std::string_view forwarded_for,
+                                          bool* forwarded) const {
+  if (forwarded != nullptr) *forwarded = false;
   const std::string host = PeerHost(peer);
-  if (empty() || forwarded_for.empty()) return host;
   std::optional<IpAddress> current = ParseAny(host);
   if (!current.has_value()) return host;  // not an IP peer (a unix socket)
-  bool moved = false;
-  const std::vector<absl::string_view> hops =
-      absl::StrSplit(absl::string_view(forwarded_for.data(), forwarded_for.size()), ',');
+  if (empty() || forwarded_for.empty()) return PeerForm(*current);
+  // Empty entries (a trailing comma) are skipped.
+  const std::vector<absl::string_view> hops = absl::StrSplit(
+      absl::string_view(forwarded_for.data(), forwarded_for.size()), ',', absl::SkipWhitespace());
   for (auto it = hops.rbegin(); it != hops.rend(); ++it) {
     if (!Contains(*current)) break;  // not a proxy we trust: the caller
     const std::optional<IpAddress> next = ParseAny(std::string_view(it->data(), it->size()));
     if (!next.has_value()) break;  // not an address: the last one read
     current = next;
-    moved = true;
+    if (forwarded != nullptr) *forwarded = true;
   }
-  // Unforwarded, the peer keeps its own spelling (gRPC escapes an IPv6 peer's brackets).
-  return moved ? PeerForm(*current) : host;
+  return PeerForm(*current);
 }
 
 }  // namespace imagegen::server

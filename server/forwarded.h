@@ -35,11 +35,14 @@ class TrustedProxies {
   // Whether a textual address ("10.1.2.3", "::1", "[::1]", "10.1.2.3:8080") is in a range.
   bool Contains(std::string_view address) const;
   bool Contains(const IpAddress& address) const;
-  // The caller's address, in gRPC's peer form without the port ("ipv4:10.1.2.3",
-  // "ipv6:[fd00::1]"), of a call from `peer` ("ipv4:10.1.2.3:5678", "ipv6:[::1]:5678", as gRPC
+  // The caller's address, in gRPC's peer form without the port and one spelling per address
+  // ("ipv4:10.1.2.3", "ipv6:[fd00::1]"; an IPv4-mapped IPv6 address as IPv4), of a call from
+  // `peer` ("ipv4:10.1.2.3:5678", "ipv6:[::1]:5678" or gRPC's "ipv6:%5B::1%5D:5678", as gRPC
   // and HttpPeer write it) carrying `forwarded_for` (the X-Forwarded-For values joined by
-  // commas; empty: none).
-  std::string ClientAddress(std::string_view peer, std::string_view forwarded_for) const;
+  // commas; empty: none). A peer that is not an IP address (a unix socket) is returned
+  // without its port as it is. `*forwarded` (if given): whether X-Forwarded-For named it.
+  std::string ClientAddress(std::string_view peer, std::string_view forwarded_for,
+                            bool* forwarded = nullptr) const;
 
  private:
   struct Range {

@@ -512,6 +512,7 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
     for (int64_t id : cancel) engine_->Cancel(id);
     if (record) {  // the client left before its answer
       svc_->metrics()->OnRequestEnd(model_, method_label_, "cancelled");
+      svc_->metrics()->OnKeyRequestEnd(KeyName(), "cancelled");
       Log("cancelled", "the client closed the connection", stream_ ? MHD_HTTP_OK : 0);
     }
     if (started_) svc_->metrics()->OnCallClosed();
@@ -599,6 +600,7 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
         return;
       }
       svc_->metrics()->OnImage(model_, method_label_, r, total_seconds);
+      svc_->metrics()->OnKeyImage(KeyName(), r);
       {
         std::lock_guard<std::mutex> l(mu_);
         record_.AddImage(r);
@@ -764,6 +766,7 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
       recorded_ = true;
     }
     svc_->metrics()->OnRequestEnd(model_, method_label_, outcome);
+    svc_->metrics()->OnKeyRequestEnd(KeyName(), outcome);
     Log(outcome, error, http_status);
   }
   void Log(const std::string& outcome, const std::string& error, unsigned http_status) {
@@ -782,7 +785,7 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
     r.images = std::max(req_.n(), 1);
     r.user = req_.user().substr(0, 256);
     r.priority = priority_;
-    r.key = caller_.key ? caller_.key->name : "";
+    r.key = KeyName();
     r.address = caller_.forwarded ? caller_.address : "";
     r.outcome = outcome;
     r.error = error;
@@ -812,6 +815,8 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
   std::string request_id_, peer_;
   Caller caller_;
   int32_t priority_ = 0;
+  // The caller's API key's name (empty: unnamed, refused, or no auth).
+  std::string KeyName() const { return caller_.key ? caller_.key->name : ""; }
   Engine* engine_ = nullptr;
   std::vector<int> partial_next_;  // the engine thread's
 

@@ -5,7 +5,8 @@
 // "imagegen.v1.ImageGeneration" NOT_SERVING; once the models are loaded the service turns
 // SERVING (ready). SIGTERM or SIGINT: both turn NOT_SERVING, new calls get UNAVAILABLE, calls
 // in flight get --grace-seconds to finish, then the process exits 0. A second signal exits at
-// once with status 1. SIGHUP reads the --token-file again (key rotation without a restart).
+// once with status 1 (SIGHUP does not count). SIGHUP reads the --token-file again (key rotation
+// without a restart), and so does a change of the file (--token-file-poll-seconds).
 #include <absl/flags/flag.h>
 #include <absl/flags/parse.h>
 #include <absl/flags/usage.h>
@@ -14,7 +15,9 @@
 #include <absl/strings/str_format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <csignal>
+#include <ctime>
 #include <cstdio>
 #include <cstdlib>
 #include <thread>
@@ -77,6 +80,9 @@ ABSL_FLAG(std::string, token_file, "",
           "calls must send one (authorization: Bearer <token>); a name makes the key's callers "
           "one fair-share tenant, a priority is its requests' default and most urgent; "
           "SIGHUP reads it again");
+ABSL_FLAG(double, token_file_poll_seconds, 10,
+          "how often to check whether --token-file changed (it is then read again, as on "
+          "SIGHUP); 0: only on SIGHUP");
 ABSL_FLAG(std::string, trusted_proxies, "",
           "comma-separated addresses and CIDR ranges of proxies whose X-Forwarded-For names the "
           "caller (HTTP header or gRPC metadata); empty: the peer is the caller");
@@ -202,6 +208,10 @@ int main(int argc, char** argv) {
   eo.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
   eo.preview_share = absl::GetFlag(FLAGS_preview_share);
 
+  if (!(absl::GetFlag(FLAGS_token_file_poll_seconds) >= 0)) {
+    Log("--token-file-poll-seconds: must be >= 0 (0: only on SIGHUP)");
+    return 2;
+  }
   auto listening = server::Daemon::Listen(o);
   if (!listening.ok()) {
     Log(listening.status().message());
@@ -236,23 +246,43 @@ int main(int argc, char** argv) {
                  " /v1/images/generations"
            : ""));
 
+  // Waits for SIGTERM or SIGINT; meanwhile reads the key file again on SIGHUP, and when it
+  // changes (checked every --token-file-poll-seconds).
+  const double poll_seconds = absl::GetFlag(FLAGS_token_file_poll_seconds);
+  auto reload = [&](const std::string& why) {
+    auto keys = daemon->ReloadKeys();
+    Log(keys.ok() ? why + ": --token-file read again: " + std::to_string(*keys) + " keys"
+                  : why + ": --token-file kept as it was: " + keys.status().message());
+  };
   int sig = 0;
   for (;;) {
-    sigwait(&signals, &sig);
+    if (daemon->auth() && poll_seconds > 0) {
+      timespec timeout{static_cast<time_t>(poll_seconds),
+                       static_cast<long>((poll_seconds - std::floor(poll_seconds)) * 1e9)};
+      sig = sigtimedwait(&signals, nullptr, &timeout);
+      if (sig < 0) {  // the interval passed (or EINTR)
+        if (daemon->KeysChanged()) reload("the file changed");
+        continue;
+      }
+    } else {
+      sigwait(&signals, &sig);
+    }
     if (sig != SIGHUP) break;
     if (!daemon->auth()) {
       Log("SIGHUP: no --token-file to read again");
       continue;
     }
-    auto keys = daemon->ReloadKeys();
-    Log(keys.ok() ? "SIGHUP: --token-file read again: " + std::to_string(*keys) + " keys"
-                  : "SIGHUP: --token-file kept as it was: " + keys.status().message());
+    reload("SIGHUP");
   }
   Log(std::string("received ") + (sig == SIGTERM ? "SIGTERM" : "SIGINT") + ", draining for up to " +
       absl::StrFormat("%g", absl::GetFlag(FLAGS_grace_seconds)) + " s");
-  std::thread force([&] {
-    int again = SIGHUP;
-    while (again == SIGHUP) sigwait(&signals, &again);
+  std::thread force([signals] {
+    for (;;) {
+      int again = 0;
+      sigwait(&signals, &again);
+      if (again != SIGHUP) break;
+      Log("SIGHUP while draining: the keys stay as they are");
+    }
     Log("second signal: exiting now");
     std::_Exit(1);
   });

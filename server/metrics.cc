@@ -115,6 +115,24 @@ Metrics::Metrics()
                           "stopped reading), "
                           "internal)")
                     .Register(*registry_)),
+      key_requests_(BuildCounter()
+                        .Name("imagegen_key_requests_total")
+                        .Help("Calls of each named API key by outcome (as "
+                              "imagegen_requests_total)")
+                        .Register(*registry_)),
+      key_images_(BuildCounter()
+                      .Name("imagegen_key_images_total")
+                      .Help("Images sent to each named API key's callers")
+                      .Register(*registry_)),
+      key_tokens_(BuildCounter()
+                      .Name("imagegen_key_image_tokens_total")
+                      .Help("Image tokens of the images sent to each named API key's callers")
+                      .Register(*registry_)),
+      key_nfe_(BuildCounter()
+                   .Name("imagegen_key_target_forwards_total")
+                   .Help("Target-model forward passes (NFE) of the images sent to each named "
+                         "API key's callers: the compute they used")
+                   .Register(*registry_)),
       drafted_(BuildCounter()
                    .Name("imagegen_draft_tokens_total")
                    .Help("Draft tokens verified against the target (before each step's first "
@@ -367,6 +385,19 @@ void Metrics::OnRequestEnd(const std::string& model, const std::string& method,
                            const std::string& outcome) {
   requests_.Add({{"model", ModelLabel(model)}, {"method", method}, {"outcome", outcome}})
       .Increment();
+}
+
+void Metrics::OnKeyRequestEnd(const std::string& key, const std::string& outcome) {
+  if (key.empty()) return;
+  key_requests_.Add({{"key", key}, {"outcome", outcome}}).Increment();
+}
+
+void Metrics::OnKeyImage(const std::string& key, const RequestResult& r) {
+  if (key.empty()) return;
+  const RequestCounters& c = r.stats.counters;
+  key_images_.Add({{"key", key}}).Increment();
+  key_tokens_.Add({{"key", key}}).Increment(static_cast<double>(c.tokens));
+  key_nfe_.Add({{"key", key}}).Increment(static_cast<double>(c.nfe));
 }
 
 void Metrics::OnImage(const std::string& model, const std::string& method, const RequestResult& r,

@@ -1,8 +1,9 @@
 // Prometheus metrics of the daemon (DESIGN.md "Metrics", docs/serving.md section 2): names
 // prefixed imagegen_, base units, counters ending in _total, labels model and method only,
 // with bounded values (loaded model names; preset names, "custom" or "unknown"; a fixed set of
-// outcomes and window positions). Engine gauges (queue, active requests, KV slots) are read
-// from Engine::Stats() at scrape time. Thread-safe.
+// outcomes and window positions); the imagegen_key_* counters (usage per API key) are labelled
+// by key, the names in the key file (bounded by it). Engine gauges (queue, active requests, KV
+// slots) are read from Engine::Stats() at scrape time. Thread-safe.
 #pragma once
 
 #include <prometheus/collectable.h>
@@ -53,6 +54,11 @@ class Metrics : public EngineListener {
   void OnImage(const std::string& model, const std::string& method, const RequestResult& result,
                double total_seconds);
 
+  // Usage per named API key (server/auth.h; `key` empty: not counted): a call's outcome, and an
+  // image sent with its tokens and target forwards.
+  void OnKeyRequestEnd(const std::string& key, const std::string& outcome);
+  void OnKeyImage(const std::string& key, const RequestResult& result);
+
   // Call accounting: a call is opened when it arrives and closed when gRPC is done with it.
   // `retry`: the call is a client's retry of an attempt that failed (grpc-previous-rpc-attempts).
   void OnCallOpened(bool retry = false);
@@ -79,6 +85,10 @@ class Metrics : public EngineListener {
   std::shared_ptr<prometheus::Registry> registry_;
   std::shared_ptr<prometheus::Collectable> gauges_;
   prometheus::Family<prometheus::Counter>& requests_;
+  prometheus::Family<prometheus::Counter>& key_requests_;
+  prometheus::Family<prometheus::Counter>& key_images_;
+  prometheus::Family<prometheus::Counter>& key_tokens_;
+  prometheus::Family<prometheus::Counter>& key_nfe_;
   prometheus::Family<prometheus::Counter>& drafted_;
   prometheus::Family<prometheus::Counter>& accepted_;
   prometheus::Family<prometheus::Counter>& drafted_pos_;

@@ -106,6 +106,8 @@ class Call : public std::enable_shared_from_this<Call> {
   std::string request_id, peer;  // for the request log
   Caller caller;
   int32_t priority = 0;  // the request's, or its key's (after Resolve)
+  // The caller's API key's name (empty: unnamed, refused, or no auth).
+  std::string KeyName() const { return caller.key ? caller.key->name : ""; }
 
   // Before submission: the call draws `n` images.
   void Expect(int n) {
@@ -271,6 +273,7 @@ class Call : public std::enable_shared_from_this<Call> {
   void RecordEnd(const grpc::Status& st) {
     const std::string outcome = OutcomeLabel(st.error_code());
     svc_->metrics_->OnRequestEnd(model, method, outcome);
+    svc_->metrics_->OnKeyRequestEnd(KeyName(), outcome);
     RequestLog* log = svc_->options_.request_log;
     if (log == nullptr) return;
     record_.request_id = request_id;
@@ -281,7 +284,7 @@ class Call : public std::enable_shared_from_this<Call> {
     record_.images = std::max(req.n(), 1);
     record_.user = req.user().substr(0, 256);
     record_.priority = priority;
-    record_.key = caller.key ? caller.key->name : "";
+    record_.key = KeyName();
     record_.address = caller.forwarded ? caller.address : "";
     record_.outcome = outcome;
     record_.error = st.ok() ? "" : st.error_message();
@@ -389,6 +392,7 @@ class Call : public std::enable_shared_from_this<Call> {
       if (st.ok()) {
         for (int i : images) {
           svc_->metrics_->OnImage(model, method, *results_[static_cast<size_t>(i)], Since(t0_));
+          svc_->metrics_->OnKeyImage(KeyName(), *results_[static_cast<size_t>(i)]);
           record_.AddImage(*results_[static_cast<size_t>(i)]);
           results_[static_cast<size_t>(i)].reset();  // sent: its pixels are not kept
         }
@@ -604,8 +608,7 @@ Caller ImageGenerationService::Identify(std::string_view authorization, const st
                                         std::string_view forwarded_for) const {
   Caller c;
   c.key = auth_.AuthenticateHeader(authorization);
-  c.address = options_.trusted_proxies.ClientAddress(peer, forwarded_for);
-  c.forwarded = c.address != ClientOf("", peer);
+  c.address = options_.trusted_proxies.ClientAddress(peer, forwarded_for, &c.forwarded);
   return c;
 }
 

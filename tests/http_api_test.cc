@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "server/convert.h"
+#include "server/forwarded.h"
 #include "server/http_api.h"
 #include "server/metrics.h"
 #include "tests/http_client.h"
@@ -117,19 +118,28 @@ TEST(HttpApiParseTest, BodiesBecomeGenerateRequestsAndBadParametersAreNamed) {
 }
 
 // Who a request is for, the engine's fair-share key: its user, else the caller's host (gRPC's
-// peer names and HttpPeer's, without the port: one machine's connections are one client).
+// peer names and HttpPeer's, without the port: one machine's connections are one client; one
+// spelling per address, so gRPC's escaped IPv6 peers and HttpPeer's are one client, and two
+// IPv6 hosts two).
 TEST(HttpApiParseTest, TheClientIsTheUserElseThePeersHost) {
-  using server::ClientOf;
-  EXPECT_EQ(ClientOf("alice", "ipv4:10.0.0.7:51234"), "user:alice");
-  EXPECT_EQ(ClientOf("", "ipv4:10.0.0.7:51234"), "ipv4:10.0.0.7");
-  EXPECT_EQ(ClientOf("", "ipv4:10.0.0.7:40000"), ClientOf("", "ipv4:10.0.0.7:51234"));
-  EXPECT_EQ(ClientOf("", "ipv6:[::1]:51234"), "ipv6:[::1]");
-  EXPECT_EQ(ClientOf("", "ipv6:%5B::1%5D:51234"), "ipv6:%5B::1%5D");  // gRPC's escaping
-  EXPECT_EQ(ClientOf("", "ipv6:[::1]"), "ipv6:[::1]");
-  EXPECT_EQ(ClientOf("", "unix:/run/imagegen.sock"), "unix:/run/imagegen.sock");
-  EXPECT_EQ(ClientOf("", ""), "");
+  const server::TrustedProxies none;
+  auto client = [&](const std::string& user, const std::string& peer) {
+    return server::ClientOf(user, none.ClientAddress(peer, ""));
+  };
+  EXPECT_EQ(client("alice", "ipv4:10.0.0.7:51234"), "user:alice");
+  EXPECT_EQ(client("", "ipv4:10.0.0.7:51234"), "ipv4:10.0.0.7");
+  EXPECT_EQ(client("", "ipv4:10.0.0.7:40000"), client("", "ipv4:10.0.0.7:51234"));
+  EXPECT_EQ(client("", "ipv6:[::1]:51234"), "ipv6:[::1]");
+  EXPECT_EQ(client("", "ipv6:%5B::1%5D:51234"), "ipv6:[::1]");  // gRPC's escaping
+  EXPECT_EQ(client("", "ipv6:%5B::1%5D"), "ipv6:[::1]");
+  EXPECT_EQ(client("", "ipv6:[::1]"), "ipv6:[::1]");
+  EXPECT_EQ(client("", "ipv6:[::ffff:10.0.0.7]:1"), "ipv4:10.0.0.7");
+  EXPECT_NE(client("", "ipv6:%5B::1%5D:51234"), client("", "ipv6:%5B::2%5D:51234"));
+  EXPECT_NE(client("", "ipv6:%5B2001:db8::5%5D:1"), client("", "ipv6:%5B2001:db8::6%5D:1"));
+  EXPECT_EQ(client("", "unix:/run/imagegen.sock"), "unix:/run/imagegen.sock");
+  EXPECT_EQ(client("", ""), "");
   // A user that looks like an address is still a user.
-  EXPECT_NE(ClientOf("ipv4:10.0.0.7", "ipv4:10.0.0.8:1"), ClientOf("", "ipv4:10.0.0.7:1"));
+  EXPECT_NE(client("ipv4:10.0.0.7", "ipv4:10.0.0.8:1"), client("", "ipv4:10.0.0.7:1"));
 }
 
 class HttpApiTest : public ::testing::Test {

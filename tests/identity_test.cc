@@ -4,7 +4,9 @@
 
 #include <fstream>
 #include <string>
+#include <vector>
 
+#include "engine/util/read_file.h"
 #include "server/auth.h"
 #include "server/forwarded.h"
 #include "tests/temp_dir.h"
@@ -22,7 +24,7 @@ TEST(ApiKeysTest, LinesGiveTokensWithNamesAndPriorities) {
       "# the interactive app\n"
       "tok-a name=app priority=-1\n"
       "\n"
-      "   tok-b\tname=batch   priority=10  \r\n"
+      "   tok-b\tname=batch   priority=10  # may not ask for less\r\n"
       "tok-c==\n");  // base64 padding is part of a token
   ASSERT_TRUE(keys.ok()) << keys.status().ToString();
   ASSERT_EQ(keys->size(), 3u);
@@ -43,7 +45,7 @@ TEST(ApiKeysTest, LinesGiveTokensWithNamesAndPriorities) {
 }
 
 TEST(ApiKeysTest, BadLinesAreRefusedNamingTheLineAndWhatIsWrong) {
-  const std::pair<const char*, const char*> bad[] = {
+  const std::pair<std::string, const char*> bad[] = {
       {"", "no key"},
       {"# only a comment\n\n", "no key"},
       {"tok\nname=x tok2\n", "line 2: the token comes first"},
@@ -56,6 +58,7 @@ TEST(ApiKeysTest, BadLinesAreRefusedNamingTheLineAndWhatIsWrong) {
       {"tok weight=2\n", "line 1: unknown attribute 'weight'"},
       {"tok name=a\ntok name=b\n", "line 2: the same token as an earlier line"},
       {"t1 name=a\nt2 name=a\n", "line 2: name: 'a' is an earlier key's"},
+      {"t1\n" + std::string(513, 'x') + "\n", "line 2: the token is longer than 512 bytes"},
   };
   for (const auto& [text, message] : bad) {
     auto keys = ParseKeys(text);
@@ -76,10 +79,21 @@ TEST(ApiKeysTest, AuthenticateFindsTheKeyAndReloadReplacesThem) {
   ASSERT_NE(a, nullptr);
   EXPECT_EQ(a->name, "app");
   EXPECT_EQ(auth->AuthenticateHeader("Bearer tok-b")->name, "batch");
-  for (const char* wrong :
-       {"Bearer tok-c", "Bearer tok-", "Bearer tok-aa", "bearer tok-a", "tok-a", "Bearer ", ""}) {
+  for (const std::string& wrong :
+       std::vector<std::string>{"Bearer tok-c", "Bearer tok-", "Bearer tok-aa", "bearer tok-a",
+                                "tok-a", "Bearer ", "", std::string("Bearer tok-a\0", 13)}) {
     EXPECT_EQ(auth->AuthenticateHeader(wrong), nullptr) << wrong;
   }
+  // Longer than any key may be: refused without comparing.
+  EXPECT_EQ(auth->AuthenticateHeader("Bearer tok-a" + std::string(600, 'x')), nullptr);
+  // Changed: not since it was read; yes once the file is replaced (a rename, as a Kubernetes
+  // Secret volume does); no again once read.
+  EXPECT_FALSE(auth->Changed());
+  ASSERT_TRUE(WriteFileAtomically(path, "tok-a name=app priority=-1\ntok-b name=batch\n").ok());
+  EXPECT_TRUE(auth->Changed());
+  ASSERT_TRUE(auth->Reload().ok());
+  EXPECT_FALSE(auth->Changed());
+  EXPECT_FALSE(auth->AuthenticateHeader("Bearer tok-b")->priority.has_value());
   // Copies share the keys (the service's and the daemon's), and a reload replaces them for
   // every copy; a key already matched stays valid.
   const TokenAuth copy = *auth;
@@ -123,11 +137,16 @@ TEST(TrustedProxiesTest, RangesParseAndContainAddresses) {
   EXPECT_TRUE(TrustedProxies::Parse("").ok());
   EXPECT_TRUE(TrustedProxies::Parse("")->empty());
   EXPECT_TRUE(TrustedProxies::Parse("0.0.0.0/0")->Contains("8.8.8.8"));
-  for (const char* bad : {"10.0.0.0/33", "fd00::/129", "10.0.0.0/x", "proxy.local", "10.0.0/8",
-                          "::ffff:10.0.0.0/95"}) {
-    auto p = TrustedProxies::Parse(bad);
-    ASSERT_FALSE(p.ok()) << bad;
-    EXPECT_NE(p.status().message().find(bad), std::string::npos) << p.status().message();
+  const std::pair<const char*, const char*> bad[] = {
+      {"10.0.0.0/33", "[0, 32]"},     {"fd00::/129", "[0, 128]"},
+      {"10.0.0.0/x", "[0, 32]"},      {"proxy.local", "not an address"},
+      {"10.0.0/8", "not an address"}, {"::ffff:10.0.0.0/95", "[96, 128]"},
+  };
+  for (const auto& [range, why] : bad) {
+    auto p = TrustedProxies::Parse(range);
+    ASSERT_FALSE(p.ok()) << range;
+    EXPECT_NE(p.status().message().find(range), std::string::npos) << p.status().message();
+    EXPECT_NE(p.status().message().find(why), std::string::npos) << p.status().message();
   }
 }
 
@@ -153,9 +172,17 @@ TEST(TrustedProxiesTest, TheCallerIsTheFirstUntrustedAddressFromTheRight) {
   EXPECT_EQ(t->ClientAddress("ipv6:%5B::1%5D:4000", "[2001:db8::7]:5555"), "ipv6:[2001:db8::7]");
   EXPECT_EQ(t->ClientAddress("ipv6:[::1]:4000", "2001:db8::7"), "ipv6:[2001:db8::7]");
   EXPECT_EQ(t->ClientAddress("ipv4:10.0.0.5:4000", "203.0.113.9:61000"), "ipv4:203.0.113.9");
-  // Untouched peers keep their own spelling (the fair-share key of a request without user).
-  EXPECT_EQ(t->ClientAddress("ipv6:%5B::2%5D:4000", "203.0.113.9"), "ipv6:%5B::2%5D");
+  // An untrusted IPv6 peer in the one spelling; not forwarded.
+  bool forwarded = true;
+  EXPECT_EQ(t->ClientAddress("ipv6:%5B::2%5D:4000", "203.0.113.9", &forwarded), "ipv6:[::2]");
+  EXPECT_FALSE(forwarded);
+  EXPECT_EQ(t->ClientAddress("ipv4:10.0.0.5:4000", "203.0.113.9", &forwarded), "ipv4:203.0.113.9");
+  EXPECT_TRUE(forwarded);
+  EXPECT_EQ(t->ClientAddress("ipv4:10.0.0.5:4000", "", &forwarded), "ipv4:10.0.0.5");
+  EXPECT_FALSE(forwarded);
   EXPECT_EQ(t->ClientAddress("unix:/run/imagegen.sock", "203.0.113.9"), "unix:/run/imagegen.sock");
+  // Empty entries (a trailing comma, a proxy that had nothing to add) are skipped.
+  EXPECT_EQ(t->ClientAddress("ipv4:10.0.0.5:4000", "203.0.113.9, ,"), "ipv4:203.0.113.9");
 }
 
 }  // namespace

@@ -23,6 +23,7 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
 #include "imagegen/v1/imagegen.grpc.pb.h"
+#include "engine/util/read_file.h"
 #include "tests/e2e/classify.h"
 #include "tests/e2e/process.h"
 #include "tests/http_client.h"
@@ -633,15 +634,16 @@ TEST(E2eTest, TlsAndBearerTokenAcceptTheRightTokenOnly) {
 
 // Named API keys (server/auth.h) and trusted proxies (server/forwarded.h): a key's name is in
 // the request line, its priority is its requests' default and the most urgent they may ask for
-// (PERMISSION_DENIED naming `priority` on gRPC, 403 on HTTP), a trusted proxy's
+// (PERMISSION_DENIED naming `priority` on gRPC, 403 on HTTP), its usage is counted under its
+// name (imagegen_key_*), a trusted proxy's
 // X-Forwarded-For names the caller while anyone else's is ignored, and SIGHUP reads the key
 // file again (a broken file keeps the keys).
 TEST(E2eTest, ApiKeysNameTenantsBoundPrioritiesAndReloadOnSighup) {
   const std::string dir = TempDir("api_keys_file");
   const std::string keys = dir + "/keys";
   { std::ofstream(keys) << "# e2e\ntok-batch name=batch priority=5\ntok-app name=app\n"; }
-  Daemon d("api_keys", {"--token-file", keys, "--http-listen", "127.0.0.1:0", "--log-format",
-                        "json", "--trusted-proxies", "127.0.0.0/8"});
+  Daemon d("api_keys", {"--token-file", keys, "--token-file-poll-seconds", "0", "--http-listen",
+                        "127.0.0.1:0", "--log-format", "json", "--trusted-proxies", "127.0.0.0/8"});
   d.WaitReady();
   auto stub = d.Stub();
   auto call = [&](const std::string& token, int priority, const std::string& id,
@@ -677,25 +679,35 @@ TEST(E2eTest, ApiKeysNameTenantsBoundPrioritiesAndReloadOnSighup) {
   const nlohmann::json err = nlohmann::json::parse(http.substr(http.find("\r\n\r\n") + 4));
   EXPECT_EQ(err["error"]["param"], "priority") << err;
   EXPECT_EQ(err["error"]["code"], "permission_denied") << err;
+  // Usage per key: calls by outcome, images, their tokens and target forwards (ar: one per
+  // token).
+  EXPECT_TRUE(d.WaitMetric(R"(imagegen_key_requests_total{key="batch",outcome="ok"})", 2));
+  EXPECT_TRUE(
+      d.WaitMetric(R"(imagegen_key_requests_total{key="batch",outcome="permission_denied"})", 2));
+  EXPECT_TRUE(d.WaitMetric(R"(imagegen_key_requests_total{key="app",outcome="ok"})", 1));
+  EXPECT_TRUE(d.WaitMetric(R"(imagegen_key_images_total{key="batch"})", 2));
+  EXPECT_TRUE(d.WaitMetric(R"(imagegen_key_image_tokens_total{key="batch"})", 2 * 196));
+  EXPECT_TRUE(d.WaitMetric(R"(imagegen_key_target_forwards_total{key="batch"})", 2 * 196));
+  EXPECT_TRUE(d.WaitMetric(R"(imagegen_key_images_total{key="app"})", 1));
 
   // Rotation: SIGHUP with a new file; the old keys stop working, the new one works.
   { std::ofstream(keys) << "tok-new name=rotated\n"; }
-  // Whether the daemon's log says `text` within 120 s.
-  auto logged = [&](const std::string& text) {
+  // Whether a daemon's log says `text` within 120 s.
+  auto logged = [](Daemon& daemon, const std::string& text) {
     for (int i = 0; i < 2400; ++i) {
-      if (d.proc().Log().find(text) != std::string::npos) return true;
+      if (daemon.proc().Log().find(text) != std::string::npos) return true;
       std::this_thread::sleep_for(milliseconds(50));
     }
     return false;
   };
   d.proc().Signal(SIGHUP);
-  ASSERT_TRUE(logged("read again: 1 keys")) << d.proc().Log();
+  ASSERT_TRUE(logged(d, "SIGHUP: --token-file read again: 1 keys")) << d.proc().Log();
   EXPECT_EQ(call("tok-app", 0, "k-app-old", "").error_code(), grpc::StatusCode::UNAUTHENTICATED);
   EXPECT_TRUE(call("tok-new", 0, "k-new", "").ok());
   // A broken file keeps the keys as they were.
   { std::ofstream(keys) << "tok-x name=a/b\n"; }
   d.proc().Signal(SIGHUP);
-  ASSERT_TRUE(logged("kept as it was")) << d.proc().Log();
+  ASSERT_TRUE(logged(d, "kept as it was")) << d.proc().Log();
   EXPECT_TRUE(call("tok-new", 0, "k-new-again", "").ok());
 
   d.proc().Signal(SIGTERM);
@@ -723,20 +735,40 @@ TEST(E2eTest, ApiKeysNameTenantsBoundPrioritiesAndReloadOnSighup) {
   EXPECT_EQ(calls["k-new"]["key"], "rotated");
   EXPECT_EQ(calls["k-new-again"]["outcome"], "ok");
 
-  // Not a trusted proxy: X-Forwarded-For is ignored (no tenant either: no key file).
-  Daemon open("api_keys_untrusted", {"--log-format", "json", "--trusted-proxies", "10.0.0.0/8"});
-  open.WaitReady();
-  grpc::ClientContext ctx;
-  ctx.AddMetadata("x-request-id", "k-untrusted");
-  ctx.AddMetadata("x-forwarded-for", "203.0.113.9");
-  v1::GenerateResponse resp;
-  ASSERT_TRUE(open.Stub()->Generate(&ctx, Request("bag", 23, "ar"), &resp).ok());
-  open.proc().Signal(SIGTERM);
-  ASSERT_EQ(open.proc().Wait(seconds(60)), 0) << open.proc().Log();
-  const std::string log = open.proc().Log();
-  const size_t line = log.find(R"("request_id":"k-untrusted")");
-  ASSERT_NE(line, std::string::npos) << log;
+  // Not a trusted proxy: X-Forwarded-For is ignored. And without SIGHUP, a change of the key
+  // file is read within --token-file-poll-seconds (the file replaced by a rename, as a
+  // Kubernetes Secret volume does).
+  const std::string keys2 = dir + "/keys2";
+  ASSERT_TRUE(WriteFileAtomically(keys2, "tok-one\n").ok());
+  Daemon u("api_keys_untrusted", {"--token-file", keys2, "--token-file-poll-seconds", "0.2",
+                                  "--log-format", "json", "--trusted-proxies", "10.0.0.0/8"});
+  u.WaitReady();
+  auto call_u = [&](const std::string& token, const std::string& id) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + seconds(60));
+    ctx.AddMetadata("authorization", "Bearer " + token);
+    ctx.AddMetadata("x-request-id", id);
+    ctx.AddMetadata("x-forwarded-for", "203.0.113.9");
+    v1::GenerateResponse resp;
+    return u.Stub()->Generate(&ctx, Request("bag", 23, "ar"), &resp).error_code();
+  };
+  ASSERT_EQ(call_u("tok-one", "k-untrusted"), grpc::StatusCode::OK);
+  ASSERT_TRUE(WriteFileAtomically(keys2, "tok-two name=two\n").ok());
+  ASSERT_TRUE(logged(u, "the file changed: --token-file read again: 1 keys")) << u.proc().Log();
+  EXPECT_EQ(call_u("tok-one", "k-one-old"), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(call_u("tok-two", "k-two"), grpc::StatusCode::OK);
+  u.proc().Signal(SIGTERM);
+  ASSERT_EQ(u.proc().Wait(seconds(60)), 0) << u.proc().Log();
+  const std::string log = u.proc().Log();
+  ASSERT_NE(log.find(R"("request_id":"k-untrusted")"), std::string::npos) << log;
   EXPECT_EQ(log.find("203.0.113.9"), std::string::npos) << log;
+  // Read once at start and once after the change: an unchanged file is not read again.
+  size_t reads = 0;
+  for (size_t at = log.find("read again"); at != std::string::npos;
+       at = log.find("read again", at + 1)) {
+    ++reads;
+  }
+  EXPECT_EQ(reads, 1u) << log;
   RemoveTree(dir);
 }
 
