@@ -6,7 +6,6 @@
 #include <sys/stat.h>
 
 #include <algorithm>
-#include <cstring>
 #include <set>
 
 #include "engine/util/read_file.h"
@@ -58,7 +57,8 @@ StatusOr<std::vector<ApiKey>> ParseKeys(std::string_view text) {
     const std::string where = "line " + std::to_string(line_no) + ": ";
     ApiKey k;
     k.token = std::string(fields[0]);
-    if (k.token.rfind("name=", 0) == 0 || k.token.rfind("priority=", 0) == 0) {
+    if (k.token.rfind("name=", 0) == 0 || k.token.rfind("priority=", 0) == 0 ||
+        k.token.rfind("max_in_flight=", 0) == 0) {
       return InvalidArgument(where + "the token comes first, then its attributes");
     }
     if (k.token.size() > kMaxTokenBytes) {
@@ -71,8 +71,8 @@ StatusOr<std::vector<ApiKey>> ParseKeys(std::string_view text) {
       const absl::string_view attr = f.substr(0, eq), value = eq == f.npos ? "" : f.substr(eq + 1);
       if (eq == f.npos) {
         return InvalidArgument(where + "'" + std::string(f) +
-                               "' is not an attribute (name=<name> or priority=<n>); a token "
-                               "has no spaces");
+                               "' is not an attribute (name=, priority= or max_in_flight=); a "
+                               "token has no spaces");
       }
       if (attr == "name") {
         if (!ValidName(value)) {
@@ -87,10 +87,22 @@ StatusOr<std::vector<ApiKey>> ParseKeys(std::string_view text) {
         }
         if (k.priority.has_value()) return InvalidArgument(where + "priority: given twice");
         k.priority = p;
+      } else if (attr == "max_in_flight") {
+        int64_t m = 0;
+        if (!absl::SimpleAtoi(value, &m) || m < 1 || m > 1000000) {
+          return InvalidArgument(where + "max_in_flight: must be an integer in [1, 1000000]");
+        }
+        if (k.max_in_flight.has_value()) {
+          return InvalidArgument(where + "max_in_flight: given twice");
+        }
+        k.max_in_flight = m;
       } else {
         return InvalidArgument(where + "unknown attribute '" + std::string(attr) +
-                               "' (name or priority)");
+                               "' (name, priority or max_in_flight)");
       }
+    }
+    if (k.max_in_flight.has_value() && k.name.empty()) {
+      return InvalidArgument(where + "max_in_flight: needs a name (the limit is the name's)");
     }
     if (!tokens.insert(k.token).second) {
       return InvalidArgument(where + "the same token as an earlier line");
@@ -120,7 +132,8 @@ std::string Signature(const std::string& path) {
   if (::stat(path.c_str(), &st) != 0) return "";
   return std::to_string(st.st_dev) + ":" + std::to_string(st.st_ino) + ":" +
          std::to_string(st.st_size) + ":" + std::to_string(st.st_mtim.tv_sec) + "." +
-         std::to_string(st.st_mtim.tv_nsec);
+         std::to_string(st.st_mtim.tv_nsec) + ":" + std::to_string(st.st_ctim.tv_sec) + "." +
+         std::to_string(st.st_ctim.tv_nsec);
 }
 
 }  // namespace
@@ -134,20 +147,31 @@ bool TokenAuth::Changed() const {
 
 StatusOr<size_t> TokenAuth::Reload() const {
   if (!enabled()) return FailedPrecondition("no key file");
-  {
-    // Taken before the read: a change while reading is seen by the next Changed().
-    const std::string sig = Signature(state_->path);
-    std::lock_guard<std::mutex> l(state_->mu);
-    state_->read_as = sig;
-  }
+  // The signature before and after the read: a file written in place while it was read (an
+  // editor, `cat > keys`) may be half of one, and is not taken; it stays changed, so the next
+  // check reads it again. A file that cannot be read stays changed too (a chmod, a mount).
+  const std::string before = Signature(state_->path);
   auto text = ReadFile(state_->path);
   if (!text.ok()) return text.status();
+  if (Signature(state_->path) != before) {
+    return Unavailable("'" + state_->path + "' changed while it was read; read again later");
+  }
+  {
+    std::lock_guard<std::mutex> l(state_->mu);
+    state_->read_as = before;  // a broken file is not read again until it changes
+  }
   auto parsed = ParseKeys(*text);
   if (!parsed.ok()) {
     return InvalidArgument("'" + state_->path + "': " + parsed.status().message());
   }
   auto keys = std::make_shared<Keys>();
-  for (ApiKey& k : *parsed) keys->push_back(std::make_shared<const ApiKey>(std::move(k)));
+  for (ApiKey& k : *parsed) {
+    Entry e;
+    e.padded.assign(kMaxTokenBytes, 0);
+    std::copy(k.token.begin(), k.token.end(), e.padded.begin());  // ParseKeys bounds its size
+    e.key = std::make_shared<const ApiKey>(std::move(k));
+    keys->push_back(std::move(e));
+  }
   std::lock_guard<std::mutex> l(state_->mu);
   state_->keys = std::move(keys);
   return state_->keys->size();
@@ -173,17 +197,16 @@ std::shared_ptr<const ApiKey> TokenAuth::AuthenticateHeader(std::string_view v) 
     keys = state_->keys;
   }
   std::shared_ptr<const ApiKey> match;
-  // Both sides padded with zeros to kMaxTokenBytes, and the lengths compared apart: the same
-  // work for every key and every token sent.
-  char a[kMaxTokenBytes] = {}, b[kMaxTokenBytes] = {};
-  std::memcpy(a, sent.data(), sent.size());
-  for (const auto& k : *keys) {  // no early exit
-    std::memset(b, 0, sizeof b);
-    std::memcpy(b, k->token.data(), k->token.size());
+  // Both sides padded with zeros to kMaxTokenBytes (the keys when loaded), and the lengths
+  // compared apart: the same work for every key and every token sent.
+  std::vector<char> a(kMaxTokenBytes, 0);
+  std::copy(sent.begin(), sent.end(), a.begin());
+  const std::string_view padded_sent(a.data(), a.size());
+  for (const Entry& e : *keys) {  // no early exit
     const bool same =
-        ConstantTimeEquals(std::string_view(a, sizeof a), std::string_view(b, sizeof b)) &
-        (sent.size() == k->token.size());
-    if (same) match = k;
+        ConstantTimeEquals(padded_sent, std::string_view(e.padded.data(), e.padded.size())) &
+        (sent.size() == e.key->token.size());
+    if (same) match = e.key;
   }
   return match;
 }

@@ -75,8 +75,10 @@ std::string PeerForm(const IpAddress& a) {
 std::string PeerHost(std::string_view peer) {
   const auto colon = peer.rfind(':');
   auto bracket = peer.rfind(']');
-  if (const auto escaped = peer.rfind("%5D"); escaped != peer.npos) {  // gRPC's escaping
-    bracket = bracket == peer.npos ? escaped : std::max(bracket, escaped);
+  for (const char* esc : {"%5D", "%5d"}) {  // gRPC's escaping
+    if (const auto escaped = peer.rfind(esc); escaped != peer.npos) {
+      bracket = bracket == peer.npos ? escaped : std::max(bracket, escaped);
+    }
   }
   if (colon != peer.npos && colon > 5 && (bracket == peer.npos || colon > bracket)) {
     return std::string(peer.substr(0, colon));

@@ -768,6 +768,8 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
     svc_->metrics()->OnRequestEnd(model_, method_label_, outcome);
     svc_->metrics()->OnKeyRequestEnd(KeyName(), outcome);
     Log(outcome, error, http_status);
+    std::lock_guard<std::mutex> l(mu_);
+    caller_.lease.reset();  // the call's images no longer count against its key
   }
   void Log(const std::string& outcome, const std::string& error, unsigned http_status) {
     RequestLog* log = svc_->request_log();

@@ -15,11 +15,12 @@
 #include <absl/strings/str_format.h>
 
 #include <algorithm>
-#include <cmath>
+#include <chrono>
+#include <condition_variable>
 #include <csignal>
-#include <ctime>
 #include <cstdio>
 #include <cstdlib>
+#include <mutex>
 #include <thread>
 
 #include "engine/model/models_dir.h"
@@ -76,10 +77,11 @@ ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls-cert");
 ABSL_FLAG(std::string, tls_client_ca, "",
           "PEM CA bundle; when set, clients must present a certificate it signed (mTLS)");
 ABSL_FLAG(std::string, token_file, "",
-          "API keys: a file of lines '<token> [name=<name>] [priority=<n>]' (or one token); "
-          "calls must send one (authorization: Bearer <token>); a name makes the key's callers "
-          "one fair-share tenant, a priority is its requests' default and most urgent; "
-          "SIGHUP reads it again");
+          "API keys: a file of lines '<token> [name=<name>] [priority=<n>] [max_in_flight=<n>]' "
+          "(or one token); calls must send one (authorization: Bearer <token>); a name makes the "
+          "key's callers one fair-share tenant, a priority is its requests' default and most "
+          "urgent, max_in_flight caps its images queued or running; read again when it changes "
+          "(--token-file-poll-seconds) and on SIGHUP");
 ABSL_FLAG(double, token_file_poll_seconds, 10,
           "how often to check whether --token-file changed (it is then read again, as on "
           "SIGHUP); 0: only on SIGHUP");
@@ -208,8 +210,9 @@ int main(int argc, char** argv) {
   eo.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
   eo.preview_share = absl::GetFlag(FLAGS_preview_share);
 
-  if (!(absl::GetFlag(FLAGS_token_file_poll_seconds) >= 0)) {
-    Log("--token-file-poll-seconds: must be >= 0 (0: only on SIGHUP)");
+  if (const double p = absl::GetFlag(FLAGS_token_file_poll_seconds);
+      !(p == 0 || (p >= 0.05 && p <= 86400))) {
+    Log("--token-file-poll-seconds: must be 0 (only on SIGHUP) or in [0.05, 86400]");
     return 2;
   }
   auto listening = server::Daemon::Listen(o);
@@ -246,33 +249,50 @@ int main(int argc, char** argv) {
                  " /v1/images/generations"
            : ""));
 
-  // Waits for SIGTERM or SIGINT; meanwhile reads the key file again on SIGHUP, and when it
-  // changes (checked every --token-file-poll-seconds).
+  // The key file is read again when it changes (checked every --token-file-poll-seconds), on
+  // a thread of its own: file I/O (a hung mount) never delays the signals main waits for. It
+  // logs a failure once until the message changes (an unreadable file is retried each time).
   const double poll_seconds = absl::GetFlag(FLAGS_token_file_poll_seconds);
-  auto reload = [&](const std::string& why) {
-    auto keys = daemon->ReloadKeys();
-    Log(keys.ok() ? why + ": --token-file read again: " + std::to_string(*keys) + " keys"
-                  : why + ": --token-file kept as it was: " + keys.status().message());
-  };
+  std::mutex watch_mu;
+  std::condition_variable watch_cv;
+  bool watch_stop = false;
+  std::thread watcher;
+  if (daemon->auth() && poll_seconds > 0) {
+    watcher = std::thread([&] {
+      std::string last;
+      std::unique_lock<std::mutex> l(watch_mu);
+      while (!watch_cv.wait_for(l, std::chrono::duration<double>(poll_seconds),
+                                [&] { return watch_stop; })) {
+        l.unlock();
+        if (daemon->KeysChanged()) {
+          auto keys = daemon->ReloadKeys();
+          const std::string line =
+              keys.ok() ? "--token-file read again: " + std::to_string(*keys) + " keys"
+                        : "--token-file kept as it was: " + keys.status().message();
+          if (keys.ok() || line != last) Log("the file changed: " + line);
+          last = keys.ok() ? "" : line;
+        }
+        l.lock();
+      }
+    });
+  }
+  // Waits for SIGTERM or SIGINT; meanwhile reads the key file again on SIGHUP.
   int sig = 0;
   for (;;) {
-    if (daemon->auth() && poll_seconds > 0) {
-      timespec timeout{static_cast<time_t>(poll_seconds),
-                       static_cast<long>((poll_seconds - std::floor(poll_seconds)) * 1e9)};
-      sig = sigtimedwait(&signals, nullptr, &timeout);
-      if (sig < 0) {  // the interval passed (or EINTR)
-        if (daemon->KeysChanged()) reload("the file changed");
-        continue;
-      }
-    } else {
-      sigwait(&signals, &sig);
-    }
+    sigwait(&signals, &sig);
     if (sig != SIGHUP) break;
     if (!daemon->auth()) {
       Log("SIGHUP: no --token-file to read again");
       continue;
     }
-    reload("SIGHUP");
+    auto keys = daemon->ReloadKeys();
+    Log(keys.ok() ? "SIGHUP: --token-file read again: " + std::to_string(*keys) + " keys"
+                  : "SIGHUP: --token-file kept as it was: " + keys.status().message());
+  }
+  {
+    std::lock_guard<std::mutex> l(watch_mu);
+    watch_stop = true;
+    watch_cv.notify_all();
   }
   Log(std::string("received ") + (sig == SIGTERM ? "SIGTERM" : "SIGINT") + ", draining for up to " +
       absl::StrFormat("%g", absl::GetFlag(FLAGS_grace_seconds)) + " s");
@@ -289,7 +309,8 @@ int main(int argc, char** argv) {
   force.detach();
   const EngineStats st = daemon->Stop(
       std::chrono::milliseconds(static_cast<int64_t>(absl::GetFlag(FLAGS_grace_seconds) * 1000)));
-  daemon->log().Flush();  // the last calls' lines before the final one
+  if (watcher.joinable()) watcher.join();  // told to stop before the drain began
+  daemon->log().Flush();                   // the last calls' lines before the final one
   Log("stopped: " + std::to_string(st.completed) + " images, " + std::to_string(st.cancelled) +
       " cancelled, " + std::to_string(st.expired) + " expired, " + std::to_string(st.failed) +
       " failed");

@@ -274,6 +274,7 @@ class Call : public std::enable_shared_from_this<Call> {
     const std::string outcome = OutcomeLabel(st.error_code());
     svc_->metrics_->OnRequestEnd(model, method, outcome);
     svc_->metrics_->OnKeyRequestEnd(KeyName(), outcome);
+    caller.lease.reset();  // the call's images no longer count against its key
     RequestLog* log = svc_->options_.request_log;
     if (log == nullptr) return;
     record_.request_id = request_id;
@@ -612,7 +613,7 @@ Caller ImageGenerationService::Identify(std::string_view authorization, const st
   return c;
 }
 
-grpc::Status ImageGenerationService::Resolve(const v1::GenerateRequest& req, const Caller& caller,
+grpc::Status ImageGenerationService::Resolve(const v1::GenerateRequest& req, Caller& caller,
                                              const grpc::Status& parsed,
                                              std::chrono::system_clock::time_point deadline,
                                              Engine** engine_out,
@@ -666,6 +667,39 @@ grpc::Status ImageGenerationService::Resolve(const v1::GenerateRequest& req, con
   params.tenant = caller.key->name;
   params.client = ClientOf(req.user(), caller.address);
   const int n = std::max(req.n(), 1);
+  if (caller.key->max_in_flight.has_value()) {
+    const int64_t max = *caller.key->max_in_flight;
+    if (n > max) {
+      return BadField("n", std::to_string(n) + " images: this API key may have at most " +
+                               std::to_string(max) + " in flight");
+    }
+    std::lock_guard<std::mutex> l(key_counts_->mu);
+    int64_t& used = key_counts_->in_flight[caller.key->name];
+    if (used + n > max) {
+      return Overloaded("this API key has " + std::to_string(used) +
+                            " images in flight, its max_in_flight is " + std::to_string(max),
+                        metrics_->RecentGenerationSeconds());
+    }
+    used += n;
+    // Gives the images back when the call's outcome is recorded (or the call is destroyed).
+    class Lease {
+     public:
+      Lease(std::shared_ptr<KeyCounts> counts, std::string name, int64_t n)
+          : counts_(std::move(counts)), name_(std::move(name)), n_(n) {}
+      Lease(const Lease&) = delete;
+      Lease& operator=(const Lease&) = delete;
+      ~Lease() {
+        std::lock_guard<std::mutex> l(counts_->mu);
+        counts_->in_flight[name_] -= n_;
+      }
+
+     private:
+      const std::shared_ptr<KeyCounts> counts_;
+      const std::string name_;
+      const int64_t n_;
+    };
+    caller.lease = std::make_shared<const Lease>(key_counts_, caller.key->name, n);
+  }
   images->assign(static_cast<size_t>(n), params);
   for (int i = 0; i < n; ++i) {
     if (params.seed.has_value()) (*images)[static_cast<size_t>(i)].seed = *params.seed + i;

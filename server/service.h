@@ -56,6 +56,15 @@ struct Caller {
   std::shared_ptr<const ApiKey> key;
   std::string address;     // "ipv4:10.1.2.3", "ipv6:[::1]" (no port)
   bool forwarded = false;  // the address is X-Forwarded-For's, not the peer's
+  // Set by Resolve for a key with max_in_flight: holds the call's images against the key's
+  // limit until reset (when the call's outcome is recorded) or destroyed.
+  std::shared_ptr<const void> lease;
+};
+
+// Images in flight per API key name (ApiKey::max_in_flight), shared with the leases.
+struct KeyCounts {
+  std::mutex mu;
+  std::map<std::string, int64_t> in_flight;  // under mu
 };
 
 // A FIFO of tasks run by a fixed set of threads. The destructor runs what is queued, then joins.
@@ -133,12 +142,12 @@ class ImageGenerationService final : public ServiceBase {
                                      std::string* request_id_out);
   // The caller's API key is its tenant (GenerateParams::tenant) and sets its priority's
   // default and floor (a request asking for a more urgent one is PERMISSION_DENIED naming
-  // `priority`); its address stands for the user when the request names none
-  // (GenerateParams::client).
-  grpc::Status Resolve(const v1::GenerateRequest& req, const Caller& caller,
-                       const grpc::Status& parsed, std::chrono::system_clock::time_point deadline,
-                       Engine** engine, std::vector<GenerateParams>* images,
-                       std::string* method) const;
+  // `priority`) and its images in flight (max_in_flight: beyond it RESOURCE_EXHAUSTED with
+  // RetryInfo; `n` above it INVALID_ARGUMENT; caller.lease holds the call's images); its
+  // address stands for the user when the request names none (GenerateParams::client).
+  grpc::Status Resolve(const v1::GenerateRequest& req, Caller& caller, const grpc::Status& parsed,
+                       std::chrono::system_clock::time_point deadline, Engine** engine,
+                       std::vector<GenerateParams>* images, std::string* method) const;
   // The caller of a call from `peer` ("ipv4:10.1.2.3:5678") with this Authorization value and
   // X-Forwarded-For values (joined by commas).
   Caller Identify(std::string_view authorization, const std::string& peer,
@@ -170,6 +179,7 @@ class ImageGenerationService final : public ServiceBase {
   void Forget(const Call* call);
 
   Metrics* metrics_;
+  const std::shared_ptr<KeyCounts> key_counts_ = std::make_shared<KeyCounts>();
   const TokenAuth auth_;
   const ServiceOptions options_;
   std::atomic<Engine*> engine_{nullptr};

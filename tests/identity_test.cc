@@ -1,7 +1,10 @@
 // Who a call is from: API keys (server/auth.h: the key file's lines, names and priorities,
 // matching, reloading) and the caller's address behind trusted proxies (server/forwarded.h).
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
+#include <cstdio>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -24,7 +27,7 @@ TEST(ApiKeysTest, LinesGiveTokensWithNamesAndPriorities) {
       "# the interactive app\n"
       "tok-a name=app priority=-1\n"
       "\n"
-      "   tok-b\tname=batch   priority=10  # may not ask for less\r\n"
+      "   tok-b\tname=batch   priority=10 max_in_flight=32 # may not ask for less\r\n"
       "tok-c==\n");  // base64 padding is part of a token
   ASSERT_TRUE(keys.ok()) << keys.status().ToString();
   ASSERT_EQ(keys->size(), 3u);
@@ -34,6 +37,8 @@ TEST(ApiKeysTest, LinesGiveTokensWithNamesAndPriorities) {
   EXPECT_EQ((*keys)[1].token, "tok-b");
   EXPECT_EQ((*keys)[1].name, "batch");
   EXPECT_EQ((*keys)[1].priority, 10);
+  EXPECT_EQ((*keys)[1].max_in_flight, 32);
+  EXPECT_FALSE((*keys)[0].max_in_flight.has_value());
   EXPECT_EQ((*keys)[2].token, "tok-c==");
   EXPECT_EQ((*keys)[2].name, "");
   EXPECT_FALSE((*keys)[2].priority.has_value());
@@ -56,9 +61,12 @@ TEST(ApiKeysTest, BadLinesAreRefusedNamingTheLineAndWhatIsWrong) {
       {"tok priority=high\n", "line 1: priority: must be an integer"},
       {"tok priority=99999999999\n", "line 1: priority: must be an integer"},
       {"tok weight=2\n", "line 1: unknown attribute 'weight'"},
+      {"tok max_in_flight=4\n", "line 1: max_in_flight: needs a name"},
+      {"tok name=a max_in_flight=0\n", "line 1: max_in_flight: must be an integer in [1,"},
+      {"tok name=a max_in_flight=2 max_in_flight=3\n", "line 1: max_in_flight: given twice"},
       {"tok name=a\ntok name=b\n", "line 2: the same token as an earlier line"},
       {"t1 name=a\nt2 name=a\n", "line 2: name: 'a' is an earlier key's"},
-      {"t1\n" + std::string(513, 'x') + "\n", "line 2: the token is longer than 512 bytes"},
+      {"t1\n" + std::string(4097, 'x') + "\n", "line 2: the token is longer than 4096 bytes"},
   };
   for (const auto& [text, message] : bad) {
     auto keys = ParseKeys(text);
@@ -85,7 +93,7 @@ TEST(ApiKeysTest, AuthenticateFindsTheKeyAndReloadReplacesThem) {
     EXPECT_EQ(auth->AuthenticateHeader(wrong), nullptr) << wrong;
   }
   // Longer than any key may be: refused without comparing.
-  EXPECT_EQ(auth->AuthenticateHeader("Bearer tok-a" + std::string(600, 'x')), nullptr);
+  EXPECT_EQ(auth->AuthenticateHeader("Bearer " + std::string(4097, 'x')), nullptr);
   // Changed: not since it was read; yes once the file is replaced (a rename, as a Kubernetes
   // Secret volume does); no again once read.
   EXPECT_FALSE(auth->Changed());
@@ -119,6 +127,38 @@ TEST(ApiKeysTest, AuthenticateFindsTheKeyAndReloadReplacesThem) {
   EXPECT_EQ(k->name, "");
   EXPECT_FALSE(k->priority.has_value());
   EXPECT_FALSE(open.Reload().ok());
+  testing::RemoveTree(dir);
+}
+
+// What the daemon's poll sees: a key of the longest length is accepted; a chmod counts as a
+// change (a file made readable is read); a symbolic link swapped to a new target (a Kubernetes
+// Secret volume's update) counts, and its keys are read.
+TEST(ApiKeysTest, LongestTokensChmodAndSymlinkSwaps) {
+  const std::string dir = testing::TempDir("api_keys_swap");
+  const std::string longest(server::kMaxTokenBytes, 'k');
+  ASSERT_EQ(::mkdir((dir + "/v1").c_str(), 0700), 0);
+  ASSERT_EQ(::mkdir((dir + "/v2").c_str(), 0700), 0);
+  ASSERT_TRUE(WriteFileAtomically(dir + "/v1/keys", longest + " name=long\n").ok());
+  ASSERT_TRUE(WriteFileAtomically(dir + "/v2/keys", "tok-v2 name=two\n").ok());
+  ASSERT_EQ(::symlink("v1", (dir + "/data").c_str()), 0);
+  const std::string path = dir + "/data/keys";
+  auto auth = TokenAuth::FromFile(path);
+  ASSERT_TRUE(auth.ok()) << auth.status().ToString();
+  ASSERT_NE(auth->AuthenticateHeader("Bearer " + longest), nullptr);
+  EXPECT_EQ(auth->AuthenticateHeader("Bearer " + longest)->name, "long");
+  EXPECT_EQ(auth->AuthenticateHeader("Bearer " + longest.substr(1)), nullptr);
+  EXPECT_FALSE(auth->Changed());
+  ASSERT_EQ(::chmod((dir + "/v1/keys").c_str(), 0400), 0);
+  EXPECT_TRUE(auth->Changed());
+  ASSERT_TRUE(auth->Reload().ok());
+  EXPECT_FALSE(auth->Changed());
+  // The swap: a new link renamed over the old one.
+  ASSERT_EQ(::symlink("v2", (dir + "/data.new").c_str()), 0);
+  ASSERT_EQ(std::rename((dir + "/data.new").c_str(), (dir + "/data").c_str()), 0);
+  EXPECT_TRUE(auth->Changed());
+  ASSERT_TRUE(auth->Reload().ok());
+  EXPECT_EQ(auth->AuthenticateHeader("Bearer tok-v2")->name, "two");
+  EXPECT_EQ(auth->AuthenticateHeader("Bearer " + longest), nullptr);
   testing::RemoveTree(dir);
 }
 

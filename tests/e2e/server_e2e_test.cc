@@ -641,13 +641,16 @@ TEST(E2eTest, TlsAndBearerTokenAcceptTheRightTokenOnly) {
 TEST(E2eTest, ApiKeysNameTenantsBoundPrioritiesAndReloadOnSighup) {
   const std::string dir = TempDir("api_keys_file");
   const std::string keys = dir + "/keys";
-  { std::ofstream(keys) << "# e2e\ntok-batch name=batch priority=5\ntok-app name=app\n"; }
+  {
+    std::ofstream(keys) << "# e2e\ntok-batch name=batch priority=5\ntok-app name=app\n"
+                           "tok-capped name=capped max_in_flight=1  # one image at a time\n";
+  }
   Daemon d("api_keys", {"--token-file", keys, "--token-file-poll-seconds", "0", "--http-listen",
                         "127.0.0.1:0", "--log-format", "json", "--trusted-proxies", "127.0.0.0/8"});
   d.WaitReady();
   auto stub = d.Stub();
   auto call = [&](const std::string& token, int priority, const std::string& id,
-                  const std::string& forwarded_for) {
+                  const std::string& forwarded_for, int n = 1) {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + seconds(60));
     ctx.AddMetadata("authorization", "Bearer " + token);
@@ -655,6 +658,7 @@ TEST(E2eTest, ApiKeysNameTenantsBoundPrioritiesAndReloadOnSighup) {
     if (!forwarded_for.empty()) ctx.AddMetadata("x-forwarded-for", forwarded_for);
     v1::GenerateRequest q = Request("bag", 21, "ar");
     q.set_priority(priority);
+    q.set_n(n);
     v1::GenerateResponse resp;
     return stub->Generate(&ctx, q, &resp);
   };
@@ -666,6 +670,37 @@ TEST(E2eTest, ApiKeysNameTenantsBoundPrioritiesAndReloadOnSighup) {
   ASSERT_NE(Violations(denied, &br), nullptr);
   EXPECT_EQ(br.field_violations(0).field(), "priority");
   EXPECT_TRUE(call("tok-app", -3, "k-app-forwarded", "198.51.100.7, 203.0.113.9").ok());
+  // max_in_flight=1: while the key's stream is in flight a second call is RESOURCE_EXHAUSTED
+  // with RetryInfo; a call of 2 images never fits (INVALID_ARGUMENT naming n); once the stream
+  // has ended the key's next call runs.
+  {
+    grpc::ClientContext sctx;
+    sctx.AddMetadata("authorization", "Bearer tok-capped");
+    sctx.AddMetadata("x-request-id", "k-capped-stream");
+    auto reader = stub->GenerateStream(&sctx, Request("shirt", 31, "ar"));
+    v1::GenerateStreamResponse msg;
+    ASSERT_TRUE(reader->Read(&msg));
+    const grpc::Status busy = call("tok-capped", 0, "k-capped-busy", "");
+    ASSERT_EQ(busy.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << busy.error_message();
+    EXPECT_NE(busy.error_message().find("max_in_flight is 1"), std::string::npos)
+        << busy.error_message();
+    google::rpc::Status details;
+    ASSERT_TRUE(details.ParseFromString(busy.error_details()));
+    google::rpc::RetryInfo retry;
+    ASSERT_EQ(details.details_size(), 1);
+    EXPECT_TRUE(details.details(0).UnpackTo(&retry));
+    EXPECT_TRUE(call("tok-app", 0, "k-app-meanwhile", "").ok());  // another key is not held
+    while (reader->Read(&msg)) {
+    }
+    ASSERT_TRUE(reader->Finish().ok());
+  }
+  const grpc::Status two = call("tok-capped", 0, "k-capped-n2", "", 2);
+  ASSERT_EQ(two.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << two.error_message();
+  ASSERT_NE(Violations(two, &br), nullptr);
+  EXPECT_EQ(br.field_violations(0).field(), "n");
+  // The call's images are given back when its outcome is recorded, before its status is sent:
+  // no wait is needed.
+  EXPECT_TRUE(call("tok-capped", 0, "k-capped-after", "").ok());
   // HTTP: the same floor, as OpenAI's 403 shape naming the parameter; X-Forwarded-For from a
   // trusted proxy (loopback here) names the caller.
   const std::string body = R"({"prompt": "bag", "seed": 22, "method": "ar", "priority": 1})";
@@ -684,11 +719,13 @@ TEST(E2eTest, ApiKeysNameTenantsBoundPrioritiesAndReloadOnSighup) {
   EXPECT_TRUE(d.WaitMetric(R"(imagegen_key_requests_total{key="batch",outcome="ok"})", 2));
   EXPECT_TRUE(
       d.WaitMetric(R"(imagegen_key_requests_total{key="batch",outcome="permission_denied"})", 2));
-  EXPECT_TRUE(d.WaitMetric(R"(imagegen_key_requests_total{key="app",outcome="ok"})", 1));
+  EXPECT_TRUE(d.WaitMetric(R"(imagegen_key_requests_total{key="app",outcome="ok"})", 2));
   EXPECT_TRUE(d.WaitMetric(R"(imagegen_key_images_total{key="batch"})", 2));
   EXPECT_TRUE(d.WaitMetric(R"(imagegen_key_image_tokens_total{key="batch"})", 2 * 196));
   EXPECT_TRUE(d.WaitMetric(R"(imagegen_key_target_forwards_total{key="batch"})", 2 * 196));
-  EXPECT_TRUE(d.WaitMetric(R"(imagegen_key_images_total{key="app"})", 1));
+  EXPECT_TRUE(d.WaitMetric(R"(imagegen_key_images_total{key="app"})", 2));
+  EXPECT_TRUE(
+      d.WaitMetric(R"(imagegen_key_requests_total{key="capped",outcome="resource_exhausted"})", 1));
 
   // Rotation: SIGHUP with a new file; the old keys stop working, the new one works.
   { std::ofstream(keys) << "tok-new name=rotated\n"; }
@@ -720,7 +757,7 @@ TEST(E2eTest, ApiKeysNameTenantsBoundPrioritiesAndReloadOnSighup) {
       calls[j["request_id"].get<std::string>()] = j;
     }
   }
-  ASSERT_EQ(calls.size(), 8u) << d.proc().Log();
+  ASSERT_EQ(calls.size(), 13u) << d.proc().Log();
   EXPECT_EQ(calls["k-batch-default"]["key"], "batch");
   EXPECT_EQ(calls["k-batch-default"]["priority"], 5);  // the key's default
   EXPECT_EQ(calls["k-batch-7"]["priority"], 7);
@@ -734,6 +771,10 @@ TEST(E2eTest, ApiKeysNameTenantsBoundPrioritiesAndReloadOnSighup) {
   EXPECT_EQ(calls["k-app-old"]["outcome"], "unauthenticated");
   EXPECT_EQ(calls["k-new"]["key"], "rotated");
   EXPECT_EQ(calls["k-new-again"]["outcome"], "ok");
+  EXPECT_EQ(calls["k-capped-stream"]["outcome"], "ok");
+  EXPECT_EQ(calls["k-capped-busy"]["outcome"], "resource_exhausted");
+  EXPECT_EQ(calls["k-capped-n2"]["outcome"], "invalid_argument");
+  EXPECT_EQ(calls["k-capped-after"]["key"], "capped");
 
   // Not a trusted proxy: X-Forwarded-For is ignored. And without SIGHUP, a change of the key
   // file is read within --token-file-poll-seconds (the file replaced by a rename, as a
