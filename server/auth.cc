@@ -3,9 +3,11 @@
 #include <absl/strings/numbers.h>
 #include <absl/strings/str_split.h>
 
+#include <openssl/evp.h>
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <set>
 
 #include "engine/util/read_file.h"
@@ -20,6 +22,15 @@ bool ValidName(absl::string_view n) {
     return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
            c == '_' || c == '-';
   });
+}
+
+std::string Sha256(std::string_view data) {
+  unsigned char md[EVP_MAX_MD_SIZE];
+  unsigned int n = 0;
+  if (EVP_Digest(data.data(), data.size(), md, &n, EVP_sha256(), nullptr) != 1) {
+    std::abort();  // libcrypto's SHA-256 cannot fail on memory input
+  }
+  return std::string(reinterpret_cast<const char*>(md), n);
 }
 
 std::shared_ptr<const ApiKey> OpenKey() {
@@ -133,7 +144,8 @@ std::string Signature(const std::string& path) {
   return std::to_string(st.st_dev) + ":" + std::to_string(st.st_ino) + ":" +
          std::to_string(st.st_size) + ":" + std::to_string(st.st_mtim.tv_sec) + "." +
          std::to_string(st.st_mtim.tv_nsec) + ":" + std::to_string(st.st_ctim.tv_sec) + "." +
-         std::to_string(st.st_ctim.tv_nsec);
+         std::to_string(st.st_ctim.tv_nsec) + ":" + std::to_string(st.st_mode) + ":" +
+         std::to_string(st.st_uid) + ":" + std::to_string(st.st_gid);
 }
 
 }  // namespace
@@ -147,32 +159,35 @@ bool TokenAuth::Changed() const {
 
 StatusOr<size_t> TokenAuth::Reload() const {
   if (!enabled()) return FailedPrecondition("no key file");
+  // One at a time: otherwise a slower read of the old file could install its keys after a
+  // faster read of the new one had marked the new file read.
+  std::lock_guard<std::mutex> one(state_->reload_mu);
   // The signature before and after the read: a file written in place while it was read (an
   // editor, `cat > keys`) may be half of one, and is not taken; it stays changed, so the next
   // check reads it again. A file that cannot be read stays changed too (a chmod, a mount).
   const std::string before = Signature(state_->path);
-  auto text = ReadFile(state_->path);
+  auto text = ReadFile(state_->path, size_t{16} << 20);
   if (!text.ok()) return text.status();
   if (Signature(state_->path) != before) {
-    return Unavailable("'" + state_->path + "' changed while it was read; read again later");
-  }
-  {
-    std::lock_guard<std::mutex> l(state_->mu);
-    state_->read_as = before;  // a broken file is not read again until it changes
+    return Unavailable("'" + state_->path +
+                       "' changed while it was read: it is read again at the next check (or "
+                       "SIGHUP); replace it with a rename to change it at once");
   }
   auto parsed = ParseKeys(*text);
   if (!parsed.ok()) {
+    std::lock_guard<std::mutex> l(state_->mu);
+    state_->read_as = before;  // a broken file is not read again until it changes
     return InvalidArgument("'" + state_->path + "': " + parsed.status().message());
   }
   auto keys = std::make_shared<Keys>();
   for (ApiKey& k : *parsed) {
     Entry e;
-    e.padded.assign(kMaxTokenBytes, 0);
-    std::copy(k.token.begin(), k.token.end(), e.padded.begin());  // ParseKeys bounds its size
+    e.digest = Sha256(k.token);
     e.key = std::make_shared<const ApiKey>(std::move(k));
     keys->push_back(std::move(e));
   }
   std::lock_guard<std::mutex> l(state_->mu);
+  state_->read_as = before;
   state_->keys = std::move(keys);
   return state_->keys->size();
 }
@@ -197,16 +212,10 @@ std::shared_ptr<const ApiKey> TokenAuth::AuthenticateHeader(std::string_view v) 
     keys = state_->keys;
   }
   std::shared_ptr<const ApiKey> match;
-  // Both sides padded with zeros to kMaxTokenBytes (the keys when loaded), and the lengths
-  // compared apart: the same work for every key and every token sent.
-  std::vector<char> a(kMaxTokenBytes, 0);
-  std::copy(sent.begin(), sent.end(), a.begin());
-  const std::string_view padded_sent(a.data(), a.size());
+  // Digests of equal length: the same work for every key whatever the token sent.
+  const std::string digest = Sha256(sent);
   for (const Entry& e : *keys) {  // no early exit
-    const bool same =
-        ConstantTimeEquals(padded_sent, std::string_view(e.padded.data(), e.padded.size())) &
-        (sent.size() == e.key->token.size());
-    if (same) match = e.key;
+    if (ConstantTimeEquals(digest, e.digest)) match = e.key;
   }
   return match;
 }

@@ -55,9 +55,9 @@ class TokenAuth {
 
   bool enabled() const { return state_ != nullptr; }
   // The key the call's bearer token matches: the open key (no name, no priority) when
-  // disabled, null when refused. Every key is compared over kMaxTokenBytes (stored padded
-  // with zeros, its length compared apart) whatever its length, so the time tells neither
-  // which key matched nor how long the keys are (only how many there are). The key stays
+  // disabled, null when refused. The token sent is hashed (SHA-256) and its digest compared
+  // with every key's in constant time and without an early exit, so the time tells neither
+  // which key matched nor anything of the keys (only how many there are). The key stays
   // valid while the caller holds it, whatever Reload does.
   std::shared_ptr<const ApiKey> Authenticate(const grpc::ServerContextBase& ctx) const;
   // The same for an HTTP request's Authorization header value (empty: none sent).
@@ -79,11 +79,12 @@ class TokenAuth {
  private:
   struct Entry {
     std::shared_ptr<const ApiKey> key;
-    std::vector<char> padded;  // the token and zeros: kMaxTokenBytes
+    std::string digest;  // SHA-256 of the token
   };
   using Keys = std::vector<Entry>;
   struct State {
     std::string path;
+    std::mutex reload_mu;  // one Reload at a time (SIGHUP's and the poll's)
     mutable std::mutex mu;
     std::shared_ptr<const Keys> keys;  // under mu
     std::string read_as;               // under mu: the file's signature when last read

@@ -514,6 +514,8 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
       svc_->metrics()->OnRequestEnd(model_, method_label_, "cancelled");
       svc_->metrics()->OnKeyRequestEnd(KeyName(), "cancelled");
       Log("cancelled", "the client closed the connection", stream_ ? MHD_HTTP_OK : 0);
+      std::lock_guard<std::mutex> l(mu_);
+      caller_.lease.reset();  // recorded: its images no longer count against its key
     }
     if (started_) svc_->metrics()->OnCallClosed();
   }

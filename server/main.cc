@@ -84,7 +84,7 @@ ABSL_FLAG(std::string, token_file, "",
           "(--token-file-poll-seconds) and on SIGHUP");
 ABSL_FLAG(double, token_file_poll_seconds, 10,
           "how often to check whether --token-file changed (it is then read again, as on "
-          "SIGHUP); 0: only on SIGHUP");
+          "SIGHUP): 0 (only on SIGHUP) or 0.05 to 86400");
 ABSL_FLAG(std::string, trusted_proxies, "",
           "comma-separated addresses and CIDR ranges of proxies whose X-Forwarded-For names the "
           "caller (HTTP header or gRPC metadata); empty: the peer is the caller");
@@ -249,34 +249,50 @@ int main(int argc, char** argv) {
                  " /v1/images/generations"
            : ""));
 
-  // The key file is read again when it changes (checked every --token-file-poll-seconds), on
-  // a thread of its own: file I/O (a hung mount) never delays the signals main waits for. It
-  // logs a failure once until the message changes (an unreadable file is retried each time).
+  // The key file is read again on SIGHUP and when it changes (checked every
+  // --token-file-poll-seconds), always on a thread of its own: file I/O (a hung mount) never
+  // delays the signals main waits for. A failure is logged once until its message changes.
   const double poll_seconds = absl::GetFlag(FLAGS_token_file_poll_seconds);
-  std::mutex watch_mu;
-  std::condition_variable watch_cv;
-  bool watch_stop = false;
+  struct Watch {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool stop = false, hup = false, done = false;
+  } watch;
   std::thread watcher;
-  if (daemon->auth() && poll_seconds > 0) {
-    watcher = std::thread([&] {
+  if (daemon->auth()) {
+    watcher = std::thread([&watch, &daemon, poll_seconds] {
       std::string last;
-      std::unique_lock<std::mutex> l(watch_mu);
-      while (!watch_cv.wait_for(l, std::chrono::duration<double>(poll_seconds),
-                                [&] { return watch_stop; })) {
+      std::unique_lock<std::mutex> l(watch.mu);
+      for (;;) {
+        auto woken = [&] { return watch.stop || watch.hup; };
+        if (poll_seconds > 0) {
+          watch.cv.wait_for(l, std::chrono::duration<double>(poll_seconds), woken);
+        } else {
+          watch.cv.wait(l, woken);
+        }
+        if (watch.stop) break;
+        const bool hup = watch.hup;
+        watch.hup = false;
         l.unlock();
-        if (daemon->KeysChanged()) {
+        if (hup || daemon->KeysChanged()) {
           auto keys = daemon->ReloadKeys();
           const std::string line =
               keys.ok() ? "--token-file read again: " + std::to_string(*keys) + " keys"
                         : "--token-file kept as it was: " + keys.status().message();
-          if (keys.ok() || line != last) Log("the file changed: " + line);
+          if (hup || keys.ok() || line != last) {
+            Log((hup ? "SIGHUP: " : "the file changed: ") + line);
+          }
           last = keys.ok() ? "" : line;
+        } else {
+          last.clear();
         }
         l.lock();
       }
+      watch.done = true;
+      watch.cv.notify_all();
     });
   }
-  // Waits for SIGTERM or SIGINT; meanwhile reads the key file again on SIGHUP.
+  // Waits for SIGTERM or SIGINT; SIGHUP wakes the watcher.
   int sig = 0;
   for (;;) {
     sigwait(&signals, &sig);
@@ -285,14 +301,14 @@ int main(int argc, char** argv) {
       Log("SIGHUP: no --token-file to read again");
       continue;
     }
-    auto keys = daemon->ReloadKeys();
-    Log(keys.ok() ? "SIGHUP: --token-file read again: " + std::to_string(*keys) + " keys"
-                  : "SIGHUP: --token-file kept as it was: " + keys.status().message());
+    std::lock_guard<std::mutex> l(watch.mu);
+    watch.hup = true;
+    watch.cv.notify_all();
   }
   {
-    std::lock_guard<std::mutex> l(watch_mu);
-    watch_stop = true;
-    watch_cv.notify_all();
+    std::lock_guard<std::mutex> l(watch.mu);
+    watch.stop = true;
+    watch.cv.notify_all();
   }
   Log(std::string("received ") + (sig == SIGTERM ? "SIGTERM" : "SIGINT") + ", draining for up to " +
       absl::StrFormat("%g", absl::GetFlag(FLAGS_grace_seconds)) + " s");
@@ -309,11 +325,24 @@ int main(int argc, char** argv) {
   force.detach();
   const EngineStats st = daemon->Stop(
       std::chrono::milliseconds(static_cast<int64_t>(absl::GetFlag(FLAGS_grace_seconds) * 1000)));
-  if (watcher.joinable()) watcher.join();  // told to stop before the drain began
-  daemon->log().Flush();                   // the last calls' lines before the final one
+  // The watcher was told to stop before the drain began; one stuck in a read (a hung mount)
+  // for 5 s more is left behind, and the process exits without it.
+  bool watcher_stuck = false;
+  if (watcher.joinable()) {
+    std::unique_lock<std::mutex> l(watch.mu);
+    watcher_stuck = !watch.cv.wait_for(l, std::chrono::seconds(5), [&] { return watch.done; });
+    l.unlock();
+    if (!watcher_stuck) watcher.join();
+  }
+  daemon->log().Flush();  // the last calls' lines before the final one
   Log("stopped: " + std::to_string(st.completed) + " images, " + std::to_string(st.cancelled) +
       " cancelled, " + std::to_string(st.expired) + " expired, " + std::to_string(st.failed) +
       " failed");
+  if (watcher_stuck) {
+    Log("the --token-file watcher is stuck in a read (a hung mount?): exiting without it");
+    std::fflush(stderr);
+    std::_Exit(0);
+  }
   daemon.reset();
   return 0;
 }

@@ -646,7 +646,8 @@ TEST(E2eTest, ApiKeysNameTenantsBoundPrioritiesAndReloadOnSighup) {
                            "tok-capped name=capped max_in_flight=1  # one image at a time\n";
   }
   Daemon d("api_keys", {"--token-file", keys, "--token-file-poll-seconds", "0", "--http-listen",
-                        "127.0.0.1:0", "--log-format", "json", "--trusted-proxies", "127.0.0.0/8"});
+                        "127.0.0.1:0", "--log-format", "json", "--trusted-proxies", "127.0.0.0/8",
+                        "--stream-stall-seconds", "300"});
   d.WaitReady();
   auto stub = d.Stub();
   auto call = [&](const std::string& token, int priority, const std::string& id,
@@ -672,14 +673,24 @@ TEST(E2eTest, ApiKeysNameTenantsBoundPrioritiesAndReloadOnSighup) {
   EXPECT_TRUE(call("tok-app", -3, "k-app-forwarded", "198.51.100.7, 203.0.113.9").ok());
   // max_in_flight=1: while the key's stream is in flight a second call is RESOURCE_EXHAUSTED
   // with RetryInfo; a call of 2 images never fits (INVALID_ARGUMENT naming n); once the stream
-  // has ended the key's next call runs.
+  // has ended the key's next call runs. The stream is held in flight by its client: large
+  // previews in every step and a 1 KiB read-ahead, read only once the checks are done (as in
+  // AStreamWhoseClientStopsReadingIsEndedAndOthersGoOn; the stall limit is 300 s here).
   {
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+    args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 1024);
+    auto slow = v1::ImageGeneration::NewStub(
+        grpc::CreateCustomChannel(d.target(), grpc::InsecureChannelCredentials(), args));
     grpc::ClientContext sctx;
     sctx.AddMetadata("authorization", "Bearer tok-capped");
     sctx.AddMetadata("x-request-id", "k-capped-stream");
-    auto reader = stub->GenerateStream(&sctx, Request("shirt", 31, "ar"));
+    v1::GenerateRequest held = Request("shirt", 31, "ar");
+    held.set_preview_every(1);
+    held.mutable_output()->set_scale(16);
+    auto reader = slow->GenerateStream(&sctx, held);
     v1::GenerateStreamResponse msg;
-    ASSERT_TRUE(reader->Read(&msg));
+    ASSERT_TRUE(reader->Read(&msg));  // the call has begun: its image counts
     const grpc::Status busy = call("tok-capped", 0, "k-capped-busy", "");
     ASSERT_EQ(busy.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << busy.error_message();
     EXPECT_NE(busy.error_message().find("max_in_flight is 1"), std::string::npos)
@@ -690,8 +701,19 @@ TEST(E2eTest, ApiKeysNameTenantsBoundPrioritiesAndReloadOnSighup) {
     ASSERT_EQ(details.details_size(), 1);
     EXPECT_TRUE(details.details(0).UnpackTo(&retry));
     EXPECT_TRUE(call("tok-app", 0, "k-app-meanwhile", "").ok());  // another key is not held
-    while (reader->Read(&msg)) {
-    }
+    // The HTTP API: 429 with Retry-After.
+    const std::string capped_body = R"({"prompt": "bag", "seed": 24, "method": "ar"})";
+    const std::string capped_http =
+        Fetch(d.http_port(),
+              "POST /v1/images/generations HTTP/1.0\r\nHost: 127.0.0.1\r\n"
+              "Content-Type: application/json\r\nX-Request-Id: k-capped-http\r\n"
+              "Authorization: Bearer tok-capped\r\nContent-Length: " +
+                  std::to_string(capped_body.size()) + "\r\n\r\n" + capped_body);
+    EXPECT_EQ(capped_http.rfind("HTTP/1.1 429", 0), 0u) << capped_http.substr(0, 300);
+    EXPECT_NE(capped_http.find("Retry-After: "), std::string::npos) << capped_http.substr(0, 300);
+    bool final_seen = false;
+    while (reader->Read(&msg)) final_seen |= msg.has_final();
+    EXPECT_TRUE(final_seen);
     ASSERT_TRUE(reader->Finish().ok());
   }
   const grpc::Status two = call("tok-capped", 0, "k-capped-n2", "", 2);
@@ -725,7 +747,7 @@ TEST(E2eTest, ApiKeysNameTenantsBoundPrioritiesAndReloadOnSighup) {
   EXPECT_TRUE(d.WaitMetric(R"(imagegen_key_target_forwards_total{key="batch"})", 2 * 196));
   EXPECT_TRUE(d.WaitMetric(R"(imagegen_key_images_total{key="app"})", 2));
   EXPECT_TRUE(
-      d.WaitMetric(R"(imagegen_key_requests_total{key="capped",outcome="resource_exhausted"})", 1));
+      d.WaitMetric(R"(imagegen_key_requests_total{key="capped",outcome="resource_exhausted"})", 2));
 
   // Rotation: SIGHUP with a new file; the old keys stop working, the new one works.
   { std::ofstream(keys) << "tok-new name=rotated\n"; }
@@ -757,7 +779,7 @@ TEST(E2eTest, ApiKeysNameTenantsBoundPrioritiesAndReloadOnSighup) {
       calls[j["request_id"].get<std::string>()] = j;
     }
   }
-  ASSERT_EQ(calls.size(), 13u) << d.proc().Log();
+  ASSERT_EQ(calls.size(), 14u) << d.proc().Log();
   EXPECT_EQ(calls["k-batch-default"]["key"], "batch");
   EXPECT_EQ(calls["k-batch-default"]["priority"], 5);  // the key's default
   EXPECT_EQ(calls["k-batch-7"]["priority"], 7);
