@@ -512,7 +512,7 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
     for (int64_t id : cancel) engine_->Cancel(id);
     if (record) {  // the client left before its answer
       svc_->metrics()->OnRequestEnd(model_, method_label_, "cancelled");
-      svc_->metrics()->OnKeyRequestEnd(KeyName(), "cancelled");
+      svc_->metrics()->OnKeyRequestEnd(caller_.key_name(), "cancelled");
       Log("cancelled", "the client closed the connection", stream_ ? MHD_HTTP_OK : 0);
       std::lock_guard<std::mutex> l(mu_);
       caller_.lease.reset();  // recorded: its images no longer count against its key
@@ -602,7 +602,7 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
         return;
       }
       svc_->metrics()->OnImage(model_, method_label_, r, total_seconds);
-      svc_->metrics()->OnKeyImage(KeyName(), r);
+      svc_->metrics()->OnKeyImage(caller_.key_name(), r);
       {
         std::lock_guard<std::mutex> l(mu_);
         record_.AddImage(r);
@@ -768,7 +768,7 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
       recorded_ = true;
     }
     svc_->metrics()->OnRequestEnd(model_, method_label_, outcome);
-    svc_->metrics()->OnKeyRequestEnd(KeyName(), outcome);
+    svc_->metrics()->OnKeyRequestEnd(caller_.key_name(), outcome);
     Log(outcome, error, http_status);
     std::lock_guard<std::mutex> l(mu_);
     caller_.lease.reset();  // the call's images no longer count against its key
@@ -789,8 +789,8 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
     r.images = std::max(req_.n(), 1);
     r.user = req_.user().substr(0, 256);
     r.priority = priority_;
-    r.key = KeyName();
-    r.address = caller_.forwarded ? caller_.address : "";
+    r.key = caller_.key_name();
+    r.address = caller_.logged_address();
     r.outcome = outcome;
     r.error = error;
     r.http_status = static_cast<int>(http_status);
@@ -819,8 +819,6 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
   std::string request_id_, peer_;
   Caller caller_;
   int32_t priority_ = 0;
-  // The caller's API key's name (empty: unnamed, refused, or no auth).
-  std::string KeyName() const { return caller_.key ? caller_.key->name : ""; }
   Engine* engine_ = nullptr;
   std::vector<int> partial_next_;  // the engine thread's
 

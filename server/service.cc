@@ -106,8 +106,6 @@ class Call : public std::enable_shared_from_this<Call> {
   std::string request_id, peer;  // for the request log
   Caller caller;
   int32_t priority = 0;  // the request's, or its key's (after Resolve)
-  // The caller's API key's name (empty: unnamed, refused, or no auth).
-  std::string KeyName() const { return caller.key ? caller.key->name : ""; }
 
   // Before submission: the call draws `n` images.
   void Expect(int n) {
@@ -273,7 +271,7 @@ class Call : public std::enable_shared_from_this<Call> {
   void RecordEnd(const grpc::Status& st) {
     const std::string outcome = OutcomeLabel(st.error_code());
     svc_->metrics_->OnRequestEnd(model, method, outcome);
-    svc_->metrics_->OnKeyRequestEnd(KeyName(), outcome);
+    svc_->metrics_->OnKeyRequestEnd(caller.key_name(), outcome);
     caller.lease.reset();  // the call's images no longer count against its key
     RequestLog* log = svc_->options_.request_log;
     if (log == nullptr) return;
@@ -285,8 +283,8 @@ class Call : public std::enable_shared_from_this<Call> {
     record_.images = std::max(req.n(), 1);
     record_.user = req.user().substr(0, 256);
     record_.priority = priority;
-    record_.key = KeyName();
-    record_.address = caller.forwarded ? caller.address : "";
+    record_.key = caller.key_name();
+    record_.address = caller.logged_address();
     record_.outcome = outcome;
     record_.error = st.ok() ? "" : st.error_message();
     record_.seconds = Since(t0_);
@@ -393,7 +391,7 @@ class Call : public std::enable_shared_from_this<Call> {
       if (st.ok()) {
         for (int i : images) {
           svc_->metrics_->OnImage(model, method, *results_[static_cast<size_t>(i)], Since(t0_));
-          svc_->metrics_->OnKeyImage(KeyName(), *results_[static_cast<size_t>(i)]);
+          svc_->metrics_->OnKeyImage(caller.key_name(), *results_[static_cast<size_t>(i)]);
           record_.AddImage(*results_[static_cast<size_t>(i)]);
           results_[static_cast<size_t>(i)].reset();  // sent: its pixels are not kept
         }

@@ -59,6 +59,11 @@ struct Caller {
   // Set by Resolve for a key with max_in_flight: holds the call's images against the key's
   // limit until reset (when the call's outcome is recorded) or destroyed.
   std::shared_ptr<const void> lease;
+
+  // The API key's name (empty: unnamed, refused, or no auth).
+  std::string key_name() const { return key ? key->name : ""; }
+  // The address for the request log: X-Forwarded-For's, else empty (the peer is logged).
+  std::string logged_address() const { return forwarded ? address : ""; }
 };
 
 // Images in flight per API key name (ApiKey::max_in_flight), shared with the leases.

@@ -41,16 +41,17 @@ std::optional<std::vector<Shed>> Displace(WaitCensus census, const WaitClass& ar
       }
     }
     if (worst == nullptr) return std::nullopt;
+    // Its client with the most waiting.
+    const WaitClass worst_client =
+        MostQueuedClient(census, worst->first.first, worst->first.second, nullptr)->first;
     std::optional<Shed> s;
     if (worst->first.first > arriving.priority) {
-      s = Shed{MostQueuedClient(census, worst->first.first, worst->first.second, nullptr)->first,
-               ShedReason::kPriority};
+      s = Shed{worst_client, ShedReason::kPriority};
     } else if (fair && worst->first.first == arriving.priority) {
       const auto mine_t = tenants.find({arriving.priority, arriving.tenant});
       const int64_t mine_tenant = mine_t == tenants.end() ? 0 : mine_t->second;
       if (worst->first.second != arriving.tenant && worst->second >= mine_tenant + 2) {
-        s = Shed{MostQueuedClient(census, worst->first.first, worst->first.second, nullptr)->first,
-                 ShedReason::kFairShare};
+        s = Shed{worst_client, ShedReason::kFairShare};
       } else {
         // Within the arrival's tenant: its client with the most waiting.
         const auto* w = MostQueuedClient(census, arriving.priority, arriving.tenant, &arriving);
