@@ -6,7 +6,9 @@
 //   - client "heavy" submits --burst requests at once, spread over --heavy-users user names
 //     (one tenant "heavy" under fair-keys: an app relaying its many users' requests);
 //   - client "light" then submits --light requests one after another (each once the previous
-//     has finished), the first right after the burst;
+//     has finished), the first right after the burst; with --light-gap S, each S seconds after
+//     the previous one finished (the first S seconds after the burst), so that they arrive
+//     while the burst's requests hold every slot;
 //   - the round ends when every request has finished.
 // Reported per admission (median over --repeat rounds): the light client's latency (its first
 // request's and its worst, submission to image) and the time its requests take together, the
@@ -14,9 +16,13 @@
 // ratios (and the first admission listed / each other) from rounds run back to back. The engine
 // (and its
 // step-cost calibration, cached) is started once per admission and reused across rounds.
+// "fair-nopreempt" is fair with EngineOptions::preemption off: with --light-priority -1 the
+// light client's requests are more urgent than the burst, and the pair shows what preemption
+// gives them (a slot at once instead of after a running image) and costs the burst.
 //
 //   imagegen-admission-bench --burst 48 --light 6 --method ar --slots 8 --repeat 3
 //   imagegen-admission-bench --heavy-users 8 --admissions fair-keys,fair
+//   imagegen-admission-bench --light-priority -1 --light-gap 0.7 --admissions fair,fair-nopreempt
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
@@ -25,6 +31,7 @@
 #include <filesystem>
 #include <map>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 #include "bench/common.h"  // flags, OrDie (header-only: no libpng needed)
@@ -70,12 +77,14 @@ class Done : public RequestObserver {
 struct Round {
   double light_first = 0, light_worst = 0, light_total = 0, heavy_makespan = 0;
   double images_per_second = 0;
+  int64_t preempted = 0;  // running requests that gave up their slots in the round
 };
 
 Round RunRound(Engine& engine, const Flags& f, const DecodingPolicy& policy, uint64_t seed0,
                bool tenants) {
   const int64_t burst = f.Int("burst"), light = f.Int("light"), users = f.Int("heavy-users");
   Done::Shared shared;
+  const int64_t preempted0 = engine.Stats().preempted;
   auto params = [&](const std::string& client, uint64_t seed) {
     GenerateParams p;
     if (tenants) p.tenant = client.substr(0, client.find('-'));
@@ -84,6 +93,7 @@ Round RunRound(Engine& engine, const Flags& f, const DecodingPolicy& policy, uin
     p.seed = seed;
     p.policy = policy;
     p.client = client;
+    if (client.rfind("light", 0) == 0) p.priority = static_cast<int32_t>(f.Int("light-priority"));
     p.decode_image = true;
     return p;
   };
@@ -96,7 +106,9 @@ Round RunRound(Engine& engine, const Flags& f, const DecodingPolicy& policy, uin
   }
   std::vector<double> light_latency;
   const auto light_t0 = Clock::now();
+  const auto gap = std::chrono::duration<double>(f.Num("light-gap"));
   for (int64_t i = 0; i < light; ++i) {
+    std::this_thread::sleep_for(gap);
     auto d = std::make_shared<Done>(&shared);
     const auto t = Clock::now();
     OrDie(engine.Submit(params("light-0", seed0 + 1000 + static_cast<uint64_t>(i)), d).status());
@@ -122,6 +134,7 @@ Round RunRound(Engine& engine, const Flags& f, const DecodingPolicy& policy, uin
   r.light_total = light_total;
   r.light_worst = *std::max_element(light_latency.begin(), light_latency.end());
   r.images_per_second = static_cast<double>(burst + light) / Since(t0, Clock::now());
+  r.preempted = engine.Stats().preempted - preempted0;
   return r;
 }
 
@@ -135,6 +148,8 @@ int main(int argc, char** argv) {
            {"burst", "48"},
            {"light", "6"},
            {"heavy-users", "1"},
+           {"light-priority", "0"},
+           {"light-gap", "0"},
            {"slots", "8"},
            {"repeat", "3"},
            {"threads", "0"},
@@ -152,8 +167,10 @@ int main(int argc, char** argv) {
     o.max_slots = f.Int("slots");
     o.max_queue = f.Int("burst") + f.Int("light") + 8;
     o.admission = a == "fifo" ? "fifo" : "fair";
-    if (a != "fair" && a != "fifo" && a != "fair-keys") {
-      std::fprintf(stderr, "--admissions: fair, fifo or fair-keys, not '%s'\n", a.c_str());
+    o.preemption = a != "fair-nopreempt";
+    if (a != "fair" && a != "fifo" && a != "fair-keys" && a != "fair-nopreempt") {
+      std::fprintf(stderr, "--admissions: fair, fifo, fair-keys or fair-nopreempt, not '%s'\n",
+                   a.c_str());
       return 2;
     }
     o.cpu_threads = f.Int("threads");
@@ -172,9 +189,9 @@ int main(int argc, char** argv) {
           RunRound(*engines[a], f, policy, static_cast<uint64_t>(r) * 10000, a == "fair-keys");
       std::printf(
           "round %lld %-9s light: first %.2f s, worst %.2f s, all %.2f s | heavy makespan %.2f s "
-          "| %.2f images/s\n",
+          "| %.2f images/s | %lld preempted\n",
           static_cast<long long>(r), a.c_str(), x.light_first, x.light_worst, x.light_total,
-          x.heavy_makespan, x.images_per_second);
+          x.heavy_makespan, x.images_per_second, static_cast<long long>(x.preempted));
       std::fflush(stdout);
       rounds[a].push_back(x);
     }

@@ -388,6 +388,7 @@ grpc::Status FillResponse(const RequestResult& r, int scale, bool include_tokens
   s->set_draft_target_sq_dist(st.draft_target_sq_dist);
   s->set_prompt_tokens(static_cast<int32_t>(r.prompt_tokens));
   s->set_prefill_forwards(st.prefill_forwards);
+  s->set_preemptions(st.preemptions);
   return grpc::Status::OK;
 }
 

@@ -186,6 +186,7 @@ json StatsJson(const v1::GenerationStats& s) {
           {"mean_window", s.mean_window()},
           {"prompt_tokens", s.prompt_tokens()},
           {"prefill_forwards", s.prefill_forwards()},
+          {"preemptions", s.preemptions()},
           {"queue_seconds", s.queue_seconds()},
           {"first_token_seconds", s.first_token_seconds()},
           {"generation_seconds", s.generation_seconds()},

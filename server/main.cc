@@ -47,6 +47,10 @@ ABSL_FLAG(std::string, admission, "fair",
           "the order waiting requests are admitted in: fair (priority, then the user with the "
           "fewest requests running, then the oldest; a full queue gives up the newest request of "
           "the user with the most waiting to another user's) or fifo (priority, then the oldest)");
+ABSL_FLAG(bool, preemption, true,
+          "when a more urgent request (lower priority value) finds no free KV slot, running "
+          "requests of a less urgent priority give up theirs and resume later, recomputing their "
+          "KV entries (discrete-token models; lossless methods stay lossless)");
 ABSL_FLAG(int64_t, max_slots, 64, "KV-cache slots per model (a request with guidance takes 2)");
 ABSL_FLAG(int64_t, kv_cache_mb, 256, "KV-cache memory per model, MiB (caps the slots)");
 ABSL_FLAG(std::string, window_policy, "goodput",
@@ -184,6 +188,7 @@ int main(int argc, char** argv) {
   eo.dtype = absl::GetFlag(FLAGS_dtype);
   eo.max_queue = absl::GetFlag(FLAGS_max_queue);
   eo.admission = absl::GetFlag(FLAGS_admission);
+  eo.preemption = absl::GetFlag(FLAGS_preemption);
   eo.max_slots = absl::GetFlag(FLAGS_max_slots);
   eo.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_mb) << 20;
   eo.max_tokens_per_step = absl::GetFlag(FLAGS_max_tokens_per_step);

@@ -80,10 +80,19 @@ class EngineGauges : public prometheus::Collectable {
                       "(docs/serving.md, Admission); they end RESOURCE_EXHAUSTED",
                       MetricType::Counter,
                       {}};
+    MetricFamily preempted{"imagegen_preemptions_total",
+                           "Times a running request gave up its KV slots to a more urgent one "
+                           "(--preemption); it waits again and recomputes its entries",
+                           MetricType::Counter,
+                           {}};
+    const EngineStats es = e->Stats();
     ClientMetric c;
-    c.counter.value = static_cast<double>(e->Stats().shed);
+    c.counter.value = static_cast<double>(es.shed);
     shed.metric.push_back(c);
     out.push_back(shed);
+    c.counter.value = static_cast<double>(es.preempted);
+    preempted.metric.push_back(c);
+    out.push_back(preempted);
     return out;
   }
 

@@ -256,7 +256,8 @@ struct Gated {
 
 // An engine with two KV slots (one request without guidance each) whose thread is held by the
 // gate request (client "gate", one slot) once Start returns.
-std::unique_ptr<Gated> StartGated(const std::string& admission, int64_t max_queue) {
+std::unique_ptr<Gated> StartGated(const std::string& admission, int64_t max_queue,
+                                  bool preemption = true) {
   auto g = std::make_unique<Gated>();
   EngineOptions o;
   o.models_dir = TheToy().dir;
@@ -264,6 +265,7 @@ std::unique_ptr<Gated> StartGated(const std::string& admission, int64_t max_queu
   o.max_slots = 2;
   o.max_queue = max_queue;
   o.admission = admission;
+  o.preemption = preemption;
   auto started = Engine::Start(o);
   if (!started.ok()) throw std::runtime_error(started.status().ToString());
   g->engine = std::move(*started);
@@ -412,6 +414,125 @@ TEST(AdmissionTest, LowerPriorityValuesAreAdmittedFirst) {
     EXPECT_EQ(order.back(), "late");
     g->engine->Shutdown(std::chrono::seconds(10));
   }
+}
+
+// Every step event and result of the requests it observes, in the order the engine sent them.
+struct Trace {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::string> steps;  // "name:step"
+  std::map<std::string, RequestResult> done;
+  std::map<std::string, Status> failed;
+};
+
+class Traced : public RequestObserver {
+ public:
+  Traced(Trace* t, std::string name) : t_(t), name_(std::move(name)) {}
+  void OnStep(const StepEvent& e) override {
+    std::lock_guard<std::mutex> l(t_->mu);
+    t_->steps.push_back(name_ + ":" + std::to_string(e.step));
+  }
+  void OnComplete(RequestResult r) override {
+    std::lock_guard<std::mutex> l(t_->mu);
+    t_->done[name_] = std::move(r);
+    t_->cv.notify_all();
+  }
+  void OnError(const Status& s) override {
+    std::lock_guard<std::mutex> l(t_->mu);
+    t_->failed[name_] = s;
+    t_->cv.notify_all();
+  }
+
+ private:
+  Trace* t_;
+  std::string name_;
+};
+
+// Both KV slots taken (the gate and a request of priority 5 that has taken one step), a
+// request of priority -1 arrives: with preemption the priority-5 request gives up its slot,
+// the urgent one takes its first step before the other's second, and the preempted one later
+// recomputes its entries and completes its image. Without preemption (the check's power) the
+// priority-5 request keeps its slot and its second step comes first.
+TEST(AdmissionTest, AMoreUrgentRequestPreemptsALessUrgentOneThatThenCompletes) {
+  for (const bool preemption : {true, false}) {
+    SCOPED_TRACE(preemption ? "preemption" : "no preemption");
+    auto g = StartGated("fair", 64, preemption);
+    Trace trace;
+    auto submit = [&](const std::string& name, int32_t priority) {
+      ASSERT_TRUE(
+          g->engine->Submit(OneSlot(name, priority), std::make_shared<Traced>(&trace, name)).ok());
+    };
+    submit("low", 5);
+    g->gate->Release(2);
+    ASSERT_TRUE(g->gate->WaitAt(3));  // the round that admitted low has stepped it once
+    submit("urgent", -1);
+    g->gate->Open();
+    {
+      std::unique_lock<std::mutex> l(trace.mu);
+      ASSERT_TRUE(trace.cv.wait_for(l, std::chrono::seconds(120),
+                                    [&] { return trace.done.size() + trace.failed.size() >= 2; }));
+      ASSERT_TRUE(trace.failed.empty()) << trace.failed.begin()->second.ToString();
+      const auto pos = [&](const std::string& s) {
+        return std::find(trace.steps.begin(), trace.steps.end(), s) - trace.steps.begin();
+      };
+      ASSERT_EQ(pos("low:1"), 0);
+      if (preemption) {
+        EXPECT_LT(pos("urgent:1"), pos("low:2"));
+      } else {
+        EXPECT_LT(pos("low:2"), pos("urgent:1"));
+      }
+      const RequestResult& low = trace.done.at("low");
+      EXPECT_EQ(low.tokens.size(), static_cast<size_t>(kN));
+      EXPECT_EQ(low.stats.counters.tokens, kN);
+      EXPECT_EQ(low.stats.preemptions, preemption ? 1 : 0);
+      EXPECT_EQ(trace.done.at("urgent").stats.preemptions, 0);
+      if (preemption) {
+        EXPECT_GE(low.stats.prefill_forwards, 1);  // it recomputed its entries
+      }
+    }
+    g->engine->Shutdown(std::chrono::seconds(10));
+    const EngineStats st = g->engine->Stats();
+    EXPECT_EQ(st.preempted, preemption ? 1 : 0);
+    EXPECT_EQ(st.models[0].slots_used, 0);
+  }
+}
+
+// A preempted request waits again and can be given up like any waiting request (the scheduler
+// then drops its suspended state: ModelScheduler::Discard): queue of 1; low (priority 5) runs,
+// urgent1 (-1) preempts it, then urgent2 (-1) arrives at the full queue and takes low's place
+// (RESOURCE_EXHAUSTED for low); urgent2 then preempts the gate (priority 0). Every slot is free at
+// the end.
+TEST(AdmissionTest, APreemptedRequestCanBeGivenUpInAFullQueue) {
+  auto g = StartGated("fair", 1);
+  Trace trace;
+  auto submit = [&](const std::string& name, int32_t priority) {
+    return g->engine->Submit(OneSlot(name, priority), std::make_shared<Traced>(&trace, name))
+        .status();
+  };
+  ASSERT_TRUE(submit("low", 5).ok());
+  g->gate->Release(2);
+  ASSERT_TRUE(g->gate->WaitAt(3));
+  ASSERT_TRUE(submit("urgent1", -1).ok());
+  g->gate->Release(3);
+  ASSERT_TRUE(g->gate->WaitAt(4));  // the round that preempted low
+  g->gate->Release(4);
+  ASSERT_TRUE(g->gate->WaitAt(5));  // and the next: the engine's counts show low waiting
+  ASSERT_TRUE(submit("urgent2", -1).ok());
+  g->gate->Open();
+  std::unique_lock<std::mutex> l(trace.mu);
+  ASSERT_TRUE(trace.cv.wait_for(l, std::chrono::seconds(120),
+                                [&] { return trace.done.size() + trace.failed.size() >= 3; }));
+  ASSERT_EQ(trace.failed.count("low"), 1u);
+  EXPECT_EQ(trace.failed.at("low").code(), Code::kResourceExhausted)
+      << trace.failed.at("low").ToString();
+  EXPECT_EQ(trace.done.count("urgent1"), 1u);
+  EXPECT_EQ(trace.done.count("urgent2"), 1u);
+  l.unlock();
+  g->engine->Shutdown(std::chrono::seconds(10));
+  const EngineStats st = g->engine->Stats();
+  EXPECT_EQ(st.preempted, 2);
+  EXPECT_EQ(st.shed, 1);
+  EXPECT_EQ(st.models[0].slots_used, 0);
 }
 
 // A queue of 4, filled by client a: a's fifth is refused; client b's first two arrivals each

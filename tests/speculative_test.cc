@@ -31,6 +31,18 @@ struct RunStats {
   std::vector<int64_t> counts = std::vector<int64_t>(kClasses * kSeqs);
   int64_t images = 0, nfe = 0, verified = 0, accepted = 0, draft_forwards = 0;
   double mean_nfe() const { return static_cast<double>(nfe) / images; }
+  // Counts one finished image of class `cls`.
+  void Add(int64_t cls, const SpecResult& r) {
+    if (static_cast<int64_t>(r.tokens.size()) != kN) throw std::runtime_error("length");
+    int64_t idx = 0;
+    for (int32_t t : r.tokens) idx = idx * kV + t;
+    counts[cls * kSeqs + idx]++;
+    images++;
+    nfe += r.stats.nfe;
+    verified += r.stats.drafts_verified;
+    accepted += r.stats.drafts_accepted;
+    draft_forwards += r.stats.draft_forwards;
+  }
   double acceptance() const { return verified ? static_cast<double>(accepted) / verified : 0; }
 };
 
@@ -55,15 +67,7 @@ RunStats Sample(const DecodingPolicy& policy, const SpecOptions& opts = {},
       auto res = GenerateSpeculative(*toy.target, toy.draft.get(), reqs, opts);
       if (!res.ok()) throw std::runtime_error(res.status().ToString());
       for (const auto& r : *res) {
-        if (static_cast<int64_t>(r.tokens.size()) != kN) throw std::runtime_error("length");
-        int64_t idx = 0;
-        for (int32_t t : r.tokens) idx = idx * kV + t;
-        st.counts[cls * kSeqs + idx]++;
-        st.images++;
-        st.nfe += r.stats.nfe;
-        st.verified += r.stats.drafts_verified;
-        st.accepted += r.stats.drafts_accepted;
-        st.draft_forwards += r.stats.draft_forwards;
+        st.Add(cls, r);
         int64_t sum = 0;
         for (int32_t s : r.stats.step_tokens) sum += s;
         if (sum != kN || static_cast<int64_t>(r.stats.step_tokens.size()) != r.stats.nfe) {
@@ -224,6 +228,113 @@ TEST(SpeculativeBatchTest, MixedMethodsInOneBatchGiveTheSameGrids) {
   ASSERT_TRUE(all.ok()) << all.status().ToString();
   for (size_t i = 0; i < mixed.size(); ++i)
     EXPECT_EQ((*all)[i].tokens, alone[i]) << "request " << i;
+}
+
+// Preemption by recomputation (SpecBatch::Suspend / Resume): every step, about a quarter of
+// the unfinished requests are suspended (their KV slots freed) and the previous step's
+// suspended ones resumed, in the order they were suspended, so that each comes back in slots
+// another request held, and prefills its class and committed tokens again before going on.
+// Returns the same statistics as Sample, and the suspensions.
+RunStats SampleWithPreemption(const DecodingPolicy& policy, const SpecOptions& opts,
+                              int64_t per_class, int64_t* suspensions) {
+  const Toy& toy = TheToy();
+  RunStats st;
+  uint64_t lcg = 12345;
+  auto coin = [&lcg] {  // a fixed pseudo-random sequence: true one time in four
+    lcg = lcg * 6364136223846793005ULL + 1442695040888963407ULL;
+    return (lcg >> 33) % 4 == 0;
+  };
+  for (int64_t cls = 0; cls < kClasses; ++cls) {
+    for (int64_t first = 0; first < per_class; first += kChunk) {
+      const int64_t count = std::min(kChunk, per_class - first);
+      SpecBatch batch(*toy.target, toy.draft.get(), 2 * count, opts);
+      std::vector<int64_t> handles, paused;
+      for (int64_t i = 0; i < count; ++i) {
+        ImageRequest r;
+        r.class_id = cls;
+        r.seed = static_cast<uint64_t>(cls * 1000003 + first + i);
+        r.sampling = toy.sampling;
+        r.policy = policy;
+        auto h = batch.Add(r);
+        if (!h.ok()) throw std::runtime_error(h.status().ToString());
+        handles.push_back(*h);
+      }
+      while (batch.active() > 0 || !paused.empty()) {
+        for (int64_t h : paused) {
+          if (Status s = batch.Resume(h); !s.ok()) throw std::runtime_error(s.ToString());
+        }
+        paused.clear();
+        if (Status s = batch.Step(); !s.ok()) throw std::runtime_error(s.ToString());
+        for (int64_t h : handles) {
+          if (!batch.done(h) && coin()) {
+            batch.Suspend(h);
+            paused.push_back(h);
+          }
+        }
+        *suspensions += static_cast<int64_t>(paused.size());
+      }
+      for (int64_t h : handles) st.Add(cls, batch.Take(h));
+      if (batch.free_slots() != 2 * count) throw std::runtime_error("slots leaked");
+    }
+  }
+  return st;
+}
+
+// Requests preempted mid-image and resumed in other slots still sample the exact AR
+// distribution, in every family of drafting (none, Jacobi, coupled Jacobi, trees, a draft
+// model); skipping the recomputation (the new slots hold another request's entries) fails.
+TEST(SpecBatchPreemptionTest, SuspendedAndResumedRequestsKeepTheExactDistribution) {
+  const auto exact = JointAr();
+  for (const auto& [name, window] : std::vector<std::pair<std::string, int64_t>>{
+           {"ar", 1}, {"sjd", 4}, {"scd-mc", 6}, {"sjd-pac", 9}, {"sd", 4}}) {
+    int64_t suspensions = 0;
+    RunStats st = SampleWithPreemption(Preset(name, window), {}, kPerClass, &suspensions);
+    auto chi = testing::ChiSquareTest(st.counts, exact);
+    std::printf("%-8s %lld images, %lld suspensions: chi2 %.1f df %d p %.4f | mean NFE %.3f\n",
+                name.c_str(), static_cast<long long>(st.images),
+                static_cast<long long>(suspensions), chi.statistic, chi.df, chi.p_value,
+                st.mean_nfe());
+    EXPECT_GT(chi.p_value, 0.001) << name;
+    EXPECT_GT(suspensions, st.images / 2) << name;  // most images were paused at least once
+  }
+  SpecOptions broken;
+  broken.testing_resume_without_recompute = true;
+  int64_t suspensions = 0;
+  auto chi = testing::ChiSquareTest(
+      SampleWithPreemption(Preset("sjd", 4), broken, kPerClass / 2, &suspensions).counts, exact);
+  std::printf("sjd resumed without recomputing its KV: chi2 %.1f p %.3g\n", chi.statistic,
+              chi.p_value);
+  EXPECT_LT(chi.p_value, 1e-6);
+}
+
+// An AR request paused and resumed draws the same tokens as without the pause: its random
+// draws are keyed by its steps, and the recomputed KV entries equal the ones it had.
+TEST(SpecBatchPreemptionTest, ArRequestResumedGivesTheSameGrid) {
+  const Toy& toy = TheToy();
+  for (uint64_t seed = 0; seed < 16; ++seed) {
+    ImageRequest r;
+    r.class_id = static_cast<int64_t>(seed % kClasses);
+    r.seed = seed;
+    r.sampling = toy.sampling;
+    r.policy = Preset("ar", 1);
+    auto alone = GenerateSpeculative(*toy.target, nullptr, {r});
+    ASSERT_TRUE(alone.ok());
+    SpecOptions o;
+    o.batch_invariant = true;
+    SpecBatch batch(*toy.target, nullptr, 4, o);
+    auto other = batch.Add(r);  // holds slots while the request is away
+    auto h = batch.Add(r);
+    ASSERT_TRUE(h.ok() && other.ok());
+    for (int step = 0; !batch.done(*h); ++step) {
+      if (step == 3) {
+        batch.Suspend(*h);
+        ASSERT_TRUE(batch.Step().ok());  // the other one goes on
+        ASSERT_TRUE(batch.Resume(*h).ok());
+      }
+      ASSERT_TRUE(batch.Step().ok());
+    }
+    EXPECT_EQ(batch.Take(*h).tokens, (*alone)[0].tokens) << "seed " << seed;
+  }
 }
 
 // Relaxed SD on the draft model (COOL-SD), enumerated exactly: rounds of gamma drafts from the

@@ -38,9 +38,13 @@ struct Sequence {
   int64_t slot_c = -1, slot_u = -1;  // KV slots: conditional, unconditional (CFG only)
   // Condition tokens of the conditional and unconditional rows at positions 0 .. P - 1 (the
   // class, or the prompt); image token k sits at position P + k. The first P - 1 are prefilled
-  // into the KV cache in chunks before the first window, whose root is the last of them.
+  // into the KV cache in chunks before the first window, whose root is the last of them. A
+  // request resumed after SpecBatch::Suspend prefills every position before its root again
+  // (its committed image tokens too) before its next window.
   std::vector<int64_t> cond, uncond;
   int64_t prefilled = 0;
+  int64_t prefill_to = 0;    // P - 1; after a resume, the root's position
+  bool suspended = false;    // holds no KV slots (SpecBatch::Suspend) until resumed
   int64_t share_from = -1;   // a sibling (same prompt) whose prefill this one copies
   int64_t uncond_root = -1;  // draft-model steps: the unconditional root's row in node_tokens
   std::vector<int64_t> committed;
@@ -64,7 +68,7 @@ struct Sequence {
   int64_t P() const { return static_cast<int64_t>(cond.size()); }
   // Cache index (= position) of the window's root: committed image tokens start at P.
   int64_t root_pos() const { return P() - 1 + n(); }
-  bool prefilling() const { return prefilled < P() - 1; }
+  bool prefilling() const { return prefilled < prefill_to; }
   // The token at sequence position p (p <= root_pos()).
   int64_t TokenAt(int64_t p) const { return p < P() ? cond[p] : committed[p - P()]; }
   bool finished(int64_t N) const { return n() == N; }

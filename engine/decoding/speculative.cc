@@ -44,6 +44,7 @@ StatusOr<int64_t> SpecBatch::Add(const ImageRequest& request, int64_t share_pref
   Sequence s;
   s.cond = ConditionTokens(request, cfg);
   s.uncond = UnconditionalTokens(request, cfg);
+  s.prefill_to = s.P() - 1;
   if (share_prefill_with >= 0) {
     auto it = impl_->seqs.find(share_prefill_with);
     if (it == impl_->seqs.end() || !SharesPrefill(it->second.r, request, cfg)) {
@@ -67,7 +68,7 @@ StatusOr<int64_t> SpecBatch::Add(const ImageRequest& request, int64_t share_pref
 
 int64_t SpecBatch::active() const {
   int64_t a = 0;
-  for (const auto& [h, s] : impl_->seqs) a += s.finished(impl_->N()) ? 0 : 1;
+  for (const auto& [h, s] : impl_->seqs) a += s.finished(impl_->N()) || s.suspended ? 0 : 1;
   return a;
 }
 
@@ -92,14 +93,15 @@ SpecResult SpecBatch::Take(int64_t handle) {
 
 int64_t SpecBatch::WantedNodes(int64_t handle) const {
   const Sequence& s = impl_->at(handle);
-  if (s.prefilling()) return s.share_from >= 0 ? 0 : s.P() - 1 - s.prefilled;
+  if (s.suspended) return 0;
+  if (s.prefilling()) return s.share_from >= 0 ? 0 : s.prefill_to - s.prefilled;
   const int64_t left = impl_->N() - s.n();
   if (left <= 0) return 0;
   return s.r.policy.draft == DraftSource::kNone ? 1 : std::min(s.r.policy.window, left);
 }
 
 int64_t SpecBatch::RowsPerNode(int64_t handle) const {
-  return impl_->at(handle).slot_u >= 0 ? 2 : 1;
+  return impl_->at(handle).slot_u != -1 ? 2 : 1;  // -2: suspended, takes two again
 }
 
 const std::vector<int64_t>& SpecBatch::tokens(int64_t handle) const {
@@ -123,6 +125,49 @@ void SpecBatch::Remove(int64_t handle) {
   impl_->seqs.erase(it);
 }
 
+void SpecBatch::Suspend(int64_t handle) {
+  auto it = impl_->seqs.find(handle);
+  if (it == impl_->seqs.end() || it->second.suspended || it->second.finished(impl_->N())) return;
+  Sequence& s = it->second;
+  for (int64_t* slot : {&s.slot_c, &s.slot_u}) {
+    if (*slot >= 0) impl_->free_list.push_back(*slot);
+    *slot = *slot >= 0 ? -2 : -1;  // -2: to take again at Resume
+  }
+  // What referred to the freed cache or to this step's P and Q: the next window starts from
+  // fresh drafts, as a request's first window does.
+  s.cols.clear();
+  s.nodes.clear();
+  s.main.clear();
+  s.tree_next = false;
+  s.gamma = 0;
+  s.draft_valid = 0;
+  s.prefilled = 0;
+  s.prefill_to = s.root_pos();
+  s.share_from = -1;
+  s.suspended = true;
+}
+
+Status SpecBatch::Resume(int64_t handle) {
+  auto it = impl_->seqs.find(handle);
+  if (it == impl_->seqs.end() || !it->second.suspended) return OkStatus();
+  Sequence& s = it->second;
+  const int64_t need = (s.slot_c == -2 ? 1 : 0) + (s.slot_u == -2 ? 1 : 0);
+  if (free_slots() < need) return ResourceExhausted("no free KV-cache slot to resume into");
+  for (int64_t* slot : {&s.slot_c, &s.slot_u}) {
+    if (*slot != -2) continue;
+    *slot = impl_->free_list.back();
+    impl_->free_list.pop_back();
+  }
+  if (impl_->opts.testing_resume_without_recompute) s.prefilled = s.prefill_to;
+  s.suspended = false;
+  return OkStatus();
+}
+
+bool SpecBatch::suspended(int64_t handle) const {
+  auto it = impl_->seqs.find(handle);
+  return it != impl_->seqs.end() && it->second.suspended;
+}
+
 Status SpecBatch::Step(const std::vector<WindowGrant>& grants) { return impl_->Step(grants); }
 
 StepContext SpecBatch::Impl::Context(const std::vector<WindowGrant>& grants) {
@@ -133,11 +178,11 @@ StepContext SpecBatch::Impl::Context(const std::vector<WindowGrant>& grants) {
     if (auto it = seqs.find(g.handle); it != seqs.end()) it->second.granted = g.window;
   }
   for (auto& [h, s] : seqs) {
-    if (s.finished(N())) continue;
+    if (s.finished(N()) || s.suspended) continue;
     if (s.prefilling() && s.share_from >= 0) {
       auto src = seqs.find(s.share_from);
-      if (src == seqs.end()) {
-        s.share_from = -1;  // the sibling is gone: prefill alone
+      if (src == seqs.end() || src->second.suspended) {
+        s.share_from = -1;  // the sibling is gone (or paused): prefill alone
       } else if (src->second.prefilling()) {
         continue;  // waits for the sibling's prefill
       } else {
@@ -153,7 +198,7 @@ StepContext SpecBatch::Impl::Context(const std::vector<WindowGrant>& grants) {
       continue;
     }
     if (s.granted == 0) continue;  // no prefill this step
-    const int64_t left = s.P() - 1 - s.prefilled;
+    const int64_t left = s.prefill_to - s.prefilled;
     const int64_t cap = s.granted > 0 ? s.granted : opts.prefill_chunk;
     ctx.prefill.push_back({&s, cap > 0 ? std::min(cap, left) : left});
   }

@@ -75,6 +75,9 @@ struct SpecOptions {
   // Prompt tokens a request prefills per step when the step grants it no window (0: all that
   // are left). A grant caps the chunk like a window.
   int64_t prefill_chunk = 0;
+  // Tests only (the power check of the preemption exactness test): Resume skips recomputing
+  // the KV entries, so a resumed request attends to whatever its new slots hold.
+  bool testing_resume_without_recompute = false;
 };
 
 // The window the scheduler grants a request for one step (its token budget's share).
@@ -111,7 +114,7 @@ class SpecBatch {
   // on (their state is unspecified); the caller removes them.
   Status Step(const std::vector<WindowGrant>& grants = {});
 
-  int64_t active() const;
+  int64_t active() const;  // unfinished and not suspended
   int64_t free_slots() const;
   bool done(int64_t handle) const;
   // Whether the request still has prompt tokens to prefill (or a sibling's to wait for).
@@ -131,6 +134,18 @@ class SpecBatch {
   SpecResult Take(int64_t handle);
   // Drops a request (finished or not) and frees its slots.
   void Remove(int64_t handle);
+
+  // Preemption by recomputation. Suspend frees an unfinished request's KV slots and keeps its
+  // committed tokens, counters and random stream (its drafts are dropped: they refer to this
+  // step's distributions); it takes no part in steps until Resume, which takes free slots
+  // (ResourceExhausted when there are too few) and has it prefill every position before its
+  // root again, in chunks like a prompt, before its next window. The tokens it goes on to
+  // commit follow the same distribution as without the pause (lossless methods stay lossless;
+  // SpecBatchPreemptionTest); the drafts differ, so a seed may give another image. Both are
+  // no-ops on a request that is not in the state they change.
+  void Suspend(int64_t handle);
+  Status Resume(int64_t handle);
+  bool suspended(int64_t handle) const;
 
  private:
   struct Impl;

@@ -25,8 +25,8 @@
 
 namespace imagegen {
 
-// A prompt prefill chunk of this step: the sequence's condition tokens at positions
-// prefilled .. prefilled + tokens - 1.
+// A prefill chunk of this step: the sequence's tokens at positions prefilled .. prefilled +
+// tokens - 1 (its prompt, and after a resume its committed image tokens too).
 struct PrefillChunk {
   Sequence* seq = nullptr;
   int64_t tokens = 0;

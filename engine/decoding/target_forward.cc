@@ -97,7 +97,7 @@ Status ForwardTarget(StepContext& ctx) {
     row.prefix = s.P();
     row.cache_len = s.prefilled;
     for (int64_t p = s.prefilled; p < s.prefilled + c.tokens; ++p) {
-      row.tokens.push_back(s.cond[static_cast<size_t>(p)]);
+      row.tokens.push_back(s.TokenAt(p));  // image tokens too, when resumed
       row.positions.push_back(p);
     }
     batch.Add(std::move(row), s.slot_u, s.uncond, s.r.sampling, {});

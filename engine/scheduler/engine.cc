@@ -530,6 +530,7 @@ void Engine::Impl::Run() {
       stats.expired += out.expired;
       stats.failed += out.failed;
       stats.shed += out.shed;
+      stats.preempted += out.preempted;
       for (size_t i = 0; i < schedulers.size(); ++i) {
         ModelLoad& l = stats.models[i];
         l.queued = schedulers[i]->queued();

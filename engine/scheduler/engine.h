@@ -35,6 +35,13 @@ struct EngineOptions {
   // arrival) or
   // "fifo" (priority, then the oldest; a full queue gives up only lower priorities).
   std::string admission = "fair";
+  // Preemption for priority (discrete-token models): when the request admission takes next
+  // finds no free KV slots (or no room in the token budget) and running requests have a
+  // higher priority value, the least urgent of them (the newest first) give
+  // up their slots and wait again, keeping their committed tokens; when admitted again they
+  // recompute their KV entries and go on (SpecBatch::Suspend). Lossless methods stay lossless.
+  // Off: nothing running is preempted (a seed's image then never depends on later arrivals).
+  bool preemption = true;
   // Target-forward tokens per step and model (a CFG request's token counts twice). Windows
   // shrink toward one token when the active requests want more; requests are admitted only
   // while every active one can still feed one token. 0: no budget. -1: by device: 256 on the
@@ -112,7 +119,8 @@ struct EngineStats {
   std::vector<ModelLoad> models;
   int64_t steps = 0;
   int64_t submitted = 0, completed = 0, cancelled = 0, expired = 0, failed = 0, rejected = 0;
-  int64_t shed = 0;  // queued, then gave up their place in a full queue to a later arrival
+  int64_t shed = 0;       // queued, then gave up their place in a full queue to a later arrival
+  int64_t preempted = 0;  // times a running request gave up its slots to a more urgent one
   bool draining = false;
 };
 

@@ -16,7 +16,8 @@ namespace imagegen {
 
 struct Outcomes {
   int64_t completed = 0, cancelled = 0, expired = 0, failed = 0;
-  int64_t shed = 0;  // gave up their place in a full queue (wait_queue.h, Displace)
+  int64_t shed = 0;       // gave up their place in a full queue (wait_queue.h, Displace)
+  int64_t preempted = 0;  // running requests suspended for a more urgent one
 };
 
 class FamilyScheduler {
@@ -30,6 +31,7 @@ class FamilyScheduler {
   bool Shed(const WaitClass& cls, const Status& status) {
     std::unique_ptr<Job> j = waiting_.TakeNewest(cls);
     if (!j) return false;
+    Discard(*j);
     j->observer->OnError(status);
     return true;
   }
@@ -48,6 +50,8 @@ class FamilyScheduler {
   virtual Clock::time_point next_deadline() const = 0;
 
  protected:
+  // Frees what a waiting request still holds (a preempted request's suspended state).
+  virtual void Discard(Job& job) {}
   WaitQueue waiting_;
 };
 

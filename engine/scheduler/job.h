@@ -21,7 +21,8 @@ struct Job {
   GenerateParams params;
   std::shared_ptr<RequestObserver> observer;
   Clock::time_point submitted, started, first_token;
-  int64_t handle = -1;  // in the SpecBatch while active
+  int64_t handle = -1;      // in the SpecBatch while active, and while waiting after a preemption
+  int64_t preemptions = 0;  // times it gave up its slots to a more urgent request
   // What the last event reported.
   size_t reported = 0;
   int64_t verified = 0, accepted = 0;

@@ -281,28 +281,82 @@ void ModelScheduler::Admit(Outcomes& out) {
   while (Job* next = waiting_.Next(running)) {
     Job& j = *next;
     const int64_t need = j.request.sampling.uses_cfg() ? 2 : 1;
-    if (batch_.free_slots() < need) break;
-    if (opts_.max_tokens_per_step > 0 && rows + need > opts_.max_tokens_per_step) break;
-    int64_t share = -1;  // a running request with the same prompt shares its prefill
-    for (size_t k = 0; k < active_.size() && share < 0 && !j.request.prompt.empty(); ++k) {
-      if (SharesPrefill(active_[k]->request, j.request, model_.gpt->config())) {
-        share = active_[k]->handle;
+    const bool fits = batch_.free_slots() >= need &&
+                      (opts_.max_tokens_per_step <= 0 || rows + need <= opts_.max_tokens_per_step);
+    if (!fits && !(opts_.preemption && Preempt(j, need, rows, running, out))) break;
+    if (j.handle >= 0) {  // preempted earlier: takes slots again and recomputes its entries
+      if (Status st = batch_.Resume(j.handle); !st.ok()) {
+        End(j, st);
+        out.failed += 1;
+        waiting_.Take(&j);
+        continue;
       }
+    } else {
+      int64_t share = -1;  // a running request with the same prompt shares its prefill
+      for (size_t k = 0; k < active_.size() && share < 0 && !j.request.prompt.empty(); ++k) {
+        if (SharesPrefill(active_[k]->request, j.request, model_.gpt->config())) {
+          share = active_[k]->handle;
+        }
+      }
+      StatusOr<int64_t> h = batch_.Add(j.request, share);
+      if (!h.ok()) {  // validated at submission; only a model-level surprise gets here
+        j.observer->OnError(h.status());
+        out.failed += 1;
+        waiting_.Take(&j);
+        continue;
+      }
+      j.handle = *h;
+      j.started = now;
+      j.last_preview = now;
     }
-    StatusOr<int64_t> h = batch_.Add(j.request, share);
-    if (!h.ok()) {  // validated at submission; only a model-level surprise gets here
-      j.observer->OnError(h.status());
-      out.failed += 1;
-      waiting_.Take(&j);
-      continue;
-    }
-    j.handle = *h;
-    j.started = now;
-    j.last_preview = now;
     rows += need;
     running.Add(j);
     active_.push_back(waiting_.Take(&j));
   }
+}
+
+bool ModelScheduler::Preempt(const Job& next, int64_t need, int64_t& rows,
+                             WaitQueue::Running& running, Outcomes& out) {
+  // The candidates, least urgent first, then the newest (usually the least work lost).
+  std::vector<size_t> order;
+  int64_t slots = batch_.free_slots(), room = rows;
+  for (size_t i = 0; i < active_.size(); ++i) {
+    if (active_[i]->params.priority <= next.params.priority) continue;
+    order.push_back(i);
+    slots += batch_.RowsPerNode(active_[i]->handle);
+    room -= batch_.RowsPerNode(active_[i]->handle);
+  }
+  const int64_t budget = opts_.max_tokens_per_step;
+  if (slots < need || (budget > 0 && room + need > budget)) return false;  // would not help
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    const Job& x = *active_[a];
+    const Job& y = *active_[b];
+    if (x.params.priority != y.params.priority) return x.params.priority > y.params.priority;
+    return x.id > y.id;
+  });
+  std::vector<bool> gone(active_.size(), false);
+  for (size_t i : order) {
+    if (batch_.free_slots() >= need && (budget <= 0 || rows + need <= budget)) break;
+    Job& v = *active_[i];
+    rows -= batch_.RowsPerNode(v.handle);
+    batch_.Suspend(v.handle);
+    v.preemptions += 1;
+    running.Remove(v);
+    gone[i] = true;
+    out.preempted += 1;
+  }
+  for (size_t i = active_.size(); i-- > 0;) {
+    if (gone[i]) {
+      waiting_.Push(std::move(active_[i]));
+      active_.erase(active_.begin() + static_cast<std::ptrdiff_t>(i));
+    }
+  }
+  return true;
+}
+
+void ModelScheduler::Discard(Job& job) {
+  if (job.handle >= 0) batch_.Remove(job.handle);
+  job.handle = -1;
 }
 
 // schedule (each request's window from the token budget) -> run (one SpecBatch step) ->
@@ -516,6 +570,7 @@ void ModelScheduler::Finish(Job& j, Outcomes& out) {
   }
   RequestStats& st = res.stats;
   st.prefill_forwards = r.stats.prefill_forwards;
+  st.preemptions = j.preemptions;
   st.decode_seconds = Seconds(t_end, Clock::now());
   st.mean_window =
       j.steps > 0 ? static_cast<double>(j.window_sum) / static_cast<double>(j.steps) : 0;

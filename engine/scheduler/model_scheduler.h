@@ -39,6 +39,12 @@ class ModelScheduler : public FamilyScheduler {
 
  private:
   void Admit(Outcomes& out);
+  // Suspends running requests less urgent than `next` (the least urgent, newest first) until it has
+  // `need` free slots and the token budget room for its rows, if suspending all of them would give
+  // it that; returns whether it then fits.
+  bool Preempt(const Job& next, int64_t need, int64_t& rows, WaitQueue::Running& running,
+               Outcomes& out);
+  void Discard(Job& job) override;
   // The calibration's request (sjd with the widest window it measures, or AR if the model
   // cannot draft) and the request counts it measures as the KV slots allow (1, 4, 16, 32).
   ImageRequest CalibrationRequest() const;

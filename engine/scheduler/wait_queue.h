@@ -17,6 +17,7 @@
 // Engine::SubmitGroup calls under its lock on a census of the queue.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -71,7 +72,13 @@ class WaitQueue {
  public:
   explicit WaitQueue(bool fair) : fair_(fair) {}
 
-  void Push(std::unique_ptr<Job> job) { jobs_.push_back(std::move(job)); }
+  // In id order (a preempted request comes back to its place among the others).
+  void Push(std::unique_ptr<Job> job) {
+    auto at =
+        std::upper_bound(jobs_.begin(), jobs_.end(), job->id,
+                         [](int64_t id, const std::unique_ptr<Job>& j) { return id < j->id; });
+    jobs_.insert(at, std::move(job));
+  }
   bool empty() const { return jobs_.empty(); }
   int64_t size() const { return static_cast<int64_t>(jobs_.size()); }
 
@@ -85,6 +92,10 @@ class WaitQueue {
       per_tenant[j.params.tenant] += 1;
       per_client[{j.params.tenant, j.params.client}] += 1;
       groups.insert(j.group);
+    }
+    void Remove(const Job& j) {
+      per_tenant[j.params.tenant] -= 1;
+      per_client[{j.params.tenant, j.params.client}] -= 1;
     }
   };
   // The request admission takes next (null when the queue is empty). It stays next until
