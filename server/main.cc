@@ -65,8 +65,9 @@ ABSL_FLAG(int64_t, max_tokens_per_step, -1,
           "budget (-1: 256 on the CPU, 2048 on CUDA); with goodput a memory ceiling (-1: 4096); "
           "0: none");
 ABSL_FLAG(int64_t, prefill_tokens_per_step, 64,
-          "text-to-image models: prompt tokens prefilled per engine step, over all prefilling "
-          "requests (CFG rows count), beside the decoding requests' windows");
+          "prompt tokens (text-to-image models) and a preempted request's recomputed entries "
+          "prefilled per engine step, over all prefilling requests (CFG rows count), beside the "
+          "decoding requests' windows");
 ABSL_FLAG(std::string, cache_dir, "",
           "where the step-cost calibration is kept between starts (default: "
           "$XDG_CACHE_HOME/imagegen, else $HOME/.cache/imagegen; 'none': not kept)");

@@ -184,6 +184,7 @@ void CallRecord::AddImage(const RequestResult& r) {
   drafts_accepted += c.drafts_accepted;
   prompt_tokens = std::max(prompt_tokens, r.prompt_tokens);
   queue_seconds = std::max(queue_seconds, r.stats.queue_seconds);
+  preemptions += r.stats.preemptions;
 }
 
 std::string FormatMessage(LogFormat format, const std::string& message) {
@@ -214,6 +215,7 @@ std::string FormatCall(LogFormat format, const CallRecord& r) {
     }
     if (r.prompt_tokens > 0) l.Int("prompt_tokens", r.prompt_tokens);
     l.Num("queue_seconds", r.queue_seconds, 3);
+    if (r.preemptions > 0) l.Int("preemptions", r.preemptions);
     if (r.seed.has_value()) l.Str("seed", std::to_string(*r.seed));
   }
   if (!r.error.empty()) l.Str("error", r.error);

@@ -65,6 +65,7 @@ struct CallRecord {
   int images_sent = 0;
   int64_t tokens = 0, nfe = 0, drafts_verified = 0, drafts_accepted = 0, prompt_tokens = 0;
   double queue_seconds = 0;      // the longest wait of its images for a KV slot
+  int64_t preemptions = 0;       // times its images gave up their KV slots to more urgent ones
   std::optional<uint64_t> seed;  // the first image's
 
   void AddImage(const RequestResult& r);

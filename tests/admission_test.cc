@@ -257,12 +257,13 @@ struct Gated {
 // An engine with two KV slots (one request without guidance each) whose thread is held by the
 // gate request (client "gate", one slot) once Start returns.
 std::unique_ptr<Gated> StartGated(const std::string& admission, int64_t max_queue,
-                                  bool preemption = true) {
+                                  bool preemption = true, int64_t slots = 2,
+                                  int32_t gate_priority = 0) {
   auto g = std::make_unique<Gated>();
   EngineOptions o;
   o.models_dir = TheToy().dir;
   o.models = {"toy-gpt"};
-  o.max_slots = 2;
+  o.max_slots = slots;
   o.max_queue = max_queue;
   o.admission = admission;
   o.preemption = preemption;
@@ -273,6 +274,7 @@ std::unique_ptr<Gated> StartGated(const std::string& admission, int64_t max_queu
   p.class_id = 0;
   p.cfg_scale = 1.0;
   p.client = "gate";
+  p.priority = gate_priority;
   if (!g->engine->Submit(p, g->gate).ok()) throw std::runtime_error("gate refused");
   if (!g->gate->WaitAt(2)) throw std::runtime_error("the gate request did not reach step 2");
   return g;
@@ -495,6 +497,35 @@ TEST(AdmissionTest, AMoreUrgentRequestPreemptsALessUrgentOneThatThenCompletes) {
     EXPECT_EQ(st.preempted, preemption ? 1 : 0);
     EXPECT_EQ(st.models[0].slots_used, 0);
   }
+}
+
+// Only the preemptions the arrival needs: four slots held by the gate (priority -5, one slot),
+// v2 (priority 5, guided: two slots) and v1 (priority 5, one slot, newer). An arrival of
+// priority 0 with guidance needs two: v1 (the newest) is chosen first, then v2, after which v1
+// is not needed and keeps running. Suspending both would cost v1 its entries for nothing.
+TEST(AdmissionTest, PreemptionSparesTheVictimsTheArrivalFitsWithout) {
+  auto g = StartGated("fair", 64, true, 4, -5);
+  Trace trace;
+  auto submit = [&](const std::string& name, double cfg, int32_t priority) {
+    GenerateParams p = OneSlot(name, priority);
+    p.cfg_scale = cfg;
+    return g->engine->Submit(p, std::make_shared<Traced>(&trace, name)).status();
+  };
+  ASSERT_TRUE(submit("v2", 1.5, 5).ok());
+  ASSERT_TRUE(submit("v1", 1.0, 5).ok());
+  g->gate->Release(2);
+  ASSERT_TRUE(g->gate->WaitAt(3));  // both admitted and stepped once: every slot is held
+  ASSERT_TRUE(submit("u", 1.5, 0).ok());
+  g->gate->Open();
+  std::unique_lock<std::mutex> l(trace.mu);
+  ASSERT_TRUE(trace.cv.wait_for(l, std::chrono::seconds(120),
+                                [&] { return trace.done.size() + trace.failed.size() >= 3; }));
+  ASSERT_TRUE(trace.failed.empty()) << trace.failed.begin()->second.ToString();
+  EXPECT_EQ(trace.done.at("v2").stats.preemptions, 1);
+  EXPECT_EQ(trace.done.at("v1").stats.preemptions, 0);
+  l.unlock();
+  g->engine->Shutdown(std::chrono::seconds(10));
+  EXPECT_EQ(g->engine->Stats().preempted, 1);
 }
 
 // A preempted request waits again and can be given up like any waiting request (the scheduler

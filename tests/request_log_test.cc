@@ -98,6 +98,16 @@ TEST(RequestLogTest, ACallIsOneLineOfKeyValuesOrOneJsonObject) {
   EXPECT_DOUBLE_EQ(j["acceptance"].get<double>(), 0.453);
   EXPECT_EQ(j["seed"], "7");  // a string: 64-bit seeds do not survive a JSON double
   EXPECT_FALSE(j.contains("error"));
+  EXPECT_FALSE(j.contains("preemptions"));  // only when an image was preempted
+
+  // Preemptions are summed over the images sent.
+  CallRecord p = Sample();
+  RequestResult c;
+  c.stats.preemptions = 2;
+  p.AddImage(c);
+  EXPECT_NE(FormatCall(LogFormat::kText, p).find(" queue_seconds=0.500 preemptions=2 seed=7\n"),
+            std::string::npos)
+      << FormatCall(LogFormat::kText, p);
 
   // An error message with quotes, '=' and a newline stays on one line, and reads back.
   CallRecord e;

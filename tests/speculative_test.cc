@@ -12,6 +12,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -230,10 +231,11 @@ TEST(SpeculativeBatchTest, MixedMethodsInOneBatchGiveTheSameGrids) {
     EXPECT_EQ((*all)[i].tokens, alone[i]) << "request " << i;
 }
 
-// Preemption by recomputation (SpecBatch::Suspend / Resume): every step, about a quarter of
-// the unfinished requests are suspended (their KV slots freed) and the previous step's
-// suspended ones resumed, in the order they were suspended, so that each comes back in slots
-// another request held, and prefills its class and committed tokens again before going on.
+// Preemption by recomputation (SpecBatch::Suspend / Resume): after every step, about a quarter
+// of the running requests are suspended (their KV slots freed); before the next, three in four
+// of the suspended ones are resumed, in the order they were suspended, so that each comes back
+// in slots another request held, and prefills its class and committed tokens again (in chunks
+// of SpecOptions::prefill_chunk, 0: all at once) while the others go on.
 // Returns the same statistics as Sample, and the suspensions.
 RunStats SampleWithPreemption(const DecodingPolicy& policy, const SpecOptions& opts,
                               int64_t per_class, int64_t* suspensions) {
@@ -260,18 +262,24 @@ RunStats SampleWithPreemption(const DecodingPolicy& policy, const SpecOptions& o
         handles.push_back(*h);
       }
       while (batch.active() > 0 || !paused.empty()) {
+        std::vector<int64_t> still;  // one in four stays away another step
         for (int64_t h : paused) {
-          if (Status s = batch.Resume(h); !s.ok()) throw std::runtime_error(s.ToString());
-        }
-        paused.clear();
-        if (Status s = batch.Step(); !s.ok()) throw std::runtime_error(s.ToString());
-        for (int64_t h : handles) {
-          if (!batch.done(h) && coin()) {
-            batch.Suspend(h);
-            paused.push_back(h);
+          if (coin()) {
+            still.push_back(h);
+          } else if (Status s = batch.Resume(h); !s.ok()) {
+            throw std::runtime_error(s.ToString());
           }
         }
-        *suspensions += static_cast<int64_t>(paused.size());
+        paused = still;
+        if (Status s = batch.Step(); !s.ok()) throw std::runtime_error(s.ToString());
+        for (int64_t h : handles) {
+          if (!batch.done(h) && std::find(paused.begin(), paused.end(), h) == paused.end() &&
+              coin()) {
+            batch.Suspend(h);
+            paused.push_back(h);
+            *suspensions += 1;
+          }
+        }
       }
       for (int64_t h : handles) st.Add(cls, batch.Take(h));
       if (batch.free_slots() != 2 * count) throw std::runtime_error("slots leaked");
@@ -282,18 +290,32 @@ RunStats SampleWithPreemption(const DecodingPolicy& policy, const SpecOptions& o
 
 // Requests preempted mid-image and resumed in other slots still sample the exact AR
 // distribution, in every family of drafting (none, Jacobi, coupled Jacobi, trees, a draft
-// model); skipping the recomputation (the new slots hold another request's entries) fails.
+// model), and with the recomputation spread over steps (2 positions a step, crossing from
+// the class to the image tokens); skipping the recomputation (the new slots hold another
+// request's entries) fails.
 TEST(SpecBatchPreemptionTest, SuspendedAndResumedRequestsKeepTheExactDistribution) {
   const auto exact = JointAr();
-  for (const auto& [name, window] : std::vector<std::pair<std::string, int64_t>>{
-           {"ar", 1}, {"sjd", 4}, {"scd-mc", 6}, {"sjd-pac", 9}, {"sd", 4}}) {
+  struct Case {
+    std::string name;
+    int64_t window, chunk;
+  };
+  for (const Case& c : std::vector<Case>{{"ar", 1, 0},
+                                         {"sjd", 4, 0},
+                                         {"scd-mc", 6, 0},
+                                         {"sjd-pac", 9, 0},
+                                         {"sd", 4, 0},
+                                         {"sjd", 4, 2}}) {
+    const std::string& name = c.name;
+    SpecOptions opts;
+    opts.prefill_chunk = c.chunk;
     int64_t suspensions = 0;
-    RunStats st = SampleWithPreemption(Preset(name, window), {}, kPerClass, &suspensions);
+    RunStats st = SampleWithPreemption(Preset(name, c.window), opts, kPerClass, &suspensions);
     auto chi = testing::ChiSquareTest(st.counts, exact);
-    std::printf("%-8s %lld images, %lld suspensions: chi2 %.1f df %d p %.4f | mean NFE %.3f\n",
-                name.c_str(), static_cast<long long>(st.images),
-                static_cast<long long>(suspensions), chi.statistic, chi.df, chi.p_value,
-                st.mean_nfe());
+    std::printf(
+        "%-8s chunk %lld: %lld images, %lld suspensions: chi2 %.1f df %d p %.4f | mean NFE "
+        "%.3f\n",
+        name.c_str(), static_cast<long long>(c.chunk), static_cast<long long>(st.images),
+        static_cast<long long>(suspensions), chi.statistic, chi.df, chi.p_value, st.mean_nfe());
     EXPECT_GT(chi.p_value, 0.001) << name;
     EXPECT_GT(suspensions, st.images / 2) << name;  // most images were paused at least once
   }

@@ -163,11 +163,6 @@ Status SpecBatch::Resume(int64_t handle) {
   return OkStatus();
 }
 
-bool SpecBatch::suspended(int64_t handle) const {
-  auto it = impl_->seqs.find(handle);
-  return it != impl_->seqs.end() && it->second.suspended;
-}
-
 Status SpecBatch::Step(const std::vector<WindowGrant>& grants) { return impl_->Step(grants); }
 
 StepContext SpecBatch::Impl::Context(const std::vector<WindowGrant>& grants) {
@@ -183,8 +178,8 @@ StepContext SpecBatch::Impl::Context(const std::vector<WindowGrant>& grants) {
       auto src = seqs.find(s.share_from);
       if (src == seqs.end() || src->second.suspended) {
         s.share_from = -1;  // the sibling is gone (or paused): prefill alone
-      } else if (src->second.prefilling()) {
-        continue;  // waits for the sibling's prefill
+      } else if (src->second.prefilled < s.P() - 1) {
+        continue;  // waits for the sibling's prefill (of the prompt: a resumed one's goes on)
       } else {
         CopyCachePrefix(cache, src->second.slot_c, s.slot_c, s.P() - 1);
         if (s.slot_u >= 0) CopyCachePrefix(cache, src->second.slot_u, s.slot_u, s.P() - 1);

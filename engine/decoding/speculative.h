@@ -117,11 +117,12 @@ class SpecBatch {
   int64_t active() const;  // unfinished and not suspended
   int64_t free_slots() const;
   bool done(int64_t handle) const;
-  // Whether the request still has prompt tokens to prefill (or a sibling's to wait for).
+  // Whether the request still has prompt tokens to prefill (or a sibling's to wait for), or,
+  // resumed, entries to recompute.
   bool prefilling(int64_t handle) const;
 
   // Nodes the request would feed the target in its next step without a cap (its window,
-  // clipped to the tokens left; 1 for AR; while prefilling, the prompt tokens left to prefill,
+  // clipped to the tokens left; 1 for AR; while prefilling, the tokens left to prefill,
   // 0 while it waits for a sibling's), and the forward rows per node (2 with CFG).
   int64_t WantedNodes(int64_t handle) const;
   int64_t RowsPerNode(int64_t handle) const;
@@ -145,7 +146,6 @@ class SpecBatch {
   // no-ops on a request that is not in the state they change.
   void Suspend(int64_t handle);
   Status Resume(int64_t handle);
-  bool suspended(int64_t handle) const;
 
  private:
   struct Impl;

@@ -59,7 +59,8 @@ struct EngineOptions {
   // - "budget": the fixed token budget max_tokens_per_step (window_budget.h).
   // - "full": every request feeds its whole window (budget 0).
   std::string window_policy = "goodput";
-  // Prompted models: prompt tokens prefilled per step and model, over all prefilling requests
+  // Prompt tokens (prompted models) and the entries a resumed request recomputes (preemption)
+  // prefilled per step and model, over all prefilling requests
   // (a CFG request's token counts twice), oldest first, beside the decoding requests' windows
   // (which the window policy chooses as if the prefill were not there); the oldest prefilling
   // request gets at least one token a step. A long prompt is thus spread over steps instead

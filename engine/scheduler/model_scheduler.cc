@@ -334,17 +334,35 @@ bool ModelScheduler::Preempt(const Job& next, int64_t need, int64_t& rows,
     if (x.params.priority != y.params.priority) return x.params.priority > y.params.priority;
     return x.id > y.id;
   });
-  std::vector<bool> gone(active_.size(), false);
+  // Victims in that order until it fits; then those it still fits without, the first chosen
+  // first (a larger victim chosen later may have made a smaller one unnecessary).
+  auto fits = [&](int64_t free, int64_t used) {
+    return free >= need && (budget <= 0 || used + need <= budget);
+  };
+  std::vector<size_t> chosen;
+  int64_t free = batch_.free_slots(), used = rows;
   for (size_t i : order) {
-    if (batch_.free_slots() >= need && (budget <= 0 || rows + need <= budget)) break;
+    if (fits(free, used)) break;
+    chosen.push_back(i);
+    free += batch_.RowsPerNode(active_[i]->handle);
+    used -= batch_.RowsPerNode(active_[i]->handle);
+  }
+  std::vector<bool> gone(active_.size(), false);
+  for (size_t i : chosen) {
+    const int64_t r = batch_.RowsPerNode(active_[i]->handle);
+    if (fits(free - r, used + r)) {
+      free -= r;
+      used += r;
+      continue;
+    }
     Job& v = *active_[i];
-    rows -= batch_.RowsPerNode(v.handle);
     batch_.Suspend(v.handle);
     v.preemptions += 1;
     running.Remove(v);
     gone[i] = true;
     out.preempted += 1;
   }
+  rows = used;
   for (size_t i = active_.size(); i-- > 0;) {
     if (gone[i]) {
       waiting_.Push(std::move(active_[i]));

@@ -88,7 +88,8 @@ struct RequestStats {
   // [k] = steps that committed k tokens (k >= 1).
   std::vector<int64_t> accepted_length_histogram;
   std::vector<int64_t> verified_at_depth, accepted_at_depth;
-  double queue_seconds = 0;      // submission to the first step
+  double queue_seconds = 0;      // submission to the first step (a wait after a preemption counts
+                                 // in generation_seconds)
   int64_t prefill_forwards = 0;  // forwards that fed prompt chunks (0: copied a sibling's)
   // Times the request gave up its KV slots to a more urgent one (EngineOptions::preemption);
   // each costs the forwards that recompute its entries (counted in prefill_forwards).
