@@ -37,10 +37,11 @@ struct EngineOptions {
   std::string admission = "fair";
   // Preemption for priority (discrete-token models): when the request admission takes next
   // finds no free KV slots (or no room in the token budget) and running requests have a
-  // higher priority value, the least urgent of them (the newest first) give
-  // up their slots and wait again, keeping their committed tokens; when admitted again they
-  // recompute their KV entries and go on (SpecBatch::Suspend). Lossless methods stay lossless.
-  // Off: nothing running is preempted (a seed's image then never depends on later arrivals).
+  // higher priority value, the least urgent of them (the newest first) give up their slots
+  // and wait again, keeping their committed tokens; when admitted again they recompute their
+  // KV entries and go on (SpecBatch::Suspend). Lossless methods stay lossless. Off: nothing
+  // running is preempted (with window_policy "full" a seed then draws the same image whatever
+  // arrives later).
   bool preemption = true;
   // Target-forward tokens per step and model (a CFG request's token counts twice). Windows
   // shrink toward one token when the active requests want more; requests are admitted only
