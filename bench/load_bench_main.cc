@@ -434,8 +434,9 @@ int main(int argc, char** argv) {
         cells.push_back(std::move(cell));
       }
     }
+    // Written again after each concurrency: a run stopped at a time limit keeps what it did.
+    WriteCsv(out + "/results.csv", cells);
   }
-  WriteCsv(out + "/results.csv", cells);
 
   // Side by side: AR, whole windows, the best fixed budget of the sweep, the controller.
   std::printf(

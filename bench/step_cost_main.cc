@@ -143,8 +143,9 @@ int main(int argc, char** argv) {
           if (csv) {
             csv << shape << "," << dtype << "," << f.Str("device") << "," << gpt->weight_bytes()
                 << "," << r << "," << rows << "," << t << "," << n << "," << prefix << "," << med
-                << "," << t / (med / 1e3) << "," << ratio << "," << weight_ms << "\n";
+                << "," << t / (med / 1e3) << "," << ratio << "," << weight_ms << std::endl;
           }
+          std::fflush(stdout);  // a run stopped at a time limit keeps the rows it printed
         }
       }
       if (gbps > 0 && one_token_ms > 0) {

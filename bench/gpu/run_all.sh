@@ -18,26 +18,35 @@
 #
 # With --device cpu the same script runs on the CPU at a reduced scale (--quick), which is how CI
 # keeps it from rotting (ctest: gpu_script_cpu, reusing the CI build with --build-dir).
+# --scale lease sizes the GPU phases to fit one device-tool call (about 8 minutes for tests,
+# step, spec, serve and load together); --scale full (the default on cuda) is the whole sweep.
+# --prebuilt DIR runs programs built elsewhere (bench/gpu/pack_server.sh --with-benches packs
+# them, with the libraries a GPU host lacks, into DIR/bin and DIR/lib): no build on the device.
 # Outputs: logs and CSVs under --out (default build/gpu-results); the report goes to
 # --out/results-gpu.md, and to docs/results-gpu.md with --write-docs.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
 
-device=cuda phase=all quick=0 build=build/gpu out=build/gpu-results write_docs=0
+device=cuda phase=all scale=full build=build/gpu out=build/gpu-results write_docs=0 prebuilt=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --device) device=$2; shift 2 ;;
     --phase) phase=$2; shift 2 ;;
-    --quick) quick=1; shift ;;
+    --quick) scale=quick; shift ;;
+    --scale) scale=$2; shift 2 ;;
+    --prebuilt) prebuilt=$2; shift 2 ;;
     --build-dir) build=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
     --write-docs) write_docs=1; shift ;;
-    *) echo "usage: $0 [--device cuda|cpu] [--phase all|build,tests,bench,report] [--quick]" \
-            "[--build-dir DIR] [--out DIR] [--write-docs]" >&2; exit 2 ;;
+    *) echo "usage: $0 [--device cuda|cpu] [--phase all|build,tests,bench,report]" \
+            "[--quick | --scale quick|lease|full] [--build-dir DIR | --prebuilt DIR] [--out DIR]" \
+            "[--write-docs]" >&2; exit 2 ;;
   esac
 done
 case "$device" in cuda|cpu) ;; *) echo "--device: expected cuda or cpu, got '$device'" >&2; exit 2 ;; esac
+case "$scale" in quick|lease|full) ;;
+  *) echo "--scale: expected quick, lease or full, got '$scale'" >&2; exit 2 ;; esac
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 # The Python that holds PyTorch: IMAGEGEN_PYTHON, the project's virtualenv, or python3 (a GPU
@@ -46,6 +55,38 @@ if [[ -n ${IMAGEGEN_PYTHON:-} ]]; then PY=$IMAGEGEN_PYTHON
 elif [[ -x /opt/imagegen/venv/bin/python ]]; then PY=/opt/imagegen/venv/bin/python
 else PY=$(command -v python3); fi
 log() { echo "== $(date +%H:%M:%S) $*" | tee -a "$out/run_all.log"; }
+
+# The host wheel's LibTorch and NVIDIA library folders, for programs built elsewhere (their
+# run paths name the build machine's virtualenv).
+torch_libs() {
+  "$PY" -c 'import glob, os, torch
+t = os.path.dirname(torch.__file__)
+print(":".join([os.path.join(t, "lib")] +
+               sorted(glob.glob(os.path.join(os.path.dirname(t), "nvidia", "*", "lib")))))'
+}
+
+# Where the programs are: a build directory's tests/ and bench/, or one prebuilt bin/.
+tests_bin="$build/tests" bench_bin="$build/bench" parity_dir="$build/tests/parity"
+if [[ -n $prebuilt ]]; then
+  prebuilt=$(cd "$prebuilt" && pwd)
+  parity_dir="$prebuilt/parity"
+  # Each program runs through a wrapper that puts the packed libraries and the host's LibTorch
+  # on its library path; Python (parity references, the classifier) keeps the host's own.
+  torch_lib=$(torch_libs)
+  mkdir -p "$prebuilt/run"
+  for p in "$prebuilt"/bin/*; do
+    # Line-buffered (stdbuf) so that a program stopped at a time limit keeps its log.
+    printf '#!/bin/sh\nLD_LIBRARY_PATH="%s" exec %s "%s" "$@"\n' \
+      "$prebuilt/lib:$torch_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+      "$(command -v stdbuf >/dev/null && echo 'stdbuf -oL -eL')" "$p" \
+      > "$prebuilt/run/${p##*/}"
+    chmod +x "$prebuilt/run/${p##*/}"
+  done
+  tests_bin="$prebuilt/run" bench_bin="$prebuilt/run"
+  export IMAGEGEN_SERVER_PACK=${IMAGEGEN_SERVER_PACK:-$prebuilt}
+  # The programs were built elsewhere: the models directory compiled into them may not exist.
+  export IMAGEGEN_MODELS_DIR=${IMAGEGEN_MODELS_DIR:-$ROOT/models}
+fi
 
 # Debian packages carried as .deb files (a GPU host has none of them).
 if compgen -G ".deps/debs/*.deb" >/dev/null; then
@@ -72,6 +113,14 @@ machine_info() {
 }
 
 phase_build() {
+  if [[ -n $prebuilt ]]; then
+    log "build: prebuilt programs in $prebuilt"
+    local p
+    for p in engine_tests parity_tests; do
+      "$tests_bin/$p" --gtest_list_tests > /dev/null || { echo "build: $p does not start" >&2; return 1; }
+    done
+    return 0
+  fi
   log "build ($build)"
   local jobs; jobs=$(nproc)
   if [[ ! -f "$build/CMakeCache.txt" ]]; then
@@ -89,15 +138,20 @@ phase_build() {
 phase_tests() {
   log "tests on $device"
   export IMAGEGEN_TEST_DEVICE=$device
-  local t="$build/tests"
-  local filter='HostSync*:HostSyncPower*:Presets/SpecLossless*:SpeculativePowerTest*:GptTest*'
-  [[ $quick == 1 ]] && filter='HostSync*:HostSyncPower*:GptTest*'
+  local t="$tests_bin"
+  local filter='*HostSync*:Presets/SpecLossless*:SpeculativePowerTest*:GptTest*'
+  [[ $scale == quick ]] && filter='*HostSync*:GptTest*'
+  if [[ $scale == lease ]]; then  # four of the nine exact-distribution cases, and the power test
+    local c=Presets/SpecLosslessTest.MatchesTheExactArDistribution
+    filter="*HostSync*:GptTest*:SpeculativePowerTest*:$c/ar:$c/scd_mc_L6"
+    filter+=":$c/sjd_pac_K2_D3_L9_onehot:$c/sd_L4"
+  fi
   "$t/engine_tests" --gtest_filter="$filter" 2>&1 | tee "$out/engine_tests.log" | tail -3
   if [[ $device == cuda ]]; then
     # The parity references (tools/parity.py, the checkpoints' own Python code paths) are written
     # by the CPU's PyTorch; the CUDA checks compare the GPU's logits with them.
-    "$PY" tools/parity.py --out "$build/tests/parity" > "$out/parity_reference.log" 2>&1
-    IMAGEGEN_PARITY_DIR="$build/tests/parity" "$t/parity_tests" 2>&1 | tee "$out/parity_tests.log" | tail -3
+    "$PY" tools/parity.py --out "$parity_dir" > "$out/parity_reference.log" 2>&1
+    IMAGEGEN_PARITY_DIR="$parity_dir" "$t/parity_tests" 2>&1 | tee "$out/parity_tests.log" | tail -3
     if [[ -x "$t/kernels_tests" ]]; then
       "$t/kernels_tests" 2>&1 | tee "$out/kernels_tests.log" | tail -3
     fi
@@ -114,10 +168,14 @@ gbps() {  # HBM bandwidth of the GPU, for the weight-read limit
 
 phase_step() {
   log "step-cost curve on $device"
-  local b="$build/bench"
-  if [[ $quick == 1 ]]; then
+  local b="$bench_bin"
+  if [[ $scale == quick ]]; then
     "$b/imagegen-step-cost" --device "$device" --shapes bundled,tiny --requests 1,4 \
       --tokens 1,4,16,64 --reps 3 --csv "$out/step_cost.csv" > "$out/step_cost.log" 2>&1
+  elif [[ $scale == lease ]]; then
+    "$b/imagegen-step-cost" --device "$device" --shapes bundled,gpt-b,gpt-l,gpt-xl \
+      --dtypes bf16,fp32 --requests 1,4,16,64 --tokens 1,4,16,64,256,1024,4096 --reps 5 \
+      --hbm-gbps "$(gbps)" --csv "$out/step_cost.csv" > "$out/step_cost.log" 2>&1
   else
     "$b/imagegen-step-cost" --device "$device" --shapes bundled,gpt-b,gpt-l,gpt-xl \
       --dtypes bf16,fp32 --hbm-gbps "$(gbps)" --csv "$out/step_cost.csv" > "$out/step_cost.log" 2>&1
@@ -127,24 +185,40 @@ phase_step() {
 
 phase_spec() {
   log "speculative bench (batch 1) on $device"
-  local b="$build/bench"
-  if [[ $quick == 1 ]]; then
+  local b="$bench_bin"
+  if [[ $scale == quick ]]; then
     "$b/imagegen-spec-bench" --device "$device" --per-class 1 --windows 16 --sd-windows 4 \
-      --methods sjd,scd-mc,sd --out-dir "$out/spec" > "$out/spec_bench.log" 2>&1
+      --methods sjd,scd-mc,sd --python "$PY" --out-dir "$out/spec" > "$out/spec_bench.log" 2>&1
   else
-    "$b/imagegen-spec-bench" --device "$device" --dtype bf16 --per-class 5 --windows 32 \
-      --sd-windows 8 --out-dir "$out/spec" > "$out/spec_bench.log" 2>&1
+    # Speedups with the step split off (its device syncs would slow every step), then the
+    # split (forward vs the rest) in a second, smaller run.
+    local per_class=5
+    [[ $scale == lease ]] && per_class=3
+    "$b/imagegen-spec-bench" --device "$device" --dtype bf16 --per-class "$per_class" \
+      --windows 32 --sd-windows 8 --split 0 --python "$PY" --out-dir "$out/spec" \
+      > "$out/spec_bench.log" 2>&1
+    tail -n 12 "$out/spec_bench.log"
+    "$b/imagegen-spec-bench" --device "$device" --dtype bf16 --per-class 1 \
+      --windows 32 --sd-windows 8 --split 1 --python "$PY" --out-dir "$out/spec-split" \
+      > "$out/spec_split.log" 2>&1
+    tail -n 12 "$out/spec_split.log"
+    return 0
   fi
   tail -n 12 "$out/spec_bench.log"
 }
 
 phase_load() {
   log "load bench on $device"
-  local b="$build/bench"
-  if [[ $quick == 1 ]]; then
+  local b="$bench_bin"
+  if [[ $scale == quick ]]; then
     "$b/imagegen-load-bench" --device "$device" --methods ar,scd-mc --concurrency 1,2 \
       --seconds 2 --seconds-per-client 0 --modes none,budget:256,goodput \
       --mixed-methods ar,scd-mc --mixed-concurrency 2 --mixed-modes goodput \
+      --out-dir "$out/load" > "$out/load_bench.log" 2>&1
+  elif [[ $scale == lease ]]; then
+    "$b/imagegen-load-bench" --device "$device" --dtype bf16 --methods ar,scd-mc,sjd-pac \
+      --concurrency 1,8,64 --seconds 3 --seconds-per-client 0.05 \
+      --modes none,budget:2048,goodput --mixed-concurrency 16 --mixed-modes goodput \
       --out-dir "$out/load" > "$out/load_bench.log" 2>&1
   else
     "$b/imagegen-load-bench" --device "$device" --dtype bf16 --methods ar,sjd,scd-mc,sjd-pac \
@@ -169,7 +243,7 @@ phase_serve() {
     return 1
   fi
   local torch_lib
-  torch_lib=$("$PY" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')
+  torch_lib=$(torch_libs)
   local lp="$pack/lib:$torch_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   local S=(env LD_LIBRARY_PATH="$lp" "$bin/imagegen-server")
   local C=(env LD_LIBRARY_PATH="$lp" "$bin/imagegen")
@@ -192,7 +266,8 @@ phase_serve() {
   "${C[@]}" "${t[@]}" generate --cls sneaker --seed 1 --out "$out/sneaker.png" | tee "$out/serve.log"
   "$PY" tools/classify_png.py --expect sneaker "$out/sneaker.png" | tee -a "$out/serve.log"
   local c=16 d=20
-  [[ $quick == 1 ]] && c=2 d=3
+  [[ $scale == quick ]] && c=2 d=3
+  [[ $scale == lease ]] && d=8
   "${C[@]}" "${t[@]}" load --concurrency "$c" --duration "$d" --method ar 2>&1 \
     | tee -a "$out/serve.log"
   "${C[@]}" "${t[@]}" load --concurrency "$c" --duration "$d" --method scd-mc 2>&1 \
@@ -210,7 +285,7 @@ phase_serve() {
 phase_report() {
   log "report"
   local args=(--out "$out" --device "$device")
-  [[ $quick == 1 ]] && args+=(--strict)
+  [[ $scale == quick ]] && args+=(--strict)
   [[ $write_docs == 1 ]] && args+=(--docs "$ROOT/docs/results-gpu.md")
   "$PY" bench/gpu/report.py "${args[@]}"
 }
@@ -218,7 +293,7 @@ phase_report() {
 machine_info
 if [[ $phase == all ]]; then
   phase=build,tests,bench
-  [[ -x .deps/server/bin/imagegen-server ]] && phase+=,serve
+  [[ -x ${IMAGEGEN_SERVER_PACK:-.deps/server}/bin/imagegen-server ]] && phase+=,serve
   phase+=,report
 fi
 IFS=, read -r -a phases <<< "$phase"

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Every GPU figure in one call of the device tool (docs/gpu.md), with nothing built there:
+#
+#   here:   bench/gpu/pack_server.sh --with-benches build/ci .deps/device
+#           tar cJf .deps/carry/device.tar.xz -C .deps device
+#   device: bash bench/gpu/lease.sh          (carry: [".deps/carry"]; $OUT is the tool's)
+#
+# Runs run_all.sh --scale lease phase by phase (tests, spec, step, serve, load, report), each
+# under its own time limit, and after each phase packs what the phases wrote into
+# $OUT/gpu.tgz, so a call cut off at the tool's limit still brings back every finished phase.
+# Phase limits (seconds) can be changed with LEASE_PHASES="tests:150 spec:110 ...", the device
+# with LEASE_DEVICE=cpu (to try the script without a GPU).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+dest=${OUT:?set OUT to the folder whose files come back}
+work=${LEASE_WORK:-/tmp/imagegen-gpu}
+mkdir -p "$work/out"
+if [[ ! -x $work/device/bin/engine_tests ]]; then
+  tar xJf .deps/carry/device.tar.xz -C "$work" 2>/dev/null \
+    || python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' \
+         .deps/carry/device.tar.xz "$work" \
+    || { echo "lease: cannot unpack .deps/carry/device.tar.xz" >&2; exit 1; }
+fi
+# The programs were built in /work/main: where that path does not exist here, point it at this
+# checkout (the spec bench finds its plotting script through it).
+if [[ ! -e /work/main ]]; then mkdir -p /work && ln -s "$PWD" /work/main; fi
+nvidia-smi > "$work/out/nvidia-smi.txt" 2>&1 || true
+phases=${LEASE_PHASES:-"tests:150 spec:110 step:100 serve:60 load:110 report:20"}
+for pt in $phases; do
+  p=${pt%%:*} t=${pt##*:}
+  s=$(date +%s)
+  timeout -k 5 "$t" bash bench/gpu/run_all.sh --prebuilt "$work/device" --scale lease \
+    --device "${LEASE_DEVICE:-cuda}" \
+    --phase "$p" --out "$work/out"
+  rc=$?
+  echo "lease: phase $p exit $rc after $(( $(date +%s) - s )) s (limit $t s)" \
+    | tee -a "$work/out/lease.log"
+  tar czf "$dest/gpu.tgz" -C "$work/out" .
+done
