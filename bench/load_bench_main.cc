@@ -26,6 +26,7 @@
 #include <thread>
 
 #include "bench/flags.h"
+#include "bench/op_profile.h"
 #include "engine/model/image_model.h"
 #include "engine/scheduler/engine.h"
 #include "engine/util/percentile.h"
@@ -338,6 +339,7 @@ DecodingPolicy PolicyOrDie(const std::string& method) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  OpProfile::InstallIfRequested();
   Flags f(argc, argv,
           {{"models-dir", DefaultModelsDir()},
            {"model", "fmnist-gpt"},

@@ -24,6 +24,7 @@
 #include <nlohmann/json.hpp>
 
 #include "bench/common.h"
+#include "bench/op_profile.h"
 #include "engine/decoding/speculative.h"
 #include "engine/model/classifier.h"
 #include "engine/model/image_model.h"
@@ -94,6 +95,7 @@ void WriteAcceptanceMap(const VqDecoder& vq, const SpecResult& r, int64_t grid,
 }  // namespace
 
 int main(int argc, char** argv) {
+  OpProfile::InstallIfRequested();
   Flags f(argc, argv,
           {{"models-dir", DefaultModelsDir()},
            {"model", "fmnist-gpt"},

@@ -9,9 +9,10 @@
 #   bench/gpu/run_all.sh --phase serve     # the daemon on the device (bench/gpu/pack_server.sh)
 #   bench/gpu/run_all.sh --phase report    # docs/results-gpu.md from what the phases wrote
 #
-# (--phase all, or a list such as tests,bench, runs them in turn; the device tool allows 10
-# minutes per command, so a GPU session runs them as three commands: docs/gpu.md.) What a GPU
-# host lacks comes in .deps: bench/gpu/fetch_deps.sh, run on a Debian machine, downloads
+# (--phase all, or a list such as tests,bench, runs them in turn. With the device tool's 15
+# minutes a session, bench/gpu/lease.sh runs every phase in one call with programs built
+# elsewhere: docs/gpu.md.) Building here instead, what a GPU host lacks comes in .deps:
+# bench/gpu/fetch_deps.sh, run on a Debian machine, downloads
 # GoogleTest, libpng, zlib and nlohmann-json into .deps/debs, which this script unpacks
 # (dpkg -x) into .deps/root; bench/gpu/pack_server.sh packs the daemon and its gRPC libraries
 # into .deps/server for the serve phase.
@@ -139,11 +140,11 @@ phase_tests() {
   log "tests on $device"
   export IMAGEGEN_TEST_DEVICE=$device
   local t="$tests_bin"
-  local filter='*HostSync*:Presets/SpecLossless*:SpeculativePowerTest*:GptTest*'
+  local filter='*HostSync*:Presets/SpecLossless*:SpeculativePowerTest*:GptTest*:DeviceTest*'
   [[ $scale == quick ]] && filter='*HostSync*:GptTest*'
   if [[ $scale == lease ]]; then  # four of the nine exact-distribution cases, and the power test
     local c=Presets/SpecLosslessTest.MatchesTheExactArDistribution
-    filter="*HostSync*:GptTest*:SpeculativePowerTest*:$c/ar:$c/scd_mc_L6"
+    filter="*HostSync*:GptTest*:DeviceTest*:SpeculativePowerTest*:$c/ar:$c/scd_mc_L6"
     filter+=":$c/sjd_pac_K2_D3_L9_onehot:$c/sd_L4"
   fi
   "$t/engine_tests" --gtest_filter="$filter" 2>&1 | tee "$out/engine_tests.log" | tail -3
