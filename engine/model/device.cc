@@ -1,8 +1,24 @@
 #include "engine/model/device.h"
 
+#include <ATen/Context.h>
 #include <torch/cuda.h>
 
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+
 namespace imagegen {
+
+void PrepareAttention(const c10::Device& device) {
+  if (!device.is_cuda()) return;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    const char* keep = std::getenv("IMAGEGEN_CUDNN_SDPA");
+    if (keep == nullptr || std::strcmp(keep, "1") != 0) {
+      at::globalContext().setSDPUseCuDNN(false);
+    }
+  });
+}
 
 StatusOr<LoadOptions> ParseDeviceAndDtype(const std::string& device, const std::string& dtype) {
   LoadOptions lo;

@@ -14,4 +14,12 @@ namespace imagegen {
 // available, or a device index beyond the devices present.
 StatusOr<LoadOptions> ParseDeviceAndDtype(const std::string& device, const std::string& dtype);
 
+// Called by the model loaders before a model is placed on `device`. On CUDA it turns off
+// LibTorch's cuDNN backend of scaled_dot_product_attention, process-wide, unless
+// IMAGEGEN_CUDNN_SDPA=1: measured on an H200 (docs/results-gpu.md), each cuDNN attention call
+// cost 1.0-1.8 ms of host time, since the key length of every call changes from step to step
+// and cuDNN builds a new plan for each new shape; it was 85-90% of a served step. With it off,
+// a masked call goes to the memory-efficient kernel, which is compiled ahead. No effect on the CPU.
+void PrepareAttention(const c10::Device& device);
+
 }  // namespace imagegen

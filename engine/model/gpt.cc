@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/decoding/sampling_params.h"
+#include "engine/model/device.h"
 #include "engine/model/transfer.h"
 
 namespace imagegen {
@@ -264,6 +265,7 @@ StatusOr<std::unique_ptr<Gpt>> Gpt::FromStore(const GptConfig& cfg, WeightStore&
 
 StatusOr<std::unique_ptr<Gpt>> Gpt::FromStoreImpl(const GptConfig& cfg, WeightStore& store,
                                                   const LoadOptions& opts) {
+  PrepareAttention(opts.device);
   std::unique_ptr<Gpt> m(new Gpt());
   m->cfg_ = cfg;
   m->opts_ = opts;
@@ -320,6 +322,7 @@ StatusOr<std::unique_ptr<Gpt>> Gpt::FromStoreImpl(const GptConfig& cfg, WeightSt
 }
 
 std::unique_ptr<Gpt> Gpt::Random(const GptConfig& cfg, const LoadOptions& opts, uint64_t seed) {
+  PrepareAttention(opts.device);
   at::manual_seed(seed);
   const auto o = at::TensorOptions().dtype(opts.dtype).device(opts.device);
   auto w = [&](std::vector<int64_t> shape) { return (at::randn(shape, o) * 0.02).contiguous(); };

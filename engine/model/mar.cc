@@ -8,6 +8,8 @@
 // The complete Json type: ReadModelConfig returns one by value (json.h only declares it).
 #include <nlohmann/json.hpp>
 
+#include "engine/model/device.h"
+
 namespace imagegen {
 
 DiffusionHeadConfig MarConfig::head_config() const {
@@ -111,6 +113,7 @@ StatusOr<std::unique_ptr<Mar>> Mar::Load(const std::string& dir, const LoadOptio
 }
 
 StatusOr<std::unique_ptr<Mar>> Mar::LoadImpl(const std::string& dir, const LoadOptions& opts) {
+  PrepareAttention(opts.device);
   ASSIGN_OR_RETURN(Json json, ReadModelConfig(dir));
   ASSIGN_OR_RETURN(MarConfig cfg, ParseMarConfig(json, dir + "/config.json"));
   ASSIGN_OR_RETURN(auto store, WeightStore::Open(dir));
