@@ -2,11 +2,17 @@
 // alone, co-batched with all the others (batch-invariant forward), and co-batched with windows
 // capped by a binding per-step token budget. tests/golden/spec_grids.txt holds the grids the
 // engine produced before the step was split into phases; a refactor that changes any sample
-// fails here. IMAGEGEN_WRITE_GOLDEN=1 rewrites the file (only for a deliberate change of
-// samples, said so in the commit). CPU only: other devices draw other grids.
+// fails here. CPU only: other devices draw other grids, and so, rarely, do other CPUs (their
+// GEMM and vector kernels round differently, and a near-tie in one sample changes the rest of
+// its grid): tests/golden/spec_grids.*.txt hold the same cases as recorded on other machines,
+// and the grids must equal one recorded set in full. IMAGEGEN_WRITE_GOLDEN=1 rewrites
+// spec_grids.txt, IMAGEGEN_WRITE_GOLDEN=NAME writes spec_grids.NAME.txt (only for a deliberate
+// change of samples, or for a machine whose numerics differ, said so in the commit).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -22,8 +28,21 @@ constexpr uint64_t kSeeds[] = {1, 2, 3};
 constexpr int64_t kClassOfSeed[] = {7, 0, 3};  // sneaker, t-shirt, dress
 constexpr int64_t kBudget = 96;                // binds: 30 requests want ~800 rows
 
-std::string GoldenPath() {
-  return std::string(IMAGEGEN_TEST_MODELS_DIR) + "/../tests/golden/spec_grids.txt";
+std::string GoldenDir() { return std::string(IMAGEGEN_TEST_MODELS_DIR) + "/../tests/golden"; }
+
+// spec_grids.txt first, then the other machines' sets in name order.
+std::vector<std::string> GoldenPaths() {
+  std::vector<std::string> other;
+  for (const auto& e : std::filesystem::directory_iterator(GoldenDir())) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("spec_grids.", 0) == 0 && name.size() > 15 &&
+        name.compare(name.size() - 4, 4, ".txt") == 0 && name != "spec_grids.txt") {
+      other.push_back(e.path().string());
+    }
+  }
+  std::sort(other.begin(), other.end());
+  other.insert(other.begin(), GoldenDir() + "/spec_grids.txt");
+  return other;
 }
 
 struct Case {
@@ -107,25 +126,40 @@ TEST(GoldenGridsTest, EveryPresetDrawsTheRecordedGridsAloneAndCoBatched) {
     EXPECT_EQ(lines[i].substr(5), lines[cs.size() + i].substr(7)) << cs[i].preset;
   }
 
-  if (const char* w = std::getenv("IMAGEGEN_WRITE_GOLDEN"); w != nullptr && w[0] == '1') {
-    std::ofstream f(GoldenPath(), std::ios::trunc);
+  if (const char* w = std::getenv("IMAGEGEN_WRITE_GOLDEN"); w != nullptr && w[0] != '\0') {
+    const std::string path =
+        GoldenDir() + (std::string(w) == "1" ? std::string("/spec_grids.txt")
+                                             : "/spec_grids." + std::string(w) + ".txt");
+    std::ofstream f(path, std::ios::trunc);
     for (const std::string& l : lines) f << l << '\n';
-    GTEST_SKIP() << "wrote " << GoldenPath();
+    GTEST_SKIP() << "wrote " << path;
   }
-  std::ifstream f(GoldenPath());
-  ASSERT_TRUE(f.good()) << "missing " << GoldenPath();
-  std::vector<std::string> want;
-  for (std::string l; std::getline(f, l);) want.push_back(l);
-  ASSERT_EQ(want.size(), lines.size());
-  int64_t differ = 0;
+  // The recorded set closest to these grids; a pass needs one that equals them all.
+  std::string best_path;
+  std::vector<std::string> best;
+  int64_t best_differ = -1;
+  for (const std::string& path : GoldenPaths()) {
+    std::ifstream f(path);
+    ASSERT_TRUE(f.good()) << "missing " << path;
+    std::vector<std::string> want;
+    for (std::string l; std::getline(f, l);) want.push_back(l);
+    ASSERT_EQ(want.size(), lines.size()) << path;
+    int64_t differ = 0;
+    for (size_t i = 0; i < lines.size(); ++i) differ += want[i] != lines[i] ? 1 : 0;
+    if (best_differ < 0 || differ < best_differ) {
+      best_differ = differ;
+      best = std::move(want);
+      best_path = path;
+    }
+  }
   for (size_t i = 0; i < lines.size(); ++i) {
-    if (want[i] != lines[i]) {
-      ++differ;
-      ADD_FAILURE() << "grid differs from the golden file:\n  want " << want[i].substr(0, 60)
+    if (best[i] != lines[i]) {
+      ADD_FAILURE() << "grid differs from " << best_path << ":\n  want " << best[i].substr(0, 60)
                     << "...\n  got  " << lines[i].substr(0, 60) << "...";
     }
   }
-  std::printf("%zu golden grids, %lld differ\n", lines.size(), static_cast<long long>(differ));
+  std::printf("%zu golden grids, %lld differ from the closest recorded set, %s\n", lines.size(),
+              static_cast<long long>(best_differ), best_path.c_str());
 }
 
 }  // namespace
