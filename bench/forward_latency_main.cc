@@ -13,11 +13,13 @@
 #include <sstream>
 
 #include "bench/common.h"
+#include "bench/op_profile.h"
 #include "engine/model/image_model.h"
 
 using namespace imagegen;
 
 int main(int argc, char** argv) {
+  OpProfile::InstallIfRequested();
   Flags f(argc, argv,
           {{"models-dir", DefaultModelsDir()},
            {"model", "fmnist-gpt"},

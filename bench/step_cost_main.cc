@@ -17,6 +17,7 @@
 #include <fstream>
 
 #include "bench/common.h"  // flags, OrDie (header-only: no libpng needed)
+#include "bench/op_profile.h"
 #include "engine/model/device.h"
 #include "engine/model/gpt.h"
 #include "engine/model/models_dir.h"
@@ -53,6 +54,7 @@ bool Shape(const std::string& name, int64_t grid, GptConfig* c) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  OpProfile::InstallIfRequested();
   Flags f(argc, argv,
           {{"models-dir", DefaultModelsDir()},
            {"shapes", "bundled"},

@@ -8,7 +8,7 @@
 # Runs run_all.sh --scale lease phase by phase (tests, spec, step, serve, load, report), each
 # under its own time limit, and after each phase packs what the phases wrote into
 # $OUT/gpu.tgz, so a call cut off at the tool's limit still brings back every finished phase.
-# Phase limits (seconds) can be changed with LEASE_PHASES="tests:150 spec:110 ...", the device
+# Phase limits (seconds) can be changed with LEASE_PHASES="tests:120 spec:130 ...", the device
 # with LEASE_DEVICE=cpu (to try the script without a GPU).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -25,7 +25,7 @@ fi
 # checkout (the spec bench finds its plotting script through it).
 if [[ ! -e /work/main ]]; then mkdir -p /work && ln -s "$PWD" /work/main; fi
 nvidia-smi > "$work/out/nvidia-smi.txt" 2>&1 || true
-phases=${LEASE_PHASES:-"tests:150 spec:110 step:100 serve:60 load:110 report:20"}
+phases=${LEASE_PHASES:-"tests:120 spec:130 step:90 serve:60 load:110 report:20"}
 for pt in $phases; do
   p=${pt%%:*} t=${pt##*:}
   s=$(date +%s)

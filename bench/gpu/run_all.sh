@@ -193,15 +193,17 @@ phase_spec() {
   else
     # Speedups with the step split off (its device syncs would slow every step), then the
     # split (forward vs the rest) in a second, smaller run.
-    local per_class=5
-    [[ $scale == lease ]] && per_class=3
+    local per_class=5 methods=all split_methods=all
+    if [[ $scale == lease ]]; then
+      per_class=2 methods=sjd,scd-mc,sjd-pac,sd split_methods=scd-mc
+    fi
     "$b/imagegen-spec-bench" --device "$device" --dtype bf16 --per-class "$per_class" \
-      --windows 32 --sd-windows 8 --split 0 --python "$PY" --out-dir "$out/spec" \
-      > "$out/spec_bench.log" 2>&1
+      --methods "$methods" --windows 32 --sd-windows 8 --split 0 --python "$PY" \
+      --out-dir "$out/spec" > "$out/spec_bench.log" 2>&1
     tail -n 12 "$out/spec_bench.log"
     "$b/imagegen-spec-bench" --device "$device" --dtype bf16 --per-class 1 \
-      --windows 32 --sd-windows 8 --split 1 --python "$PY" --out-dir "$out/spec-split" \
-      > "$out/spec_split.log" 2>&1
+      --methods "$split_methods" --windows 32 --sd-windows 8 --split 1 --python "$PY" \
+      --out-dir "$out/spec-split" > "$out/spec_split.log" 2>&1
     tail -n 12 "$out/spec_split.log"
     return 0
   fi
