@@ -18,7 +18,7 @@ StatusOr<LoadOptions> ParseDeviceAndDtype(const std::string& device, const std::
 // LibTorch's cuDNN backend of scaled_dot_product_attention, process-wide, unless
 // IMAGEGEN_CUDNN_SDPA=1: measured on an H200 (docs/results-gpu.md), each cuDNN attention call
 // cost 1.0-1.8 ms of host time, since the key length of every call changes from step to step
-// and cuDNN builds a new plan for each new shape; it was 85-90% of a served step. With it off,
+// and cuDNN builds a new plan for each new shape; it was 86% of a served step. With it off,
 // a masked call goes to the memory-efficient kernel, which is compiled ahead. No effect on the CPU.
 void PrepareAttention(const c10::Device& device);
 
