@@ -66,19 +66,29 @@ int main(int argc, char** argv) {
            {"prefix", "-1"},
            {"reps", "10"},
            {"batch-invariant", "1"},
+           {"forwards", "eager"},
            {"hbm-gbps", "0"},
            {"csv", ""}},
           "usage: imagegen-step-cost [--shapes bundled,gpt-b,gpt-l,gpt-xl,tiny] [--dtypes "
-          "bf16,fp32] [--device cuda] [--requests 1,2,..] [--tokens 1,2,..] [--csv FILE]");
+          "bf16,fp32] [--device cuda] [--requests 1,2,..] [--tokens 1,2,..] [--forwards "
+          "eager,static,graphs] [--csv FILE]");
   std::ofstream csv;
   if (!f.Str("csv").empty()) {
     csv.open(f.Str("csv"));
     if (!csv) f.Fail("cannot write --csv " + f.Str("csv"));
     csv << "shape,dtype,device,params_bytes,requests,rows,tokens_per_step,tokens_per_request,"
-           "committed_prefix,median_ms,tokens_per_s,ratio_to_one_token,weight_read_ms\n";
+           "committed_prefix,median_ms,tokens_per_s,ratio_to_one_token,weight_read_ms,forward\n";
   }
   const double gbps = std::stod(f.Str("hbm-gbps"));
   const bool invariant = f.Int("batch-invariant") != 0;
+  // eager: the ragged forward (batch-invariant unless --batch-invariant 0); static: the
+  // static-shape forward; graphs: the static forward through CUDA graphs (one capture per
+  // bucket in the warm-up repetitions, replays after).
+  for (const std::string& fw : f.List("forwards")) {
+    if (fw != "eager" && fw != "static" && fw != "graphs") {
+      f.Fail("--forwards: expected eager, static or graphs, got '" + fw + "'");
+    }
+  }
   for (const std::string& dtype : f.List("dtypes")) {
     auto lo = ParseDeviceAndDtype(f.Str("device"), dtype);
     if (!lo.ok()) f.Fail(lo.status().message());
@@ -101,59 +111,65 @@ int main(int argc, char** argv) {
           gbps > 0 ? (", weight-read limit " + std::to_string(weight_ms) + " ms").c_str() : "");
       std::printf("%8s %6s %8s %8s %10s %12s %8s\n", "requests", "rows", "tokens", "tok/req",
                   "median ms", "tokens/s", "x 1 tok");
-      double one_token_ms = 0;
-      for (int64_t r : f.Ints("requests")) {
-        const int64_t rows = 2 * r;  // CFG: conditional and unconditional
-        KvCache cache = gpt->NewCache(rows);
-        for (int64_t t : f.Ints("tokens")) {
-          if (t < r || t % r != 0) continue;
-          const int64_t n = t / r;
-          if (n > cfg.block_size) continue;
-          int64_t prefix = f.Int("prefix") < 0 ? cfg.block_size / 2 : f.Int("prefix");
-          prefix = std::max<int64_t>(1, std::min(prefix, cfg.seq_len() - n));
-          std::vector<BatchRow> step(static_cast<size_t>(rows));
-          for (int64_t i = 0; i < rows; ++i) {
-            BatchRow& b = step[static_cast<size_t>(i)];
-            b.slot = i;
-            b.cache_len = prefix;  // the cache's content does not matter for timing
-            b.group = i / 2;
-            for (int64_t k = 0; k < n; ++k) {
-              b.tokens.push_back((i * 131 + k * 7) % cfg.vocab_size);
-              b.positions.push_back(prefix + k);
+      for (const std::string& fw : f.List("forwards")) {
+        const ForwardOptions fo{invariant, fw != "eager", fw == "graphs"};
+        if (f.List("forwards").size() > 1) std::printf("forward: %s\n", fw.c_str());
+        double one_token_ms = 0;
+        for (int64_t r : f.Ints("requests")) {
+          const int64_t rows = 2 * r;  // CFG: conditional and unconditional
+          KvCache cache = gpt->NewCache(rows, 0, fw != "eager");
+          for (int64_t t : f.Ints("tokens")) {
+            if (t < r || t % r != 0) continue;
+            const int64_t n = t / r;
+            if (n > cfg.block_size) continue;
+            int64_t prefix = f.Int("prefix") < 0 ? cfg.block_size / 2 : f.Int("prefix");
+            prefix = std::max<int64_t>(1, std::min(prefix, cfg.seq_len() - n));
+            std::vector<BatchRow> step(static_cast<size_t>(rows));
+            for (int64_t i = 0; i < rows; ++i) {
+              BatchRow& b = step[static_cast<size_t>(i)];
+              b.slot = i;
+              b.cache_len = prefix;  // the cache's content does not matter for timing
+              b.group = i / 2;
+              for (int64_t k = 0; k < n; ++k) {
+                b.tokens.push_back((i * 131 + k * 7) % cfg.vocab_size);
+                b.positions.push_back(prefix + k);
+              }
             }
-          }
-          std::vector<double> ms;
-          const int64_t reps = std::max<int64_t>(1, f.Int("reps"));
-          for (int64_t i = 0; i < reps + 2; ++i) {
-            SynchronizeDevice(lo->device);
-            const auto t0 = std::chrono::steady_clock::now();
-            OrDie(gpt->Forward(step, cache, at::Tensor(), ForwardOptions{invariant}));
-            SynchronizeDevice(lo->device);
-            if (i >= 2) {
-              ms.push_back(
-                  std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
-                      .count());
+            std::vector<double> ms;
+            const int64_t reps = std::max<int64_t>(1, f.Int("reps"));
+            for (int64_t i = 0; i < reps + 2; ++i) {
+              SynchronizeDevice(lo->device);
+              const auto t0 = std::chrono::steady_clock::now();
+              OrDie(gpt->Forward(step, cache, at::Tensor(), fo));
+              SynchronizeDevice(lo->device);
+              if (i >= 2) {
+                ms.push_back(
+                    std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                        .count());
+              }
             }
+            std::sort(ms.begin(), ms.end());
+            const double med = ms[ms.size() / 2];
+            if (r == 1 && t == 1) one_token_ms = med;
+            const double ratio = one_token_ms > 0 ? med / one_token_ms : 0;
+            std::printf("%8lld %6lld %8lld %8lld %10.3f %12.0f %8.2f\n", static_cast<long long>(r),
+                        static_cast<long long>(rows), static_cast<long long>(t),
+                        static_cast<long long>(n), med, t / (med / 1e3), ratio);
+            if (csv) {
+              csv << shape << "," << dtype << "," << f.Str("device") << "," << gpt->weight_bytes()
+                  << "," << r << "," << rows << "," << t << "," << n << "," << prefix << "," << med
+                  << "," << t / (med / 1e3) << "," << ratio << "," << weight_ms << "," << fw
+                  << std::endl;
+            }
+            std::fflush(stdout);  // a run stopped at a time limit keeps the rows it printed
           }
-          std::sort(ms.begin(), ms.end());
-          const double med = ms[ms.size() / 2];
-          if (r == 1 && t == 1) one_token_ms = med;
-          const double ratio = one_token_ms > 0 ? med / one_token_ms : 0;
-          std::printf("%8lld %6lld %8lld %8lld %10.3f %12.0f %8.2f\n", static_cast<long long>(r),
-                      static_cast<long long>(rows), static_cast<long long>(t),
-                      static_cast<long long>(n), med, t / (med / 1e3), ratio);
-          if (csv) {
-            csv << shape << "," << dtype << "," << f.Str("device") << "," << gpt->weight_bytes()
-                << "," << r << "," << rows << "," << t << "," << n << "," << prefix << "," << med
-                << "," << t / (med / 1e3) << "," << ratio << "," << weight_ms << std::endl;
-          }
-          std::fflush(stdout);  // a run stopped at a time limit keeps the rows it printed
         }
-      }
-      if (gbps > 0 && one_token_ms > 0) {
-        std::printf(
-            "1 request, 1 token: %.3f ms = %.2f x the weight-read limit (%.3f ms at %.0f GB/s)\n",
-            one_token_ms, one_token_ms / weight_ms, weight_ms, gbps);
+        if (gbps > 0 && one_token_ms > 0) {
+          std::printf(
+              "%s, 1 request, 1 token: %.3f ms = %.2f x the weight-read limit (%.3f ms at %.0f "
+              "GB/s)\n",
+              fw.c_str(), one_token_ms, one_token_ms / weight_ms, weight_ms, gbps);
+        }
       }
     }
   }

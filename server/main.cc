@@ -73,6 +73,10 @@ ABSL_FLAG(std::string, cache_dir, "",
           "$XDG_CACHE_HOME/imagegen, else $HOME/.cache/imagegen; 'none': not kept)");
 ABSL_FLAG(bool, batch_invariant, true,
           "a request's image does not depend on the requests beside it (costs some throughput)");
+ABSL_FLAG(bool, cuda_graphs, false,
+          "run the model forwards at static shapes, each shape bucket captured once as a CUDA "
+          "graph and replayed (CUDA devices; on the CPU the static forward runs without graphs). "
+          "Overrides --batch_invariant: logits then equal the eager forward's within rounding");
 ABSL_FLAG(int64_t, cpu_threads, 0, "LibTorch intra-op threads of the engine (0: default)");
 ABSL_FLAG(double, preview_share, 0.05,
           "share of the engine's time that preview decoding may take (due previews wait their "
@@ -213,6 +217,7 @@ int main(int argc, char** argv) {
     }
   }
   eo.batch_invariant = absl::GetFlag(FLAGS_batch_invariant);
+  eo.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
   eo.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
   eo.preview_share = absl::GetFlag(FLAGS_preview_share);
 

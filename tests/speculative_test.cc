@@ -329,6 +329,54 @@ TEST(SpecBatchPreemptionTest, SuspendedAndResumedRequestsKeepTheExactDistributio
   EXPECT_LT(chi.p_value, 1e-6);
 }
 
+// The static-shape forward (ForwardOptions::static_shapes, what CUDA graphs replay) through the
+// whole speculative step: target and draft forwards, chains, trees, device-fed drafts, a
+// scratch slot in both caches. Its logits equal the ragged forward's within rounding
+// (StaticForwardTest), so the same requests draw the same images but for the rare uniform that
+// falls within that rounding of a token boundary: at least 99% identical per preset (256 requests),
+// with the same steps where identical. (Lossless as it is: the acceptance rules never depend on how
+// the forward rounds.)
+TEST(SpecStaticShapesTest, EveryMethodDrawsTheEagerForwardsImages) {
+  const Toy& toy = TheToy();
+  struct Case {
+    const char* name;
+    DecodingPolicy policy;
+  };
+  DecodingPolicy pac = Preset("sjd-pac", 9);
+  pac.tree_branches = 2;
+  for (const Case& c : std::vector<Case>{{"ar", Preset("ar", 1)},
+                                         {"sjd", Preset("sjd", 6)},
+                                         {"scd-mc", Preset("scd-mc", 6)},
+                                         {"sjd-pac K2", pac},
+                                         {"gsd", Preset("gsd", 6)},
+                                         {"sd", Preset("sd", 4)}}) {
+    std::vector<ImageRequest> reqs(256);
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      reqs[i].class_id = static_cast<int64_t>(i % kClasses);
+      reqs[i].seed = 777 + i;
+      reqs[i].sampling = toy.sampling;
+      reqs[i].policy = c.policy;
+    }
+    SpecOptions fixed;
+    fixed.static_shapes = true;
+    auto eager = GenerateSpeculative(*toy.target, toy.draft.get(), reqs);
+    auto stat = GenerateSpeculative(*toy.target, toy.draft.get(), reqs, fixed);
+    ASSERT_TRUE(eager.ok()) << eager.status().ToString();
+    ASSERT_TRUE(stat.ok()) << stat.status().ToString();
+    int64_t same = 0, same_steps = 0, nfe = 0;
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      if ((*eager)[i].tokens != (*stat)[i].tokens) continue;
+      same += 1;
+      same_steps += (*eager)[i].stats.nfe == (*stat)[i].stats.nfe ? 1 : 0;
+      nfe += (*stat)[i].stats.nfe;
+    }
+    std::printf("%-10s static shapes: %lld of %zu images identical, mean NFE %.2f\n", c.name,
+                static_cast<long long>(same), reqs.size(), same > 0 ? double(nfe) / same : 0.0);
+    EXPECT_GE(same, 253) << c.name;  // 99%
+    EXPECT_EQ(same_steps, same) << c.name;
+  }
+}
+
 // An AR request paused and resumed draws the same tokens as without the pause: its random
 // draws are keyed by its steps, and the recomputed KV entries equal the ones it had.
 TEST(SpecBatchPreemptionTest, ArRequestResumedGivesTheSameGrid) {

@@ -15,15 +15,8 @@ cd "$(dirname "$0")/../.."
 dest=${OUT:?set OUT to the folder whose files come back}
 work=${LEASE_WORK:-/tmp/imagegen-gpu}
 mkdir -p "$work/out"
-if [[ ! -x $work/device/bin/engine_tests ]]; then
-  tar xJf .deps/carry/device.tar.xz -C "$work" 2>/dev/null \
-    || python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' \
-         .deps/carry/device.tar.xz "$work" \
-    || { echo "lease: cannot unpack .deps/carry/device.tar.xz" >&2; exit 1; }
-fi
-# The programs were built in /work/main: where that path does not exist here, point it at this
-# checkout (the spec bench finds its plotting script through it).
-if [[ ! -e /work/main ]]; then mkdir -p /work && ln -s "$PWD" /work/main; fi
+. bench/gpu/carried.sh
+carried_unpack "$work" || exit 1
 nvidia-smi > "$work/out/nvidia-smi.txt" 2>&1 || true
 phases=${LEASE_PHASES:-"tests:120 spec:130 step:90 serve:60 load:110 report:20"}
 for pt in $phases; do

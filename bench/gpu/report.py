@@ -51,10 +51,12 @@ def step_cost_section(rows):
         return out + ["step_cost.csv missing.", ""]
     groups = {}
     for r in rows:
-        groups.setdefault((r["shape"], r["dtype"]), []).append(r)
-    for (shape, dtype), rs in groups.items():
+        # Older CSVs have no forward column: the eager forward.
+        groups.setdefault((r["shape"], r["dtype"], r.get("forward") or "eager"), []).append(r)
+    for (shape, dtype, forward), rs in groups.items():
         wr = float(rs[0]["weight_read_ms"] or 0)
-        head = f"### {shape}, {dtype} ({float(rs[0]['params_bytes']) / 1e6:.0f} MB of weights"
+        head = f"### {shape}, {dtype}, {forward} forward"
+        head += f" ({float(rs[0]['params_bytes']) / 1e6:.0f} MB of weights"
         head += f", weight-read limit {wr * 1e3:.0f} us)" if wr > 0 else ")"
         out += [head, "", "| requests | tokens/step | tokens/request | ms | x one token |"
                 " tokens/s |", "|---:|---:|---:|---:|---:|---:|"]

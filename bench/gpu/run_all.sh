@@ -50,21 +50,9 @@ case "$scale" in quick|lease|full) ;;
   *) echo "--scale: expected quick, lease or full, got '$scale'" >&2; exit 2 ;; esac
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
-# The Python that holds PyTorch: IMAGEGEN_PYTHON, the project's virtualenv, or python3 (a GPU
-# host's).
-if [[ -n ${IMAGEGEN_PYTHON:-} ]]; then PY=$IMAGEGEN_PYTHON
-elif [[ -x /opt/imagegen/venv/bin/python ]]; then PY=/opt/imagegen/venv/bin/python
-else PY=$(command -v python3); fi
 log() { echo "== $(date +%H:%M:%S) $*" | tee -a "$out/run_all.log"; }
-
-# The host wheel's LibTorch and NVIDIA library folders, for programs built elsewhere (their
-# run paths name the build machine's virtualenv).
-torch_libs() {
-  "$PY" -c 'import glob, os, torch
-t = os.path.dirname(torch.__file__)
-print(":".join([os.path.join(t, "lib")] +
-               sorted(glob.glob(os.path.join(os.path.dirname(t), "nvidia", "*", "lib")))))'
-}
+. bench/gpu/carried.sh
+PY=$(carried_python)  # the Python that holds PyTorch
 
 # Where the programs are: a build directory's tests/ and bench/, or one prebuilt bin/.
 tests_bin="$build/tests" bench_bin="$build/bench" parity_dir="$build/tests/parity"
@@ -72,17 +60,8 @@ if [[ -n $prebuilt ]]; then
   prebuilt=$(cd "$prebuilt" && pwd)
   parity_dir="$prebuilt/parity"
   # Each program runs through a wrapper that puts the packed libraries and the host's LibTorch
-  # on its library path; Python (parity references, the classifier) keeps the host's own.
-  torch_lib=$(torch_libs)
-  mkdir -p "$prebuilt/run"
-  for p in "$prebuilt"/bin/*; do
-    # Line-buffered (stdbuf) so that a program stopped at a time limit keeps its log.
-    printf '#!/bin/sh\nLD_LIBRARY_PATH="%s" exec %s "%s" "$@"\n' \
-      "$prebuilt/lib:$torch_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
-      "$(command -v stdbuf >/dev/null && echo 'stdbuf -oL -eL')" "$p" \
-      > "$prebuilt/run/${p##*/}"
-    chmod +x "$prebuilt/run/${p##*/}"
-  done
+  # on its library path (bench/gpu/carried.sh).
+  carried_wrappers "$prebuilt" "$PY"
   tests_bin="$prebuilt/run" bench_bin="$prebuilt/run"
   export IMAGEGEN_SERVER_PACK=${IMAGEGEN_SERVER_PACK:-$prebuilt}
   # The programs were built elsewhere: the models directory compiled into them may not exist.
@@ -140,11 +119,15 @@ phase_tests() {
   log "tests on $device"
   export IMAGEGEN_TEST_DEVICE=$device
   local t="$tests_bin"
-  local filter='*HostSync*:Presets/SpecLossless*:SpeculativePowerTest*:GptTest*:DeviceTest*'
-  [[ $scale == quick ]] && filter='*HostSync*:GptTest*'
+  # The static-shape forward and its CUDA graphs (StaticForwardTest: replays equal the eager
+  # static forward; SpecStaticShapesTest and EngineTest.CudaGraphs*: the same images as the
+  # ragged forward) in every scale.
+  local graphs='StaticForward*:SpecStaticShapes*:EngineTest.CudaGraphs*'
+  local filter="*HostSync*:Presets/SpecLossless*:SpeculativePowerTest*:GptTest*:DeviceTest*:$graphs"
+  [[ $scale == quick ]] && filter='*HostSync*:GptTest*:StaticForward*'
   if [[ $scale == lease ]]; then  # four of the nine exact-distribution cases, and the power test
     local c=Presets/SpecLosslessTest.MatchesTheExactArDistribution
-    filter="*HostSync*:GptTest*:DeviceTest*:SpeculativePowerTest*:$c/ar:$c/scd_mc_L6"
+    filter="*HostSync*:GptTest*:DeviceTest*:$graphs:SpeculativePowerTest*:$c/ar:$c/scd_mc_L6"
     filter+=":$c/sjd_pac_K2_D3_L9_onehot:$c/sd_L4"
   fi
   "$t/engine_tests" --gtest_filter="$filter" 2>&1 | tee "$out/engine_tests.log" | tail -3
@@ -174,12 +157,15 @@ phase_step() {
     "$b/imagegen-step-cost" --device "$device" --shapes bundled,tiny --requests 1,4 \
       --tokens 1,4,16,64 --reps 3 --csv "$out/step_cost.csv" > "$out/step_cost.log" 2>&1
   elif [[ $scale == lease ]]; then
+    # The eager forward and the static one through CUDA graphs, side by side for each shape.
     "$b/imagegen-step-cost" --device "$device" --shapes bundled,gpt-b,gpt-l,gpt-xl \
       --dtypes bf16,fp32 --requests 1,4,16,64 --tokens 1,4,16,64,256,1024,4096 --reps 5 \
-      --hbm-gbps "$(gbps)" --csv "$out/step_cost.csv" > "$out/step_cost.log" 2>&1
+      --forwards eager,graphs --hbm-gbps "$(gbps)" --csv "$out/step_cost.csv" \
+      > "$out/step_cost.log" 2>&1
   else
     "$b/imagegen-step-cost" --device "$device" --shapes bundled,gpt-b,gpt-l,gpt-xl \
-      --dtypes bf16,fp32 --hbm-gbps "$(gbps)" --csv "$out/step_cost.csv" > "$out/step_cost.log" 2>&1
+      --dtypes bf16,fp32 --forwards eager,static,graphs --hbm-gbps "$(gbps)" \
+      --csv "$out/step_cost.csv" > "$out/step_cost.log" 2>&1
   fi
   tail -n 3 "$out/step_cost.log"
 }
@@ -246,7 +232,7 @@ phase_serve() {
     return 1
   fi
   local torch_lib
-  torch_lib=$(torch_libs)
+  torch_lib=$(carried_torch_libs "$PY")
   local lp="$pack/lib:$torch_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   local S=(env LD_LIBRARY_PATH="$lp" "$bin/imagegen-server")
   local C=(env LD_LIBRARY_PATH="$lp" "$bin/imagegen")

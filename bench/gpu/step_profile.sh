@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Where a served step's time goes on the device, and the cuDNN-attention A/B: the load bench
-# (the engine's continuous batching, AR and scd-mc at 1 and 4 clients) with cuDNN's attention
-# on (IMAGEGEN_CUDNN_SDPA=1, LibTorch's default) and off (imagegen's default, PrepareAttention
-# in engine/model/device.h), side by side; then with the per-op profile (IMAGEGEN_OP_PROFILE=1,
-# bench/op_profile.h); then the speculative bench at batch 1 (speedups with the step split off,
-# then the split, profiled). Prebuilt programs as in bench/gpu/lease.sh; results packed into
-# $OUT/profile.tgz after each part.
+# Where a served step's time goes on the device, and two A/Bs: the load bench (the engine's
+# continuous batching, AR and scd-mc at 1 and 4 clients) as imagegen runs by default (cuDNN's
+# attention off, PrepareAttention in engine/model/device.h), with CUDA graphs
+# (--cuda-graphs 1, engine/model/cuda_graphs.h), and with cuDNN's attention on
+# (IMAGEGEN_CUDNN_SDPA=1, LibTorch's default); the forward alone, eager against graphs
+# (imagegen-step-cost); the per-op profile (IMAGEGEN_OP_PROFILE=1, bench/op_profile.h); the
+# speculative bench at batch 1 (speedups with the step split off, then the split, profiled).
+# Prebuilt programs as in bench/gpu/lease.sh; results packed into $OUT/profile.tgz after each
+# part.
 #
 #   device: bash bench/gpu/step_profile.sh        (carry: [".deps/carry"])
 set -uo pipefail
@@ -14,14 +16,9 @@ dest=${OUT:?set OUT}
 work=${LEASE_WORK:-/tmp/imagegen-gpu}
 o=$work/profile
 mkdir -p "$o"
-if [[ ! -x $work/device/bin/engine_tests ]]; then
-  tar xJf .deps/carry/device.tar.xz -C "$work" 2>/dev/null \
-    || python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' \
-         .deps/carry/device.tar.xz "$work" || exit 1
-fi
-if [[ ! -e /work/main ]]; then mkdir -p /work && ln -s "$PWD" /work/main; fi
-# The wrappers (library paths) that run_all.sh --prebuilt writes.
-bash bench/gpu/run_all.sh --prebuilt "$work/device" --phase build --out "$o" > /dev/null 2>&1
+. bench/gpu/carried.sh
+carried_unpack "$work" || exit 1
+carried_wrappers "$work/device" "$(carried_python)" || exit 1
 B=$work/device/run
 dev=${LEASE_DEVICE:-cuda}
 pack() { tar czf "$dest/profile.tgz" -C "$o" .; }
@@ -33,8 +30,16 @@ load() {  # name, env..., then load-bench flags
   echo "$name exit $?" | tee -a "$o/parts.log"
   pack
 }
-load load_cudnn IMAGEGEN_CUDNN_SDPA=1 "$B/imagegen-load-bench" --device "$dev" --dtype bf16
+# Most wanted first (a call cut off at its limit keeps what finished): the default engine, the
+# same with CUDA graphs, the forward alone eager against graphs, then the profile, the spec
+# bench, and last cuDNN's attention (LibTorch's choice, which the first GPU run measured).
 load load_default IMAGEGEN_CUDNN_SDPA=0 "$B/imagegen-load-bench" --device "$dev" --dtype bf16
+load load_graphs IMAGEGEN_CUDNN_SDPA=0 "$B/imagegen-load-bench" --device "$dev" --dtype bf16 \
+  --cuda-graphs 1
+timeout -k 5 60 "$B/imagegen-step-cost" --device "$dev" --shapes bundled,gpt-b --dtypes bf16 \
+  --requests 1,4,16 --tokens 1,4,16,64,256 --reps 5 --forwards eager,graphs \
+  --csv "$o/step_cost_graphs.csv" > "$o/step_cost_graphs.log" 2>&1
+echo "step-cost exit $?" | tee -a "$o/parts.log"; pack
 load load_profile IMAGEGEN_OP_PROFILE=1 "$B/imagegen-load-bench" --device "$dev" --dtype bf16
 timeout -k 5 80 "$B/imagegen-spec-bench" --device "$dev" --dtype bf16 --per-class 1 \
   --methods sjd,scd-mc,sjd-pac,sd --windows 32 --sd-windows 8 --split 0 --python python3 \
@@ -44,5 +49,7 @@ timeout -k 5 60 env IMAGEGEN_OP_PROFILE=1 "$B/imagegen-spec-bench" --device "$de
   --dtype bf16 --per-class 1 --methods scd-mc --windows 32 --split 1 --python python3 \
   --out-dir "$o/spec-split" > "$o/spec_split.log" 2>&1
 echo "spec-split exit $?" | tee -a "$o/parts.log"; pack
-head -n 5 "$o/load_cudnn.log" "$o/load_default.log"; tail -n 40 "$o/load_profile.log"
+load load_cudnn IMAGEGEN_CUDNN_SDPA=1 "$B/imagegen-load-bench" --device "$dev" --dtype bf16
+head -n 5 "$o/load_default.log" "$o/load_graphs.log" "$o/load_cudnn.log"
+tail -n 30 "$o/step_cost_graphs.log"; tail -n 40 "$o/load_profile.log"
 tail -n 14 "$o/spec.log"

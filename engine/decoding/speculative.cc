@@ -24,8 +24,9 @@ struct SpecBatch::Impl {
 
   Impl(const Gpt& t, const Gpt* d, int64_t slots, SpecOptions o) : target(t), draft(d), opts(o) {
     for (int64_t s = slots - 1; s >= 0; --s) free_list.push_back(s);
-    cache = target.NewCache(slots);
-    if (draft != nullptr) dcache = draft->NewCache(slots);
+    const bool scratch = o.static_shapes || o.cuda_graphs;
+    cache = target.NewCache(slots, 0, scratch);
+    if (draft != nullptr) dcache = draft->NewCache(slots, 0, scratch);
   }
 
   const Sequence& at(int64_t h) const { return seqs.at(h); }

@@ -67,6 +67,10 @@ struct SpecOptions {
   // requests in the batch. Costs one attention call per request; the serving engine turns it
   // on, offline sampling of thousands of rows at once leaves it off.
   bool batch_invariant = false;
+  // Static-shape forwards (ForwardOptions::static_shapes), captured as CUDA graphs with
+  // cuda_graphs; the caches get a scratch slot. Either overrides batch_invariant.
+  bool static_shapes = false;
+  bool cuda_graphs = false;
   // The acceptance decisions (verify.h); null: the exact rules. Tests inject broken ones.
   // Must outlive the SpecBatch.
   const VerifyRules* rules = nullptr;

@@ -60,7 +60,9 @@ struct StepContext {
 
   const GptConfig& cfg() const { return target.config(); }
   at::Device dev() const { return target.options().device; }
-  ForwardOptions fwd() const { return {opts.batch_invariant}; }
+  ForwardOptions fwd() const {
+    return {opts.batch_invariant, opts.static_shapes, opts.cuda_graphs};
+  }
 };
 
 // What the verification decided, on the device: per node and child, accepted ([nodes, K]);

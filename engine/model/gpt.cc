@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/decoding/sampling_params.h"
+#include "engine/model/cuda_graphs.h"
 #include "engine/model/device.h"
 #include "engine/model/transfer.h"
 
@@ -368,14 +369,16 @@ int64_t Gpt::weight_bytes() const {
   return b;
 }
 
-KvCache Gpt::NewCache(int64_t slots, int64_t extra) const {
+KvCache Gpt::NewCache(int64_t slots, int64_t extra, bool scratch_slot) const {
   KvCache c;
   c.slots = slots;
   c.capacity = cfg_.seq_len() + extra;
+  c.scratch = scratch_slot ? slots : -1;
+  const int64_t all = slots + (scratch_slot ? 1 : 0);
   auto o = at::TensorOptions().dtype(opts_.dtype).device(opts_.device);
   for (int64_t l = 0; l < cfg_.n_layer; ++l) {
-    c.k.push_back(at::zeros({slots, c.capacity, cfg_.n_head, cfg_.head_dim()}, o));
-    c.v.push_back(at::zeros({slots, c.capacity, cfg_.n_head, cfg_.head_dim()}, o));
+    c.k.push_back(at::zeros({all, c.capacity, cfg_.n_head, cfg_.head_dim()}, o));
+    c.v.push_back(at::zeros({all, c.capacity, cfg_.n_head, cfg_.head_dim()}, o));
   }
   return c;
 }
@@ -445,6 +448,31 @@ StatusOr<at::Tensor> Gpt::Forward(const std::vector<BatchRow>& batch, KvCache& c
     for (const auto& r : batch) total += static_cast<int64_t>(r.tokens.size());
     if (device_tokens.numel() != total) {
       return InvalidArgument("forward: device_tokens must hold one id per new token");
+    }
+  }
+  if (fopts.static_shapes || fopts.cuda_graphs) {
+    if (cache.scratch < 0) {
+      return InvalidArgument("forward: static shapes need a cache with a scratch slot");
+    }
+    try {
+      const StaticShape shape = StaticBucket(batch);
+      const std::vector<int64_t> host = StaticUpload(batch, cache, shape, device_tokens.defined());
+      int64_t total = 0;
+      for (const auto& r : batch) total += static_cast<int64_t>(r.tokens.size());
+      at::Tensor padded;
+      if (device_tokens.defined()) {
+        padded = at::constant_pad_nd(device_tokens.to(at::kLong).reshape({total}),
+                                     {0, shape.tokens - total});
+      }
+      at::Tensor logits;
+      if (fopts.cuda_graphs && opts_.device.is_cuda()) {
+        ASSIGN_OR_RETURN(logits, RunForwardGraph(*this, cache, shape, host, padded));
+      } else {
+        logits = StaticForward(UploadLongs(host, opts_.device), padded, shape, cache);
+      }
+      return logits.narrow(0, 0, total);
+    } catch (const c10::Error& e) {
+      return Internal(std::string("forward failed in LibTorch: ") + e.what_without_backtrace());
     }
   }
   try {
@@ -583,25 +611,10 @@ at::Tensor Gpt::ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache,
   at::Tensor real = qi < nr;
   at::Tensor allow = (real & ((kj < cl) | (fresh & lower))) | (~real & (kj == 0));
   if (!invariant) allow = allow.unsqueeze(1);  // [R, 1, nmax, kv_max]
-  at::Tensor rope = rope_.index_select(0, pos);
-
-  at::Tensor x = embed_.index_select(0, ids);  // [T, D]
-  for (size_t l = 0; l < layers_.size(); ++l) {
-    const Layer& L = layers_[l];
-    at::Tensor qkv = Linear(RmsNorm(x, L.attention_norm, cfg_.norm_eps), L.wqkv, invariant);
-    const auto rotate = cfg_.prompted() ? ApplyRopeHalf : ApplyRope;
-    // q and k rotated in one pass, as 2H heads sharing each token's table: the same arithmetic
-    // on every element, half the launches.
-    at::Tensor qk = rotate(qkv.narrow(-1, 0, 2 * D).reshape({T, 2 * H, hd}), rope);
-    at::Tensor q = qk.narrow(1, 0, H);
-    at::Tensor k = qk.narrow(1, H, H);
-    at::Tensor v = qkv.narrow(-1, 2 * D, D).reshape({T, H, hd});
-    at::Tensor& ck = cache.k[l];
-    at::Tensor& cv = cache.v[l];
-    ck.view({-1, H, hd}).index_copy_(0, dst, k);
-    cv.view({-1, H, hd}).index_copy_(0, dst, v);
-
-    at::Tensor o;
+  Attend attend = [&](size_t l, const at::Tensor& q, const at::Tensor& k,
+                      const at::Tensor& v) -> at::Tensor {
+    const at::Tensor& ck = cache.k[l];
+    const at::Tensor& cv = cache.v[l];
     if (invariant) {
       // Fresh operands per call (index_select and contiguous allocate): identical inputs
       // (values, shapes, strides, alignment) whatever the batch, hence identical outputs.
@@ -618,22 +631,42 @@ at::Tensor Gpt::ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache,
         at::Tensor oc = at::scaled_dot_product_attention(qc, kc, vc, mc);
         outs.push_back(oc.transpose(1, 2).reshape({c.rows * c.n, D}));
       }
-      o = outs.size() == 1 ? outs[0] : at::cat(outs);
-    } else {
-      at::Tensor keys, vals;  // [R, kv_max, H, hd]
-      if (consecutive) {
-        keys = ck.narrow(0, batch[0].slot, R).narrow(1, 0, kv_max);
-        vals = cv.narrow(0, batch[0].slot, R).narrow(1, 0, kv_max);
-      } else {
-        keys = ck.narrow(1, 0, kv_max).index_select(0, slots);
-        vals = cv.narrow(1, 0, kv_max).index_select(0, slots);
-      }
-      at::Tensor qp = at::zeros({R * nmax, H, hd}, q.options()).index_copy_(0, src, q);
-      qp = qp.view({R, nmax, H, hd}).transpose(1, 2);
-      o = at::scaled_dot_product_attention(qp, keys.transpose(1, 2), vals.transpose(1, 2), allow);
-      o = o.transpose(1, 2).reshape({R * nmax, D}).index_select(0, src);
+      return outs.size() == 1 ? outs[0] : at::cat(outs);
     }
-    x = x + Linear(o, L.wo, invariant);
+    at::Tensor keys, vals;  // [R, kv_max, H, hd]
+    if (consecutive) {
+      keys = ck.narrow(0, batch[0].slot, R).narrow(1, 0, kv_max);
+      vals = cv.narrow(0, batch[0].slot, R).narrow(1, 0, kv_max);
+    } else {
+      keys = ck.narrow(1, 0, kv_max).index_select(0, slots);
+      vals = cv.narrow(1, 0, kv_max).index_select(0, slots);
+    }
+    at::Tensor qp = at::zeros({R * nmax, H, hd}, q.options()).index_copy_(0, src, q);
+    qp = qp.view({R, nmax, H, hd}).transpose(1, 2);
+    at::Tensor o =
+        at::scaled_dot_product_attention(qp, keys.transpose(1, 2), vals.transpose(1, 2), allow);
+    return o.transpose(1, 2).reshape({R * nmax, D}).index_select(0, src);
+  };
+  return Decode(embed_.index_select(0, ids), rope_.index_select(0, pos), dst, cache, invariant,
+                attend);
+}
+
+at::Tensor Gpt::Decode(at::Tensor x, const at::Tensor& rope, const at::Tensor& dst, KvCache& cache,
+                       bool invariant, const Attend& attend) const {
+  const int64_t T = x.size(0), H = cfg_.n_head, hd = cfg_.head_dim(), D = cfg_.dim;
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const Layer& L = layers_[l];
+    at::Tensor qkv = Linear(RmsNorm(x, L.attention_norm, cfg_.norm_eps), L.wqkv, invariant);
+    const auto rotate = cfg_.prompted() ? ApplyRopeHalf : ApplyRope;
+    // q and k rotated in one pass, as 2H heads sharing each token's table: the same arithmetic
+    // on every element, half the launches.
+    at::Tensor qk = rotate(qkv.narrow(-1, 0, 2 * D).reshape({T, 2 * H, hd}), rope);
+    at::Tensor q = qk.narrow(1, 0, H);
+    at::Tensor k = qk.narrow(1, H, H);
+    at::Tensor v = qkv.narrow(-1, 2 * D, D).reshape({T, H, hd});
+    cache.k[l].view({-1, H, hd}).index_copy_(0, dst, k);
+    cache.v[l].view({-1, H, hd}).index_copy_(0, dst, v);
+    x = x + Linear(attend(l, q, k, v), L.wo, invariant);
     at::Tensor hn = RmsNorm(x, L.ffn_norm, cfg_.norm_eps);
     x = x + Linear(at::silu(Linear(hn, L.w1, invariant)) * Linear(hn, L.w3, invariant), L.w2,
                    invariant);
@@ -644,6 +677,128 @@ at::Tensor Gpt::ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache,
     return (Linear(h, output_, invariant) + head_b2_).to(at::kFloat);
   }
   return Linear(h, output_, invariant).to(at::kFloat);
+}
+
+namespace {
+int64_t Pow2AtLeast(int64_t n) {
+  int64_t p = 1;
+  while (p < n) p *= 2;
+  return p;
+}
+}  // namespace
+
+StaticShape Gpt::StaticBucket(const std::vector<BatchRow>& batch) const {
+  int64_t T = 0, nmax = 0, pairs = 0;
+  for (const BatchRow& row : batch) {
+    T += static_cast<int64_t>(row.tokens.size());
+    nmax = std::max(nmax, static_cast<int64_t>(row.tokens.size()));
+    for (uint8_t m : row.mask) pairs += m != 0 ? 1 : 0;
+  }
+  StaticShape s;
+  // At least kInvariantMinRows tokens: the linear layers then never see the tiny matrices
+  // whose BLAS kernels round differently.
+  s.tokens = Pow2AtLeast(std::max(T, kInvariantMinRows));
+  s.rows = Pow2AtLeast(static_cast<int64_t>(batch.size()));
+  s.width = Pow2AtLeast(nmax);
+  s.pairs = pairs == 0 ? 0 : Pow2AtLeast(pairs);
+  return s;
+}
+
+std::vector<int64_t> Gpt::StaticUpload(const std::vector<BatchRow>& batch, const KvCache& cache,
+                                       const StaticShape& shape, bool device_tokens) const {
+  const auto R = static_cast<int64_t>(batch.size());
+  const int64_t W = shape.width, cap = cache.capacity;
+  std::vector<int64_t> host(static_cast<size_t>(shape.upload_size()), 0);
+  int64_t* ids = host.data();
+  int64_t* pos = ids + shape.tokens;
+  int64_t* dst = pos + shape.tokens;
+  int64_t* qin = dst + shape.tokens;
+  int64_t* slot = qin + shape.tokens;
+  int64_t* cl = slot + shape.rows;
+  int64_t* nr = cl + shape.rows;
+  int64_t* own = nr + shape.rows;
+  int64_t* pairs = own + shape.rows;
+  int64_t t = 0, p = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    const BatchRow& row = batch[r];
+    const int64_t prefix = RowPrefix(row), n = static_cast<int64_t>(row.tokens.size());
+    for (int64_t i = 0; i < n; ++i, ++t) {
+      const bool cond = row.positions[i] < prefix;
+      ids[t] = device_tokens ? (cond ? cfg_.vocab_size : 0)
+                             : (cond ? cfg_.vocab_size : 0) + row.tokens[i];
+      pos[t] = row.positions[i];
+      dst[t] = row.slot * cap + row.cache_len + i;
+      qin[t] = r * W + i;
+    }
+    slot[r] = row.slot;
+    cl[r] = row.cache_len;
+    nr[r] = n;
+    own[r] = row.mask.empty() ? 0 : 1;
+    for (int64_t i = 0; i < n && !row.mask.empty(); ++i) {
+      for (int64_t j = 0; j < n; ++j) {
+        if (row.mask[i * n + j] != 0) pairs[p++] = (r * W + i) * W + j;
+      }
+    }
+  }
+  // Padding tokens embed id 0 at position 0, write to the scratch slot and take the dummy
+  // query row past the batch's; padding rows read the scratch slot with no tokens; padding
+  // pairs set the dummy element past the mask.
+  for (int64_t i = 0; t < shape.tokens; ++t, ++i) {
+    dst[t] = cache.scratch * cap + i % cap;
+    qin[t] = shape.rows * W;
+  }
+  for (int64_t r = R; r < shape.rows; ++r) slot[r] = cache.scratch;
+  for (; p < shape.pairs; ++p) pairs[p] = shape.rows * W * W;
+  return host;
+}
+
+at::Tensor Gpt::StaticForward(const at::Tensor& upload, const at::Tensor& device_tokens,
+                              const StaticShape& shape, KvCache& cache) const {
+  const int64_t T = shape.tokens, R = shape.rows, W = shape.width, K = cache.capacity;
+  const int64_t H = cfg_.n_head, hd = cfg_.head_dim(), D = cfg_.dim;
+  int64_t off = 0;
+  auto take = [&](int64_t n) {
+    at::Tensor t = upload.narrow(0, off, n);
+    off += n;
+    return t;
+  };
+  at::Tensor ids = take(T), pos = take(T), dst = take(T), qin = take(T), slots = take(R);
+  at::Tensor meta = take(3 * R).view({3, R, 1, 1});  // cache_len, n, has its own mask
+  at::Tensor pairs = take(shape.pairs);
+  if (device_tokens.defined()) ids = ids + device_tokens;
+  at::Tensor qout = qin.clamp_max(R * W - 1);  // padding tokens read row 0; dropped
+
+  // allow[r, i, j] as in ForwardImpl, over every entry j of the slot's capacity.
+  const auto lopt = at::TensorOptions().dtype(at::kLong).device(opts_.device);
+  at::Tensor cl = meta[0], nr = meta[1], own = meta[2] > 0;  // [R, 1, 1]
+  at::Tensor qi = at::arange(W, lopt).view({1, W, 1});
+  at::Tensor kj = at::arange(K, lopt).view({1, 1, K});
+  at::Tensor jj = kj - cl;  // [R, 1, K]
+  at::Tensor fresh = (jj >= 0) & (jj < nr);
+  at::Tensor lower = jj <= qi;  // [R, W, K]
+  if (shape.pairs > 0) {
+    at::Tensor local = at::zeros({R * W * W + 1}, lopt.dtype(at::kBool))
+                           .index_fill_(0, pairs, true)
+                           .narrow(0, 0, R * W * W)
+                           .view({R, W, W});
+    at::Tensor from_mask = local.gather(2, jj.clamp(0, W - 1).expand({R, W, K}));
+    lower = at::where(own, from_mask, lower);
+  }
+  at::Tensor real = qi < nr;
+  at::Tensor allow =
+      ((real & ((kj < cl) | (fresh & lower))) | (~real & (kj == 0))).unsqueeze(1);  // [R,1,W,K]
+
+  Attend attend = [&](size_t l, const at::Tensor& q, const at::Tensor&,
+                      const at::Tensor&) -> at::Tensor {
+    at::Tensor keys = cache.k[l].index_select(0, slots).transpose(1, 2);  // [R, H, K, hd]
+    at::Tensor vals = cache.v[l].index_select(0, slots).transpose(1, 2);
+    at::Tensor qp = at::zeros({R * W + 1, H, hd}, q.options()).index_copy_(0, qin, q);
+    qp = qp.narrow(0, 0, R * W).view({R, W, H, hd}).transpose(1, 2);
+    at::Tensor o = at::scaled_dot_product_attention(qp, keys, vals, allow);
+    return o.transpose(1, 2).reshape({R * W, D}).index_select(0, qout);
+  };
+  return Decode(embed_.index_select(0, ids), rope_.index_select(0, pos), dst, cache,
+                /*invariant=*/false, attend);
 }
 
 void CopyCachePrefix(KvCache& cache, int64_t from_slot, int64_t to_slot, int64_t len) {

@@ -10,6 +10,7 @@
 
 #include <ATen/Tensor.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -74,10 +75,17 @@ struct GptConfig {
 
 StatusOr<GptConfig> ParseGptConfig(const Json& json, const std::string& where);
 
+class ForwardGraphs;  // engine/model/cuda_graphs.h
+
 // Per-slot key/value storage for every layer: [slots, capacity, heads, head_dim].
 struct KvCache {
   std::vector<at::Tensor> k, v;
   int64_t slots = 0, capacity = 0;
+  // A slot past `slots` that static-shape forwards write their padding tokens to (-1: none;
+  // Gpt::NewCache(..., scratch_slot = true) adds it).
+  int64_t scratch = -1;
+  // CUDA graphs captured against this cache's tensors (ForwardOptions::cuda_graphs).
+  std::shared_ptr<ForwardGraphs> graphs;
 };
 
 // One row of a ragged batch. New token i is written to cache index cache_len + i and sits at
@@ -109,6 +117,29 @@ struct ForwardOptions {
   // row's queries or keys are padded to another row's length. Off: one attention call for the
   // whole batch, padded to its longest row (fastest for large uniform batches: evaluation).
   bool batch_invariant = false;
+  // Graph-ready: the forward's every tensor shape depends only on the batch's bucket
+  // (StaticShape: token, row, width and mask-pair counts rounded up to powers of two), its
+  // inputs come in one upload of a fixed layout, and attention runs over each slot's whole
+  // capacity (masked) in one call, so that one bucket's forward can be captured as a CUDA graph
+  // and replayed for any batch of that bucket (cuda_graphs). Needs a cache with a scratch slot.
+  // Overrides batch_invariant; a row's logits equal the other modes' within rounding, not bit
+  // for bit.
+  bool static_shapes = false;
+  // static_shapes, with each bucket's forward captured once as a CUDA graph and replayed
+  // (CUDA devices in builds that link LibTorch's CUDA libraries; elsewhere the static forward
+  // runs eagerly).
+  bool cuda_graphs = false;
+};
+
+// The bucket of a static-shape forward (ForwardOptions::static_shapes).
+struct StaticShape {
+  int64_t tokens = 0, rows = 0, width = 0, pairs = 0;
+  bool operator==(const StaticShape& o) const {
+    return tokens == o.tokens && rows == o.rows && width == o.width && pairs == o.pairs;
+  }
+  // Length of the int64 upload: ids, positions, cache indices and query indices per token,
+  // slot, cache length, token count and own-mask flag per row, then the mask pairs.
+  int64_t upload_size() const { return 4 * tokens + 4 * rows + pairs; }
 };
 
 // Rows below which a batch-invariant forward pads its linear layers (see ForwardOptions).
@@ -133,7 +164,8 @@ class Gpt {
 
   // A cache with `slots` slots of seq_len() + extra entries each, zero-filled. Throws
   // c10::Error if the device is out of memory (callers size it from a memory budget).
-  KvCache NewCache(int64_t slots, int64_t extra = 0) const;
+  // With scratch_slot, one slot more, which static-shape forwards write their padding to.
+  KvCache NewCache(int64_t slots, int64_t extra = 0, bool scratch_slot = false) const;
 
   // Logits [total new tokens, vocab] in float32, rows in batch order. Throws c10::Error only
   // on internal errors; inputs are validated and reported as a Status.
@@ -145,6 +177,18 @@ class Gpt {
   StatusOr<at::Tensor> Forward(const std::vector<BatchRow>& batch, KvCache& cache,
                                const at::Tensor& device_tokens = at::Tensor(),
                                ForwardOptions fopts = {}) const;
+
+  // The two halves of a static-shape forward (ForwardOptions::static_shapes), which a CUDA
+  // graph captures separately: the host half lays a validated batch out as StaticShape's
+  // upload (ids are full ids without device tokens; with them, the condition tokens' offsets
+  // into the embedding, added to the device tokens); the device half computes logits
+  // [shape.tokens, vocab] from that upload (on the device) and the device tokens padded to
+  // shape.tokens (undefined: none), writing the new keys and values into `cache`.
+  StaticShape StaticBucket(const std::vector<BatchRow>& batch) const;
+  std::vector<int64_t> StaticUpload(const std::vector<BatchRow>& batch, const KvCache& cache,
+                                    const StaticShape& shape, bool device_tokens) const;
+  at::Tensor StaticForward(const at::Tensor& upload, const at::Tensor& device_tokens,
+                           const StaticShape& shape, KvCache& cache) const;
 
   // The token-embedding rows [vocab, dim] (GSD measures distances between them).
   at::Tensor token_embeddings() const { return embed_.narrow(0, 0, cfg_.vocab_size); }
@@ -158,6 +202,13 @@ class Gpt {
                                                       const LoadOptions& opts);
   at::Tensor ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache,
                          const at::Tensor& device_tokens, bool invariant) const;
+  // The layers and the head over embeddings x [T, D] at RoPE rows `rope`: each layer writes its
+  // new keys and values to the cache at flat indices dst (slot * capacity + entry), then
+  // attends through attend(layer, q, k, v) -> [T, D].
+  using Attend =
+      std::function<at::Tensor(size_t, const at::Tensor&, const at::Tensor&, const at::Tensor&)>;
+  at::Tensor Decode(at::Tensor x, const at::Tensor& rope, const at::Tensor& dst, KvCache& cache,
+                    bool invariant, const Attend& attend) const;
   Status Validate(const std::vector<BatchRow>& batch, const KvCache& cache,
                   bool check_tokens) const;
   at::Tensor RopeTable() const;  // float32 on CPU

@@ -138,6 +138,59 @@ SyncWatch::~SyncWatch() {
   t_watch = nullptr;
 }
 
+struct OpTrace::State {
+  std::vector<std::string> calls;
+  at::CallbackHandle handle = 0;
+};
+
+namespace {
+
+thread_local OpTrace::State* t_trace = nullptr;
+
+std::unique_ptr<at::ObserverContext> OnTracedCall(const at::RecordFunction& fn) {
+  OpTrace::State* tr = t_trace;
+  if (tr == nullptr) return nullptr;
+  std::string line(fn.name());
+  for (const c10::IValue& v : fn.inputs()) {
+    if (v.isTensor()) {
+      const at::Tensor& t = v.toTensor();
+      line += " [";
+      if (t.defined()) {
+        for (int64_t d = 0; d < t.dim(); ++d)
+          line += (d > 0 ? "," : "") + std::to_string(t.size(d));
+      }
+      line += "]";
+    } else if (v.isInt()) {
+      line += " " + std::to_string(v.toInt());
+    } else if (v.isDouble()) {
+      line += " " + std::to_string(v.toDouble());
+    } else if (v.isIntList()) {
+      line += " (";
+      for (int64_t x : v.toIntVector()) line += std::to_string(x) + ",";
+      line += ")";
+    }
+  }
+  tr->calls.push_back(std::move(line));
+  return nullptr;
+}
+
+}  // namespace
+
+OpTrace::OpTrace() : state_(std::make_unique<State>()) {
+  TORCH_CHECK(t_trace == nullptr, "OpTrace: one at a time per thread");
+  t_trace = state_.get();
+  state_->handle = at::addThreadLocalCallback(at::RecordFunctionCallback(&OnTracedCall)
+                                                  .needsInputs(true)
+                                                  .scopes({at::RecordScope::FUNCTION}));
+}
+
+OpTrace::~OpTrace() {
+  at::removeCallback(state_->handle);
+  t_trace = nullptr;
+}
+
+const std::vector<std::string>& OpTrace::calls() const { return state_->calls; }
+
 int64_t SyncWatch::syncing_calls() const { return state_->syncing; }
 int64_t SyncWatch::stray_moves() const { return state_->stray; }
 std::vector<std::string> SyncWatch::seen() const { return state_->seen; }

@@ -65,4 +65,24 @@ class SyncWatch {
   std::unique_ptr<State> state_;
 };
 
+// Records, on the constructing thread and while it lives, every ATen call (nested ones too) as
+// its name, the shapes of its tensor inputs and its integer and floating-point arguments, e.g.
+// "aten::narrow [64] 0 16 16". A CUDA graph replays the calls it captured with the shapes and
+// scalars they had, so a forward whose trace differs between two inputs cannot be captured
+// once for both (tests/static_forward_test.cc). One at a time per thread; tests only.
+class OpTrace {
+ public:
+  OpTrace();
+  ~OpTrace();
+  OpTrace(const OpTrace&) = delete;
+  OpTrace& operator=(const OpTrace&) = delete;
+
+  const std::vector<std::string>& calls() const;
+
+  struct State;
+
+ private:
+  std::unique_ptr<State> state_;
+};
+
 }  // namespace imagegen

@@ -76,6 +76,11 @@ struct EngineOptions {
   std::vector<double> fixed_step_cost;
   // A request's image does not depend on what else runs (ForwardOptions::batch_invariant).
   bool batch_invariant = true;
+  // The target and draft forwards at static shapes, each bucket captured once as a CUDA graph
+  // and replayed (ForwardOptions::cuda_graphs; on the CPU the static forward runs eagerly).
+  // Overrides batch_invariant: a request's logits then equal the eager forward's within
+  // rounding rather than bit for bit.
+  bool cuda_graphs = false;
   // Intra-op threads of the engine thread (at::set_num_threads); 0 keeps LibTorch's default.
   // All LibTorch work, model loading included, runs on the engine thread: with GNU OpenMP a
   // second thread that also runs parallel LibTorch ops made every step about twice as slow on

@@ -22,6 +22,7 @@ double Seconds(Clock::time_point a, Clock::time_point b) {
 SpecOptions BatchOptions(const EngineOptions& o) {
   SpecOptions s;
   s.batch_invariant = o.batch_invariant;
+  s.cuda_graphs = o.cuda_graphs;
   return s;
 }
 
@@ -71,7 +72,9 @@ Status ModelScheduler::Calibrate(const LoadOptions& load) {
       << dtype
       << (load.device.is_cpu() ? ", " + std::to_string(at::get_num_threads()) + " threads"
                                : std::string())
-      << (opts_.batch_invariant ? ", batch-invariant" : "");
+      << (opts_.cuda_graphs       ? ", CUDA graphs"
+          : opts_.batch_invariant ? ", batch-invariant"
+                                  : "");
   // A calibration measured with fewer requests at a time than this engine's slots allow (an
   // engine with a small pool wrote it) would leave the cost of many requests to extrapolation.
   const ImageRequest probe = CalibrationRequest();
@@ -79,8 +82,10 @@ Status ModelScheduler::Calibrate(const LoadOptions& load) {
   const int64_t can_measure = sizes.empty() ? 0 : sizes.back();
   std::string path;
   if (!opts_.cache_dir.empty()) {
+    // CUDA graphs cost differently from the eager forward: a file of their own, so that the
+    // two modes do not replace each other's calibration.
     path = opts_.cache_dir + "/step-cost-" + FileSafe(model_.name) + "-" + FileSafe(device) + "-" +
-           FileSafe(dtype) + ".json";
+           FileSafe(dtype) + (opts_.cuda_graphs ? "-graphs" : "") + ".json";
     StatusOr<std::string> text = ReadFile(path);
     if (text.ok()) {
       Status st = cost_.Deserialize(*text, key.str(), path);

@@ -1,0 +1,52 @@
+# Programs built here and carried to a GPU host (sourced by run_all.sh, lease.sh and
+# step_profile.sh; not run). bench/gpu/pack_server.sh --with-benches packs them into DIR/bin with
+# the Debian libraries a GPU host lacks in DIR/lib; tar cJf .deps/carry/device.tar.xz -C .deps
+# device carries them (docs/gpu.md).
+
+# Unpacks .deps/carry/device.tar.xz into folder $1 (giving $1/device), unless done before, and
+# points /work/main (where the programs were built, and where the spec bench finds its plotting
+# script) at this checkout where that path does not exist. Run from the repository root.
+carried_unpack() {
+  local work=$1
+  mkdir -p "$work"
+  if [[ ! -x $work/device/bin/engine_tests ]]; then
+    tar xJf .deps/carry/device.tar.xz -C "$work" 2> /dev/null \
+      || python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' \
+           .deps/carry/device.tar.xz "$work" \
+      || { echo "carried: cannot unpack .deps/carry/device.tar.xz" >&2; return 1; }
+  fi
+  if [[ ! -e /work/main ]]; then mkdir -p /work && ln -s "$PWD" /work/main; fi
+}
+
+# The Python that holds PyTorch: IMAGEGEN_PYTHON, the project's virtualenv, or python3 (a GPU
+# host's).
+carried_python() {
+  if [[ -n ${IMAGEGEN_PYTHON:-} ]]; then echo "$IMAGEGEN_PYTHON"
+  elif [[ -x /opt/imagegen/venv/bin/python ]]; then echo /opt/imagegen/venv/bin/python
+  else command -v python3; fi
+}
+
+# The host wheel's LibTorch and NVIDIA library folders, from the Python $1 that holds PyTorch.
+carried_torch_libs() {
+  "$1" -c 'import glob, os, torch
+t = os.path.dirname(torch.__file__)
+print(":".join([os.path.join(t, "lib")] +
+               sorted(glob.glob(os.path.join(os.path.dirname(t), "nvidia", "*", "lib")))))'
+}
+
+# Writes $1/run/P for every program $1/bin/P: a wrapper that puts $1/lib and the host's LibTorch
+# (from the Python $2) on the library path and runs P line-buffered (stdbuf), so that a program
+# stopped at a time limit keeps its log. Python (parity references, the classifier) keeps the
+# host's own libraries.
+carried_wrappers() {
+  local dir=$1 torch_lib p
+  torch_lib=$(carried_torch_libs "$2") || return 1
+  mkdir -p "$dir/run"
+  for p in "$dir"/bin/*; do
+    printf '#!/bin/sh\nLD_LIBRARY_PATH="%s" exec %s "%s" "$@"\n' \
+      "$dir/lib:$torch_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+      "$(command -v stdbuf > /dev/null && echo 'stdbuf -oL -eL')" "$p" \
+      > "$dir/run/${p##*/}"
+    chmod +x "$dir/run/${p##*/}"
+  done
+}

@@ -1,0 +1,94 @@
+#include "engine/model/cuda_graphs.h"
+
+#include <ATen/ATen.h>
+
+#include <map>
+#include <memory>
+#include <tuple>
+
+#include "engine/model/transfer.h"
+
+#ifdef IMAGEGEN_CUDA_GRAPHS
+#include <ATen/cuda/CUDAEvent.h>
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace imagegen {
+
+class ForwardGraphs {
+ public:
+#ifdef IMAGEGEN_CUDA_GRAPHS
+  struct Entry {
+    at::cuda::CUDAGraph graph;
+    at::Tensor upload, tokens, out;  // static input buffers and the captured output
+  };
+  using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, bool>;
+  std::map<Key, std::unique_ptr<Entry>> entries;
+  at::cuda::MempoolId_t pool{0, 0};
+#endif
+  ForwardGraphStats stats;
+};
+
+ForwardGraphStats GraphStats(const KvCache& cache) {
+  return cache.graphs ? cache.graphs->stats : ForwardGraphStats{};
+}
+
+#ifdef IMAGEGEN_CUDA_GRAPHS
+
+StatusOr<at::Tensor> RunForwardGraph(const Gpt& gpt, KvCache& cache, const StaticShape& shape,
+                                     const std::vector<int64_t>& host,
+                                     const at::Tensor& device_tokens) {
+  if (!cache.graphs) cache.graphs = std::make_shared<ForwardGraphs>();
+  ForwardGraphs& g = *cache.graphs;
+  const at::Device dev = cache.k.at(0).device();
+  const bool with_tokens = device_tokens.defined();
+  const ForwardGraphs::Key key{shape.tokens, shape.rows, shape.width, shape.pairs, with_tokens};
+  auto it = g.entries.find(key);
+  if (it != g.entries.end()) {
+    ForwardGraphs::Entry& e = *it->second;
+    e.upload.copy_(UploadLongs(host, dev));
+    if (with_tokens) e.tokens.copy_(device_tokens);
+    e.graph.replay();
+    g.stats.replays += 1;
+    return e.out.clone();
+  }
+
+  // First forward of this bucket: eagerly (this step's logits), then captured.
+  auto e = std::make_unique<ForwardGraphs::Entry>();
+  const auto lopt = at::TensorOptions().dtype(at::kLong).device(dev);
+  e->upload = at::empty({shape.upload_size()}, lopt);
+  e->upload.copy_(UploadLongs(host, dev));
+  if (with_tokens) e->tokens = device_tokens.clone();
+  at::Tensor logits = gpt.StaticForward(e->upload, e->tokens, shape, cache);
+  // Capture replays nothing: the captured forward writes the cache only at replays.
+  c10::cuda::device_synchronize();
+  {
+    c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, dev.index());
+    c10::cuda::CUDAStreamGuard guard(side);
+    if (g.pool.first == 0 && g.pool.second == 0) g.pool = at::cuda::graph_pool_handle();
+    e->graph.capture_begin(g.pool, cudaStreamCaptureModeThreadLocal);
+    e->out = gpt.StaticForward(e->upload, e->tokens, shape, cache);
+    e->graph.capture_end();
+  }
+  c10::cuda::device_synchronize();
+  g.stats.captures += 1;
+  g.stats.graphs = static_cast<int64_t>(g.entries.size()) + 1;
+  g.entries.emplace(key, std::move(e));
+  return logits;
+}
+
+#else
+
+StatusOr<at::Tensor> RunForwardGraph(const Gpt&, KvCache&, const StaticShape&,
+                                     const std::vector<int64_t>&, const at::Tensor&) {
+  return FailedPrecondition(
+      "CUDA graphs: this build does not link LibTorch's CUDA libraries "
+      "(IMAGEGEN_TORCH_CPU_ONLY)");
+}
+
+#endif
+
+}  // namespace imagegen

@@ -1,0 +1,37 @@
+// CUDA graphs of the static-shape forward (ForwardOptions::cuda_graphs): each bucket's forward
+// is captured once per cache and replayed for every later batch of that bucket, so that a
+// step costs one graph launch instead of a few hundred kernel launches from the host (the GPU
+// run found the forward launch-bound: about 0.55 ms of host time per layer, docs/results-gpu.md).
+//
+// A bucket's first forward runs eagerly (warming up cuBLAS and the allocator, and giving this
+// step's logits), then is captured on a side stream into a memory pool shared by the cache's
+// graphs (safe: they replay one at a time on one stream). A replay copies the step's upload
+// and device tokens into the graph's static input buffers, replays, and returns a copy of the
+// static output, which the next replay overwrites. The graphs hold the cache's tensors by
+// address: they live in the cache (KvCache::graphs) and die with it.
+#pragma once
+
+#include <ATen/Tensor.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "engine/model/gpt.h"
+#include "engine/util/status.h"
+
+namespace imagegen {
+
+// Counts of one cache's graphs (all zero without CUDA graphs).
+struct ForwardGraphStats {
+  int64_t graphs = 0, captures = 0, replays = 0;
+};
+ForwardGraphStats GraphStats(const KvCache& cache);
+
+// The static forward of `gpt` over `cache` for a batch laid out as `host` (Gpt::StaticUpload)
+// with device tokens padded to shape.tokens (undefined: none), through the bucket's graph.
+// Logits [shape.tokens, vocab]. FailedPrecondition in builds without LibTorch's CUDA libraries.
+StatusOr<at::Tensor> RunForwardGraph(const Gpt& gpt, KvCache& cache, const StaticShape& shape,
+                                     const std::vector<int64_t>& host,
+                                     const at::Tensor& device_tokens);
+
+}  // namespace imagegen

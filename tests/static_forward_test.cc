@@ -1,0 +1,249 @@
+// The graph-ready forward (ForwardOptions::static_shapes, issue 14): it gives the ragged
+// forward's logits and cache entries within rounding, step after step (CFG rows, tree masks,
+// condition tokens, device tokens, non-consecutive slots); every ATen call it makes, with its
+// input shapes and scalar arguments, depends only on the batch's bucket, which is what lets one
+// CUDA graph per bucket replay it for any batch of that bucket (the ragged forward's calls
+// differ between the same two batches: the check has teeth); it makes no syncing call. On a
+// CUDA device, graph replays equal the eager static forward.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/cuda.h>
+
+#include <string>
+#include <vector>
+
+#include "engine/model/cuda_graphs.h"
+#include "engine/model/gpt.h"
+#include "engine/model/transfer.h"
+#include "tests/test_util.h"
+
+namespace imagegen {
+namespace {
+
+using testing::TinyGptSpec;
+
+BatchRow Row(int64_t slot, int64_t cache_len, std::vector<int64_t> tokens,
+             std::vector<int64_t> positions, std::vector<uint8_t> mask = {}, int64_t group = -1) {
+  BatchRow r;
+  r.slot = slot;
+  r.cache_len = cache_len;
+  r.tokens = std::move(tokens);
+  r.positions = std::move(positions);
+  r.mask = std::move(mask);
+  r.group = group;
+  return r;
+}
+
+// A tree of n nodes: node 0 the root, every other node its child (each sees itself and the
+// root): n diagonal pairs and n - 1 root pairs.
+std::vector<uint8_t> Fan(int64_t n) {
+  std::vector<uint8_t> m(static_cast<size_t>(n * n), 0);
+  for (int64_t i = 0; i < n; ++i) {
+    m[static_cast<size_t>(i * n + i)] = 1;
+    m[static_cast<size_t>(i * n)] = 1;
+  }
+  return m;
+}
+
+// Three steps of a small serving batch: CFG pairs (classes, the null class 3), a chain window, a
+// tree window, a lone prefill; slots out of order.
+std::vector<std::vector<BatchRow>> Steps() {
+  std::vector<std::vector<BatchRow>> s(3);
+  s[0] = {Row(4, 0, {0, 1, 2, 3}, {0, 1, 2, 3}, {}, 0),
+          Row(1, 0, {3, 1, 2, 3}, {0, 1, 2, 3}, {}, 0), Row(2, 0, {2}, {0})};
+  s[1] = {Row(4, 4, {5, 6, 7}, {4, 5, 5}, Fan(3), 1), Row(1, 4, {5, 6, 7}, {4, 5, 5}, Fan(3), 1),
+          Row(2, 1, {10, 11, 12, 13, 14}, {1, 2, 3, 4, 5})};
+  s[2] = {Row(4, 6, {8, 9}, {6, 7}, {}, 2), Row(1, 6, {8, 9}, {6, 7}, {}, 2),
+          Row(2, 6, {15, 16, 17, 18, 19, 20, 21}, {6, 7, 8, 9, 10, 11, 12}, Fan(7)),
+          Row(0, 0, {1, 4}, {0, 1})};
+  return s;
+}
+
+class StaticForwardTest : public ::testing::Test {
+ protected:
+  void SetUp() override { gpt_ = Load(LoadOptions{}); }
+  std::unique_ptr<Gpt> Load(const LoadOptions& o) {
+    auto m = Gpt::Load(testing::WriteTinyGpt(testing::TempDir("static") + "/m", spec_, 1), o);
+    EXPECT_TRUE(m.ok()) << m.status().ToString();
+    return m.ok() ? std::move(m).value() : nullptr;
+  }
+  TinyGptSpec spec_;
+  std::unique_ptr<Gpt> gpt_;
+};
+
+TEST_F(StaticForwardTest, MatchesTheRaggedForwardStepByStep) {
+  for (const bool device_tokens : {false, true}) {
+    SCOPED_TRACE(device_tokens ? "device tokens" : "host tokens");
+    KvCache ragged = gpt_->NewCache(6), fixed = gpt_->NewCache(6, 0, /*scratch_slot=*/true);
+    ASSERT_EQ(fixed.scratch, 6);
+    ASSERT_EQ(fixed.k[0].size(0), 7);
+    int64_t step = 0;
+    for (const auto& batch : Steps()) {
+      SCOPED_TRACE("step " + std::to_string(step++));
+      at::Tensor tokens;
+      if (device_tokens) {
+        std::vector<int64_t> ids;
+        for (const BatchRow& r : batch) ids.insert(ids.end(), r.tokens.begin(), r.tokens.end());
+        tokens = at::tensor(ids, at::kLong);
+      }
+      auto a = gpt_->Forward(batch, ragged, tokens, ForwardOptions{true});
+      auto b = gpt_->Forward(batch, fixed, tokens, ForwardOptions{false, true});
+      ASSERT_TRUE(a.ok()) << a.status().ToString();
+      ASSERT_TRUE(b.ok()) << b.status().ToString();
+      ASSERT_EQ(a->sizes(), b->sizes());
+      EXPECT_LT((*a - *b).abs().max().item<float>(), 2e-5);
+      EXPECT_GT(a->abs().max().item<float>(), 0.1);  // not all zero
+    }
+    // Every slot's entries (the scratch slot aside) hold the same keys and values.
+    for (size_t l = 0; l < ragged.k.size(); ++l) {
+      EXPECT_LT((ragged.k[l] - fixed.k[l].narrow(0, 0, 6)).abs().max().item<float>(), 2e-5);
+      EXPECT_LT((ragged.v[l] - fixed.v[l].narrow(0, 0, 6)).abs().max().item<float>(), 2e-5);
+    }
+    EXPECT_GT(ragged.k[0].abs().max().item<float>(), 0.1);
+  }
+}
+
+// Two batches of one bucket (16 tokens, 4 rows, width 8, 8 mask pairs) that differ in every
+// length, slot, cache length, mask and token.
+std::vector<BatchRow> BucketP() {
+  return {Row(0, 3, {1, 2, 3}, {3, 4, 4}, Fan(3)), Row(2, 5, {4, 5}, {5, 6}),
+          Row(5, 0, {1, 7, 8, 9, 10}, {0, 1, 2, 3, 4})};
+}
+std::vector<BatchRow> BucketQ() {
+  return {Row(5, 8, {9, 8, 7, 6}, {8, 9, 9, 9}, Fan(4)), Row(1, 0, {2}, {0}),
+          Row(3, 2, {11, 12, 13, 14, 15, 16}, {2, 3, 4, 5, 6, 7}), Row(0, 9, {17}, {9})};
+}
+
+// The calls of the ragged forward.
+std::vector<std::string> Trace(const Gpt& gpt, const std::vector<BatchRow>& batch, KvCache& cache,
+                               ForwardOptions fo) {
+  OpTrace trace;
+  auto out = gpt.Forward(batch, cache, at::Tensor(), fo);
+  EXPECT_TRUE(out.ok()) << out.status().ToString();
+  return trace.calls();
+}
+
+// The calls of the static forward's device half: what a CUDA graph captures (the host half
+// and the upload run before it, and the narrowing to the batch's tokens after it, at every
+// step).
+std::vector<std::string> TraceStatic(const Gpt& gpt, const std::vector<BatchRow>& batch,
+                                     KvCache& cache, bool device_tokens, int64_t* syncing) {
+  const StaticShape shape = gpt.StaticBucket(batch);
+  const at::Tensor up = UploadLongs(gpt.StaticUpload(batch, cache, shape, device_tokens), at::kCPU);
+  at::Tensor tokens;
+  // Ids below 4 are valid at condition positions too (3 classes and the null class).
+  if (device_tokens) tokens = at::randint(0, 4, {shape.tokens}, at::kLong);
+  SyncWatch watch;
+  OpTrace trace;
+  at::Tensor logits = gpt.StaticForward(up, tokens, shape, cache);
+  EXPECT_EQ(logits.size(0), shape.tokens);
+  *syncing = watch.syncing_calls() + watch.stray_moves();
+  return trace.calls();
+}
+
+TEST_F(StaticForwardTest, EveryCallShapeAndScalarDependsOnlyOnTheBucket) {
+  const StaticShape p = gpt_->StaticBucket(BucketP()), q = gpt_->StaticBucket(BucketQ());
+  ASSERT_TRUE(p == q);
+  EXPECT_EQ(p.tokens, 16);
+  EXPECT_EQ(p.rows, 4);
+  EXPECT_EQ(p.width, 8);
+  EXPECT_EQ(p.pairs, 8);
+
+  KvCache cache = gpt_->NewCache(6, 0, true);
+  for (const bool device_tokens : {false, true}) {
+    SCOPED_TRACE(device_tokens ? "device tokens" : "host tokens");
+    int64_t sync_p = -1, sync_q = -1;
+    const std::vector<std::string> tp =
+        TraceStatic(*gpt_, BucketP(), cache, device_tokens, &sync_p);
+    const std::vector<std::string> tq =
+        TraceStatic(*gpt_, BucketQ(), cache, device_tokens, &sync_q);
+    EXPECT_GT(tp.size(), 100u);
+    ASSERT_EQ(tp.size(), tq.size());
+    for (size_t i = 0; i < tp.size(); ++i) ASSERT_EQ(tp[i], tq[i]) << "call " << i;
+    std::printf("static forward (%s): %zu ATen calls, the same for both batches\n",
+                device_tokens ? "device tokens" : "host tokens", tp.size());
+    EXPECT_EQ(sync_p, 0);
+    EXPECT_EQ(sync_q, 0);
+  }
+
+  // The ragged forward's calls differ between the same two batches (shapes follow the data).
+  for (const bool invariant : {false, true}) {
+    const std::vector<std::string> rp = Trace(*gpt_, BucketP(), cache, ForwardOptions{invariant});
+    const std::vector<std::string> rq = Trace(*gpt_, BucketQ(), cache, ForwardOptions{invariant});
+    EXPECT_NE(rp, rq) << (invariant ? "batch-invariant" : "padded");
+  }
+}
+
+TEST_F(StaticForwardTest, BucketsAreRoundedUpToPowersOfTwo) {
+  std::vector<BatchRow> one = {Row(0, 0, {1}, {0})};
+  const StaticShape s = gpt_->StaticBucket(one);
+  EXPECT_EQ(s.tokens, kInvariantMinRows);  // never below the invariant row floor
+  EXPECT_EQ(s.rows, 1);
+  EXPECT_EQ(s.width, 1);
+  EXPECT_EQ(s.pairs, 0);
+  std::vector<BatchRow> wide = {Row(0, 0, std::vector<int64_t>(17, 1), std::vector<int64_t>(17, 1)),
+                                Row(1, 0, {1}, {0}), Row(2, 0, {1}, {0})};
+  const StaticShape w = gpt_->StaticBucket(wide);
+  EXPECT_EQ(w.tokens, 32);
+  EXPECT_EQ(w.rows, 4);
+  EXPECT_EQ(w.width, 32);
+}
+
+TEST_F(StaticForwardTest, NeedsACacheWithAScratchSlot) {
+  KvCache plain = gpt_->NewCache(2);
+  EXPECT_EQ(plain.scratch, -1);
+  auto out = gpt_->Forward({Row(0, 0, {1}, {0})}, plain, at::Tensor(), ForwardOptions{false, true});
+  ASSERT_FALSE(out.ok());
+  EXPECT_NE(out.status().message().find("scratch slot"), std::string::npos)
+      << out.status().ToString();
+  // The scratch slot is not a slot a batch may name.
+  KvCache with = gpt_->NewCache(2, 0, true);
+  auto bad = gpt_->Forward({Row(2, 0, {1}, {0})}, with, at::Tensor(), ForwardOptions{false, true});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("bad slot"), std::string::npos);
+}
+
+// On a CUDA device: every step through the graphs equals the eager static forward bit for bit
+// (the same kernels), the second pass over the same buckets replays instead of capturing, and
+// the caches agree.
+TEST_F(StaticForwardTest, CudaGraphReplaysEqualTheEagerStaticForward) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  LoadOptions o;
+  o.device = at::Device(at::kCUDA, 0);
+  std::unique_ptr<Gpt> gpt = Load(o);
+  ASSERT_NE(gpt, nullptr);
+  KvCache eager = gpt->NewCache(6, 0, true), graphed = gpt->NewCache(6, 0, true);
+  std::vector<std::vector<BatchRow>> steps = Steps();
+  steps.push_back(BucketP());
+  steps.push_back(BucketQ());  // the same bucket as P: a replay
+  for (const bool device_tokens : {false, true}) {
+    for (size_t i = 0; i < steps.size(); ++i) {
+      SCOPED_TRACE("step " + std::to_string(i) + (device_tokens ? ", device tokens" : ""));
+      at::Tensor tokens;
+      if (device_tokens) {
+        std::vector<int64_t> ids;
+        for (const BatchRow& r : steps[i]) ids.insert(ids.end(), r.tokens.begin(), r.tokens.end());
+        tokens = at::tensor(ids, at::kLong).to(o.device);
+      }
+      auto a = gpt->Forward(steps[i], eager, tokens, ForwardOptions{false, true});
+      auto b = gpt->Forward(steps[i], graphed, tokens, ForwardOptions{false, true, true});
+      ASSERT_TRUE(a.ok()) << a.status().ToString();
+      ASSERT_TRUE(b.ok()) << b.status().ToString();
+      EXPECT_EQ((*a - *b).abs().max().item<float>(), 0.0f);
+    }
+  }
+  const ForwardGraphStats st = GraphStats(graphed);
+  std::printf("CUDA graphs: %lld captured, %lld replays\n", static_cast<long long>(st.captures),
+              static_cast<long long>(st.replays));
+  // Buckets (tokens, rows, width, pairs): step 0 (16, 4, 4, 0); steps 1 and 2 (16, 4, 8, 16);
+  // P and Q (16, 4, 8, 8); once with host and once with device tokens.
+  EXPECT_EQ(st.captures, 6);
+  EXPECT_EQ(st.replays, 4);
+  for (size_t l = 0; l < eager.k.size(); ++l) {
+    EXPECT_EQ((eager.k[l].narrow(0, 0, 6) - graphed.k[l].narrow(0, 0, 6)).abs().max().item<float>(),
+              0.0f);
+  }
+}
+
+}  // namespace
+}  // namespace imagegen
