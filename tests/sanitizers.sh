@@ -67,11 +67,13 @@ export UBSAN_OPTIONS="log_path=$logs/ubsan:halt_on_error=1:print_stacktrace=1:su
 #                          prefill, the engine's prompts) run in the other PromptTest cases
 # The ctest preset leaves out the e2e test of the MAR family (MarAndGpt...: minutes of MAR
 # sampling); the MAR scheduler runs on the engine thread like the GPT's, whose paths run here.
-ENGINE_FILTER='-*Spec*:*EngineExactTest.*:*EngineStormTest.*:*GoldenGrids*:*CspdRuleTest.*:*PromptTest.CoBatched*:*PromptTest.NegativePrompts*'
+#   EngineTest.CudaGraphs* two engines over the same requests, to compare their images (the
+#                          static forward's own tests, StaticForwardTest, run here)
+ENGINE_FILTER='-*Spec*:EngineTest.CudaGraphs*:*EngineExactTest.*:*EngineStormTest.*:*GoldenGrids*:*CspdRuleTest.*:*PromptTest.CoBatched*:*PromptTest.NegativePrompts*'
 
 status=0
 echo "== sanitizers: engine unit tests (filter $ENGINE_FILTER)"
-(cd "$build/tests" && ./engine_tests --gtest_filter="$ENGINE_FILTER") || status=1
+sharded_engine_tests "$build/tests" "$ENGINE_FILTER" "$build/engine_tests" || status=1
 echo "== sanitizers: server start-up, end-to-end tests and fuzz replays"
 ctest --preset asan-ubsan || status=1
 end=$(date +%s)

@@ -41,3 +41,28 @@ CC
   fi
   echo "tsan: the planted race was reported"
 }
+
+# Runs folder $1's engine_tests with gtest filter $2 as two shards at once (GTEST_SHARD_INDEX), one
+# LibTorch thread each: on 2 cores about half the wall time of one process, and without the
+# two-thread OpenMP pools of two processes spinning against each other. Each shard's output goes
+# to $3.N.log; a failed shard's log is printed whole, a passed one's summary. Returns 1 when
+# either shard failed.
+sharded_engine_tests() {
+  local dir=$1 filter=$2 log=$3 i rc=0 pids=() failed=()
+  for i in 0 1; do
+    (cd "$dir" && OMP_NUM_THREADS=1 GTEST_TOTAL_SHARDS=2 GTEST_SHARD_INDEX=$i \
+      ./engine_tests --gtest_filter="$filter" > "$log.$i.log" 2>&1) &
+    pids+=($!)
+  done
+  for i in 0 1; do
+    if ! wait "${pids[$i]}"; then
+      rc=1
+      failed+=($i)
+    fi
+  done
+  for i in 0 1; do
+    echo "--- engine_tests shard $i of 2 ($log.$i.log)"
+    if [[ " ${failed[*]} " == *" $i "* ]]; then cat "$log.$i.log"; else tail -n 3 "$log.$i.log"; fi
+  done
+  return $rc
+}
