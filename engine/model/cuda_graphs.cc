@@ -9,7 +9,6 @@
 #include "engine/model/transfer.h"
 
 #ifdef IMAGEGEN_CUDA_GRAPHS
-#include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -56,18 +55,23 @@ StatusOr<at::Tensor> RunForwardGraph(const Gpt& gpt, KvCache& cache, const Stati
     return e.out.clone();
   }
 
-  // First forward of this bucket: eagerly (this step's logits), then captured.
+  // First forward of this bucket: eagerly (this step's logits), then captured. Both on a side
+  // stream, as LibTorch asks of captures (the eager run there also warms up what the capture
+  // needs on that stream: cuBLAS's workspace, the allocator's blocks), with the device idle
+  // before and after, so that nothing crosses between the streams. Capturing runs nothing:
+  // the captured forward writes the cache only when replayed.
   auto e = std::make_unique<ForwardGraphs::Entry>();
   const auto lopt = at::TensorOptions().dtype(at::kLong).device(dev);
   e->upload = at::empty({shape.upload_size()}, lopt);
   e->upload.copy_(UploadLongs(host, dev));
   if (with_tokens) e->tokens = device_tokens.clone();
-  at::Tensor logits = gpt.StaticForward(e->upload, e->tokens, shape, cache);
-  // Capture replays nothing: the captured forward writes the cache only at replays.
+  at::Tensor logits;
   c10::cuda::device_synchronize();
   {
     c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, dev.index());
     c10::cuda::CUDAStreamGuard guard(side);
+    logits = gpt.StaticForward(e->upload, e->tokens, shape, cache);
+    side.synchronize();
     if (g.pool.first == 0 && g.pool.second == 0) g.pool = at::cuda::graph_pool_handle();
     e->graph.capture_begin(g.pool, cudaStreamCaptureModeThreadLocal);
     e->out = gpt.StaticForward(e->upload, e->tokens, shape, cache);
