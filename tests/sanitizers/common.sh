@@ -62,7 +62,11 @@ sharded_engine_tests() {
   done
   for i in 0 1; do
     echo "--- engine_tests shard $i of 2 ($log.$i.log)"
-    if [[ " ${failed[*]} " == *" $i "* ]]; then cat "$log.$i.log"; else tail -n 3 "$log.$i.log"; fi
+    if [[ " ${failed[*]} " == *" $i "* ]]; then
+      cat "$log.$i.log"
+    else
+      grep -E '^\[==========\] .* ran|^\[  (PASSED  |SKIPPED )\] [0-9]' "$log.$i.log"
+    fi
   done
   return $rc
 }
