@@ -54,6 +54,32 @@ at::Tensor Linear(const at::Tensor& x, const at::Tensor& w, bool invariant) {
   return at::linear(xp, w).narrow(0, 0, m);
 }
 
+// allow[r, i, j] [R, W, K]: query i of row r may attend cache entry j. A real query attends the
+// committed prefix (j < cache_len) and, among the new tokens (jj = j - cache_len in [0, n)),
+// those its mask allows (causal: jj <= i). A padding query (i >= n) attends entry 0 only, so
+// that its softmax stays finite; its output is dropped. meta [3, R, 1, 1]: cache_len, n, has its
+// own mask; pairs: the flat indices (r * W + i) * W + j of the allowed pairs of those masks (with
+// `dummy`, padding pairs point at one element past the mask).
+at::Tensor AllowMask(const at::Tensor& meta, const at::Tensor& pairs, bool custom, int64_t R,
+                     int64_t W, int64_t K, at::Device dev, bool dummy = false) {
+  const auto lopt = at::TensorOptions().dtype(at::kLong).device(dev);
+  at::Tensor cl = meta[0], nr = meta[1], own = meta[2] > 0;  // [R, 1, 1]
+  at::Tensor qi = at::arange(W, lopt).view({1, W, 1});
+  at::Tensor kj = at::arange(K, lopt).view({1, 1, K});
+  at::Tensor jj = kj - cl;  // [R, 1, K]
+  at::Tensor fresh = (jj >= 0) & (jj < nr);
+  at::Tensor lower = jj <= qi;  // [R, W, K]
+  if (custom) {
+    at::Tensor local =
+        at::zeros({R * W * W + (dummy ? 1 : 0)}, lopt.dtype(at::kBool)).index_fill_(0, pairs, true);
+    if (dummy) local = local.narrow(0, 0, R * W * W);
+    at::Tensor from_mask = local.view({R, W, W}).gather(2, jj.clamp(0, W - 1).expand({R, W, K}));
+    lower = at::where(own, from_mask, lower);
+  }
+  at::Tensor real = qi < nr;
+  return (real & ((kj < cl) | (fresh & lower))) | (~real & (kj == 0));
+}
+
 }  // namespace
 
 int64_t GptConfig::ffn_hidden() const {
@@ -590,26 +616,8 @@ at::Tensor Gpt::ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache,
         at::full({static_cast<int64_t>(cond_idx.size())}, cfg_.vocab_size, ids.options()));
   }
 
-  // allow[r, i, j]: query i of row r may attend cache entry j. A real query attends the
-  // committed prefix (j < cache_len) and, among the new tokens (jj = j - cache_len in [0, n)),
-  // those its mask allows (causal: jj <= i). A padding query (i >= n) attends entry 0 only, so
-  // that its softmax stays finite; its output is dropped.
-  const auto lopt = at::TensorOptions().dtype(at::kLong).device(dev);
-  at::Tensor cl = meta[0], nr = meta[1], own = meta[2] > 0;  // [R, 1, 1]
-  at::Tensor qi = at::arange(nmax, lopt).view({1, nmax, 1});
-  at::Tensor kj = at::arange(kv_max, lopt).view({1, 1, kv_max});
-  at::Tensor jj = kj - cl;  // [R, 1, kv_max]
-  at::Tensor fresh = (jj >= 0) & (jj < nr);
-  at::Tensor lower = jj <= qi;  // [R, nmax, kv_max]
-  if (custom_pairs > 0) {
-    at::Tensor local = at::zeros({R * nmax * nmax}, lopt.dtype(at::kBool))
-                           .index_fill_(0, pairs, true)
-                           .view({R, nmax, nmax});
-    at::Tensor from_mask = local.gather(2, jj.clamp(0, nmax - 1).expand({R, nmax, kv_max}));
-    lower = at::where(own, from_mask, lower);
-  }
-  at::Tensor real = qi < nr;
-  at::Tensor allow = (real & ((kj < cl) | (fresh & lower))) | (~real & (kj == 0));
+  // allow[r, i, j]: query i of row r may attend cache entry j (AllowMask).
+  at::Tensor allow = AllowMask(meta, pairs, custom_pairs > 0, R, nmax, kv_max, dev);
   if (!invariant) allow = allow.unsqueeze(1);  // [R, 1, nmax, kv_max]
   Attend attend = [&](size_t l, const at::Tensor& q, const at::Tensor& k,
                       const at::Tensor& v) -> at::Tensor {
@@ -768,25 +776,10 @@ at::Tensor Gpt::StaticForward(const at::Tensor& upload, const at::Tensor& device
   if (device_tokens.defined()) ids = ids + device_tokens;
   at::Tensor qout = qin.clamp_max(R * W - 1);  // padding tokens read row 0; dropped
 
-  // allow[r, i, j] as in ForwardImpl, over every entry j of the slot's capacity.
-  const auto lopt = at::TensorOptions().dtype(at::kLong).device(opts_.device);
-  at::Tensor cl = meta[0], nr = meta[1], own = meta[2] > 0;  // [R, 1, 1]
-  at::Tensor qi = at::arange(W, lopt).view({1, W, 1});
-  at::Tensor kj = at::arange(K, lopt).view({1, 1, K});
-  at::Tensor jj = kj - cl;  // [R, 1, K]
-  at::Tensor fresh = (jj >= 0) & (jj < nr);
-  at::Tensor lower = jj <= qi;  // [R, W, K]
-  if (shape.pairs > 0) {
-    at::Tensor local = at::zeros({R * W * W + 1}, lopt.dtype(at::kBool))
-                           .index_fill_(0, pairs, true)
-                           .narrow(0, 0, R * W * W)
-                           .view({R, W, W});
-    at::Tensor from_mask = local.gather(2, jj.clamp(0, W - 1).expand({R, W, K}));
-    lower = at::where(own, from_mask, lower);
-  }
-  at::Tensor real = qi < nr;
-  at::Tensor allow =
-      ((real & ((kj < cl) | (fresh & lower))) | (~real & (kj == 0))).unsqueeze(1);  // [R,1,W,K]
+  // allow[r, i, j] over every entry j of the slot's capacity; padding pairs point past the mask
+  // (StaticUpload): one dummy element more.
+  at::Tensor allow = AllowMask(meta, pairs, shape.pairs > 0, R, W, K, opts_.device, /*dummy=*/true)
+                         .unsqueeze(1);  // [R, 1, W, K]
 
   Attend attend = [&](size_t l, const at::Tensor& q, const at::Tensor&,
                       const at::Tensor&) -> at::Tensor {
