@@ -32,7 +32,12 @@ class ForwardGraphs {
 };
 
 ForwardGraphStats GraphStats(const KvCache& cache) {
-  return cache.graphs ? cache.graphs->stats : ForwardGraphStats{};
+  if (!cache.graphs) return {};
+  ForwardGraphStats s = cache.graphs->stats;
+#ifdef IMAGEGEN_CUDA_GRAPHS
+  s.graphs = static_cast<int64_t>(cache.graphs->entries.size());
+#endif
+  return s;
 }
 
 #ifdef IMAGEGEN_CUDA_GRAPHS
@@ -79,7 +84,6 @@ StatusOr<at::Tensor> RunForwardGraph(const Gpt& gpt, KvCache& cache, const Stati
   }
   c10::cuda::device_synchronize();
   g.stats.captures += 1;
-  g.stats.graphs = static_cast<int64_t>(g.entries.size()) + 1;
   g.entries.emplace(key, std::move(e));
   return logits;
 }

@@ -469,9 +469,9 @@ StatusOr<at::Tensor> Gpt::Forward(const std::vector<BatchRow>& batch, KvCache& c
       }
     }
   }
+  int64_t total = 0;
+  for (const auto& r : batch) total += static_cast<int64_t>(r.tokens.size());
   if (device_tokens.defined()) {
-    int64_t total = 0;
-    for (const auto& r : batch) total += static_cast<int64_t>(r.tokens.size());
     if (device_tokens.numel() != total) {
       return InvalidArgument("forward: device_tokens must hold one id per new token");
     }
@@ -483,8 +483,6 @@ StatusOr<at::Tensor> Gpt::Forward(const std::vector<BatchRow>& batch, KvCache& c
     try {
       const StaticShape shape = StaticBucket(batch);
       const std::vector<int64_t> host = StaticUpload(batch, cache, shape, device_tokens.defined());
-      int64_t total = 0;
-      for (const auto& r : batch) total += static_cast<int64_t>(r.tokens.size());
       at::Tensor padded;
       if (device_tokens.defined()) {
         padded = at::constant_pad_nd(device_tokens.to(at::kLong).reshape({total}),
@@ -619,8 +617,7 @@ at::Tensor Gpt::ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache,
   // allow[r, i, j]: query i of row r may attend cache entry j (AllowMask).
   at::Tensor allow = AllowMask(meta, pairs, custom_pairs > 0, R, nmax, kv_max, dev);
   if (!invariant) allow = allow.unsqueeze(1);  // [R, 1, nmax, kv_max]
-  Attend attend = [&](size_t l, const at::Tensor& q, const at::Tensor& k,
-                      const at::Tensor& v) -> at::Tensor {
+  Attend attend = [&](size_t l, const at::Tensor& q) -> at::Tensor {
     const at::Tensor& ck = cache.k[l];
     const at::Tensor& cv = cache.v[l];
     if (invariant) {
@@ -674,7 +671,7 @@ at::Tensor Gpt::Decode(at::Tensor x, const at::Tensor& rope, const at::Tensor& d
     at::Tensor v = qkv.narrow(-1, 2 * D, D).reshape({T, H, hd});
     cache.k[l].view({-1, H, hd}).index_copy_(0, dst, k);
     cache.v[l].view({-1, H, hd}).index_copy_(0, dst, v);
-    x = x + Linear(attend(l, q, k, v), L.wo, invariant);
+    x = x + Linear(attend(l, q), L.wo, invariant);
     at::Tensor hn = RmsNorm(x, L.ffn_norm, cfg_.norm_eps);
     x = x + Linear(at::silu(Linear(hn, L.w1, invariant)) * Linear(hn, L.w3, invariant), L.w2,
                    invariant);
@@ -732,8 +729,7 @@ std::vector<int64_t> Gpt::StaticUpload(const std::vector<BatchRow>& batch, const
     const int64_t prefix = RowPrefix(row), n = static_cast<int64_t>(row.tokens.size());
     for (int64_t i = 0; i < n; ++i, ++t) {
       const bool cond = row.positions[i] < prefix;
-      ids[t] = device_tokens ? (cond ? cfg_.vocab_size : 0)
-                             : (cond ? cfg_.vocab_size : 0) + row.tokens[i];
+      ids[t] = (cond ? cfg_.vocab_size : 0) + (device_tokens ? 0 : row.tokens[i]);
       pos[t] = row.positions[i];
       dst[t] = row.slot * cap + row.cache_len + i;
       qin[t] = r * W + i;
@@ -781,8 +777,7 @@ at::Tensor Gpt::StaticForward(const at::Tensor& upload, const at::Tensor& device
   at::Tensor allow = AllowMask(meta, pairs, shape.pairs > 0, R, W, K, opts_.device, /*dummy=*/true)
                          .unsqueeze(1);  // [R, 1, W, K]
 
-  Attend attend = [&](size_t l, const at::Tensor& q, const at::Tensor&,
-                      const at::Tensor&) -> at::Tensor {
+  Attend attend = [&](size_t l, const at::Tensor& q) -> at::Tensor {
     at::Tensor keys = cache.k[l].index_select(0, slots).transpose(1, 2);  // [R, H, K, hd]
     at::Tensor vals = cache.v[l].index_select(0, slots).transpose(1, 2);
     at::Tensor qp = at::zeros({R * W + 1, H, hd}, q.options()).index_copy_(0, qin, q);

@@ -204,9 +204,8 @@ class Gpt {
                          const at::Tensor& device_tokens, bool invariant) const;
   // The layers and the head over embeddings x [T, D] at RoPE rows `rope`: each layer writes its
   // new keys and values to the cache at flat indices dst (slot * capacity + entry), then
-  // attends through attend(layer, q, k, v) -> [T, D].
-  using Attend =
-      std::function<at::Tensor(size_t, const at::Tensor&, const at::Tensor&, const at::Tensor&)>;
+  // attends through attend(layer, q) -> [T, D], which reads the keys and values from the cache.
+  using Attend = std::function<at::Tensor(size_t, const at::Tensor&)>;
   at::Tensor Decode(at::Tensor x, const at::Tensor& rope, const at::Tensor& dst, KvCache& cache,
                     bool invariant, const Attend& attend) const;
   Status Validate(const std::vector<BatchRow>& batch, const KvCache& cache,
