@@ -258,6 +258,25 @@ TEST(EngineTest, CudaGraphsOptionRunsStaticShapesAndDrawsTheSameImages) {
   EXPECT_GE(same, 7);
 }
 
+// The static forward's scratch slot comes out of the KV memory budget: with the same bytes,
+// cuda_graphs leaves one slot fewer to requests.
+TEST(EngineTest, CudaGraphsScratchSlotIsCountedInTheKvBudget) {
+  int64_t slots[2] = {0, 0};
+  for (const bool graphs : {false, true}) {
+    EngineOptions o = BundledOptions();
+    o.fixed_step_cost = {0.005, 2e-5, 1e-3};
+    o.max_slots = int64_t{1} << 30;  // the memory decides
+    o.kv_cache_bytes = int64_t{8} << 20;
+    o.cuda_graphs = graphs;
+    auto engine = StartOrDie(o);
+    slots[graphs ? 1 : 0] = engine->Models()[0].kv_slots;
+  }
+  std::printf("8 MiB of KV cache: %lld slots eager, %lld with cuda_graphs\n",
+              static_cast<long long>(slots[0]), static_cast<long long>(slots[1]));
+  EXPECT_GE(slots[0], 3);
+  EXPECT_EQ(slots[1], slots[0] - 1);
+}
+
 // The forward itself: one row's logits alone and inside a ragged batch of other rows.
 TEST(EngineTest, BatchInvariantForwardGivesBitIdenticalLogits) {
   auto m = LoadImageModel(IMAGEGEN_TEST_MODELS_DIR, "fmnist-gpt", {});

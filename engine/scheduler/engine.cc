@@ -164,11 +164,15 @@ Status Engine::Impl::Load() {
     const GptConfig& c = model->gpt->config();
     int64_t per_slot = CacheBytesPerSlot(*model->gpt);
     if (model->draft) per_slot += CacheBytesPerSlot(*model->draft);
-    const int64_t slots = std::min(o.max_slots, o.kv_cache_bytes / per_slot);
+    // The static-shape forward (cuda_graphs) writes its padding into one more slot, a scratch
+    // slot no request holds: it comes out of the same memory.
+    const int64_t scratch = o.cuda_graphs ? 1 : 0;
+    const int64_t slots = std::min(o.max_slots, o.kv_cache_bytes / per_slot - scratch);
     if (slots < 2) {
       return InvalidArgument("kv_cache_bytes: " + std::to_string(o.kv_cache_bytes) +
                              " bytes hold fewer than the 2 slots of one CFG request of model '" +
-                             name + "' (" + std::to_string(per_slot) + " bytes per slot)");
+                             name + "' (" + std::to_string(per_slot) + " bytes per slot" +
+                             (scratch ? ", and one scratch slot with cuda_graphs)" : ")"));
     }
     std::unique_ptr<ModelScheduler> sched;
     try {
