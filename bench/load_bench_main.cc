@@ -357,6 +357,7 @@ int main(int argc, char** argv) {
            {"cache-dir", ""},
            {"batch-invariant", "1"},
            {"cuda-graphs", "0"},
+           {"decode-thread", "-1"},
            {"repeat", "1"},
            {"out-dir", "load-bench"}},
           "usage: imagegen-load-bench [--methods LIST (preset or preset@window)] "
@@ -371,7 +372,8 @@ int main(int argc, char** argv) {
   base.device = f.Str("device");
   base.dtype = f.Str("dtype");
   base.batch_invariant = f.Int("batch-invariant") != 0;
-  base.cuda_graphs = f.Int("cuda-graphs") != 0;  // EngineOptions::cuda_graphs
+  base.cuda_graphs = f.Int("cuda-graphs") != 0;                   // EngineOptions::cuda_graphs
+  base.decode_thread = static_cast<int>(f.Int("decode-thread"));  // EngineOptions::decode_thread
   base.kv_cache_bytes = int64_t{8} << 30;
   base.max_slowdown = f.Num("max-slowdown");
   // The goodput cells share one calibration (measured by the warm-up below).

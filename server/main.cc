@@ -77,6 +77,10 @@ ABSL_FLAG(bool, cuda_graphs, false,
           "run the model forwards at static shapes, each shape bucket captured once as a CUDA "
           "graph and replayed (CUDA devices; on the CPU the static forward runs without graphs). "
           "Overrides --batch_invariant: logits then equal the eager forward's within rounding");
+ABSL_FLAG(int32_t, decode_thread, -1,
+          "decode finished images, and complete their requests, on a thread with its own CUDA "
+          "stream so that decoding overlaps the next step: 1 on, 0 on the engine thread, -1 "
+          "by device (on for CUDA, off on the CPU)");
 ABSL_FLAG(int64_t, cpu_threads, 0, "LibTorch intra-op threads of the engine (0: default)");
 ABSL_FLAG(double, preview_share, 0.05,
           "share of the engine's time that preview decoding may take (due previews wait their "
@@ -218,6 +222,7 @@ int main(int argc, char** argv) {
   }
   eo.batch_invariant = absl::GetFlag(FLAGS_batch_invariant);
   eo.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
+  eo.decode_thread = absl::GetFlag(FLAGS_decode_thread);
   eo.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
   eo.preview_share = absl::GetFlag(FLAGS_preview_share);
 

@@ -49,6 +49,15 @@ class Recorder : public RequestObserver {
     std::lock_guard<std::mutex> l(mu_);
     return events.size();
   }
+  // Whether the events so far have decided every token of the image.
+  bool all_decided() {
+    std::lock_guard<std::mutex> l(mu_);
+    return !events.empty() && events.back().totals.tokens == events.back().total_tokens;
+  }
+  int ended() {
+    std::lock_guard<std::mutex> l(mu_);
+    return terminal_calls;
+  }
 
   std::vector<StepEvent> events;
   std::optional<RequestResult> result;

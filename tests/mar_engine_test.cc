@@ -57,8 +57,9 @@ std::string ModelsDir() {
   return dir;
 }
 
-std::unique_ptr<Engine> Start(std::vector<std::string> models) {
+std::unique_ptr<Engine> Start(std::vector<std::string> models, int decode_thread = -1) {
   EngineOptions o;
+  o.decode_thread = decode_thread;
   o.models_dir = ModelsDir();
   o.models = std::move(models);
   o.fixed_step_cost = {0.01, 1e-4, 1e-3};
@@ -122,36 +123,40 @@ at::Tensor Pixels(const RequestResult& r) {
       .clone();
 }
 
+// Also with the latents decoded on the decode thread (EngineOptions::decode_thread).
 TEST(MarEngineTest, MarMatchesMarsOwnLoop) {
-  auto e = Start({"mar-small-random"});
-  ASSERT_NE(e, nullptr);
-  GenerateParams p = Params("mar-small-random", "mar");
-  p.policy.cont.num_iter = 8;
-  p.preview_every = 2;
-  auto rec = std::make_shared<Recorder>();
-  ASSERT_TRUE(e->Submit(p, rec).ok());
-  ASSERT_TRUE(rec->Wait());
-  ASSERT_TRUE(rec->result.has_value()) << rec->error->ToString();
-  const RequestResult& r = *rec->result;
-  EXPECT_EQ(r.stats.counters.nfe, 8);
-  EXPECT_EQ(r.stats.counters.tokens, 256);
-  EXPECT_EQ(rec->events.size(), 8u);
-  int64_t decided = 0;
-  for (const StepEvent& ev : rec->events) decided += static_cast<int64_t>(ev.positions.size());
-  EXPECT_EQ(decided, 256);
-  EXPECT_GT(rec->events[1].preview.width, 0);  // preview_every 2
+  for (const int decode_thread : {0, 1}) {
+    SCOPED_TRACE("decode_thread " + std::to_string(decode_thread));
+    auto e = Start({"mar-small-random"}, decode_thread);
+    ASSERT_NE(e, nullptr);
+    GenerateParams p = Params("mar-small-random", "mar");
+    p.policy.cont.num_iter = 8;
+    p.preview_every = 2;
+    auto rec = std::make_shared<Recorder>();
+    ASSERT_TRUE(e->Submit(p, rec).ok());
+    ASSERT_TRUE(rec->Wait());
+    ASSERT_TRUE(rec->result.has_value()) << rec->error->ToString();
+    const RequestResult& r = *rec->result;
+    EXPECT_EQ(r.stats.counters.nfe, 8);
+    EXPECT_EQ(r.stats.counters.tokens, 256);
+    EXPECT_EQ(rec->events.size(), 8u);
+    int64_t decided = 0;
+    for (const StepEvent& ev : rec->events) decided += static_cast<int64_t>(ev.positions.size());
+    EXPECT_EQ(decided, 256);
+    EXPECT_GT(rec->events[1].preview.width, 0);  // preview_every 2
 
-  // The engine thread runs LibTorch on one thread (cpu_threads 1); so must the reference, or
-  // the two split their reductions differently.
-  at::set_num_threads(1);
-  auto m = LoadMarModel(ModelsDir(), "mar-small-random", {});
-  ASSERT_TRUE(m.ok());
-  MarSamplingParams sp;
-  sp.num_iter = 8;
-  sp.cfg_scale = 3.0;
-  const at::Tensor ref = ReferenceImage(*m, 11, 3, sp);
-  EXPECT_TRUE(at::equal(Pixels(r), ref))
-      << "max diff " << (Pixels(r).to(at::kInt) - ref.to(at::kInt)).abs().max();
+    // The engine thread runs LibTorch on one thread (cpu_threads 1); so must the reference, or
+    // the two split their reductions differently.
+    at::set_num_threads(1);
+    auto m = LoadMarModel(ModelsDir(), "mar-small-random", {});
+    ASSERT_TRUE(m.ok());
+    MarSamplingParams sp;
+    sp.num_iter = 8;
+    sp.cfg_scale = 3.0;
+    const at::Tensor ref = ReferenceImage(*m, 11, 3, sp);
+    EXPECT_TRUE(at::equal(Pixels(r), ref))
+        << "max diff " << (Pixels(r).to(at::kInt) - ref.to(at::kInt)).abs().max();
+  }
 }
 
 TEST(MarEngineTest, CspdWithTheTargetAsDraftAcceptsAllAndDrawsTheTargetsImage) {

@@ -8,12 +8,14 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <future>
 #include <nlohmann/json.hpp>
 #include <thread>
 
 #include "engine/model/image_model.h"
 #include "engine/util/json.h"
 #include "engine/util/read_file.h"
+#include "engine/scheduler/decode_queue.h"
 #include "engine/scheduler/window_budget.h"
 #include "tests/engine_client.h"
 #include "tests/temp_dir.h"
@@ -49,6 +51,8 @@ TEST(WindowBudgetTest, WindowsShrinkEvenlyAndTheOldestGetTheRemainder) {
 EngineOptions BundledOptions() {
   EngineOptions o;
   o.models_dir = IMAGEGEN_TEST_MODELS_DIR;
+  // CUDA under bench/gpu/run_all.sh (IMAGEGEN_TEST_DEVICE), which runs some of these tests.
+  if (testing::TestLoadOptions().device.is_cuda()) o.device = "cuda";
   // One step-cost calibration for all the tests' engines (goodput window control).
   o.cache_dir = testing::SharedStepCostCache();
   return o;
@@ -772,6 +776,193 @@ TEST(EngineTest, BadEngineOptionsAreRejected) {
   o = BundledOptions();
   o.fixed_step_cost = {1.0};
   EXPECT_NE(Engine::Start(o).status().message().find("fixed_step_cost"), std::string::npos);
+}
+
+// --- Decoding finished images off the engine thread (EngineOptions::decode_thread) -------------
+
+TEST(DecodeQueueTest, AsyncRunsInOrderOnItsOwnThreadAndInlineRunsAtOnce) {
+  DecodeQueue inline_q(false, c10::Device(c10::kCPU));
+  std::thread::id ran_on;
+  inline_q.Run([&] {
+    ran_on = std::this_thread::get_id();
+    return false;
+  });
+  EXPECT_EQ(ran_on, std::this_thread::get_id());
+  EXPECT_EQ(inline_q.failed(), 1);
+  EXPECT_EQ(inline_q.pending(), 0);
+
+  DecodeQueue q(true, c10::Device(c10::kCPU));
+  std::promise<void> release;
+  std::shared_future<void> gate = release.get_future().share();
+  std::vector<int> order;
+  std::thread::id first_on;
+  q.Run([&] {
+    gate.wait();  // a slow decode: Run must not wait for it
+    first_on = std::this_thread::get_id();
+    order.push_back(1);
+    return true;
+  });
+  q.Run([&] {
+    order.push_back(2);
+    return false;
+  });
+  q.Run([]() -> bool { throw std::runtime_error("escaped"); });
+  EXPECT_EQ(q.pending(), 3);  // the first is held, the others wait behind it
+  release.set_value();
+  q.Stop();  // runs what is queued, then ends the thread
+  EXPECT_EQ(order, (std::vector<int>{1, 2}));
+  EXPECT_NE(first_on, std::this_thread::get_id());
+  EXPECT_EQ(q.completed(), 1);
+  EXPECT_EQ(q.failed(), 2);
+  EXPECT_EQ(q.pending(), 0);
+  q.Run([] { return true; });  // after Stop: at once, on the caller
+  EXPECT_EQ(q.completed(), 2);
+}
+
+// Records which thread each callback came on; can hold OnComplete (a slow client) until released.
+class ThreadRecorder : public Recorder {
+ public:
+  explicit ThreadRecorder(bool hold = false, std::chrono::milliseconds delay = {})
+      : hold_(hold), delay_(delay) {}
+  void OnStep(const StepEvent& e) override {
+    {
+      std::lock_guard<std::mutex> l(tmu_);
+      step_threads_.push_back(std::this_thread::get_id());
+    }
+    Recorder::OnStep(e);
+  }
+  void OnComplete(RequestResult r) override {
+    {
+      std::unique_lock<std::mutex> l(tmu_);
+      complete_thread_ = std::this_thread::get_id();
+      in_complete_ = true;
+      tcv_.notify_all();
+      tcv_.wait(l, [&] { return !hold_; });
+    }
+    if (delay_.count() > 0) std::this_thread::sleep_for(delay_);
+    Recorder::OnComplete(std::move(r));
+  }
+  bool WaitInComplete() {
+    std::unique_lock<std::mutex> l(tmu_);
+    return tcv_.wait_for(l, std::chrono::seconds(300), [&] { return in_complete_; });
+  }
+  void Release() {
+    std::lock_guard<std::mutex> l(tmu_);
+    hold_ = false;
+    tcv_.notify_all();
+  }
+  std::vector<std::thread::id> step_threads() {
+    std::lock_guard<std::mutex> l(tmu_);
+    return step_threads_;
+  }
+  std::thread::id complete_thread() {
+    std::lock_guard<std::mutex> l(tmu_);
+    return complete_thread_;
+  }
+
+ private:
+  std::mutex tmu_;
+  std::condition_variable tcv_;
+  bool hold_;
+  std::chrono::milliseconds delay_;
+  bool in_complete_ = false;
+  std::vector<std::thread::id> step_threads_;
+  std::thread::id complete_thread_;
+};
+
+EngineOptions DecodeOptions(int decode_thread) {
+  EngineOptions o = BundledOptions();
+  o.window_policy = "full";  // the same windows whatever the timing: the same images
+  o.fixed_step_cost = {0.005, 2e-5, 1e-3};
+  o.decode_thread = decode_thread;
+  return o;
+}
+
+TEST(EngineTest, DecodeThreadDrawsTheSameImagesAndCompletesOffTheEngineThread) {
+  const auto& methods = PresetNames();
+  std::vector<GenerateParams> ps;
+  for (int i = 0; i < 6; ++i) ps.push_back(Params(methods[i % methods.size()], i, 9100 + i));
+  std::vector<RequestResult> results[2];
+  for (const int mode : {0, 1}) {
+    auto engine = StartOrDie(DecodeOptions(mode));
+    std::vector<std::shared_ptr<ThreadRecorder>> rs;
+    for (const auto& p : ps) {
+      rs.push_back(std::make_shared<ThreadRecorder>());
+      ASSERT_TRUE(engine->Submit(p, rs.back()).ok());
+    }
+    for (auto& r : rs) {
+      ASSERT_TRUE(r->Wait() && r->result.has_value())
+          << (r->error ? r->error->ToString() : std::string("no result"));
+      results[mode].push_back(*r->result);
+      const std::vector<std::thread::id> steps = r->step_threads();
+      ASSERT_FALSE(steps.empty());
+      const std::thread::id engine_thread = steps[0];
+      for (const auto& t : steps) EXPECT_EQ(t, engine_thread);
+      if (mode == 1) {
+        EXPECT_NE(r->complete_thread(), engine_thread) << "completed on the engine thread";
+      } else {
+        EXPECT_EQ(r->complete_thread(), engine_thread);
+      }
+      EXPECT_GE(r->result->stats.decode_seconds, 0);
+    }
+    bool counted = false;  // counted when the decoding returns, just after OnComplete
+    for (int i = 0; i < 3000 && !counted; ++i) {
+      counted = engine->Stats().completed == static_cast<int64_t>(ps.size());
+      if (!counted) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    EXPECT_TRUE(counted) << engine->Stats().completed;
+  }
+  for (size_t i = 0; i < ps.size(); ++i) {
+    EXPECT_EQ(results[0][i].tokens, results[1][i].tokens) << i;
+    EXPECT_FALSE(results[1][i].image.empty());
+    EXPECT_EQ(results[0][i].image.pixels, results[1][i].image.pixels) << i;
+  }
+}
+
+// A client slow to take its image (OnComplete held) stalls the step loop when images complete
+// on the engine thread, and does not with a decode thread: another request gets every step.
+TEST(EngineTest, DecodeThreadKeepsStepsGoingWhileAFinishedRequestIsSlow) {
+  for (const int mode : {0, 1}) {
+    auto engine = StartOrDie(DecodeOptions(mode));
+    auto slow = std::make_shared<ThreadRecorder>(/*hold=*/true);
+    ASSERT_TRUE(engine->Submit(Params("ar", 1, 9200), slow).ok());
+    ASSERT_TRUE(slow->WaitInComplete());
+    auto other = std::make_shared<Recorder>();
+    ASSERT_TRUE(engine->Submit(Params("ar", 2, 9201), other).ok());
+    if (mode == 1) {
+      // Every step of the other request runs while the slow one's OnComplete is held.
+      bool all = false;
+      for (int i = 0; i < 30000 && !all; ++i) {
+        all = other->all_decided();
+        if (!all) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+      EXPECT_TRUE(all) << other->steps() << " steps";
+      EXPECT_EQ(other->ended(), 0);  // its completion queues behind the slow one's
+    } else {
+      // The engine thread is inside the slow OnComplete: nothing else can step.
+      std::this_thread::sleep_for(std::chrono::seconds(1));
+      EXPECT_EQ(other->steps(), 0u);
+    }
+    slow->Release();
+    ASSERT_TRUE(other->Wait() && other->result.has_value());
+    ASSERT_TRUE(slow->Wait() && slow->result.has_value());
+  }
+}
+
+TEST(EngineTest, ShutdownDeliversEveryImageStillBeingDecoded) {
+  auto engine = StartOrDie(DecodeOptions(1));
+  std::vector<std::shared_ptr<ThreadRecorder>> rs;
+  for (int i = 0; i < 8; ++i) {
+    // Slow clients: the decode thread falls behind the steps.
+    rs.push_back(std::make_shared<ThreadRecorder>(false, std::chrono::milliseconds(100)));
+    ASSERT_TRUE(engine->Submit(Params("ar", i, 9300 + i), rs.back()).ok());
+  }
+  engine->Shutdown(std::chrono::seconds(300));
+  for (auto& r : rs) {  // no waiting: Shutdown has returned
+    EXPECT_EQ(r->terminal_calls, 1);
+    EXPECT_TRUE(r->result.has_value());
+  }
+  EXPECT_EQ(engine->Stats().completed, 8);
 }
 
 }  // namespace

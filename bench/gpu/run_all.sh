@@ -121,8 +121,10 @@ phase_tests() {
   local t="$tests_bin"
   # The static-shape forward and its CUDA graphs (StaticForwardTest: replays equal the eager
   # static forward; SpecStaticShapesTest and EngineTest.CudaGraphs*: the same images as the
-  # ragged forward) in every scale.
+  # ragged forward) in every scale; and the decode thread on its own stream (the same images
+  # as decoding on the engine thread, completions delivered at shutdown).
   local graphs='StaticForward*:SpecStaticShapes*:EngineTest.CudaGraphs*'
+  graphs+=':DecodeQueueTest.*:EngineTest.Decode*:EngineTest.ShutdownDelivers*'
   local filter="*HostSync*:Presets/SpecLossless*:SpeculativePowerTest*:GptTest*:DeviceTest*:$graphs"
   [[ $scale == quick ]] && filter='*HostSync*:GptTest*:StaticForward*'
   if [[ $scale == lease ]]; then  # four of the nine exact-distribution cases, and the power test

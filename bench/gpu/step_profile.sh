@@ -36,6 +36,9 @@ load() {  # name, env..., then load-bench flags
 load load_default IMAGEGEN_CUDNN_SDPA=0 "$B/imagegen-load-bench" --device "$dev" --dtype bf16
 load load_graphs IMAGEGEN_CUDNN_SDPA=0 "$B/imagegen-load-bench" --device "$dev" --dtype bf16 \
   --cuda-graphs 1
+# Finished images decoded on the engine thread (the default on CUDA is the decode thread).
+load load_inline_decode IMAGEGEN_CUDNN_SDPA=0 "$B/imagegen-load-bench" --device "$dev" \
+  --dtype bf16 --decode-thread 0
 timeout -k 5 60 "$B/imagegen-step-cost" --device "$dev" --shapes bundled,gpt-b --dtypes bf16 \
   --requests 1,4,16 --tokens 1,4,16,64,256 --reps 5 --forwards eager,graphs \
   --csv "$o/step_cost_graphs.csv" > "$o/step_cost_graphs.log" 2>&1
@@ -50,6 +53,7 @@ timeout -k 5 60 env IMAGEGEN_OP_PROFILE=1 "$B/imagegen-spec-bench" --device "$de
   --out-dir "$o/spec-split" > "$o/spec_split.log" 2>&1
 echo "spec-split exit $?" | tee -a "$o/parts.log"; pack
 load load_cudnn IMAGEGEN_CUDNN_SDPA=1 "$B/imagegen-load-bench" --device "$dev" --dtype bf16
-head -n 5 "$o/load_default.log" "$o/load_graphs.log" "$o/load_cudnn.log"
+head -n 5 "$o/load_default.log" "$o/load_graphs.log" "$o/load_inline_decode.log" \
+  "$o/load_cudnn.log"
 tail -n 30 "$o/step_cost_graphs.log"; tail -n 40 "$o/load_profile.log"
 tail -n 14 "$o/spec.log"

@@ -56,6 +56,8 @@ struct Engine::Impl {
   };
   std::vector<Served> models;
   std::vector<ModelInfo> infos;
+  // After the models: destroyed (its thread joined) before them.
+  std::unique_ptr<DecodeQueue> decoder;
   std::vector<std::unique_ptr<FamilyScheduler>> schedulers;
 
   mutable std::mutex mu;
@@ -119,6 +121,9 @@ StatusOr<std::unique_ptr<Engine>> Engine::Start(const EngineOptions& options,
   if (!(o.preview_share >= 0 && o.preview_share <= 1)) {
     return InvalidArgument("preview_share: must be in [0, 1]");
   }
+  if (o.decode_thread < -1 || o.decode_thread > 1) {
+    return InvalidArgument("decode_thread: must be -1 (by device), 0 or 1");
+  }
   // Every LibTorch call, loading included, happens on the engine thread (see EngineOptions).
   std::promise<Status> loaded;
   Impl* raw = impl.get();
@@ -133,6 +138,8 @@ StatusOr<std::unique_ptr<Engine>> Engine::Start(const EngineOptions& options,
     const bool ok = st.ok();
     loaded.set_value(std::move(st));
     if (ok) raw->Run();
+    // Every finished request gets its OnComplete before Shutdown returns.
+    if (raw->decoder) raw->decoder->Stop();
   });
   Status st = loaded.get_future().get();
   if (!st.ok()) {
@@ -150,6 +157,8 @@ Status Engine::Impl::Load() {
                                                                : 256;
   }
   const EngineOptions& o = opts;
+  const bool decode_thread = o.decode_thread < 0 ? lo.device.is_cuda() : o.decode_thread > 0;
+  decoder = std::make_unique<DecodeQueue>(decode_thread, lo.device, o.cpu_threads);
   for (const std::string& name : o.models) {
     for (const auto& m : models) {
       if (m.name == name) return InvalidArgument("models: '" + name + "' is listed twice");
@@ -176,7 +185,7 @@ Status Engine::Impl::Load() {
     }
     std::unique_ptr<ModelScheduler> sched;
     try {
-      sched = std::make_unique<ModelScheduler>(*model, slots, opts, listener);
+      sched = std::make_unique<ModelScheduler>(*model, slots, opts, *decoder, listener);
     } catch (const std::exception& e) {
       return ResourceExhausted("KV cache of model '" + name + "' (" + std::to_string(slots) +
                                " slots): " + e.what());
@@ -235,7 +244,7 @@ Status Engine::Impl::LoadMar(const std::string& name, const LoadOptions& lo) {
                               "the target's (trajectory alignment needs the same steps)");
   }
   const int64_t slots = opts.max_slots;
-  schedulers.push_back(std::make_unique<MarScheduler>(*model, slots, opts, listener));
+  schedulers.push_back(std::make_unique<MarScheduler>(*model, slots, opts, *decoder, listener));
   ModelInfo info;
   info.name = name;
   info.grid = c.grid();
@@ -451,6 +460,10 @@ void Engine::Cancel(int64_t id) {
 EngineStats Engine::Stats() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   EngineStats s = impl_->stats;
+  if (impl_->decoder) {  // finished requests count when their decoding returns
+    s.completed += impl_->decoder->completed();
+    s.failed += impl_->decoder->failed();
+  }
   for (size_t i = 0; i < s.models.size(); ++i) s.models[i].queued = impl_->Queued(i);
   return s;
 }

@@ -5,7 +5,10 @@
 // committed tokens to the request's observer.
 //
 // Thread-safe: Submit, Cancel, Stats, Models and Shutdown may be called from any thread.
-// Observers and the listener are called on the engine thread. No LibTorch in this header.
+// Observers and the listener are called on the engine thread, except a finished request's
+// OnComplete (or OnError when its image fails to decode), which comes from the decode thread
+// when there is one (EngineOptions::decode_thread), after the request's last OnStep. No
+// LibTorch in this header.
 #pragma once
 
 #include <chrono>
@@ -91,6 +94,12 @@ struct EngineOptions {
   // preview is due wait their turn (longest-waiting first) and then get the grid as it is then.
   // 0: every due preview, every step (the previews' cost falls on everyone).
   double preview_share = 0.05;
+  // Where finished images are decoded and their requests completed (decode_queue.h): 1 on a
+  // decode thread with its own CUDA stream, so that the VQ decoder's kernels overlap the next
+  // step's forward instead of stalling every request in the batch; 0 on the engine thread,
+  // inside the step; -1 (default) by device: 1 on CUDA, 0 on the CPU, where both threads'
+  // parallel LibTorch ops would share the same cores (see cpu_threads).
+  int decode_thread = -1;
 };
 
 // One step of one model, for metrics.

@@ -164,8 +164,13 @@ struct MarScheduler::Active {
 };
 
 MarScheduler::MarScheduler(const MarModel& model, int64_t slots, const EngineOptions& opts,
-                           EngineListener* listener)
-    : FamilyScheduler(opts), model_(model), opts_(opts), listener_(listener), slots_(slots) {}
+                           DecodeQueue& decoder, EngineListener* listener)
+    : FamilyScheduler(opts),
+      model_(model),
+      opts_(opts),
+      decoder_(decoder),
+      listener_(listener),
+      slots_(slots) {}
 
 MarScheduler::~MarScheduler() = default;
 
@@ -519,7 +524,7 @@ void MarScheduler::Step(Outcomes& out) {
   sample.step_seconds = Seconds(t0, Clock::now());
   std::erase_if(active_, [&](std::unique_ptr<Active>& a) {
     if (!a->done(s)) return false;
-    Finish(*a, out);
+    Finish(*a);
     return true;
   });
   sample.seconds = Seconds(t0, Clock::now());
@@ -580,37 +585,45 @@ void MarScheduler::AddPreviews(const std::vector<size_t>& due, std::vector<StepE
   }
 }
 
-void MarScheduler::Finish(Active& a, Outcomes& out) {
+// The result, then the image: decoded by the decode queue (on its thread, or now), which then
+// completes the request. The latents go as host data (the decode thread has its own stream).
+void MarScheduler::Finish(Active& a) {
   used_ -= a.rows;
   Job& j = *a.job;
   const auto t_end = Clock::now();
   RequestResult res =
       FinishedResult(j, model_.name, model_.mar->config().grid(), a.counters, a.step_tokens,
                      a.verified_at_depth, a.accepted_at_depth, t_end);
-  if (j.params.decode_image) {
-    StatusOr<at::Tensor> px = Internal("image not decoded");
-    try {
-      px = LatentsToPixels(model_, a.tokens.unsqueeze(0));
-    } catch (const std::exception& e) {
-      px = Internal(std::string("image decoding failed: ") + e.what());
-    }
-    if (!px.ok()) {
-      j.observer->OnError(px.status());
-      out.failed += 1;
-      return;
-    }
-    res.image = PixelsToImage((*px)[0]);
-  }
   RequestStats& st = res.stats;
-  st.decode_seconds = Seconds(t_end, Clock::now());
   st.mean_window = a.step_tokens.empty() ? 0
                                          : static_cast<double>(a.committed) /
                                                static_cast<double>(a.step_tokens.size());
   st.residual_fallbacks = a.fallbacks;
   st.residual_rounds = a.residual_rounds;
   st.draft_target_sq_dist = a.dist_n > 0 ? a.sq_dist / static_cast<double>(a.dist_n) : 0;
-  j.observer->OnComplete(std::move(res));
-  out.completed += 1;
+  at::Tensor latents;
+  if (j.params.decode_image) {
+    latents = decoder_.async() ? a.tokens.to(at::kCPU) : a.tokens;
+  }
+  decoder_.Run([&m = model_, latents, dev = a.tokens.device(), observer = j.observer,
+                res = std::make_shared<RequestResult>(std::move(res)), t_end] {
+    if (latents.defined()) {
+      StatusOr<at::Tensor> px = Internal("image not decoded");
+      try {
+        px = LatentsToPixels(m, latents.to(dev).unsqueeze(0));
+      } catch (const std::exception& e) {
+        px = Internal(std::string("image decoding failed: ") + e.what());
+      }
+      if (!px.ok()) {
+        observer->OnError(px.status());
+        return false;
+      }
+      res->image = PixelsToImage((*px)[0]);
+    }
+    res->stats.decode_seconds = Seconds(t_end, Clock::now());
+    observer->OnComplete(std::move(*res));
+    return true;
+  });
 }
 
 }  // namespace imagegen

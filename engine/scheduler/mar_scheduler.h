@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "engine/model/mar_model.h"
+#include "engine/scheduler/decode_queue.h"
 #include "engine/scheduler/engine.h"
 #include "engine/scheduler/family_scheduler.h"
 
@@ -25,9 +26,10 @@ namespace imagegen {
 
 class MarScheduler : public FamilyScheduler {
  public:
-  // `model`, `opts` and `listener` (may be null) must outlive the scheduler.
+  // `model`, `opts`, `decoder` and `listener` (may be null) must outlive the scheduler.
+  // Finished images are decoded, and their requests completed, through `decoder`.
   MarScheduler(const MarModel& model, int64_t slots, const EngineOptions& opts,
-               EngineListener* listener);
+               DecodeQueue& decoder, EngineListener* listener);
   ~MarScheduler() override;
 
   bool Tick(const std::unordered_set<int64_t>& cancelled, Clock::time_point now,
@@ -45,11 +47,12 @@ class MarScheduler : public FamilyScheduler {
   void Step(Outcomes& out);
   StepEvent Event(Active& a);
   void AddPreviews(const std::vector<size_t>& due, std::vector<StepEvent>& events);
-  void Finish(Active& a, Outcomes& out);
+  void Finish(Active& a);
   void End(Active& a, const Status& status);
 
   const MarModel& model_;
   const EngineOptions& opts_;
+  DecodeQueue& decoder_;
   EngineListener* listener_;
   int64_t slots_, used_ = 0;
   std::vector<std::unique_ptr<Active>> active_;  // in admission order

@@ -46,10 +46,11 @@ std::string FileSafe(const std::string& s) {
 }  // namespace
 
 ModelScheduler::ModelScheduler(const ImageModel& model, int64_t slots, const EngineOptions& opts,
-                               EngineListener* listener)
+                               DecodeQueue& decoder, EngineListener* listener)
     : FamilyScheduler(opts),
       model_(model),
       opts_(opts),
+      decoder_(decoder),
       listener_(listener),
       slots_(slots),
       batch_(*model.gpt, model.draft.get(), slots, BatchOptions(opts)) {}
@@ -498,7 +499,7 @@ void ModelScheduler::Step(Outcomes& out) {
   }
   std::erase_if(active_, [&](std::unique_ptr<Job>& j) {
     if (!batch_.done(j->handle)) return false;
-    Finish(*j, out);
+    Finish(*j);
     return true;
   });
   sample.seconds = Seconds(t0, Clock::now());
@@ -567,7 +568,9 @@ std::vector<size_t> ModelScheduler::PreviewsThisStep(std::vector<size_t> due, do
   return due;
 }
 
-void ModelScheduler::Finish(Job& j, Outcomes& out) {
+// The result, then the image: decoded by the decode queue (on its thread, or now), which then
+// completes the request.
+void ModelScheduler::Finish(Job& j) {
   SpecResult r = batch_.Take(j.handle);
   j.handle = -1;
   const auto t_end = Clock::now();
@@ -577,31 +580,33 @@ void ModelScheduler::Finish(Job& j, Outcomes& out) {
       FinishedResult(j, model_.name, model_.gpt->config().grid(), counters, r.stats.step_tokens,
                      r.stats.verified_at_depth, r.stats.accepted_at_depth, t_end);
   res.tokens = r.tokens;
-  if (j.params.decode_image) {
-    StatusOr<Image> image = Internal("image not decoded");
-    try {
-      image = TokensToImage(*model_.vq, r.tokens);
-    } catch (const std::exception& e) {
-      image = Internal(std::string("image decoding failed: ") + e.what());
-    }
-    if (!image.ok()) {
-      j.observer->OnError(image.status());
-      out.failed += 1;
-      return;
-    }
-    res.image = std::move(image).value();
-  }
   RequestStats& st = res.stats;
   st.prefill_forwards = r.stats.prefill_forwards;
   st.preemptions = j.preemptions;
-  st.decode_seconds = Seconds(t_end, Clock::now());
   st.mean_window =
       j.steps > 0 ? static_cast<double>(j.window_sum) / static_cast<double>(j.steps) : 0;
   st.expected_tokens = j.expected_sum;
   st.predicted_step_seconds = j.predicted_sum;
   st.measured_step_seconds = j.measured_sum;
-  j.observer->OnComplete(std::move(res));
-  out.completed += 1;
+  decoder_.Run([vq = model_.vq.get(), decode = j.params.decode_image, observer = j.observer,
+                res = std::make_shared<RequestResult>(std::move(res)), t_end] {
+    if (decode) {
+      StatusOr<Image> image = Internal("image not decoded");
+      try {
+        image = TokensToImage(*vq, res->tokens);
+      } catch (const std::exception& e) {
+        image = Internal(std::string("image decoding failed: ") + e.what());
+      }
+      if (!image.ok()) {
+        observer->OnError(image.status());
+        return false;
+      }
+      res->image = std::move(image).value();
+    }
+    res->stats.decode_seconds = Seconds(t_end, Clock::now());
+    observer->OnComplete(std::move(*res));
+    return true;
+  });
 }
 
 // The grid so far: committed tokens, then the drafts the next step will verify, then code 0;

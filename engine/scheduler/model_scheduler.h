@@ -8,6 +8,7 @@
 
 #include "engine/decoding/speculative.h"
 #include "engine/model/image_model.h"
+#include "engine/scheduler/decode_queue.h"
 #include "engine/scheduler/engine.h"
 #include "engine/scheduler/family_scheduler.h"
 #include "engine/scheduler/goodput.h"
@@ -18,10 +19,11 @@ namespace imagegen {
 
 class ModelScheduler : public FamilyScheduler {
  public:
-  // `model`, `opts` and `listener` (may be null) are kept by reference and must outlive the
-  // scheduler (the Engine owns all four).
+  // `model`, `opts`, `decoder` and `listener` (may be null) are kept by reference and must
+  // outlive the scheduler (the Engine owns all five). Finished images are decoded, and their
+  // requests completed, through `decoder`.
   ModelScheduler(const ImageModel& model, int64_t slots, const EngineOptions& opts,
-                 EngineListener* listener);
+                 DecodeQueue& decoder, EngineListener* listener);
 
   // With the goodput window policy: the step-cost model, read from the cache
   // (EngineOptions::cache_dir) when it holds one for this model, device and dtype, else
@@ -65,11 +67,12 @@ class ModelScheduler : public FamilyScheduler {
   // Of the requests whose preview is due, those the preview budget allows this step.
   std::vector<size_t> PreviewsThisStep(std::vector<size_t> due, double step_seconds);
   void AddPreviews(const std::vector<size_t>& due, std::vector<StepEvent>& events);
-  void Finish(Job& job, Outcomes& out);
+  void Finish(Job& job);
   void End(Job& job, const Status& status);
 
   const ImageModel& model_;
   const EngineOptions& opts_;
+  DecodeQueue& decoder_;
   EngineListener* listener_;
   int64_t slots_;
   SpecBatch batch_;

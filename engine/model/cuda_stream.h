@@ -1,0 +1,27 @@
+// A thread's own CUDA stream, for work that should overlap the engine thread's forwards (the
+// decode thread's VQ decoding, decode_queue.h). No-op on the CPU and in builds without
+// LibTorch's CUDA libraries.
+#pragma once
+
+#include <c10/core/Device.h>
+
+#include <memory>
+
+namespace imagegen {
+
+// While alive, the calling thread's current stream on `device` is one of LibTorch's pooled
+// streams instead of the default one. Tensors it makes must not be read on another stream
+// without a sync (hand results to other threads as host data).
+class OwnStream {
+ public:
+  explicit OwnStream(const c10::Device& device);
+  ~OwnStream();
+  OwnStream(const OwnStream&) = delete;
+  OwnStream& operator=(const OwnStream&) = delete;
+
+ private:
+  struct Guard;
+  std::unique_ptr<Guard> guard_;
+};
+
+}  // namespace imagegen
