@@ -3,8 +3,6 @@
 #ifdef IMAGEGEN_CUDA_GRAPHS
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-
-#include <optional>
 #endif
 
 namespace imagegen {

@@ -41,12 +41,10 @@ class DecodeQueue {
 
   bool async() const { return async_; }
   int64_t pending() const;  // queued or running, not yet returned
-  // Tasks that returned true / false so far; counted before the task's own callback returns
-  // to the queue, i.e. as soon as the task itself returns.
+  // Tasks that returned true / false so far (counted when the task returns, after the
+  // observer's OnComplete or OnError).
   int64_t completed() const { return completed_.load(); }
   int64_t failed() const { return failed_.load(); }
-  // The decode thread's id (a default id when inline), for tests.
-  std::thread::id thread_id() const { return thread_.get_id(); }
 
  private:
   void Count(bool ok);

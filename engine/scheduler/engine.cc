@@ -542,7 +542,6 @@ void Engine::Impl::Run() {
     {
       std::lock_guard<std::mutex> lock(mu);
       stats.steps += stepped ? 1 : 0;
-      stats.completed += out.completed;
       stats.cancelled += out.cancelled;
       stats.expired += out.expired;
       stats.failed += out.failed;

@@ -171,7 +171,8 @@ class Engine {
   void Cancel(int64_t id);
 
   // A snapshot taken at the end of the engine's last round, after that round's observers ran
-  // (an observer that has just been called may not see its request counted yet).
+  // (an observer that has just been called may not see its request counted yet); `completed`
+  // and `failed` count a finished request once its image is decoded.
   EngineStats Stats() const;
   const std::vector<ModelInfo>& Models() const;
   int64_t max_tokens_per_step() const;  // the budget in force (after -1 is resolved)

@@ -14,8 +14,10 @@
 
 namespace imagegen {
 
+// What a round ended, for EngineStats (completions, and failures to decode, are counted by the
+// DecodeQueue instead).
 struct Outcomes {
-  int64_t completed = 0, cancelled = 0, expired = 0, failed = 0;
+  int64_t cancelled = 0, expired = 0, failed = 0;
   int64_t shed = 0;       // gave up their place in a full queue (wait_queue.h, Displace)
   int64_t preempted = 0;  // running requests suspended for a more urgent one
 };
