@@ -34,11 +34,8 @@ std::map<std::string, at::Tensor> ReadRef(const std::string& name) {
   return out;
 }
 
-// Full forward of each reference row (class + whole prefix) in one ragged batch, and the same
-// again token by token through the KV cache.
-void CheckGpt(const Gpt& gpt, const std::map<std::string, at::Tensor>& ref, double tol) {
-  const at::Tensor labels = ref.at("labels"), prefix = ref.at("prefix");
-  const at::Tensor logits = ref.at("logits").to(gpt.options().device);
+// Each reference row (class + whole prefix) as one row of a ragged batch, row r in slot r.
+std::vector<BatchRow> FullRows(const at::Tensor& labels, const at::Tensor& prefix) {
   const int64_t rows = labels.size(0), m = prefix.size(1);
   std::vector<BatchRow> batch(rows);
   for (int64_t r = 0; r < rows; ++r) {
@@ -50,6 +47,16 @@ void CheckGpt(const Gpt& gpt, const std::map<std::string, at::Tensor>& ref, doub
       batch[r].positions.push_back(i + 1);
     }
   }
+  return batch;
+}
+
+// Full forward of each reference row (class + whole prefix) in one ragged batch, and the same
+// again token by token through the KV cache.
+void CheckGpt(const Gpt& gpt, const std::map<std::string, at::Tensor>& ref, double tol) {
+  const at::Tensor labels = ref.at("labels"), prefix = ref.at("prefix");
+  const at::Tensor logits = ref.at("logits").to(gpt.options().device);
+  const int64_t rows = labels.size(0), m = prefix.size(1);
+  const std::vector<BatchRow> batch = FullRows(labels, prefix);
   KvCache cache = gpt.NewCache(rows);
   auto out = gpt.Forward(batch, cache);
   ASSERT_TRUE(out.ok()) << out.status().ToString();
@@ -354,16 +361,7 @@ Bf16Drift MeasureBf16(const Gpt& gpt, const std::map<std::string, at::Tensor>& r
                       bool halve_logits = false) {
   const at::Tensor labels = ref.at("labels"), prefix = ref.at("prefix");
   const int64_t rows = labels.size(0), m = prefix.size(1);
-  std::vector<BatchRow> batch(rows);
-  for (int64_t r = 0; r < rows; ++r) {
-    batch[r].slot = r;
-    batch[r].tokens.push_back(labels[r].item<int64_t>());
-    batch[r].positions.push_back(0);
-    for (int64_t i = 0; i < m; ++i) {
-      batch[r].tokens.push_back(prefix[r][i].item<int64_t>());
-      batch[r].positions.push_back(i + 1);
-    }
-  }
+  const std::vector<BatchRow> batch = FullRows(labels, prefix);
   KvCache cache = gpt.NewCache(rows);
   auto out = gpt.Forward(batch, cache);
   EXPECT_TRUE(out.ok()) << out.status().ToString();
