@@ -586,7 +586,7 @@ void MarScheduler::AddPreviews(const std::vector<size_t>& due, std::vector<StepE
 }
 
 // The result, then the image: decoded by the decode queue (on its thread, or now), which then
-// completes the request. The latents go as host data (the decode thread has its own stream).
+// completes the request.
 void MarScheduler::Finish(Active& a) {
   used_ -= a.rows;
   Job& j = *a.job;
@@ -601,16 +601,15 @@ void MarScheduler::Finish(Active& a) {
   st.residual_fallbacks = a.fallbacks;
   st.residual_rounds = a.residual_rounds;
   st.draft_target_sq_dist = a.dist_n > 0 ? a.sq_dist / static_cast<double>(a.dist_n) : 0;
+  // The request's own latents (host memory), which nothing writes once it has finished.
   at::Tensor latents;
-  if (j.params.decode_image) {
-    latents = decoder_.async() ? a.tokens.to(at::kCPU) : a.tokens;
-  }
-  decoder_.Run([&m = model_, latents, dev = a.tokens.device(), observer = j.observer,
+  if (j.params.decode_image) latents = a.tokens;
+  decoder_.Run([&m = model_, latents, observer = j.observer,
                 res = std::make_shared<RequestResult>(std::move(res)), t_end] {
     if (latents.defined()) {
       StatusOr<at::Tensor> px = Internal("image not decoded");
       try {
-        px = LatentsToPixels(m, latents.to(dev).unsqueeze(0));
+        px = LatentsToPixels(m, latents.unsqueeze(0));
       } catch (const std::exception& e) {
         px = Internal(std::string("image decoding failed: ") + e.what());
       }
