@@ -78,6 +78,37 @@ def step_cost_section(rows):
     return out
 
 
+# LlamaGen's serving README (autoregressive/serve/README.md): sample_c2i.py draws 8 images (8
+# class labels, CFG 4.0: 16 rows) of 384 px (24 x 24 = 576 tokens) in bf16 on an A100; seconds
+# for the whole batch with their own PyTorch loop and with vLLM 0.4.1.
+LLAMAGEN_384 = {"gpt-b": (7.80, 2.39), "gpt-l": (13.72, 3.48), "gpt-xl": (19.76, 4.84)}
+
+
+def llamagen_section(rows):
+    """imagegen's forward against LlamaGen's own figures on the same model shapes: 576 steps of
+    8 requests at one token each, from the step-cost rows measured at exactly that (8 requests,
+    1 token per request; step_profile.sh measures them with --grid 24)."""
+    out = ["## Against LlamaGen's own serving figures (8 images of 384 px, CFG)", ""]
+    sel = [r for r in rows if r["shape"] in LLAMAGEN_384 and r["requests"] == "8"
+           and r["tokens_per_request"] == "1"]
+    if not sel:
+        return out + ["No step-cost row with 8 requests of 1 token (bench/gpu/step_profile.sh "
+                      "measures them).", ""]
+    out += ["Estimate: 576 x one measured step (the target forward of 8 CFG pairs, one token "
+            "each, at the context in the table); no sampling, no VQ decode. LlamaGen's figures "
+            "are for the same 8 images on an A100 (their serve/README.md).", "",
+            "| shape | dtype | forward | context | step ms | imagegen s (est.) | LlamaGen PyTorch s "
+            "| LlamaGen + vLLM s | imagegen / vLLM |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in sel:
+        ms = float(r["median_ms"])
+        est = 576 * ms / 1e3
+        base, vllm = LLAMAGEN_384[r["shape"]]
+        out.append(f"| {r['shape']} | {r['dtype']} | {r.get('forward') or 'eager'} | "
+                   f"{r['committed_prefix']} | {ms:.2f} | {est:.2f} | {base:.2f} | {vllm:.2f} | "
+                   f"{est / vllm:.2f} |")
+    return out + [""]
+
+
 def spec_section(rows, split_rows=None):
     out = ["## Speculative decoding at batch 1 (imagegen-spec-bench)", ""]
     if not rows:
@@ -126,12 +157,19 @@ def load_section(rows):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True, help="run_all.sh's output directory")
+    ap.add_argument("--out", help="run_all.sh's output directory")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--docs", help="also write the report here (docs/results-gpu.md)")
+    ap.add_argument("--llamagen", metavar="CSV",
+                    help="only print the comparison with LlamaGen's figures from a step-cost CSV")
     ap.add_argument("--strict", action="store_true",
                     help="exit 1 when an input is missing or a test log shows a failure")
     a = ap.parse_args()
+    if a.llamagen:
+        print("\n".join(llamagen_section(read_csv(a.llamagen) or [])))
+        return 0
+    if not a.out:
+        ap.error("--out is required")
     problems = []
     lines = ["# GPU results (bench/gpu/run_all.sh)", "",
              "Written by bench/gpu/report.py from one run of bench/gpu/run_all.sh "
@@ -161,6 +199,8 @@ def main():
         if not inputs[key]:
             problems.append(f"{rel} missing or empty")
     lines += step_cost_section(inputs["step"])
+    lines += llamagen_section((inputs["step"] or []) +
+                              (read_csv(os.path.join(a.out, "step_cost_vllm.csv")) or []))
     lines += spec_section(inputs["spec"], read_csv(os.path.join(a.out, "spec-split/results.csv")))
     lines += load_section(inputs["load"])
     serve = os.path.join(a.out, "serve.log")

@@ -43,6 +43,13 @@ timeout -k 5 60 "$B/imagegen-step-cost" --device "$dev" --shapes bundled,gpt-b -
   --requests 1,4,16 --tokens 1,4,16,64,256 --reps 5 --forwards eager,graphs \
   --csv "$o/step_cost_graphs.csv" > "$o/step_cost_graphs.log" 2>&1
 echo "step-cost exit $?" | tee -a "$o/parts.log"; pack
+# LlamaGen's own serving figures are 8 images of 384 px (576 tokens) with CFG: the step of 8
+# requests at one token each, at the mean context (--grid 24), eager and with graphs.
+timeout -k 5 60 "$B/imagegen-step-cost" --device "$dev" --shapes gpt-b,gpt-l,gpt-xl \
+  --dtypes bf16 --grid 24 --requests 8 --tokens 8 --reps 5 --forwards eager,graphs \
+  --csv "$o/step_cost_vllm.csv" > "$o/step_cost_vllm.log" 2>&1
+echo "step-cost-llamagen exit $?" | tee -a "$o/parts.log"
+python3 bench/gpu/report.py --llamagen "$o/step_cost_vllm.csv" > "$o/llamagen.md" 2>&1; pack
 load load_profile IMAGEGEN_OP_PROFILE=1 "$B/imagegen-load-bench" --device "$dev" --dtype bf16
 timeout -k 5 80 "$B/imagegen-spec-bench" --device "$dev" --dtype bf16 --per-class 1 \
   --methods sjd,scd-mc,sjd-pac,sd --windows 32 --sd-windows 8 --split 0 --python python3 \
@@ -55,5 +62,5 @@ echo "spec-split exit $?" | tee -a "$o/parts.log"; pack
 load load_cudnn IMAGEGEN_CUDNN_SDPA=1 "$B/imagegen-load-bench" --device "$dev" --dtype bf16
 head -n 5 "$o/load_default.log" "$o/load_graphs.log" "$o/load_inline_decode.log" \
   "$o/load_cudnn.log"
-tail -n 30 "$o/step_cost_graphs.log"; tail -n 40 "$o/load_profile.log"
+tail -n 30 "$o/step_cost_graphs.log"; cat "$o/llamagen.md"; tail -n 40 "$o/load_profile.log"
 tail -n 14 "$o/spec.log"
