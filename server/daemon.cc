@@ -198,7 +198,8 @@ std::string Daemon::Describe() const {
     windows += " " + (tokens > 0 ? std::to_string(tokens) : "none") + " tokens per step";
   }
   return names + " on " + options_.engine.device + "; " + windows + "; default method " +
-         options_.default_method;
+         options_.default_method +
+         (engine_->decode_thread() ? "; images decoded on their own thread" : "");
 }
 
 EngineStats Daemon::Stop(std::chrono::milliseconds grace) {

@@ -457,6 +457,8 @@ void Engine::Cancel(int64_t id) {
   impl_->cv.notify_one();
 }
 
+bool Engine::decode_thread() const { return impl_->decoder && impl_->decoder->async(); }
+
 EngineStats Engine::Stats() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   EngineStats s = impl_->stats;

@@ -176,6 +176,7 @@ class Engine {
   EngineStats Stats() const;
   const std::vector<ModelInfo>& Models() const;
   int64_t max_tokens_per_step() const;  // the budget in force (after -1 is resolved)
+  bool decode_thread() const;           // EngineOptions::decode_thread, -1 resolved
 
   // Refuses new requests, lets queued and running ones finish for up to `grace`, then ends
   // what is left with UNAVAILABLE and stops the engine thread. Idempotent; returns when the

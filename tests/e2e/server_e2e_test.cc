@@ -882,8 +882,11 @@ TEST(E2eTest, ApiKeysNameTenantsBoundPrioritiesAndReloadOnSighup) {
   RemoveTree(dir);
 }
 
+// With the decode thread on (the CUDA default; off on the CPU), so that the images finished
+// during the drain are completed from that thread and counted before the daemon exits.
 TEST(E2eTest, SigtermDrainsInFlightStreamsThenExitsZero) {
-  Daemon d("sigterm", {"--grace-seconds", "60", "--http-listen", "127.0.0.1:0"});
+  Daemon d("sigterm",
+           {"--grace-seconds", "60", "--http-listen", "127.0.0.1:0", "--decode-thread", "1"});
   d.WaitReady();
   // The HTTP port's health routes (for load balancers that do not speak gRPC): ready now.
   EXPECT_EQ(HttpGet(d.http_port(), "/health"),
@@ -934,6 +937,7 @@ TEST(E2eTest, SigtermDrainsInFlightStreamsThenExitsZero) {
   }
   EXPECT_EQ(d.proc().Wait(seconds(60)), 0) << d.proc().Log();
   EXPECT_NE(d.proc().Log().find("stopped: 2 images"), std::string::npos) << d.proc().Log();
+  EXPECT_NE(d.proc().Log().find("images decoded on their own thread"), std::string::npos);
 }
 
 // The daemon's log (server/request_log.h), here as JSON lines: every generation call, from
