@@ -16,6 +16,7 @@
 #include "engine/model/mar.h"
 #include "engine/model/safetensors.h"
 #include "engine/model/vq_decoder.h"
+#include "tests/test_util.h"
 
 namespace imagegen {
 namespace {
@@ -401,27 +402,18 @@ void CheckBf16(const std::string& dir, const std::string& ref_name, const LoadOp
   EXPECT_LT(d.max_err_over_std, 0.25);
 }
 
-// The test device (IMAGEGEN_TEST_DEVICE=cuda under bench/gpu/run_all.sh), else the CPU.
-LoadOptions TestDevice() {
-  LoadOptions o;
-  const char* d = std::getenv("IMAGEGEN_TEST_DEVICE");
-  if (d != nullptr && std::string(d) == "cuda" && torch::cuda::is_available()) {
-    o.device = c10::Device(c10::kCUDA, 0);
-  }
-  return o;
-}
-
 TEST(ParityTest, Bf16BundledGptStaysWithinTheStatedTolerances) {
-  CheckBf16(DefaultModelsDir() + "/fmnist-gpt", "gpt_bundled.safetensors", TestDevice());
+  CheckBf16(DefaultModelsDir() + "/fmnist-gpt", "gpt_bundled.safetensors",
+            testing::TestLoadOptions());
 }
 
 TEST(ParityTest, Bf16RandomGptBShapeStaysWithinTheStatedTolerances) {
-  CheckBf16(RefDir() + "/gptb-random", "gptb_random.safetensors", TestDevice());
+  CheckBf16(RefDir() + "/gptb-random", "gptb_random.safetensors", testing::TestLoadOptions());
 }
 
 // Power: logits off by a factor of two (a missing scale) fail the bf16 tolerances.
 TEST(ParityTest, BrokenBf16ForwardFailsTheTolerances) {
-  LoadOptions o = TestDevice();
+  LoadOptions o = testing::TestLoadOptions();
   o.dtype = at::kBFloat16;
   auto gpt = Gpt::Load(DefaultModelsDir() + "/fmnist-gpt", o);
   ASSERT_TRUE(gpt.ok());
