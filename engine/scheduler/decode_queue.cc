@@ -1,5 +1,6 @@
 #include "engine/scheduler/decode_queue.h"
 
+#include <string>
 #include <utility>
 
 #include <ATen/Parallel.h>
@@ -27,6 +28,29 @@ void DecodeQueue::Run(Task task) {
     }
   }
   Count(task());
+}
+
+void DecodeQueue::Complete(std::shared_ptr<RequestObserver> observer, RequestResult result,
+                           Clock::time_point finished, ImageDecode decode) {
+  Run([observer = std::move(observer), res = std::make_shared<RequestResult>(std::move(result)),
+       finished, decode = std::move(decode)] {
+    if (decode) {
+      StatusOr<Image> image = Internal("image not decoded");
+      try {
+        image = decode(*res);
+      } catch (const std::exception& e) {
+        image = Internal(std::string("image decoding failed: ") + e.what());
+      }
+      if (!image.ok()) {
+        observer->OnError(image.status());
+        return false;
+      }
+      res->image = std::move(image).value();
+    }
+    res->stats.decode_seconds = std::chrono::duration<double>(Clock::now() - finished).count();
+    observer->OnComplete(std::move(*res));
+    return true;
+  });
 }
 
 void DecodeQueue::Stop() {

@@ -19,6 +19,8 @@
 #include <mutex>
 #include <thread>
 
+#include "engine/scheduler/request.h"
+
 namespace imagegen {
 
 class DecodeQueue {
@@ -36,6 +38,12 @@ class DecodeQueue {
 
   // Runs `task`: queued for the decode thread, or now when inline or stopped.
   void Run(Task task);
+  // Completes a finished request through Run: `decode` (null: no image wanted) makes its image
+  // from the result, then `observer` gets OnComplete with it (decode_seconds counted from
+  // `finished`, the wait for the decode thread included), or OnError when decoding fails.
+  using ImageDecode = std::function<StatusOr<Image>(const RequestResult&)>;
+  void Complete(std::shared_ptr<RequestObserver> observer, RequestResult result,
+                Clock::time_point finished, ImageDecode decode);
   // Runs every queued task, then ends the decode thread. Idempotent.
   void Stop();
 

@@ -601,28 +601,15 @@ void MarScheduler::Finish(Active& a) {
   st.residual_fallbacks = a.fallbacks;
   st.residual_rounds = a.residual_rounds;
   st.draft_target_sq_dist = a.dist_n > 0 ? a.sq_dist / static_cast<double>(a.dist_n) : 0;
-  // The request's own latents (host memory), which nothing writes once it has finished.
-  at::Tensor latents;
-  if (j.params.decode_image) latents = a.tokens;
-  decoder_.Run([&m = model_, latents, observer = j.observer,
-                res = std::make_shared<RequestResult>(std::move(res)), t_end] {
-    if (latents.defined()) {
-      StatusOr<at::Tensor> px = Internal("image not decoded");
-      try {
-        px = LatentsToPixels(m, latents.unsqueeze(0));
-      } catch (const std::exception& e) {
-        px = Internal(std::string("image decoding failed: ") + e.what());
-      }
-      if (!px.ok()) {
-        observer->OnError(px.status());
-        return false;
-      }
-      res->image = PixelsToImage((*px)[0]);
-    }
-    res->stats.decode_seconds = Seconds(t_end, Clock::now());
-    observer->OnComplete(std::move(*res));
-    return true;
-  });
+  DecodeQueue::ImageDecode decode;
+  if (j.params.decode_image) {
+    // The request's own latents (host memory), which nothing writes once it has finished.
+    decode = [&m = model_, latents = a.tokens](const RequestResult&) -> StatusOr<Image> {
+      ASSIGN_OR_RETURN(at::Tensor px, LatentsToPixels(m, latents.unsqueeze(0)));
+      return PixelsToImage(px[0]);
+    };
+  }
+  decoder_.Complete(j.observer, std::move(res), t_end, std::move(decode));
 }
 
 }  // namespace imagegen

@@ -588,25 +588,13 @@ void ModelScheduler::Finish(Job& j) {
   st.expected_tokens = j.expected_sum;
   st.predicted_step_seconds = j.predicted_sum;
   st.measured_step_seconds = j.measured_sum;
-  decoder_.Run([vq = model_.vq.get(), decode = j.params.decode_image, observer = j.observer,
-                res = std::make_shared<RequestResult>(std::move(res)), t_end] {
-    if (decode) {
-      StatusOr<Image> image = Internal("image not decoded");
-      try {
-        image = TokensToImage(*vq, res->tokens);
-      } catch (const std::exception& e) {
-        image = Internal(std::string("image decoding failed: ") + e.what());
-      }
-      if (!image.ok()) {
-        observer->OnError(image.status());
-        return false;
-      }
-      res->image = std::move(image).value();
-    }
-    res->stats.decode_seconds = Seconds(t_end, Clock::now());
-    observer->OnComplete(std::move(*res));
-    return true;
-  });
+  DecodeQueue::ImageDecode decode;
+  if (j.params.decode_image) {
+    decode = [vq = model_.vq.get()](const RequestResult& r) {
+      return TokensToImage(*vq, r.tokens);
+    };
+  }
+  decoder_.Complete(j.observer, std::move(res), t_end, std::move(decode));
 }
 
 // The grid so far: committed tokens, then the drafts the next step will verify, then code 0;
