@@ -225,6 +225,7 @@ int main(int argc, char** argv) {
   eo.decode_thread = absl::GetFlag(FLAGS_decode_thread);
   eo.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
   eo.preview_share = absl::GetFlag(FLAGS_preview_share);
+  eo.log = [](const std::string& msg) { Log(msg); };
 
   if (const double p = absl::GetFlag(FLAGS_token_file_poll_seconds);
       !(p == 0 || (p >= 0.05 && p <= 86400))) {

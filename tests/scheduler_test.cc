@@ -650,7 +650,11 @@ TEST(EngineTest, StepCostCalibrationIsCachedAndAForeignOrSmallerOneReplaced) {
   const std::string dir = testing::TempDir("step_cost_cache");
   EngineOptions o = BundledOptions();
   o.cache_dir = dir + "/cache";
+  // The engine's notices go to EngineOptions::log (the daemon's --log-format), not stderr.
+  std::vector<std::string> notices;
+  o.log = [&notices](const std::string& m) { notices.push_back(m); };
   StartOrDie(o).reset();
+  EXPECT_TRUE(notices.empty()) << notices[0];
   std::vector<fs::path> files;
   for (const auto& e : fs::directory_iterator(o.cache_dir)) files.push_back(e.path());
   ASSERT_EQ(files.size(), 1u);
@@ -667,6 +671,9 @@ TEST(EngineTest, StepCostCalibrationIsCachedAndAForeignOrSmallerOneReplaced) {
   foreign.replace(foreign.find("fmnist-gpt (dim"), 10, "other-gpt!");
   testing::WriteText(file, foreign);
   StartOrDie(o).reset();
+  ASSERT_EQ(notices.size(), 1u);
+  EXPECT_EQ(notices[0].rfind("recalibrating the step cost: ", 0), 0u) << notices[0];
+  EXPECT_NE(notices[0].find(file), std::string::npos) << notices[0];
   auto again = ReadFile(file);
   ASSERT_TRUE(again.ok());
   EXPECT_NE(again->find("fmnist-gpt (dim 192"), std::string::npos);

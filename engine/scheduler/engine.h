@@ -13,6 +13,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -100,6 +101,10 @@ struct EngineOptions {
   // inside the step; -1 (default) by device: 1 on CUDA, 0 on the CPU, where both threads'
   // parallel LibTorch ops would share the same cores (see cpu_threads).
   int decode_thread = -1;
+  // Where the engine's notices go (a step-cost calibration that is not reused or not cached),
+  // one line each, without a trailing newline; unset: stderr, prefixed "imagegen: ". The
+  // daemon routes them through its --log-format.
+  std::function<void(const std::string&)> log;
 };
 
 // One step of one model, for metrics.

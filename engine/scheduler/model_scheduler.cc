@@ -43,6 +43,15 @@ std::string FileSafe(const std::string& s) {
   return out;
 }
 
+// One engine notice, through EngineOptions::log when set.
+void Notice(const EngineOptions& o, const std::string& msg) {
+  if (o.log) {
+    o.log(msg);
+  } else {
+    std::fprintf(stderr, "imagegen: %s\n", msg.c_str());
+  }
+}
+
 }  // namespace
 
 ModelScheduler::ModelScheduler(const ImageModel& model, int64_t slots, const EngineOptions& opts,
@@ -96,7 +105,7 @@ Status ModelScheduler::Calibrate(const LoadOptions& load) {
             " concurrent request(s); this engine can measure " + std::to_string(can_measure));
       }
       if (st.ok()) return OkStatus();
-      std::fprintf(stderr, "imagegen: recalibrating the step cost: %s\n", st.ToString().c_str());
+      Notice(opts_, "recalibrating the step cost: " + st.ToString());
     }
   }
   RETURN_IF_ERROR(cost_.Calibrate(MeasureStepCost(probe)));
@@ -105,8 +114,7 @@ Status ModelScheduler::Calibrate(const LoadOptions& load) {
     std::error_code ec;
     std::filesystem::create_directories(opts_.cache_dir, ec);
     if (Status st = WriteFileAtomically(path, cost_.Serialize(key.str())); !st.ok()) {
-      std::fprintf(stderr, "imagegen: the step-cost calibration is not cached: %s\n",
-                   st.ToString().c_str());
+      Notice(opts_, "the step-cost calibration is not cached: " + st.ToString());
     }
   }
   return OkStatus();
