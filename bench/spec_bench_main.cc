@@ -28,6 +28,7 @@
 #include "engine/decoding/speculative.h"
 #include "engine/model/classifier.h"
 #include "engine/model/image_model.h"
+#include "engine/model/transfer.h"
 #include "engine/util/json.h"
 #include "engine/util/read_file.h"
 
@@ -46,6 +47,7 @@ struct Row {
   double nfe = 0, compression = 0, acceptance = 0, accepted_per_step = 0, draft_forwards = 0;
   double seconds = 0, images_per_s = 0, latency_ratio = 0, accuracy = 0, fd = 0, entropy = 0;
   StepTiming timing;            // with --split: the target forward vs the rest of each step
+  StepTiming launches;          // with --split: the same split of device launches (one batch)
   std::map<int, int64_t> hist;  // committed tokens per step -> steps
 };
 
@@ -245,6 +247,16 @@ int main(int argc, char** argv) {
       }
       feats.push_back(clf->Features(ImageToUint8(OrDie(model.vq->Decode(at::stack(ids))))));
     }
+    if (f.Int("split") != 0) {
+      // Device launches per step, counted on a run of its own (the counting callback would slow
+      // the timed one): the first batch again.
+      std::vector<ImageRequest> chunk(
+          all.begin(), all.begin() + std::min(all.size(), static_cast<size_t>(batch)));
+      SpecOptions counted = so;
+      counted.timing = &row.launches;
+      LaunchCount count;
+      OrDie(GenerateSpeculative(*model.gpt, draft.get(), chunk, counted));
+    }
     row.images = static_cast<int64_t>(all.size());
     row.nfe = static_cast<double>(nfe) / row.images;
     row.compression = gc.block_size / row.nfe;
@@ -279,15 +291,18 @@ int main(int argc, char** argv) {
   if (f.Int("split") != 0) {
     std::printf(
         "step split (--split 1): fwd = the target forward, other = the rest of the step (draft "
-        "forwards apart), per step in ms; on CUDA timing adds up to three device syncs per step\n");
+        "forwards apart), per step in ms; on CUDA timing adds up to three device syncs per step; "
+        "fwd.ln, other.ln = device launches per step (ATen calls that would launch a kernel, "
+        "LaunchCount, one batch counted apart)\n");
   }
-  std::printf("%-12s %4s %7s %6s %7s %7s %7s %8s %8s %7s %7s %8s %8s %6s\n", "method", "L", "NFE",
-              "compr", "accept", "acc/st", "dfwd", "img/s", "lat.x", "cls.acc", "FD", "fwd.ms",
-              "other.ms", "other%");
+  std::printf("%-12s %4s %7s %6s %7s %7s %7s %8s %8s %7s %7s %8s %8s %6s %7s %8s\n", "method", "L",
+              "NFE", "compr", "accept", "acc/st", "dfwd", "img/s", "lat.x", "cls.acc", "FD",
+              "fwd.ms", "other.ms", "other%", "fwd.ln", "other.ln");
   std::ofstream csv(out + "/results.csv");
   csv << "method,window,policy,images,nfe,step_compression,acceptance_rate,accepted_per_step,"
          "draft_forwards,seconds,images_per_s,latency_ratio_vs_ar,class_accuracy,frechet,entropy,"
-         "steps_timed,forward_ms_per_step,draft_ms_per_step,other_ms_per_step,other_share\n";
+         "steps_timed,forward_ms_per_step,draft_ms_per_step,other_ms_per_step,other_share,"
+         "forward_launches_per_step,draft_launches_per_step,other_launches_per_step\n";
   std::ofstream hist(out + "/hist.csv");
   hist << "method,window,tokens_per_step,steps\n";
   for (const Row& r : rows) {
@@ -296,17 +311,24 @@ int main(int argc, char** argv) {
     const double fwd = 1e3 * t.forward_seconds / n, drf = 1e3 * t.draft_seconds / n;
     const double other = 1e3 * t.step_seconds / n - fwd - drf;
     const double share = other / (1e3 * t.step_seconds / n);
+    const StepTiming& l = r.launches;
+    const double ln = l.steps > 0 ? static_cast<double>(l.steps) : std::nan("");
+    const double fwd_ln = static_cast<double>(l.forward_launches) / ln;
+    const double drf_ln = static_cast<double>(l.draft_launches) / ln;
+    const double other_ln =
+        static_cast<double>(l.step_launches - l.forward_launches - l.draft_launches) / ln;
     std::printf(
-        "%-12s %4lld %7.1f %6.2f %7.3f %7.2f %7.1f %8.2f %8.2f %7.3f %7.2f %8.3f %8.3f %5.1f%%\n",
+        "%-12s %4lld %7.1f %6.2f %7.3f %7.2f %7.1f %8.2f %8.2f %7.3f %7.2f %8.3f %8.3f %5.1f%% "
+        "%7.1f %8.1f\n",
         r.cfg.label.c_str(), static_cast<long long>(r.cfg.policy.window), r.nfe, r.compression,
         r.acceptance, r.accepted_per_step, r.draft_forwards, r.images_per_s, r.latency_ratio,
-        r.accuracy, r.fd, fwd, other, 100 * share);
+        r.accuracy, r.fd, fwd, other, 100 * share, fwd_ln, other_ln);
     csv << r.cfg.label << "," << r.cfg.policy.window << ",\"" << DescribePolicy(r.cfg.policy)
         << "\"," << r.images << "," << r.nfe << "," << r.compression << "," << r.acceptance << ","
         << r.accepted_per_step << "," << r.draft_forwards << "," << r.seconds << ","
         << r.images_per_s << "," << r.latency_ratio << "," << r.accuracy << "," << r.fd << ","
         << r.entropy << "," << t.steps << "," << fwd << "," << drf << "," << other << "," << share
-        << "\n";
+        << "," << fwd_ln << "," << drf_ln << "," << other_ln << "\n";
     for (const auto& [k, n] : r.hist) {
       hist << r.cfg.label << "," << r.cfg.policy.window << "," << k << "," << n << "\n";
     }

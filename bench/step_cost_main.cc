@@ -77,7 +77,8 @@ int main(int argc, char** argv) {
     csv.open(f.Str("csv"));
     if (!csv) f.Fail("cannot write --csv " + f.Str("csv"));
     csv << "shape,dtype,device,params_bytes,requests,rows,tokens_per_step,tokens_per_request,"
-           "committed_prefix,median_ms,tokens_per_s,ratio_to_one_token,weight_read_ms,forward\n";
+           "committed_prefix,median_ms,tokens_per_s,ratio_to_one_token,weight_read_ms,forward,"
+           "launches\n";
   }
   const double gbps = std::stod(f.Str("hbm-gbps"));
   const bool invariant = f.Int("batch-invariant") != 0;
@@ -109,8 +110,8 @@ int main(int argc, char** argv) {
           static_cast<long long>(cfg.n_layer), static_cast<long long>(cfg.block_size),
           gpt->weight_bytes() / 1e6,
           gbps > 0 ? (", weight-read limit " + std::to_string(weight_ms) + " ms").c_str() : "");
-      std::printf("%8s %6s %8s %8s %10s %12s %8s\n", "requests", "rows", "tokens", "tok/req",
-                  "median ms", "tokens/s", "x 1 tok");
+      std::printf("%8s %6s %8s %8s %10s %12s %8s %8s\n", "requests", "rows", "tokens", "tok/req",
+                  "median ms", "tokens/s", "x 1 tok", "launches");
       for (const std::string& fw : f.List("forwards")) {
         const ForwardOptions fo{invariant, fw != "eager", fw == "graphs"};
         if (f.List("forwards").size() > 1) std::printf("forward: %s\n", fw.c_str());
@@ -148,18 +149,25 @@ int main(int argc, char** argv) {
                         .count());
               }
             }
+            int64_t launches = 0;  // ATen calls that launch device work (one more forward)
+            {
+              LaunchCount count;
+              OrDie(gpt->Forward(step, cache, at::Tensor(), fo));
+              launches = count.launches();
+            }
             std::sort(ms.begin(), ms.end());
             const double med = ms[ms.size() / 2];
             if (r == 1 && t == 1) one_token_ms = med;
             const double ratio = one_token_ms > 0 ? med / one_token_ms : 0;
-            std::printf("%8lld %6lld %8lld %8lld %10.3f %12.0f %8.2f\n", static_cast<long long>(r),
-                        static_cast<long long>(rows), static_cast<long long>(t),
-                        static_cast<long long>(n), med, t / (med / 1e3), ratio);
+            std::printf("%8lld %6lld %8lld %8lld %10.3f %12.0f %8.2f %8lld\n",
+                        static_cast<long long>(r), static_cast<long long>(rows),
+                        static_cast<long long>(t), static_cast<long long>(n), med, t / (med / 1e3),
+                        ratio, static_cast<long long>(launches));
             if (csv) {
               csv << shape << "," << dtype << "," << f.Str("device") << "," << gpt->weight_bytes()
                   << "," << r << "," << rows << "," << t << "," << n << "," << prefix << "," << med
-                  << "," << t / (med / 1e3) << "," << ratio << "," << weight_ms << "," << fw
-                  << std::endl;
+                  << "," << t / (med / 1e3) << "," << ratio << "," << weight_ms << "," << fw << ","
+                  << launches << std::endl;
             }
             std::fflush(stdout);  // a run stopped at a time limit keeps the rows it printed
           }

@@ -31,6 +31,9 @@ namespace {
 struct StepCounts {
   int64_t steps = 0, readbacks = 0, syncing = 0, stray = 0, max_uploads = 0, uploads = 0;
   int64_t max_readbacks = 0, cuda_syncs = 0;
+  // Device launches (LaunchCount) per step outside the target forward (the draft model's
+  // forwards apart), the most in any step.
+  int64_t max_other_launches = 0, max_draft_launches = 0, max_forward_launches = 0;
   std::vector<std::string> seen;
 };
 
@@ -56,21 +59,29 @@ ImageRequest Request(const ImageModel& m, const std::string& preset, int64_t cls
   return r;
 }
 
-// Steps `requests` of `preset` (two images, co-batched) to the end, counting per step.
+// Steps `images` images of `preset` (co-batched) to the end, counting per step. `launches`:
+// also the device launches, split by StepTiming (whose device syncs around the forward would
+// count as syncs on CUDA).
 StepCounts RunSteps(const ImageModel& m, const std::string& preset,
-                    const VerifyRules* rules = nullptr) {
+                    const VerifyRules* rules = nullptr, int images = 2, bool launches = false) {
   SpecOptions o;
   o.batch_invariant = true;
   o.rules = rules;
-  SpecBatch batch(*m.gpt, m.draft.get(), 4, o);
-  EXPECT_TRUE(batch.Add(Request(m, preset, 7, 1)).ok());
-  EXPECT_TRUE(batch.Add(Request(m, preset, 3, 2)).ok());
+  StepTiming timing;
+  if (launches) o.timing = &timing;
+  SpecBatch batch(*m.gpt, m.draft.get(), 2 * images, o);
+  for (int i = 0; i < images; ++i) {
+    EXPECT_TRUE(batch.Add(Request(m, preset, (7 + 3 * i) % 10, 1 + i)).ok());
+  }
   StepCounts c;
   const bool cuda = m.gpt->options().device.is_cuda();
   while (batch.active() > 0) {
     const TransferCounts before = ThreadTransfers();
+    const StepTiming was = timing;
     int64_t cuda_syncs = 0;
     {
+      std::optional<LaunchCount> count;
+      if (launches) count.emplace();
       SyncWatch watch;
 #ifdef IMAGEGEN_TEST_CUDA
       SyncWarnings warnings;
@@ -103,6 +114,12 @@ StepCounts RunSteps(const ImageModel& m, const std::string& preset,
     c.uploads += uploads;
     c.max_uploads = std::max(c.max_uploads, uploads);
     c.cuda_syncs = std::max(c.cuda_syncs, cuda_syncs);
+    const int64_t draft = timing.draft_launches - was.draft_launches;
+    const int64_t forward = timing.forward_launches - was.forward_launches;
+    const int64_t other = timing.step_launches - was.step_launches - draft - forward;
+    c.max_forward_launches = std::max(c.max_forward_launches, forward);
+    c.max_draft_launches = std::max(c.max_draft_launches, draft);
+    c.max_other_launches = std::max(c.max_other_launches, other);
   }
   (void)cuda;
   return c;
@@ -158,6 +175,88 @@ INSTANTIATE_TEST_SUITE_P(Presets, HostSyncTest,
                            std::replace(s.begin(), s.end(), '-', '_');
                            return s;
                          });
+
+// Issue 14: the sampling and verification work of a step is launched for all windows at once,
+// so its count of device launches does not grow with the requests in the batch (on a GPU each
+// launch costs the host microseconds whatever its size). The chain presets: a tree's launches
+// grow with its widest node (K siblings are verified in turn), which more requests can widen.
+// The forwards (the target's, and the draft model's for sd) do grow: the batch-invariant
+// forward calls attention once per request (docs/engine.md); they are printed, not bounded.
+class LaunchesTest : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(LaunchesTest, NonForwardLaunchesPerStepDoNotGrowWithTheRequests) {
+  const StepCounts one = RunSteps(Model(), GetParam(), nullptr, 1, true);
+  const StepCounts four = RunSteps(Model(), GetParam(), nullptr, 4, true);
+  std::printf(
+      "%-8s launches per step (most), 1 / 4 requests: non-forward %lld / %lld, target "
+      "forward %lld / %lld, draft model %lld / %lld\n",
+      GetParam(), static_cast<long long>(one.max_other_launches),
+      static_cast<long long>(four.max_other_launches),
+      static_cast<long long>(one.max_forward_launches),
+      static_cast<long long>(four.max_forward_launches),
+      static_cast<long long>(one.max_draft_launches),
+      static_cast<long long>(four.max_draft_launches));
+  EXPECT_GT(one.max_other_launches, 0);  // the counter sees the step
+  EXPECT_EQ(four.max_other_launches, one.max_other_launches);
+}
+
+INSTANTIATE_TEST_SUITE_P(ChainPresets, LaunchesTest,
+                         ::testing::Values("ar", "sjd", "scd-mc", "scd-gs", "gsd", "cool-sd", "sd"),
+                         [](const auto& info) {
+                           std::string s = info.param;
+                           std::replace(s.begin(), s.end(), '-', '_');
+                           return s;
+                         });
+
+// Power: a verifier that decides row by row (a launch per window node) is caught.
+class RowByRow : public VerifyRules {
+ public:
+  at::Tensor Accept(const at::Tensor& u, const at::Tensor& ratio) const override {
+    std::vector<at::Tensor> rows;
+    for (int64_t i = 0; i < u.size(0); ++i) rows.push_back(u.select(0, i) < ratio.select(0, i));
+    return at::stack(rows);
+  }
+};
+
+TEST(LaunchesPowerTest, AVerifierThatLoopsOverRowsIsCaught) {
+  const RowByRow rules;
+  const StepCounts one = RunSteps(Model(), "sjd", &rules, 1, true);
+  const StepCounts four = RunSteps(Model(), "sjd", &rules, 4, true);
+  EXPECT_GT(four.max_other_launches, one.max_other_launches + 16);
+}
+
+// LaunchCount counts the outermost call that does device work: one for a composite op (linear
+// is a matmul and an add inside), none for views, allocations and a conversion to the dtype a
+// tensor already has.
+TEST(LaunchesPowerTest, LaunchCountCountsKernelsNotViews) {
+  const at::Tensor x = at::rand({4, 6}), w = at::rand({3, 6}), b = at::rand({3});
+  struct Probe {
+    const char* what;
+    std::function<void()> fn;
+    int64_t launches;
+  };
+  const std::vector<Probe> probes = {
+      {"add", [&] { (void)(x + x); }, 1},
+      {"linear", [&] { (void)at::linear(x, w, b); }, 1},
+      {"zeros", [&] { (void)at::zeros({4}); }, 1},
+      {"to(double)", [&] { (void)x.to(at::kDouble); }, 1},
+      {"two ops", [&] { (void)(x * 2).sum(); }, 2},
+      {"views",
+       [&] {
+         (void)x.view({6, 4}).narrow(0, 1, 2).t().unsqueeze(0).select(0, 0);
+       },
+       0},
+      {"empty", [&] { (void)at::empty({8}); }, 0},
+      {"to(float)", [&] { (void)x.to(at::kFloat); }, 0},
+  };
+  for (const Probe& p : probes) {
+    LaunchCount count;
+    p.fn();
+    EXPECT_EQ(count.launches(), p.launches) << p.what;
+    EXPECT_EQ(ThreadLaunches(), p.launches) << p.what;
+  }
+  EXPECT_EQ(ThreadLaunches(), 0);  // none live
+}
 
 // Power: a verifier that reads a value back mid-step (as code that calls item() would) is
 // caught, and so are the other kinds of hidden sync.

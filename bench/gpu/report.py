@@ -59,11 +59,12 @@ def step_cost_section(rows):
         head += f" ({float(rs[0]['params_bytes']) / 1e6:.0f} MB of weights"
         head += f", weight-read limit {wr * 1e3:.0f} us)" if wr > 0 else ")"
         out += [head, "", "| requests | tokens/step | tokens/request | ms | x one token |"
-                " tokens/s |", "|---:|---:|---:|---:|---:|---:|"]
+                " tokens/s | launches |", "|---:|---:|---:|---:|---:|---:|---:|"]
         for r in rs:
+            # Older CSVs have no launches column.
             out.append(f"| {r['requests']} | {r['tokens_per_step']} | {r['tokens_per_request']} | "
                        f"{f(r['median_ms'], 3)} | {f(r['ratio_to_one_token'])} | "
-                       f"{float(r['tokens_per_s']):.0f} |")
+                       f"{float(r['tokens_per_s']):.0f} | {r.get('launches') or '-'} |")
         one = [r for r in rs if r["requests"] == "1" and r["tokens_per_step"] == "1"]
         if one and wr > 0:
             ms = float(one[0]["median_ms"])
@@ -121,15 +122,17 @@ def spec_section(rows, split_rows=None):
         for r in rows:
             r = dict(r)
             s = by_key.get((r["method"], r["window"]))
-            for k in ("forward_ms_per_step", "other_ms_per_step", "other_share"):
+            for k in ("forward_ms_per_step", "other_ms_per_step", "other_share",
+                      "forward_launches_per_step", "other_launches_per_step"):
                 r[k] = s.get(k, "") if s else ""
             merged.append(r)
         rows = merged
         out += ["Speedups: a run with the step split off. Forward and other ms per step: a second "
                 "run (one image per class) that synchronises the device around the forward.", ""]
     out += ["| method | L | NFE | step compression | wall-clock speedup vs AR | speedup / "
-            "compression | forward ms/step | other ms/step | other share |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "compression | forward ms/step | other ms/step | other share | forward launches/step "
+            "| other launches/step |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         comp = float(r["step_compression"])
         speed = float(r["latency_ratio_vs_ar"])
@@ -138,7 +141,9 @@ def spec_section(rows, split_rows=None):
         out.append(f"| {r['method']} | {r['window']} | {f(r['nfe'], 1)} | {f(comp)} | "
                    f"{f(speed)} | {f(eff)} | {f(r.get('forward_ms_per_step'), 3)} | "
                    f"{f(r.get('other_ms_per_step'), 3)} | "
-                   f"{f(100 * float(share), 1) + '%' if share not in ('', 'nan') else '-'} |")
+                   f"{f(100 * float(share), 1) + '%' if share not in ('', 'nan') else '-'} | "
+                   f"{f(r.get('forward_launches_per_step'), 0)} | "
+                   f"{f(r.get('other_launches_per_step'), 0)} |")
     return out + [""]
 
 

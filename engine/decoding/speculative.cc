@@ -213,6 +213,7 @@ Status SpecBatch::Impl::Step(const std::vector<WindowGrant>& grants) {
   if (ctx.live.empty() && ctx.prefill.empty()) return OkStatus();
   using Clock = std::chrono::steady_clock;
   const Clock::time_point t0 = opts.timing != nullptr ? Clock::now() : Clock::time_point();
+  const int64_t l0 = ThreadLaunches();
   if (ctx.live.empty()) return ForwardTarget(ctx);  // prompt prefill only
   std::vector<Sequence*> drafting;
   for (Sequence* s : ctx.live) {
@@ -223,6 +224,7 @@ Status SpecBatch::Impl::Step(const std::vector<WindowGrant>& grants) {
     if (opts.timing != nullptr) {
       SynchronizeDevice(target.options().device);
       opts.timing->draft_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+      opts.timing->draft_launches += ThreadLaunches() - l0;
     }
   }
   for (Sequence* s : ctx.live) PlanWindow(*s, target.config());
@@ -241,6 +243,7 @@ Status SpecBatch::Impl::Step(const std::vector<WindowGrant>& grants) {
   if (opts.timing != nullptr) {  // the readback has synchronised the device
     opts.timing->steps += 1;
     opts.timing->step_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+    opts.timing->step_launches += ThreadLaunches() - l0;
   }
   return OkStatus();
 }

@@ -56,9 +56,12 @@ struct SpecResult {
 // step - forward - draft. To time them the device is synchronised after the drafts and before
 // and after the forward: free on the CPU, up to three extra syncs per step on CUDA (measure
 // speedups with timing off).
+// With a LaunchCount live on the stepping thread (transfer.h) it also counts the step's device
+// launches, split the same way.
 struct StepTiming {
   int64_t steps = 0;
   double step_seconds = 0, forward_seconds = 0, draft_seconds = 0;
+  int64_t step_launches = 0, forward_launches = 0, draft_launches = 0;
 };
 
 struct SpecOptions {

@@ -114,6 +114,7 @@ Status ForwardTarget(StepContext& ctx) {
   }
   StepTiming* timing = ctx.opts.timing;
   std::chrono::steady_clock::time_point t0;
+  const int64_t l0 = ThreadLaunches();
   if (timing != nullptr) {
     SynchronizeDevice(ctx.dev());
     t0 = std::chrono::steady_clock::now();
@@ -124,6 +125,7 @@ Status ForwardTarget(StepContext& ctx) {
     SynchronizeDevice(ctx.dev());
     timing->forward_seconds +=
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    timing->forward_launches += ThreadLaunches() - l0;
   }
   for (const PrefillChunk& c : ctx.prefill) {
     c.seq->prefilled += c.tokens;

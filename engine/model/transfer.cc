@@ -191,6 +191,71 @@ OpTrace::~OpTrace() {
 
 const std::vector<std::string>& OpTrace::calls() const { return state_->calls; }
 
+struct LaunchCount::State {
+  int64_t launches = 0;
+  std::vector<char> inside;  // per open call: whether it or a caller was counted
+  at::CallbackHandle handle = 0;
+};
+
+namespace {
+
+thread_local LaunchCount::State* t_launches = nullptr;
+
+// Calls that only make a tensor's metadata or allocate: no device work of their own.
+bool IsMetadataOnly(std::string_view name) {
+  // clang-format off
+  static constexpr std::string_view kNoKernel[] = {
+      "aten::view", "aten::_unsafe_view", "aten::reshape", "aten::_reshape_alias", "aten::view_as",
+      "aten::narrow", "aten::slice", "aten::select", "aten::as_strided", "aten::transpose",
+      "aten::t", "aten::permute", "aten::unsqueeze", "aten::squeeze", "aten::expand",
+      "aten::expand_as", "aten::alias", "aten::detach", "aten::empty", "aten::empty_strided",
+      "aten::empty_like", "aten::resize_", "aten::set_", "aten::contiguous", "aten::to",
+      "aten::lift_fresh", "aten::flatten", "aten::unflatten", "aten::movedim", "aten::diagonal",
+      "aten::split", "aten::unbind", "aten::chunk", "aten::split_with_sizes", "aten::result_type",
+      "aten::size", "aten::stride", "aten::is_same_size", "aten::broadcast_tensors",
+      "aten::unfold", "aten::_has_compatible_shallow_copy_type", "aten::type_as", "aten::numpy_T",
+      "aten::mT",
+  };
+  // clang-format on
+  for (std::string_view s : kNoKernel) {
+    if (name == s) return true;
+  }
+  return false;
+}
+
+std::unique_ptr<at::ObserverContext> OnLaunchStart(const at::RecordFunction& fn) {
+  LaunchCount::State* c = t_launches;
+  if (c == nullptr) return nullptr;
+  const bool inside = !c->inside.empty() && c->inside.back() != 0;
+  const bool counts = !inside && !IsMetadataOnly(fn.name());
+  if (counts) c->launches += 1;
+  c->inside.push_back(inside || counts ? 1 : 0);
+  return nullptr;
+}
+
+void OnLaunchEnd(const at::RecordFunction&, at::ObserverContext*) {
+  LaunchCount::State* c = t_launches;
+  if (c != nullptr && !c->inside.empty()) c->inside.pop_back();
+}
+
+}  // namespace
+
+LaunchCount::LaunchCount() : state_(std::make_unique<State>()) {
+  TORCH_CHECK(t_launches == nullptr, "LaunchCount: one at a time per thread");
+  t_launches = state_.get();
+  state_->handle = at::addThreadLocalCallback(
+      at::RecordFunctionCallback(&OnLaunchStart, &OnLaunchEnd).scopes({at::RecordScope::FUNCTION}));
+}
+
+LaunchCount::~LaunchCount() {
+  at::removeCallback(state_->handle);
+  t_launches = nullptr;
+}
+
+int64_t LaunchCount::launches() const { return state_->launches; }
+
+int64_t ThreadLaunches() { return t_launches != nullptr ? t_launches->launches : 0; }
+
 int64_t SyncWatch::syncing_calls() const { return state_->syncing; }
 int64_t SyncWatch::stray_moves() const { return state_->stray; }
 std::vector<std::string> SyncWatch::seen() const { return state_->seen; }

@@ -65,6 +65,30 @@ class SyncWatch {
   std::unique_ptr<State> state_;
 };
 
+// Counts, on the constructing thread and while it lives, the ATen calls that would launch device
+// work: the innermost calls (those that make no nested ATen call), less views, allocations and
+// other metadata-only calls (view, narrow, select, transpose, empty, ...). An estimate of a
+// CUDA step's kernel launches taken on any device: a CUDA op may launch more than one kernel,
+// and a composite op may split differently there. The host cost of launching a step's work
+// eagerly is about this count times a few microseconds, whatever the tensors' sizes. One at a
+// time per thread; benchmarks only (it installs a RecordFunction callback).
+class LaunchCount {
+ public:
+  LaunchCount();
+  ~LaunchCount();
+  LaunchCount(const LaunchCount&) = delete;
+  LaunchCount& operator=(const LaunchCount&) = delete;
+
+  int64_t launches() const;
+  struct State;
+
+ private:
+  std::unique_ptr<State> state_;
+};
+
+// The running count of this thread's LaunchCount, 0 without one (take differences).
+int64_t ThreadLaunches();
+
 // Records, on the constructing thread and while it lives, every ATen call (nested ones too) as
 // its name, the shapes of its tensor inputs and its integer and floating-point arguments, e.g.
 // "aten::narrow [64] 0 16 16". A CUDA graph replays the calls it captured with the shapes and
