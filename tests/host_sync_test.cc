@@ -208,6 +208,14 @@ INSTANTIATE_TEST_SUITE_P(ChainPresets, LaunchesTest,
                            return s;
                          });
 
+// A step with no drafts (AR, or every window held to one token) has nothing to verify and
+// skips the verification's launches (VerifyWindows).
+TEST(LaunchesPowerTest, AStepWithoutDraftsSkipsTheVerification) {
+  const StepCounts ar = RunSteps(Model(), "ar", nullptr, 2, true);
+  const StepCounts sjd = RunSteps(Model(), "sjd", nullptr, 2, true);
+  EXPECT_LT(ar.max_other_launches + 25, sjd.max_other_launches);
+}
+
 // Power: a verifier that decides row by row (a launch per window node) is caught.
 class RowByRow : public VerifyRules {
  public:
