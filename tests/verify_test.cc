@@ -58,6 +58,25 @@ TEST(VerifyTest, AcceptProbabilityAndResidual) {
   EXPECT_TRUE(at::equal(ResidualDistribution(p, p), p));
 }
 
+// VerifyWindows leaves out work that cannot change a value: no removal mask before the first
+// sibling, no COOL-SD weight of 1. Both give the same bits as the full form.
+TEST(VerifyTest, ShortcutsGiveTheSameBits) {
+  at::manual_seed(7);
+  at::Tensor q = at::rand({6, 37}, at::kDouble);
+  q.select(0, 2).zero_();  // a row with no mass
+  q = q / q.sum(-1, true).clamp_min(1e-300);
+  const at::Tensor none = at::zeros({6, 37}, at::kBool);
+  EXPECT_TRUE(at::equal(RemoveAndNormalise(q, at::Tensor()), RemoveAndNormalise(q, none)));
+  at::Tensor mask = none.clone();
+  mask.select(1, 3).fill_(true);
+  EXPECT_FALSE(at::equal(RemoveAndNormalise(q, at::Tensor()), RemoveAndNormalise(q, mask)));
+  at::Tensor p = at::softmax(at::randn({6, 37}, at::kDouble), -1);
+  const at::Tensor ones = at::ones({6}, at::kDouble);
+  const at::Tensor x = at::randint(37, {6}, at::kLong);
+  EXPECT_TRUE(at::equal(AcceptRatio(p, q, x, ones), AcceptRatio(p, q, x)));
+  EXPECT_TRUE(at::equal(ResidualDistribution(p, q, ones), ResidualDistribution(p, q)));
+}
+
 struct Case {
   const char* name;
   std::vector<float> p, q;

@@ -26,9 +26,9 @@ at::Tensor ResidualDistribution(const at::Tensor& p, const at::Tensor& q, const 
 }
 
 at::Tensor RemoveAndNormalise(const at::Tensor& probs, const at::Tensor& removed) {
-  at::Tensor r = probs.masked_fill(removed, 0.0);
+  at::Tensor r = removed.defined() ? probs.masked_fill(removed, 0.0) : probs;
   at::Tensor tot = r.sum(-1, true);
-  return at::where(tot > 0, r / tot.clamp_min(1e-300), at::zeros_like(r));
+  return at::where(tot > 0, r / tot.clamp_min(1e-300), at::Scalar(0.0));
 }
 
 at::Tensor VerifyRules::Accept(const at::Tensor& u, const at::Tensor& prob) const {

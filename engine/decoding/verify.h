@@ -28,7 +28,7 @@ at::Tensor ResidualDistribution(const at::Tensor& p, const at::Tensor& q,
 
 // Rows of `probs` with the ids in `removed` ([R, V] bool) taken out and renormalised; rows with
 // no mass left are all zero. Siblings of a tree node are drawn without replacement: the k-th
-// is verified against q with the first k - 1 removed.
+// is verified against q with the first k - 1 removed. `removed` undefined: none removed.
 at::Tensor RemoveAndNormalise(const at::Tensor& probs, const at::Tensor& removed);
 
 // The two decisions on which losslessness rests, as the engine makes them. Tests of the

@@ -125,10 +125,13 @@ Verdicts VerifyWindows(const StepContext& ctx) {
   }
   at::Tensor ures = d.narrow(0, A * K + A, A);
   at::Tensor uacc = d.narrow(0, 0, A * K).view({A, K});
-  at::Tensor w = d.narrow(0, A * K, A);
+  // COOL-SD's weights; without a relaxed node all are 1, and leaving them out is the same
+  // arithmetic (1 * x == x) in fewer launches, as are the skipped steps below.
+  const bool weighted = std::any_of(in.w.begin(), in.w.end(), [](double x) { return x != 1.0; });
+  at::Tensor w = weighted ? d.narrow(0, A * K, A) : at::Tensor();
   at::Tensor Qa = ctx.q.index_select(0, l.narrow(0, A * K, A));
-  at::Tensor pk = ctx.p.clone();
-  at::Tensor removed = at::zeros({A, V}, at::TensorOptions().dtype(at::kBool).device(dev));
+  at::Tensor pk = ctx.p;  // never written in place
+  at::Tensor removed;     // [A, V] bool; undefined while nothing is removed
   std::vector<at::Tensor> acc_cols;
   for (int64_t k = 0; k < K; ++k) {
     at::Tensor xk = kids.select(1, k);
@@ -143,10 +146,18 @@ Verdicts VerifyWindows(const StepContext& ctx) {
     }
     acc_cols.push_back(valid & ctx.rules.Accept(uacc.select(1, k), ratio.clamp_max(1.0)));
     pk = at::where(valid.unsqueeze(1), ResidualDistribution(pk, qk, wk), pk);
-    removed = removed | (OneHot(x, V, at::kBool) & valid.unsqueeze(1));
+    if (k + 1 < K) {  // the next sibling is verified without this one
+      const at::Tensor drop = OneHot(x, V, at::kBool) & valid.unsqueeze(1);
+      removed = removed.defined() ? removed | drop : drop;
+    }
   }
-  v.accepted = at::stack(acc_cols, 1);      // [A, K]
   v.residual = SampleInverseCdf(pk, ures);  // final residual, or the bonus
+  if (K == 1) {                             // chains
+    v.accepted = acc_cols[0].unsqueeze(1);  // [A, 1]
+    v.kept = at::where(acc_cols[0], kids.select(1, 0), v.residual);
+    return v;
+  }
+  v.accepted = at::stack(acc_cols, 1);  // [A, K]
   at::Tensor first = v.accepted.to(at::kByte).argmax(1, true);
   v.kept = at::where(v.accepted.any(1), kids.gather(1, first).squeeze(1), v.residual);
   return v;
