@@ -104,7 +104,7 @@ Verdicts VerifyWindows(const StepContext& ctx) {
   if (std::none_of(in.kid.begin(), in.kid.end(), [](int64_t k) { return k >= 0; })) {
     // No drafts in this step (AR requests, or every window held to one token at high load):
     // nothing to verify, each node commits a token drawn from P. The same draws the loop below
-    // would make (it leaves P as it is), in 4 launches instead of about 35.
+    // would make (it leaves P as it is), in 4 launches instead of about 45.
     v.accepted = at::zeros({A, K}, at::TensorOptions().dtype(at::kBool).device(dev));
     v.residual = SampleInverseCdf(ctx.p, UploadDoubles(in.ures, dev));
     v.kept = v.residual;

@@ -66,12 +66,13 @@ class SyncWatch {
 };
 
 // Counts, on the constructing thread and while it lives, the ATen calls that would launch device
-// work: the innermost calls (those that make no nested ATen call), less views, allocations and
-// other metadata-only calls (view, narrow, select, transpose, empty, ...). An estimate of a
-// CUDA step's kernel launches taken on any device: a CUDA op may launch more than one kernel,
-// and a composite op may split differently there. The host cost of launching a step's work
-// eagerly is about this count times a few microseconds, whatever the tensors' sizes. One at a
-// time per thread; benchmarks only (it installs a RecordFunction callback).
+// work: each outermost call that is not a view, an allocation or another metadata-only call
+// (view, narrow, select, transpose, empty, a to() that converts nothing, ...), and none of the
+// calls it makes (linear counts once, not as its matmul and add). An estimate of a CUDA step's
+// kernel launches taken on any device: a CUDA op may launch more than one kernel, and a
+// composite op may split differently there. The host cost of launching a step's work eagerly is
+// about this count times a few microseconds, whatever the tensors' sizes. One at a time per
+// thread; benchmarks and tests only (it installs a RecordFunction callback).
 class LaunchCount {
  public:
   LaunchCount();
