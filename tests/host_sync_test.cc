@@ -167,14 +167,17 @@ TEST_P(HostSyncTest, OneReadBackAndNoOtherSyncPerStep) {
   EXPECT_LE(c.max_uploads, draft_model ? 16 + 5 * 5 : 16);
 }
 
+// A preset as a test name: "scd-mc" -> "scd_mc".
+std::string PresetTestName(const ::testing::TestParamInfo<const char*>& info) {
+  std::string s = info.param;
+  std::replace(s.begin(), s.end(), '-', '_');
+  return s;
+}
+
 INSTANTIATE_TEST_SUITE_P(Presets, HostSyncTest,
                          ::testing::Values("ar", "sjd", "scd-mc", "scd-gs", "sjd-pac", "pac-gumbel",
                                            "gsd", "cool-sd", "sd"),
-                         [](const auto& info) {
-                           std::string s = info.param;
-                           std::replace(s.begin(), s.end(), '-', '_');
-                           return s;
-                         });
+                         PresetTestName);
 
 // Issue 14: the sampling and verification work of a step is launched for all windows at once,
 // so its count of device launches does not grow with the requests in the batch (on a GPU each
@@ -202,11 +205,7 @@ TEST_P(LaunchesTest, NonForwardLaunchesPerStepDoNotGrowWithTheRequests) {
 
 INSTANTIATE_TEST_SUITE_P(ChainPresets, LaunchesTest,
                          ::testing::Values("ar", "sjd", "scd-mc", "scd-gs", "gsd", "cool-sd", "sd"),
-                         [](const auto& info) {
-                           std::string s = info.param;
-                           std::replace(s.begin(), s.end(), '-', '_');
-                           return s;
-                         });
+                         PresetTestName);
 
 // A step with no drafts (AR, or every window held to one token) has nothing to verify and
 // skips the verification's launches (VerifyWindows).
