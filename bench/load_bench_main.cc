@@ -357,6 +357,7 @@ int main(int argc, char** argv) {
            {"cache-dir", ""},
            {"batch-invariant", "1"},
            {"cuda-graphs", "0"},
+           {"fused-verify", "1"},
            {"decode-thread", "-1"},
            {"repeat", "1"},
            {"out-dir", "load-bench"}},
@@ -373,6 +374,7 @@ int main(int argc, char** argv) {
   base.dtype = f.Str("dtype");
   base.batch_invariant = f.Int("batch-invariant") != 0;
   base.cuda_graphs = f.Int("cuda-graphs") != 0;                   // EngineOptions::cuda_graphs
+  base.fused_verify = f.Int("fused-verify") != 0;                 // EngineOptions::fused_verify
   base.decode_thread = static_cast<int>(f.Int("decode-thread"));  // EngineOptions::decode_thread
   base.kv_cache_bytes = int64_t{8} << 30;
   base.max_slowdown = f.Num("max-slowdown");

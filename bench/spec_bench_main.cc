@@ -39,6 +39,7 @@ namespace {
 struct Config {
   std::string label;  // preset, or preset plus a variant
   DecodingPolicy policy;
+  bool fused = true;  // SpecOptions::fused_verify
 };
 
 struct Row {
@@ -116,13 +117,14 @@ int main(int argc, char** argv) {
            {"sd-windows", "4,8,16"},
            {"methods", "all"},
            {"split", "1"},
+           {"fused-verify", "1"},
            {"out-dir", "spec-bench"},
            {"python", IMAGEGEN_DEFAULT_PYTHON},
            {"device", "cpu"},
            {"dtype", "auto"}},
           "usage: imagegen-spec-bench [--per-class N] [--batch B] [--windows 16,32,64] "
           "[--methods all|sjd,scd-mc,...] [--model M --draft D|'' --prompts F] [--split 0|1] "
-          "[--out-dir DIR] [--device cpu|cuda|cuda:N]");
+          "[--fused-verify 1|0|both] [--out-dir DIR] [--device cpu|cuda|cuda:N]");
   const LoadOptions opts = LoadOptionsFromFlags(f);
   ImageModel model = OrDie(LoadImageModel(f.Str("models-dir"), f.Str("model"), opts));
   // --draft "": no draft model (the sd rows are left out).
@@ -211,13 +213,29 @@ int main(int argc, char** argv) {
     w.resize(2);
     OrDie(GenerateSpeculative(*model.gpt, draft.get(), w));
   }
+  // --fused-verify both: every row twice, fused then eager ("+eager"), side by side.
+  const std::string fv = f.Str("fused-verify");
+  if (fv != "0" && fv != "1" && fv != "both") f.Fail("--fused-verify: 1, 0 or both");
+  if (fv == "0") {
+    for (Config& c : configs) c.fused = false;
+  } else if (fv == "both") {
+    std::vector<Config> both;
+    for (const Config& c : configs) {
+      both.push_back(c);
+      both.push_back(c);
+      both.back().fused = false;
+      both.back().label += "+eager";
+    }
+    configs = both;
+  }
   std::vector<Row> rows;
   double ar_seconds = 0;
   for (const Config& cfg : configs) {
-    const bool noise = cfg.label == "ar-noise";
+    const bool noise = cfg.label.rfind("ar-noise", 0) == 0;
     auto all = requests(cfg.policy, noise ? f.Int("noise-seed") : f.Int("seed"));
     SpecOptions so;
     so.collect_entropy = cfg.policy.draft == DraftSource::kNone;
+    so.fused_verify = cfg.fused;
     Row row;
     row.cfg = cfg;
     if (f.Int("split") != 0) so.timing = &row.timing;

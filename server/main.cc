@@ -77,6 +77,9 @@ ABSL_FLAG(bool, cuda_graphs, false,
           "run the model forwards at static shapes, each shape bucket captured once as a CUDA "
           "graph and replayed (CUDA devices; on the CPU the static forward runs without graphs). "
           "Overrides --batch_invariant: logits then equal the eager forward's within rounding");
+ABSL_FLAG(bool, fused_verify, true,
+          "verify chain windows (sjd, scd, cool-sd, sd) in one fused pass per step: one kernel "
+          "on CUDA, the same arithmetic on the host on the CPU; false: the eager verification");
 ABSL_FLAG(int32_t, decode_thread, -1,
           "decode finished images, and complete their requests, on a thread with its own CUDA "
           "stream so that decoding overlaps the next step: 1 on, 0 on the engine thread, -1 "
@@ -222,6 +225,7 @@ int main(int argc, char** argv) {
   }
   eo.batch_invariant = absl::GetFlag(FLAGS_batch_invariant);
   eo.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
+  eo.fused_verify = absl::GetFlag(FLAGS_fused_verify);
   eo.decode_thread = absl::GetFlag(FLAGS_decode_thread);
   eo.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
   eo.preview_share = absl::GetFlag(FLAGS_preview_share);

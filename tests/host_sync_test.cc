@@ -61,12 +61,14 @@ ImageRequest Request(const ImageModel& m, const std::string& preset, int64_t cls
 
 // Steps `images` images of `preset` (co-batched) to the end, counting per step. `launches`:
 // also the device launches, split by StepTiming (whose device syncs around the forward would
-// count as syncs on CUDA).
+// count as syncs on CUDA). `fused`: SpecOptions::fused_verify.
 StepCounts RunSteps(const ImageModel& m, const std::string& preset,
-                    const VerifyRules* rules = nullptr, int images = 2, bool launches = false) {
+                    const VerifyRules* rules = nullptr, int images = 2, bool launches = false,
+                    bool fused = true) {
   SpecOptions o;
   o.batch_invariant = true;
   o.rules = rules;
+  o.fused_verify = fused;
   StepTiming timing;
   if (launches) o.timing = &timing;
   SpecBatch batch(*m.gpt, m.draft.get(), 2 * images, o);
@@ -209,10 +211,26 @@ INSTANTIATE_TEST_SUITE_P(ChainPresets, LaunchesTest,
 
 // A step with no drafts (AR, or every window held to one token) has nothing to verify and
 // skips the verification's launches (VerifyWindows).
-TEST(LaunchesPowerTest, AStepWithoutDraftsSkipsTheVerification) {
-  const StepCounts ar = RunSteps(Model(), "ar", nullptr, 2, true);
-  const StepCounts sjd = RunSteps(Model(), "sjd", nullptr, 2, true);
+TEST(LaunchesPowerTest, AStepWithoutDraftsSkipsTheVerification) {  // the eager verification's
+  const StepCounts ar = RunSteps(Model(), "ar", nullptr, 2, true, /*fused=*/false);
+  const StepCounts sjd = RunSteps(Model(), "sjd", nullptr, 2, true, /*fused=*/false);
   EXPECT_LT(ar.max_other_launches + 25, sjd.max_other_launches);
+}
+
+// The fused chain verification (SpecOptions::fused_verify) is one launch where the eager one
+// is about 30, for every chain method; a tree step keeps the eager verification.
+TEST(LaunchesTest, FusedChainVerificationReplacesTheEagerLaunches) {
+  for (const char* preset : {"sjd", "scd-gs", "cool-sd"}) {
+    const StepCounts fused = RunSteps(Model(), preset, nullptr, 2, true, true);
+    const StepCounts eager = RunSteps(Model(), preset, nullptr, 2, true, false);
+    std::printf("%-8s non-forward launches per step (most), fused / eager: %lld / %lld\n", preset,
+                static_cast<long long>(fused.max_other_launches),
+                static_cast<long long>(eager.max_other_launches));
+    EXPECT_GE(eager.max_other_launches - fused.max_other_launches, 25) << preset;
+  }
+  const StepCounts tree_f = RunSteps(Model(), "sjd-pac", nullptr, 2, true, true);
+  const StepCounts tree_e = RunSteps(Model(), "sjd-pac", nullptr, 2, true, false);
+  EXPECT_EQ(tree_f.max_other_launches, tree_e.max_other_launches);
 }
 
 // Power: a verifier that decides row by row (a launch per window node) is caught.

@@ -7,6 +7,7 @@
 
 #include "engine/decoding/philox.h"
 #include "kernels/philox_uniform.h"
+#include "tests/chain_verify_cases.h"
 
 namespace imagegen {
 namespace {
@@ -33,6 +34,27 @@ TEST(KernelsTest, PhiloxUniformOnGpuIsBitIdenticalToCpu) {
                                 static_cast<uint32_t>(pos[i].item<int32_t>()), 3, Purpose::kAccept,
                                 static_cast<uint32_t>(idx[i].item<int32_t>()));
     ASSERT_EQ(got[i].item<double>(), want) << i;
+  }
+}
+
+// The fused chain verification's kernel draws bit-identically to its host path (the engine's CPU
+// path, itself checked against the eager verification in chain_verify_test.cc), edge cases
+// included: the block's chunk sums are added in the host's order.
+TEST(KernelsTest, ChainVerifyOnGpuIsBitIdenticalToTheHost) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  for (const bool weighted : {false, true}) {
+    for (const int64_t V : {7, 512, 1000, 16384}) {
+      const chain_test::ChainCase c = chain_test::RandomChainCase(330, V, weighted, 11 + V);
+      const chain_test::ChainVerdicts host = chain_test::HostChainVerify(c);
+      const chain_test::ChainCase d = chain_test::ChainCaseOn(c, at::kCUDA);
+      chain_test::ChainVerdicts dev;
+      const kernels::ChainVerifyArgs a = chain_test::FusedArgs(d, dev);
+      ASSERT_EQ(kernels::LaunchChainVerify(a, nullptr), 0);
+      torch::cuda::synchronize();
+      EXPECT_EQ(chain_test::Mismatches(host, dev, /*all=*/true), 0)
+          << "V " << V << " weighted " << weighted;
+      EXPECT_EQ(chain_test::Mismatches(chain_test::EagerChainVerify(c), dev), 0) << "V " << V;
+    }
   }
 }
 

@@ -130,6 +130,7 @@ phase_tests() {
   if [[ $scale == lease ]]; then  # four of the nine exact-distribution cases, and the power test
     local c=Presets/SpecLosslessTest.MatchesTheExactArDistribution
     filter="*HostSync*:GptTest*:DeviceTest*:$graphs:SpeculativePowerTest*:$c/ar:$c/scd_mc_L6"
+    filter+=":ChainVerify*:LaunchesTest.Fused*"
     filter+=":$c/sjd_pac_K2_D3_L9_onehot:$c/sd_L4"
   fi
   "$t/engine_tests" --gtest_filter="$filter" 2>&1 | tee "$out/engine_tests.log" | tail -3
@@ -189,10 +190,12 @@ phase_spec() {
       --methods "$methods" --windows 32 --sd-windows 8 --split 0 --python "$PY" \
       --out-dir "$out/spec" > "$out/spec_bench.log" 2>&1
     tail -n 12 "$out/spec_bench.log"
+    # The split with the fused chain verification (kernels/chain_verify.cu) and without, row by
+    # row ("+eager").
     "$b/imagegen-spec-bench" --device "$device" --dtype bf16 --per-class 1 \
-      --methods "$split_methods" --windows 32 --sd-windows 8 --split 1 --python "$PY" \
-      --out-dir "$out/spec-split" > "$out/spec_split.log" 2>&1
-    tail -n 12 "$out/spec_split.log"
+      --methods "$split_methods" --windows 32 --sd-windows 8 --split 1 --fused-verify both \
+      --python "$PY" --out-dir "$out/spec-split" > "$out/spec_split.log" 2>&1
+    tail -n 16 "$out/spec_split.log"
     return 0
   fi
   tail -n 12 "$out/spec_bench.log"

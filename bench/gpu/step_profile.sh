@@ -56,7 +56,8 @@ timeout -k 5 80 "$B/imagegen-spec-bench" --device "$dev" --dtype bf16 --per-clas
   --out-dir "$o/spec" > "$o/spec.log" 2>&1
 echo "spec exit $?" | tee -a "$o/parts.log"; pack
 timeout -k 5 60 env IMAGEGEN_OP_PROFILE=1 "$B/imagegen-spec-bench" --device "$dev" \
-  --dtype bf16 --per-class 1 --methods scd-mc --windows 32 --split 1 --python python3 \
+  --dtype bf16 --per-class 1 --methods scd-mc --windows 32 --split 1 --fused-verify both \
+  --python python3 \
   --out-dir "$o/spec-split" > "$o/spec_split.log" 2>&1
 echo "spec-split exit $?" | tee -a "$o/parts.log"; pack
 load load_cudnn IMAGEGEN_CUDNN_SDPA=1 "$B/imagegen-load-bench" --device "$dev" --dtype bf16

@@ -74,6 +74,12 @@ struct SpecOptions {
   // cuda_graphs; the caches get a scratch slot. Either overrides batch_invariant.
   bool static_shapes = false;
   bool cuda_graphs = false;
+  // Chain verification fused into one pass per node (kernels/chain_verify.h): one kernel on
+  // CUDA where the build has it, the same arithmetic on the host on the CPU. Taken by steps
+  // whose nodes all have at most one child, no GSD node and the exact rules; the rest, and
+  // false, run the eager verification (verify.h). Same decisions; a draw can differ from the
+  // eager one only where its uniform lands within rounding of a CDF boundary.
+  bool fused_verify = true;
   // The acceptance decisions (verify.h); null: the exact rules. Tests inject broken ones.
   // Must outlive the SpecBatch.
   const VerifyRules* rules = nullptr;

@@ -6,11 +6,16 @@
 // (or, at a leaf, the bonus from P_a). All nodes of all requests at once, on the device.
 #include <ATen/ATen.h>
 
+#include <ATen/Parallel.h>
+#include <ATen/record_function.h>
+
 #include <algorithm>
 
+#include "engine/decoding/chain_verify_launch.h"
 #include "engine/decoding/philox.h"
 #include "engine/decoding/sampling.h"
 #include "engine/decoding/step_phases.h"
+#include "engine/model/cuda_stream.h"
 #include "engine/model/transfer.h"
 
 namespace imagegen {
@@ -94,12 +99,77 @@ at::Tensor GroupedRatio(const StepContext& ctx, const VerifyInputs& in, const at
   return at::where(den > 0, num / den.clamp_min(1e-300), (num > 0).to(at::kDouble));
 }
 
+// Whether this step's verification can run fused (SpecOptions::fused_verify): chains only,
+// no GSD node, the exact rules, and on CUDA a build with the kernel.
+bool CanFuse(const StepContext& ctx, const VerifyInputs& in) {
+  if (!ctx.opts.fused_verify || ctx.max_kids != 1 || !in.grouped.empty()) return false;
+  if (&ctx.rules != &ExactRules()) return false;
+  const at::Device dev = ctx.dev();
+  return dev.is_cpu() || (dev.is_cuda() && ChainVerifyKernelBuilt());
+}
+
+// The fused chain verification (kernels/chain_verify.h): one kernel over all nodes on CUDA,
+// the same per-node arithmetic on the host on the CPU. One "launch" either way, as
+// LaunchCount and profilers see it.
+Verdicts FusedChainVerify(const StepContext& ctx, const VerifyInputs& in) {
+  RECORD_FUNCTION("imagegen::chain_verify", std::vector<c10::IValue>());
+  const at::Device dev = ctx.dev();
+  const int64_t A = ctx.nodes;
+  at::Tensor p = ctx.p.contiguous(), q = ctx.q.contiguous();
+  TORCH_CHECK(p.scalar_type() == at::kDouble && q.scalar_type() == at::kDouble,
+              "fused verification: P and Q must be float64");
+  at::Tensor tokens =
+      ctx.node_tokens.defined() ? ctx.node_tokens.to(at::kLong).contiguous() : at::Tensor();
+  const bool weighted = std::any_of(in.w.begin(), in.w.end(), [](double x) { return x != 1.0; });
+  auto lopt = at::TensorOptions().dtype(at::kLong).device(dev);
+  Verdicts v;
+  at::Tensor accepted = at::empty({A}, lopt.dtype(at::kBool));
+  v.residual = at::empty({A}, lopt);
+  v.kept = at::empty({A}, lopt);
+  kernels::ChainVerifyArgs a;
+  a.p = p.data_ptr<double>();
+  a.q = q.data_ptr<double>();
+  a.tokens = tokens.defined() ? tokens.data_ptr<int64_t>() : nullptr;
+  a.nodes = A;
+  a.vocab = ctx.cfg().vocab_size;
+  a.accepted = accepted.data_ptr<bool>();
+  a.residual = v.residual.data_ptr<int64_t>();
+  a.kept = v.kept.data_ptr<int64_t>();
+  if (dev.is_cpu()) {  // the inputs straight from the host vectors
+    a.qrow = in.qrow.data();
+    a.kid = in.kid.data();
+    a.w = weighted ? in.w.data() : nullptr;
+    a.uacc = in.uacc.data();
+    a.ures = in.ures.data();
+    at::parallel_for(0, A, 1, [&](int64_t b, int64_t e) {
+      for (int64_t n = b; n < e; ++n) kernels::ChainVerifyNodeOnHost(a, n);
+    });
+  } else {  // two uploads, then the kernel on the current stream
+    std::vector<int64_t> longs(in.kid);
+    longs.insert(longs.end(), in.qrow.begin(), in.qrow.end());
+    std::vector<double> doubles(in.uacc);
+    doubles.insert(doubles.end(), in.ures.begin(), in.ures.end());
+    if (weighted) doubles.insert(doubles.end(), in.w.begin(), in.w.end());
+    at::Tensor l = UploadLongs(longs, dev), d = UploadDoubles(doubles, dev);
+    a.kid = l.data_ptr<int64_t>();
+    a.qrow = a.kid + A;
+    a.uacc = d.data_ptr<double>();
+    a.ures = a.uacc + A;
+    a.w = weighted ? a.uacc + 2 * A : nullptr;
+    const int err = LaunchChainVerifyKernel(a, CurrentCudaStream(dev));
+    TORCH_CHECK(err == 0, "fused chain verification: CUDA launch failed (error ", err, ")");
+  }
+  v.accepted = accepted.unsqueeze(1);  // [A, 1]
+  return v;
+}
+
 }  // namespace
 
 Verdicts VerifyWindows(const StepContext& ctx) {
   const at::Device dev = ctx.dev();
   const int64_t A = ctx.nodes, K = ctx.max_kids, V = ctx.cfg().vocab_size;
   const VerifyInputs in = BuildInputs(ctx);
+  if (CanFuse(ctx, in)) return FusedChainVerify(ctx, in);
   Verdicts v;
   if (std::none_of(in.kid.begin(), in.kid.end(), [](int64_t k) { return k >= 0; })) {
     // No drafts in this step (AR requests, or every window held to one token at high load):

@@ -17,10 +17,17 @@ OwnStream::OwnStream(const c10::Device& device) {
   if (!device.is_cuda()) return;
   guard_ = std::make_unique<Guard>(c10::cuda::getStreamFromPool(false, device.index()));
 }
+
+void* CurrentCudaStream(const c10::Device& device) {
+  if (!device.is_cuda()) return nullptr;
+  return c10::cuda::getCurrentCUDAStream(device.index()).stream();
+}
 #else
 struct OwnStream::Guard {};
 
 OwnStream::OwnStream(const c10::Device&) {}
+
+void* CurrentCudaStream(const c10::Device&) { return nullptr; }
 #endif
 
 OwnStream::~OwnStream() = default;

@@ -24,4 +24,9 @@ class OwnStream {
   std::unique_ptr<Guard> guard_;
 };
 
+// The calling thread's current CUDA stream on `device` as a cudaStream_t, for launching
+// imagegen's own kernels (kernels/) where LibTorch's work goes; null on the CPU and in builds
+// without LibTorch's CUDA libraries.
+void* CurrentCudaStream(const c10::Device& device);
+
 }  // namespace imagegen

@@ -85,6 +85,8 @@ struct EngineOptions {
   // Overrides batch_invariant: a request's logits then equal the eager forward's within
   // rounding rather than bit for bit.
   bool cuda_graphs = false;
+  // Chain steps verified in one fused pass (SpecOptions::fused_verify; one kernel on CUDA).
+  bool fused_verify = true;
   // Intra-op threads of the engine thread (at::set_num_threads); 0 keeps LibTorch's default.
   // All LibTorch work, model loading included, runs on the engine thread: with GNU OpenMP a
   // second thread that also runs parallel LibTorch ops made every step about twice as slow on

@@ -23,6 +23,7 @@ SpecOptions BatchOptions(const EngineOptions& o) {
   SpecOptions s;
   s.batch_invariant = o.batch_invariant;
   s.cuda_graphs = o.cuda_graphs;
+  s.fused_verify = o.fused_verify;
   return s;
 }
 

@@ -1,0 +1,172 @@
+// Fused chain verification: a chain node's whole verification in one pass over its rows,
+// for every node of a step at once (one CUDA block per node, kernels/chain_verify.cu; on the
+// CPU the same functions in the same order, ChainVerifyNodeOnHost). It replaces about 30
+// eager launches (verify.h's AcceptRatio, ResidualDistribution, SampleInverseCdf, ...) with
+// one, and makes the same decision:
+//
+//   q'  = q / sum(q)                                (RemoveAndNormalise with nothing removed)
+//   acc = x >= 0 and u_acc < min(1, w p(x) / q'(x))  (q'(x) = 0: 1 if p(x) > 0, else 0)
+//   r   = [p - min(q', w p)]_+, or p where r has no mass or the node has no draft
+//   res = the first v with r_0 + ... + r_v > u_res * sum(r)   (inverse CDF)
+//   kept = acc ? x : res
+//
+// Sums are taken in a fixed order: kChainVerifyChunks contiguous chunks, each summed left to
+// right, then the chunk sums left to right. Device and host therefore add the same doubles in
+// the same order and draw bit-identical tokens (tests/kernels_test.cc). Against the eager
+// reduction order of verify.h a draw differs only where u lands within rounding of a CDF
+// boundary. Header-only and free of CUDA: the engine's CPU path includes it.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/philox_rounds.h"  // IMAGEGEN_HD
+
+namespace imagegen::kernels {
+
+// Chunks per row; also the CUDA block size (one thread per chunk).
+constexpr int kChainVerifyChunks = 256;
+
+struct ChainVerifyArgs {
+  const double* p = nullptr;        // [nodes, V] target distributions, row-major
+  const double* q = nullptr;        // [columns, V] proposals
+  const int64_t* qrow = nullptr;    // [nodes] each node's q row (read where it has a draft)
+  const int64_t* kid = nullptr;     // [nodes] the draft (its token, or its node index), -1: none
+  const int64_t* tokens = nullptr;  // optional [nodes]: kid is a node index into it
+  const double* w = nullptr;        // optional [nodes] COOL-SD weights (null: all 1)
+  const double* uacc = nullptr;     // [nodes] acceptance uniforms
+  const double* ures = nullptr;     // [nodes] uniforms of the residual (or bonus) draw
+  int64_t nodes = 0, vocab = 0;
+  bool* accepted = nullptr;     // [nodes] out
+  int64_t* residual = nullptr;  // [nodes] out
+  int64_t* kept = nullptr;      // [nodes] out
+};
+
+// What a node's pass sums: its proposal row, its residual, or its target row.
+enum class ChainMass : int { kQ = 0, kResidual = 1, kP = 2 };
+
+struct ChainNode {
+  const double* p;
+  const double* q;  // null without a draft
+  int64_t vocab;
+  int64_t x;  // the draft's token, -1: none
+  double w;
+};
+
+IMAGEGEN_HD ChainNode LoadChainNode(const ChainVerifyArgs& a, int64_t n) {
+  ChainNode nd;
+  nd.p = a.p + n * a.vocab;
+  nd.vocab = a.vocab;
+  const int64_t k = a.kid[n];
+  nd.x = k < 0 ? -1 : (a.tokens != nullptr ? a.tokens[k] : k);
+  nd.q = nd.x >= 0 ? a.q + a.qrow[n] * a.vocab : nullptr;
+  nd.w = a.w != nullptr ? a.w[n] : 1.0;
+  return nd;
+}
+
+IMAGEGEN_HD double ChainMassAt(const ChainNode& nd, ChainMass m, double qsum, int64_t v) {
+  if (m == ChainMass::kQ) return nd.q[v];
+  const double p = nd.p[v];
+  if (m == ChainMass::kP) return p;
+  const double qn = qsum > 0 ? nd.q[v] / (qsum > 1e-300 ? qsum : 1e-300) : 0.0;
+  const double wp = nd.w * p;
+  const double cap = qn < wp ? qn : wp;
+  const double r = p - cap;
+  return r > 0 ? r : 0.0;
+}
+
+IMAGEGEN_HD int64_t ChainChunkBegin(int64_t vocab, int chunk) {
+  const int64_t len = (vocab + kChainVerifyChunks - 1) / kChainVerifyChunks;
+  const int64_t b = len * chunk;
+  return b < vocab ? b : vocab;
+}
+
+// Chunk `c`'s sum, left to right.
+IMAGEGEN_HD double ChainChunkSum(const ChainNode& nd, ChainMass m, double qsum, int c) {
+  const int64_t e = ChainChunkBegin(nd.vocab, c + 1);
+  double s = 0.0;
+  for (int64_t v = ChainChunkBegin(nd.vocab, c); v < e; ++v) s += ChainMassAt(nd, m, qsum, v);
+  return s;
+}
+
+// The chunk sums' total, left to right.
+IMAGEGEN_HD double ChainTotal(const double* chunk_sums) {
+  double s = 0.0;
+  for (int c = 0; c < kChainVerifyChunks; ++c) s += chunk_sums[c];
+  return s;
+}
+
+// The inverse-CDF draw: the chunk whose running total first exceeds u * total, then the first
+// id in it whose running total (from the chunk's start) does. Rounding can leave the target
+// unreached; then the last id with mass of that chunk, or of the whole row, is drawn, never an
+// id without mass (a row with no mass at all gives its last id).
+IMAGEGEN_HD int64_t ChainDraw(const ChainNode& nd, ChainMass m, double qsum,
+                              const double* chunk_sums, double total, double u) {
+  const double target = u * total;
+  double run = 0.0;
+  int chunk = -1, last_nonzero = -1;
+  for (int c = 0; c < kChainVerifyChunks; ++c) {
+    if (chunk_sums[c] > 0) last_nonzero = c;
+    if (run + chunk_sums[c] > target && chunk_sums[c] > 0) {
+      chunk = c;
+      break;
+    }
+    run += chunk_sums[c];
+  }
+  if (chunk < 0) chunk = last_nonzero;
+  if (chunk < 0) return nd.vocab - 1;
+  const int64_t e = ChainChunkBegin(nd.vocab, chunk + 1);
+  int64_t last = -1;
+  for (int64_t v = ChainChunkBegin(nd.vocab, chunk); v < e; ++v) {
+    const double mass = ChainMassAt(nd, m, qsum, v);
+    if (mass > 0) {
+      run += mass;
+      last = v;
+      if (run > target) return v;
+    }
+  }
+  return last;  // the chunk has mass (its sum is positive), so last >= 0
+}
+
+// The node's acceptance, given its proposal row's sum; writes the three outputs.
+IMAGEGEN_HD void ChainFinish(const ChainVerifyArgs& a, int64_t n, const ChainNode& nd, double qsum,
+                             int64_t residual) {
+  bool acc = false;
+  if (nd.x >= 0) {
+    const double px = nd.p[nd.x];
+    const double qx = qsum > 0 ? nd.q[nd.x] / (qsum > 1e-300 ? qsum : 1e-300) : 0.0;
+    const double num = nd.w * px;
+    double ratio = qx > 0 ? num / (qx > 1e-300 ? qx : 1e-300) : (px > 0 ? 1.0 : 0.0);
+    if (ratio > 1.0) ratio = 1.0;
+    acc = a.uacc[n] < ratio;
+  }
+  a.accepted[n] = acc;
+  a.residual[n] = residual;
+  a.kept[n] = acc ? nd.x : residual;
+}
+
+// The CPU path: node n, each chunk in turn where the kernel runs them side by side.
+inline void ChainVerifyNodeOnHost(const ChainVerifyArgs& a, int64_t n) {
+  double sums[kChainVerifyChunks];
+  const ChainNode nd = LoadChainNode(a, n);
+  double qsum = 0.0;
+  if (nd.x >= 0) {
+    for (int c = 0; c < kChainVerifyChunks; ++c) sums[c] = ChainChunkSum(nd, ChainMass::kQ, 0, c);
+    qsum = ChainTotal(sums);
+  }
+  ChainMass m = nd.x >= 0 ? ChainMass::kResidual : ChainMass::kP;
+  for (int c = 0; c < kChainVerifyChunks; ++c) sums[c] = ChainChunkSum(nd, m, qsum, c);
+  double total = ChainTotal(sums);
+  if (m == ChainMass::kResidual && !(total > 0)) {  // no residual mass: draw from p
+    m = ChainMass::kP;
+    for (int c = 0; c < kChainVerifyChunks; ++c) sums[c] = ChainChunkSum(nd, m, qsum, c);
+    total = ChainTotal(sums);
+  }
+  ChainFinish(a, n, nd, qsum, ChainDraw(nd, m, qsum, sums, total, a.ures[n]));
+}
+
+// Launches the kernel over all nodes on `stream` (a cudaStream_t; null: the default stream).
+// Every pointer is device memory. Returns the cudaError_t of the launch (0: none). Defined in
+// chain_verify.cu, built only where nvcc is.
+int LaunchChainVerify(const ChainVerifyArgs& args, void* stream);
+
+}  // namespace imagegen::kernels

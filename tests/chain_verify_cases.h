@@ -1,0 +1,138 @@
+// Random chain-verification inputs with the edge cases the rule has (no draft, a draft q could
+// not have drawn, q == p so no residual mass, one-hot proposals, rows with zeros, COOL-SD
+// weights, drafts given as node indices), and the eager verification of verify.h on them: the
+// reference the fused verification (kernels/chain_verify.h) is checked against on the host
+// (chain_verify_test.cc) and on a GPU (kernels_test.cc).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+
+#include "engine/decoding/sampling.h"
+#include "engine/decoding/verify.h"
+#include "kernels/chain_verify.h"
+
+namespace imagegen::chain_test {
+
+struct ChainCase {
+  at::Tensor p, q;               // [A, V], [C, V] float64
+  at::Tensor qrow, kid, tokens;  // int64 [A], [A], [A] (kid indexes tokens)
+  at::Tensor w, uacc, ures;      // float64 [A]
+  bool weighted = false;
+};
+
+inline ChainCase RandomChainCase(int64_t A, int64_t V, bool weighted, uint64_t seed) {
+  at::Generator g = at::make_generator<at::CPUGeneratorImpl>(seed);
+  auto f64 = at::TensorOptions().dtype(at::kDouble);
+  ChainCase c;
+  c.weighted = weighted;
+  at::Tensor p = at::softmax(at::randn({A, V}, g, f64) * 3, 1);
+  // A third of the rows keep only their most likely ids (top-k, k = min(20, V - 1)).
+  const int64_t k = std::min<int64_t>(20, V - 1);
+  at::Tensor keep = p >= std::get<0>(p.topk(k, 1)).narrow(1, k - 1, 1);
+  at::Tensor cut = (at::arange(A) % 3 == 0).unsqueeze(1);
+  p = at::where(cut & ~keep, at::zeros_like(p), p);
+  c.p = p / p.sum(1, true);
+  // Proposals: one row per node: independent (even nodes), a copy of p (every fifth: the
+  // residual is empty), one-hot (every seventh), with zeros (every third), then shuffled rows.
+  at::Tensor q = at::softmax(at::randn({A, V}, g, f64) * 2, 1);
+  q = at::where(cut & (q < std::get<0>(q.median(1, true))), at::zeros_like(q), q);
+  at::Tensor idx = at::arange(A);
+  q = at::where((idx % 5 == 0).unsqueeze(1), c.p, q);
+  at::Tensor hot = at::randint(V, {A}, g, at::kLong);
+  q = at::where((idx % 7 == 0).unsqueeze(1), OneHot(hot, V, at::kDouble), q);
+  // Unnormalised rows (sum 0.9-1.1): RemoveAndNormalise renormalises them.
+  q = q * (0.9 + 0.2 * at::rand({A, 1}, g, f64));
+  at::Tensor perm = at::randperm(A, g, at::TensorOptions().dtype(at::kLong));
+  c.q = q.index_select(0, perm);
+  c.qrow = at::argsort(perm);  // node a's proposal is q row qrow[a] (= its own row above)
+  // Drafts: drawn from q (node % 11 == 3: an id q gives no mass, where there is one and q is
+  // not p: a draft q could not have drawn leaves, with q = p, a residual of rounding noise),
+  // none for every sixth node.
+  at::Tensor x = SampleInverseCdf(q, at::rand({A}, g, f64));
+  at::Tensor zero_q = (q == 0).to(at::kDouble);
+  at::Tensor has_zero = zero_q.sum(1) > 0;
+  at::Tensor x0 =
+      SampleInverseCdf(zero_q + (~has_zero).unsqueeze(1).to(at::kDouble), at::rand({A}, g, f64));
+  x = at::where((idx % 11 == 3) & (idx % 5 != 0) & has_zero, x0, x);
+  x = at::where(idx % 6 == 1, at::full_like(x, -1), x);
+  // The drafts as node indices into a token table (as draft-model steps give them).
+  at::Tensor slot = at::randperm(A, g, at::TensorOptions().dtype(at::kLong));
+  c.tokens = at::zeros({A}, at::kLong).index_copy(0, slot, x.clamp_min(0));
+  c.kid = at::where(x >= 0, slot, at::full_like(slot, -1));
+  c.w = weighted ? 0.5 + at::rand({A}, g, f64) : at::ones({A}, f64);
+  c.uacc = at::rand({A}, g, f64);
+  c.ures = at::rand({A}, g, f64);
+  return c;
+}
+
+// The eager verification (verify_windows.cc's loop for K = 1).
+struct ChainVerdicts {
+  at::Tensor accepted, residual, kept;  // CPU: bool, int64, int64 [A]
+};
+
+inline ChainVerdicts EagerChainVerify(const ChainCase& c) {
+  at::Tensor xk = at::where(c.kid >= 0, c.tokens.index_select(0, c.kid.clamp_min(0)), c.kid);
+  at::Tensor valid = xk >= 0, x = xk.clamp_min(0);
+  at::Tensor qk = RemoveAndNormalise(c.q.index_select(0, c.qrow), at::Tensor());
+  at::Tensor w = c.weighted ? c.w : at::Tensor();
+  at::Tensor ratio = AcceptRatio(c.p, qk, x, w);
+  ChainVerdicts v;
+  v.accepted = valid & ExactRules().Accept(c.uacc, ratio.clamp_max(1.0));
+  at::Tensor pk = at::where(valid.unsqueeze(1), ResidualDistribution(c.p, qk, w), c.p);
+  v.residual = SampleInverseCdf(pk, c.ures);
+  v.kept = at::where(v.accepted, xk, v.residual);
+  return v;
+}
+
+// The fused arguments over `c`'s tensors (all on one device, contiguous), writing into `out`.
+inline kernels::ChainVerifyArgs FusedArgs(const ChainCase& c, ChainVerdicts& out) {
+  kernels::ChainVerifyArgs a;
+  a.p = c.p.data_ptr<double>();
+  a.q = c.q.data_ptr<double>();
+  a.qrow = c.qrow.data_ptr<int64_t>();
+  a.kid = c.kid.data_ptr<int64_t>();
+  a.tokens = c.tokens.data_ptr<int64_t>();
+  a.w = c.weighted ? c.w.data_ptr<double>() : nullptr;
+  a.uacc = c.uacc.data_ptr<double>();
+  a.ures = c.ures.data_ptr<double>();
+  a.nodes = c.p.size(0);
+  a.vocab = c.p.size(1);
+  auto opt = c.p.options();
+  out.accepted = at::empty({a.nodes}, opt.dtype(at::kBool));
+  out.residual = at::empty({a.nodes}, opt.dtype(at::kLong));
+  out.kept = at::empty({a.nodes}, opt.dtype(at::kLong));
+  a.accepted = out.accepted.data_ptr<bool>();
+  a.residual = out.residual.data_ptr<int64_t>();
+  a.kept = out.kept.data_ptr<int64_t>();
+  return a;
+}
+
+inline ChainVerdicts HostChainVerify(const ChainCase& c) {
+  ChainVerdicts v;
+  const kernels::ChainVerifyArgs a = FusedArgs(c, v);
+  for (int64_t n = 0; n < a.nodes; ++n) kernels::ChainVerifyNodeOnHost(a, n);
+  return v;
+}
+
+inline ChainCase ChainCaseOn(const ChainCase& c, const at::Device& d) {
+  ChainCase o = c;
+  for (at::Tensor* t : {&o.p, &o.q, &o.qrow, &o.kid, &o.tokens, &o.w, &o.uacc, &o.ures}) {
+    *t = t->to(d).contiguous();
+  }
+  return o;
+}
+
+// Nodes where two verdicts differ in what the engine reads: the acceptance, the kept token, and
+// the residual where no draft was accepted (CommitWindow commits it only then). `all`: the
+// residual everywhere; where q equals p up to rounding the residual is rounding noise, drawn
+// differently by two summation orders, and never committed (the draft is accepted).
+inline int64_t Mismatches(const ChainVerdicts& a, const ChainVerdicts& b, bool all = false) {
+  at::Tensor acc = a.accepted.cpu(), acc_b = b.accepted.cpu();
+  at::Tensor res = a.residual.cpu().ne(b.residual.cpu());
+  if (!all) res = res & ~acc;
+  return (acc.ne(acc_b) | res | a.kept.cpu().ne(b.kept.cpu())).sum().item<int64_t>();
+}
+
+}  // namespace imagegen::chain_test
