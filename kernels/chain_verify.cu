@@ -35,6 +35,16 @@ __global__ void __launch_bounds__(kChainVerifyChunks) ChainVerifyKernel(ChainVer
     __syncthreads();
   }
   if (t == 0) ChainFinish(a, n, nd, qsum, ChainDraw(nd, m, qsum, sums, s_total, a.ures[n]));
+  if (a.ufresh != nullptr) {  // the next draft, from p (whose sums the block may have already)
+    if (m != ChainMass::kP) {
+      __syncthreads();  // thread 0 has drawn from the residual's sums
+      sums[t] = ChainChunkSum(nd, ChainMass::kP, 0, t);
+      __syncthreads();
+      if (t == 0) s_total = ChainTotal(sums);
+      __syncthreads();
+    }
+    if (t == 0) a.fresh[n] = ChainDraw(nd, ChainMass::kP, 0, sums, s_total, a.ufresh[n]);
+  }
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 //   r   = [p - min(q', w p)]_+, or p where r has no mass or the node has no draft
 //   res = the first v with r_0 + ... + r_v > u_res * sum(r)   (inverse CDF)
 //   kept = acc ? x : res
+//   fresh = the first v with p_0 + ... + p_v > u_fresh * sum(p)   (optional: the next draft)
 //
 // Sums are taken in a fixed order: kChainVerifyChunks contiguous chunks, each summed left to
 // right, then the chunk sums left to right. Device and host therefore add the same doubles in
@@ -35,10 +36,12 @@ struct ChainVerifyArgs {
   const double* w = nullptr;        // optional [nodes] COOL-SD weights (null: all 1)
   const double* uacc = nullptr;     // [nodes] acceptance uniforms
   const double* ures = nullptr;     // [nodes] uniforms of the residual (or bonus) draw
+  const double* ufresh = nullptr;   // optional [nodes] uniforms of a fresh draw from p
   int64_t nodes = 0, vocab = 0;
   bool* accepted = nullptr;     // [nodes] out
   int64_t* residual = nullptr;  // [nodes] out
   int64_t* kept = nullptr;      // [nodes] out
+  int64_t* fresh = nullptr;     // [nodes] out where ufresh is given
 };
 
 // What a node's pass sums: its proposal row, its residual, or its target row.
@@ -162,6 +165,13 @@ inline void ChainVerifyNodeOnHost(const ChainVerifyArgs& a, int64_t n) {
     total = ChainTotal(sums);
   }
   ChainFinish(a, n, nd, qsum, ChainDraw(nd, m, qsum, sums, total, a.ures[n]));
+  if (a.ufresh != nullptr) {  // p's chunk sums, unless the residual draw was from p already
+    if (m != ChainMass::kP) {
+      for (int c = 0; c < kChainVerifyChunks; ++c) sums[c] = ChainChunkSum(nd, ChainMass::kP, 0, c);
+      total = ChainTotal(sums);
+    }
+    a.fresh[n] = ChainDraw(nd, ChainMass::kP, 0, sums, total, a.ufresh[n]);
+  }
 }
 
 // Launches the kernel over all nodes on `stream` (a cudaStream_t; null: the default stream).

@@ -19,6 +19,7 @@ struct ChainCase {
   at::Tensor p, q;               // [A, V], [C, V] float64
   at::Tensor qrow, kid, tokens;  // int64 [A], [A], [A] (kid indexes tokens)
   at::Tensor w, uacc, ures;      // float64 [A]
+  at::Tensor ufresh;             // float64 [A]: the fresh draws from p
   bool weighted = false;
 };
 
@@ -64,12 +65,13 @@ inline ChainCase RandomChainCase(int64_t A, int64_t V, bool weighted, uint64_t s
   c.w = weighted ? 0.5 + at::rand({A}, g, f64) : at::ones({A}, f64);
   c.uacc = at::rand({A}, g, f64);
   c.ures = at::rand({A}, g, f64);
+  c.ufresh = at::rand({A}, g, f64);
   return c;
 }
 
 // The eager verification (verify_windows.cc's loop for K = 1).
 struct ChainVerdicts {
-  at::Tensor accepted, residual, kept;  // CPU: bool, int64, int64 [A]
+  at::Tensor accepted, residual, kept, fresh;  // bool, int64, int64, int64 [A]
 };
 
 inline ChainVerdicts EagerChainVerify(const ChainCase& c) {
@@ -83,6 +85,7 @@ inline ChainVerdicts EagerChainVerify(const ChainCase& c) {
   at::Tensor pk = at::where(valid.unsqueeze(1), ResidualDistribution(c.p, qk, w), c.p);
   v.residual = SampleInverseCdf(pk, c.ures);
   v.kept = at::where(v.accepted, xk, v.residual);
+  v.fresh = SampleInverseCdf(c.p, c.ufresh);  // DrawNextDrafts's fresh draw
   return v;
 }
 
@@ -97,15 +100,18 @@ inline kernels::ChainVerifyArgs FusedArgs(const ChainCase& c, ChainVerdicts& out
   a.w = c.weighted ? c.w.data_ptr<double>() : nullptr;
   a.uacc = c.uacc.data_ptr<double>();
   a.ures = c.ures.data_ptr<double>();
+  a.ufresh = c.ufresh.data_ptr<double>();
   a.nodes = c.p.size(0);
   a.vocab = c.p.size(1);
   auto opt = c.p.options();
   out.accepted = at::empty({a.nodes}, opt.dtype(at::kBool));
   out.residual = at::empty({a.nodes}, opt.dtype(at::kLong));
   out.kept = at::empty({a.nodes}, opt.dtype(at::kLong));
+  out.fresh = at::empty({a.nodes}, opt.dtype(at::kLong));
   a.accepted = out.accepted.data_ptr<bool>();
   a.residual = out.residual.data_ptr<int64_t>();
   a.kept = out.kept.data_ptr<int64_t>();
+  a.fresh = out.fresh.data_ptr<int64_t>();
   return a;
 }
 
@@ -118,21 +124,24 @@ inline ChainVerdicts HostChainVerify(const ChainCase& c) {
 
 inline ChainCase ChainCaseOn(const ChainCase& c, const at::Device& d) {
   ChainCase o = c;
-  for (at::Tensor* t : {&o.p, &o.q, &o.qrow, &o.kid, &o.tokens, &o.w, &o.uacc, &o.ures}) {
+  for (at::Tensor* t :
+       {&o.p, &o.q, &o.qrow, &o.kid, &o.tokens, &o.w, &o.uacc, &o.ures, &o.ufresh}) {
     *t = t->to(d).contiguous();
   }
   return o;
 }
 
-// Nodes where two verdicts differ in what the engine reads: the acceptance, the kept token, and
-// the residual where no draft was accepted (CommitWindow commits it only then). `all`: the
-// residual everywhere; where q equals p up to rounding the residual is rounding noise, drawn
-// differently by two summation orders, and never committed (the draft is accepted).
+// Nodes where two verdicts differ in what the engine reads: the acceptance, the kept token, the
+// fresh draw, and the residual where no draft was accepted (CommitWindow commits it only then).
+// `all`: the residual everywhere; where q equals p up to rounding the residual is rounding noise,
+// drawn differently by two summation orders, and never committed (the draft is accepted).
 inline int64_t Mismatches(const ChainVerdicts& a, const ChainVerdicts& b, bool all = false) {
   at::Tensor acc = a.accepted.cpu(), acc_b = b.accepted.cpu();
   at::Tensor res = a.residual.cpu().ne(b.residual.cpu());
   if (!all) res = res & ~acc;
-  return (acc.ne(acc_b) | res | a.kept.cpu().ne(b.kept.cpu())).sum().item<int64_t>();
+  return (acc.ne(acc_b) | res | a.kept.cpu().ne(b.kept.cpu()) | a.fresh.cpu().ne(b.fresh.cpu()))
+      .sum()
+      .item<int64_t>();
 }
 
 }  // namespace imagegen::chain_test

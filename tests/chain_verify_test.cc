@@ -34,8 +34,8 @@ TEST(ChainVerifyTest, FusedDecidesAndDrawsAsTheEagerVerification) {
   EXPECT_LT(accepted, nodes * 9 / 10);
 }
 
-// Power: the comparison sees a fused verification that leaves out COOL-SD's weights, or reads
-// its neighbour's residual uniform (an indexing slip).
+// Power: the comparison sees a fused verification that leaves out COOL-SD's weights, reads its
+// neighbour's residual uniform (an indexing slip), or draws the fresh draft with the wrong one.
 TEST(ChainVerifyPowerTest, ABrokenFusedVerificationDiffers) {
   const ChainCase c = chain_test::RandomChainCase(330, 512, true, 5);
   const ChainVerdicts eager = chain_test::EagerChainVerify(c);
@@ -45,6 +45,9 @@ TEST(ChainVerifyPowerTest, ABrokenFusedVerificationDiffers) {
   ChainCase shifted = c;
   shifted.ures = c.ures.roll(1);
   EXPECT_GT(chain_test::Mismatches(eager, chain_test::HostChainVerify(shifted)), 100);
+  ChainCase fresh = c;
+  fresh.ufresh = c.ures;  // the fresh draft drawn with the residual's uniform
+  EXPECT_GT(chain_test::Mismatches(eager, chain_test::HostChainVerify(fresh)), 100);
 }
 
 }  // namespace

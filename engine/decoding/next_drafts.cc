@@ -67,11 +67,18 @@ void GumbelDraws(const StepContext& ctx, const DrawInputs& in, NextDrafts& d) {
 
 }  // namespace
 
-NextDrafts DrawNextDrafts(const StepContext& ctx, const at::Tensor& kept) {
+NextDrafts DrawNextDrafts(const StepContext& ctx, const Verdicts& v) {
   const int64_t A = ctx.nodes, K = ctx.tree_k, V = ctx.cfg().vocab_size;
+  const at::Tensor& kept = v.kept;
   const DrawInputs in = BuildDrawInputs(ctx);
-  at::Tensor uf = UploadDoubles(in.ufresh, ctx.dev()).view({A, K});
   NextDrafts d;
+  if (v.fresh.defined() && K == 1) {  // drawn by the fused verification, with the same uniforms
+    d.fresh = v.fresh;
+    d.extra = at::empty({A, 0}, d.fresh.options());
+    if (!in.gumbel_nodes.empty()) GumbelDraws(ctx, in, d);
+    return d;
+  }
+  at::Tensor uf = UploadDoubles(in.ufresh, ctx.dev()).view({A, K});
   d.fresh = SampleInverseCdf(ctx.p, uf.select(1, 0));
   d.extra = at::full({A, K - 1}, -1, d.fresh.options());
   if (K > 1) {

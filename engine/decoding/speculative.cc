@@ -233,7 +233,7 @@ Status SpecBatch::Impl::Step(const std::vector<WindowGrant>& grants) {
   RETURN_IF_ERROR(ForwardTarget(ctx));
 
   const Verdicts verdicts = VerifyWindows(ctx);
-  const NextDrafts next = DrawNextDrafts(ctx, verdicts.kept);
+  const NextDrafts next = DrawNextDrafts(ctx, verdicts);
   at::Tensor entropy;
   if (opts.collect_entropy) entropy = -(ctx.p * ctx.p.clamp_min(1e-300).log()).sum(1, true);
   const HostStep host(verdicts, next, entropy, ctx.node_tokens, ctx.max_kids, ctx.tree_k);

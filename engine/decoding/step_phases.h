@@ -68,8 +68,10 @@ struct StepContext {
 // What the verification decided, on the device: per node and child, accepted ([nodes, K]);
 // the token a node commits when no child is accepted (its residual, or the bonus at a leaf);
 // the token that follows it on the maximal-coupling path (kept child, else the residual).
+// `fresh`: the fused verification of a step without trees also draws each node's fresh draft
+// from P (DrawNextDrafts's draw, with its uniform); undefined otherwise.
 struct Verdicts {
-  at::Tensor accepted, residual, kept;
+  at::Tensor accepted, residual, kept, fresh;
 };
 
 // Next-step drafts drawn from P: a fresh draw per node and, for trees, K - 1 more without
@@ -106,7 +108,7 @@ void GatherProposals(StepContext& ctx);
 void NodeTokens(StepContext& ctx);
 Status ForwardTarget(StepContext& ctx);
 Verdicts VerifyWindows(const StepContext& ctx);
-NextDrafts DrawNextDrafts(const StepContext& ctx, const at::Tensor& kept);
+NextDrafts DrawNextDrafts(const StepContext& ctx, const Verdicts& v);
 void CommitWindow(Sequence& s, const HostStep& h, const StepContext& ctx);
 
 }  // namespace imagegen

@@ -25,6 +25,7 @@ namespace {
 struct VerifyInputs {
   std::vector<int64_t> qrow, kid;
   std::vector<double> w, uacc, ures;
+  std::vector<double> ufresh;  // without trees: the next drafts' uniforms (DrawNextDrafts's)
   std::vector<int64_t> grouped, group_size;
   std::vector<double> group_delta, group_dist;
 };
@@ -37,6 +38,7 @@ VerifyInputs BuildInputs(const StepContext& ctx) {
   in.w.assign(A, 1.0);
   in.uacc.assign(A * K, 0.0);
   in.ures.assign(A, 0.0);
+  if (ctx.tree_k == 1) in.ufresh.assign(A, 0.0);
   for (const Sequence* s : ctx.live) {
     const DecodingPolicy& p = s->r.policy;
     for (size_t i = 0; i < s->nodes.size(); ++i) {
@@ -45,6 +47,7 @@ VerifyInputs BuildInputs(const StepContext& ctx) {
       const int64_t col = nd.col + 1;  // the column this node's output predicts
       const auto t = static_cast<uint32_t>(s->n() + col);
       in.ures[a] = Uniform(s->r.seed, t, s->iter, Purpose::kResample);
+      if (!in.ufresh.empty()) in.ufresh[a] = Uniform(s->r.seed, t, s->iter, Purpose::kDraft, 0);
       if (nd.kids.empty()) continue;
       in.qrow[a] = s->q_off + col;
       for (size_t k = 0; k < nd.kids.size(); ++k) {
@@ -110,7 +113,8 @@ bool CanFuse(const StepContext& ctx, const VerifyInputs& in) {
 
 // The fused chain verification (kernels/chain_verify.h): one kernel over all nodes on CUDA,
 // the same per-node arithmetic on the host on the CPU. One "launch" either way, as
-// LaunchCount and profilers see it.
+// LaunchCount and profilers see it. Without trees in the step it also draws every node's
+// fresh next draft (Verdicts::fresh), which DrawNextDrafts then takes.
 Verdicts FusedChainVerify(const StepContext& ctx, const VerifyInputs& in) {
   RECORD_FUNCTION("imagegen::chain_verify", std::vector<c10::IValue>());
   const at::Device dev = ctx.dev();
@@ -135,12 +139,18 @@ Verdicts FusedChainVerify(const StepContext& ctx, const VerifyInputs& in) {
   a.accepted = accepted.data_ptr<bool>();
   a.residual = v.residual.data_ptr<int64_t>();
   a.kept = v.kept.data_ptr<int64_t>();
+  const bool fresh = !in.ufresh.empty();
+  if (fresh) {
+    v.fresh = at::empty({A}, lopt);
+    a.fresh = v.fresh.data_ptr<int64_t>();
+  }
   if (dev.is_cpu()) {  // the inputs straight from the host vectors
     a.qrow = in.qrow.data();
     a.kid = in.kid.data();
     a.w = weighted ? in.w.data() : nullptr;
     a.uacc = in.uacc.data();
     a.ures = in.ures.data();
+    a.ufresh = fresh ? in.ufresh.data() : nullptr;
     at::parallel_for(0, A, 1, [&](int64_t b, int64_t e) {
       for (int64_t n = b; n < e; ++n) kernels::ChainVerifyNodeOnHost(a, n);
     });
@@ -149,13 +159,15 @@ Verdicts FusedChainVerify(const StepContext& ctx, const VerifyInputs& in) {
     longs.insert(longs.end(), in.qrow.begin(), in.qrow.end());
     std::vector<double> doubles(in.uacc);
     doubles.insert(doubles.end(), in.ures.begin(), in.ures.end());
+    doubles.insert(doubles.end(), in.ufresh.begin(), in.ufresh.end());
     if (weighted) doubles.insert(doubles.end(), in.w.begin(), in.w.end());
     at::Tensor l = UploadLongs(longs, dev), d = UploadDoubles(doubles, dev);
     a.kid = l.data_ptr<int64_t>();
     a.qrow = a.kid + A;
     a.uacc = d.data_ptr<double>();
     a.ures = a.uacc + A;
-    a.w = weighted ? a.uacc + 2 * A : nullptr;
+    a.ufresh = fresh ? a.uacc + 2 * A : nullptr;
+    a.w = weighted ? a.uacc + (fresh ? 3 : 2) * A : nullptr;
     const int err = LaunchChainVerifyKernel(a, CurrentCudaStream(dev));
     TORCH_CHECK(err == 0, "fused chain verification: CUDA launch failed (error ", err, ")");
   }
