@@ -35,8 +35,9 @@ inline ChainCase RandomChainCase(int64_t A, int64_t V, bool weighted, uint64_t s
   at::Tensor cut = (at::arange(A) % 3 == 0).unsqueeze(1);
   p = at::where(cut & ~keep, at::zeros_like(p), p);
   c.p = p / p.sum(1, true);
-  // Proposals: one row per node: independent (even nodes), a copy of p (every fifth: the
-  // residual is empty), one-hot (every seventh), with zeros (every third), then shuffled rows.
+  // Proposals, one row per node: independent of p, except a copy of p (every fifth node: the
+  // residual is empty) and one-hot rows (every seventh); half zeros where p is cut (every
+  // third); then the rows shuffled.
   at::Tensor q = at::softmax(at::randn({A, V}, g, f64) * 2, 1);
   q = at::where(cut & (q < std::get<0>(q.median(1, true))), at::zeros_like(q), q);
   at::Tensor idx = at::arange(A);
