@@ -66,11 +66,16 @@ IMAGEGEN_HD ChainNode LoadChainNode(const ChainVerifyArgs& a, int64_t n) {
   return nd;
 }
 
+// q'(v): the proposal renormalised by its sum (RemoveAndNormalise: 0 where it has no mass).
+IMAGEGEN_HD double ChainQNorm(const ChainNode& nd, double qsum, int64_t v) {
+  return qsum > 0 ? nd.q[v] / (qsum > 1e-300 ? qsum : 1e-300) : 0.0;
+}
+
 IMAGEGEN_HD double ChainMassAt(const ChainNode& nd, ChainMass m, double qsum, int64_t v) {
   if (m == ChainMass::kQ) return nd.q[v];
   const double p = nd.p[v];
   if (m == ChainMass::kP) return p;
-  const double qn = qsum > 0 ? nd.q[v] / (qsum > 1e-300 ? qsum : 1e-300) : 0.0;
+  const double qn = ChainQNorm(nd, qsum, v);
   const double wp = nd.w * p;
   const double cap = qn < wp ? qn : wp;
   const double r = p - cap;
@@ -136,7 +141,7 @@ IMAGEGEN_HD void ChainFinish(const ChainVerifyArgs& a, int64_t n, const ChainNod
   bool acc = false;
   if (nd.x >= 0) {
     const double px = nd.p[nd.x];
-    const double qx = qsum > 0 ? nd.q[nd.x] / (qsum > 1e-300 ? qsum : 1e-300) : 0.0;
+    const double qx = ChainQNorm(nd, qsum, nd.x);
     const double num = nd.w * px;
     double ratio = qx > 0 ? num / (qx > 1e-300 ? qx : 1e-300) : (px > 0 ? 1.0 : 0.0);
     if (ratio > 1.0) ratio = 1.0;
@@ -147,29 +152,26 @@ IMAGEGEN_HD void ChainFinish(const ChainVerifyArgs& a, int64_t n, const ChainNod
   a.kept[n] = acc ? nd.x : residual;
 }
 
+// The CPU path's chunk loop: every chunk's sum of `m` into `sums`, and their total.
+inline double ChainSumsOnHost(const ChainNode& nd, ChainMass m, double qsum, double* sums) {
+  for (int c = 0; c < kChainVerifyChunks; ++c) sums[c] = ChainChunkSum(nd, m, qsum, c);
+  return ChainTotal(sums);
+}
+
 // The CPU path: node n, each chunk in turn where the kernel runs them side by side.
 inline void ChainVerifyNodeOnHost(const ChainVerifyArgs& a, int64_t n) {
   double sums[kChainVerifyChunks];
   const ChainNode nd = LoadChainNode(a, n);
-  double qsum = 0.0;
-  if (nd.x >= 0) {
-    for (int c = 0; c < kChainVerifyChunks; ++c) sums[c] = ChainChunkSum(nd, ChainMass::kQ, 0, c);
-    qsum = ChainTotal(sums);
-  }
+  const double qsum = nd.x >= 0 ? ChainSumsOnHost(nd, ChainMass::kQ, 0, sums) : 0.0;
   ChainMass m = nd.x >= 0 ? ChainMass::kResidual : ChainMass::kP;
-  for (int c = 0; c < kChainVerifyChunks; ++c) sums[c] = ChainChunkSum(nd, m, qsum, c);
-  double total = ChainTotal(sums);
+  double total = ChainSumsOnHost(nd, m, qsum, sums);
   if (m == ChainMass::kResidual && !(total > 0)) {  // no residual mass: draw from p
     m = ChainMass::kP;
-    for (int c = 0; c < kChainVerifyChunks; ++c) sums[c] = ChainChunkSum(nd, m, qsum, c);
-    total = ChainTotal(sums);
+    total = ChainSumsOnHost(nd, m, qsum, sums);
   }
   ChainFinish(a, n, nd, qsum, ChainDraw(nd, m, qsum, sums, total, a.ures[n]));
   if (a.ufresh != nullptr) {  // p's chunk sums, unless the residual draw was from p already
-    if (m != ChainMass::kP) {
-      for (int c = 0; c < kChainVerifyChunks; ++c) sums[c] = ChainChunkSum(nd, ChainMass::kP, 0, c);
-      total = ChainTotal(sums);
-    }
+    if (m != ChainMass::kP) total = ChainSumsOnHost(nd, ChainMass::kP, 0, sums);
     a.fresh[n] = ChainDraw(nd, ChainMass::kP, 0, sums, total, a.ufresh[n]);
   }
 }
