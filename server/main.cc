@@ -79,7 +79,9 @@ ABSL_FLAG(bool, cuda_graphs, false,
           "Overrides --batch_invariant: logits then equal the eager forward's within rounding");
 ABSL_FLAG(bool, fused_verify, true,
           "verify chain windows (sjd, scd, cool-sd, sd) in one fused pass per step: one kernel "
-          "on CUDA, the same arithmetic on the host on the CPU; false: the eager verification");
+          "on CUDA, the same arithmetic on the host on the CPU; and on CUDA compute the final "
+          "distributions (CFG, temperature, softmax) in one kernel where no request uses top-k "
+          "or top-p; false: the eager verification and distributions");
 ABSL_FLAG(int32_t, decode_thread, -1,
           "decode finished images, and complete their requests, on a thread with its own CUDA "
           "stream so that decoding overlaps the next step: 1 on, 0 on the engine thread, -1 "

@@ -61,14 +61,15 @@ ImageRequest Request(const ImageModel& m, const std::string& preset, int64_t cls
 
 // Steps `images` images of `preset` (co-batched) to the end, counting per step. `launches`:
 // also the device launches, split by StepTiming (whose device syncs around the forward would
-// count as syncs on CUDA). `fused`: SpecOptions::fused_verify.
+// count as syncs on CUDA). `fused`: SpecOptions::fused_verify; `fused_probs`: its fused_probs.
 StepCounts RunSteps(const ImageModel& m, const std::string& preset,
                     const VerifyRules* rules = nullptr, int images = 2, bool launches = false,
-                    bool fused = true) {
+                    bool fused = true, int fused_probs = -1) {
   SpecOptions o;
   o.batch_invariant = true;
   o.rules = rules;
   o.fused_verify = fused;
+  o.fused_probs = fused_probs;
   StepTiming timing;
   if (launches) o.timing = &timing;
   SpecBatch batch(*m.gpt, m.draft.get(), 2 * images, o);
@@ -231,6 +232,25 @@ TEST(LaunchesTest, FusedChainVerificationReplacesTheEagerLaunches) {
   const StepCounts tree_f = RunSteps(Model(), "sjd-pac", nullptr, 2, true, true);
   const StepCounts tree_e = RunSteps(Model(), "sjd-pac", nullptr, 2, true, false);
   EXPECT_EQ(tree_f.max_other_launches, tree_e.max_other_launches);
+}
+
+// The fused final distributions (SpecOptions::fused_probs; here its host path, which CUDA runs
+// as one kernel) replace the target's row gathers, CFG combine, temperature, softmax and float64
+// conversion, and for sd the draft model's too; with fused_verify off they are off as well.
+TEST(LaunchesTest, FusedFinalDistributionsReplaceTheEagerLaunches) {
+  for (const char* preset : {"ar", "sjd", "sd"}) {
+    const StepCounts fused = RunSteps(Model(), preset, nullptr, 2, true, true, 1);
+    const StepCounts eager = RunSteps(Model(), preset, nullptr, 2, true, true, 0);
+    std::printf(
+        "%-4s non-forward launches per step (most), fused / eager distributions: %lld / "
+        "%lld\n",
+        preset, static_cast<long long>(fused.max_other_launches),
+        static_cast<long long>(eager.max_other_launches));
+    EXPECT_GE(eager.max_other_launches - fused.max_other_launches, 5) << preset;
+    const StepCounts off = RunSteps(Model(), preset, nullptr, 2, true, false, 1);
+    const StepCounts off0 = RunSteps(Model(), preset, nullptr, 2, true, false, 0);
+    EXPECT_EQ(off.max_other_launches, off0.max_other_launches) << preset;
+  }
 }
 
 // Power: a verifier that decides row by row (a launch per window node) is caught.

@@ -125,12 +125,16 @@ phase_tests() {
   # as decoding on the engine thread, completions delivered at shutdown).
   local graphs='StaticForward*:SpecStaticShapes*:EngineTest.CudaGraphs*'
   graphs+=':DecodeQueueTest.*:EngineTest.Decode*:EngineTest.ShutdownDelivers*'
+  # The fused kernels through the engine: the chain verification and the final distributions
+  # (exact distributions through them, their launches, their host paths).
+  local fused='ChainVerify*:GuidedProbs*:SpecFusedProbs*:LaunchesTest.Fused*'
   local filter="*HostSync*:Presets/SpecLossless*:SpeculativePowerTest*:GptTest*:DeviceTest*:$graphs"
+  filter+=":$fused"
   [[ $scale == quick ]] && filter='*HostSync*:GptTest*:StaticForward*'
   if [[ $scale == lease ]]; then  # four of the nine exact-distribution cases, and the power test
     local c=Presets/SpecLosslessTest.MatchesTheExactArDistribution
     filter="*HostSync*:GptTest*:DeviceTest*:$graphs:SpeculativePowerTest*:$c/ar:$c/scd_mc_L6"
-    filter+=":ChainVerify*:LaunchesTest.Fused*"
+    filter+=":$fused"
     filter+=":$c/sjd_pac_K2_D3_L9_onehot:$c/sd_L4"
   fi
   "$t/engine_tests" --gtest_filter="$filter" 2>&1 | tee "$out/engine_tests.log" | tail -3

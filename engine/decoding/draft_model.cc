@@ -58,7 +58,7 @@ StatusOr<at::Tensor> DraftOnce(StepContext& ctx, const std::vector<Sequence*>& a
   }
   ASSIGN_OR_RETURN(at::Tensor logits,
                    ctx.draft->Forward(batch.rows(), ctx.draft_cache, dev_tokens, ctx.fwd()));
-  at::Tensor probs = batch.Probs(logits).to(at::kDouble);
+  at::Tensor probs = StepProbs(ctx, batch, logits);
   std::vector<double> us;
   for (Sequence* s : act) {
     us.push_back(Uniform(s->r.seed, static_cast<uint32_t>(s->n() + j), s->iter, Purpose::kDraft));

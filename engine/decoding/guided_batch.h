@@ -35,6 +35,14 @@ class GuidedBatch {
   // logits' device): u + (c - u) * scale, then temperature, top-k, top-p.
   at::Tensor Probs(const at::Tensor& logits) const;
 
+  // The same distributions in float64 through the fused kernel (kernels/guided_probs.h): one
+  // upload and one launch on CUDA where the build has the kernel, the same arithmetic on the
+  // host on the CPU (`host` true; otherwise the CPU keeps Probs, whose vectorised float32
+  // softmax is the cheaper there). Undefined where it does not apply: a row with top-k or
+  // top-p, a device without the kernel, or `host` false on the CPU. The callers then take
+  // Probs.
+  at::Tensor FusedProbs(const at::Tensor& logits, bool host) const;
+
  private:
   int64_t tokens_ = 0;  // new tokens in rows_ so far
   std::vector<BatchRow> rows_;

@@ -102,6 +102,12 @@ class HostStep {
   int64_t max_kids_, tree_k_, token_col_;
 };
 
+class GuidedBatch;
+
+// The final distributions of `batch`'s outputs [outputs, V] in float64: the fused kernel
+// where SpecOptions::fused_probs and fused_verify ask for it and it applies
+// (GuidedBatch::FusedProbs), else GuidedBatch::Probs.
+at::Tensor StepProbs(const StepContext& ctx, const GuidedBatch& batch, const at::Tensor& logits);
 Status DraftWithModel(StepContext& ctx, const std::vector<Sequence*>& drafting);
 void PlanWindow(Sequence& s, const GptConfig& cfg);
 void GatherProposals(StepContext& ctx);

@@ -73,6 +73,15 @@ void NodeTokens(StepContext& ctx) {
   }
 }
 
+at::Tensor StepProbs(const StepContext& ctx, const GuidedBatch& batch, const at::Tensor& logits) {
+  const int fused = ctx.opts.fused_verify ? ctx.opts.fused_probs : 0;
+  if (fused != 0) {
+    at::Tensor p = batch.FusedProbs(logits, /*host=*/fused > 0);
+    if (p.defined()) return p;
+  }
+  return batch.Probs(logits).to(at::kDouble);
+}
+
 Status ForwardTarget(StepContext& ctx) {
   GuidedBatch batch;
   std::vector<int64_t> src;  // with node tokens: each fed token's row in ctx.node_tokens
@@ -131,7 +140,7 @@ Status ForwardTarget(StepContext& ctx) {
     c.seq->prefilled += c.tokens;
     c.seq->stats.prefill_forwards += 1;
   }
-  if (!ctx.live.empty()) ctx.p = batch.Probs(logits).to(at::kDouble);  // [nodes, V]
+  if (!ctx.live.empty()) ctx.p = StepProbs(ctx, batch, logits);  // [nodes, V]
   return OkStatus();
 }
 

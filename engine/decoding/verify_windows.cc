@@ -11,7 +11,7 @@
 
 #include <algorithm>
 
-#include "engine/decoding/chain_verify_launch.h"
+#include "engine/decoding/fused_kernels.h"
 #include "engine/decoding/philox.h"
 #include "engine/decoding/sampling.h"
 #include "engine/decoding/step_phases.h"
@@ -108,7 +108,7 @@ bool CanFuse(const StepContext& ctx, const VerifyInputs& in) {
   if (!ctx.opts.fused_verify || ctx.max_kids != 1 || !in.grouped.empty()) return false;
   if (&ctx.rules != &ExactRules()) return false;
   const at::Device dev = ctx.dev();
-  return dev.is_cpu() || (dev.is_cuda() && ChainVerifyKernelBuilt());
+  return dev.is_cpu() || (dev.is_cuda() && FusedKernelsBuilt());
 }
 
 // The fused chain verification (kernels/chain_verify.h): one kernel over all nodes on CUDA,

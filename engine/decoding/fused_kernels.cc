@@ -1,0 +1,21 @@
+// The engine's door to kernels/*.cu: built with the kernels where nvcc is, and without them
+// (reporting so) in the CPU-only, sanitizer and nvcc-less builds.
+#include "engine/decoding/fused_kernels.h"
+
+namespace imagegen {
+
+#ifdef IMAGEGEN_FUSED_KERNELS
+bool FusedKernelsBuilt() { return true; }
+int LaunchChainVerifyKernel(const kernels::ChainVerifyArgs& args, void* stream) {
+  return kernels::LaunchChainVerify(args, stream);
+}
+int LaunchGuidedProbsKernel(const kernels::GuidedProbsArgs& args, void* stream) {
+  return kernels::LaunchGuidedProbs(args, stream);
+}
+#else
+bool FusedKernelsBuilt() { return false; }
+int LaunchChainVerifyKernel(const kernels::ChainVerifyArgs&, void*) { return -1; }
+int LaunchGuidedProbsKernel(const kernels::GuidedProbsArgs&, void*) { return -1; }
+#endif
+
+}  // namespace imagegen
