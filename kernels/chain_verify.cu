@@ -43,7 +43,7 @@ __global__ void __launch_bounds__(kChainVerifyChunks) ChainVerifyKernel(ChainVer
       if (t == 0) s_total = ChainTotal(sums);
       __syncthreads();
     }
-    if (t == 0) a.fresh[n] = ChainDraw(nd, ChainMass::kP, 0, sums, s_total, a.ufresh[n]);
+    if (t == 0) ChainFresh(a, n, ChainDraw(nd, ChainMass::kP, 0, sums, s_total, a.ufresh[n]));
   }
 }
 

@@ -42,6 +42,11 @@ struct ChainVerifyArgs {
   int64_t* residual = nullptr;  // [nodes] out
   int64_t* kept = nullptr;      // [nodes] out
   int64_t* fresh = nullptr;     // [nodes] out where ufresh is given
+  // Optional [nodes, packed_cols] out, float64: accepted, residual, kept, fresh (where ufresh is
+  // given) and, with packed_cols 5, the node's own token (tokens[n]): the step's readback rows
+  // as commit_window.cc's Pack lays them out, without converting and joining the outputs.
+  double* packed = nullptr;
+  int64_t packed_cols = 0;
 };
 
 // What a node's pass sums: its proposal row, its residual, or its target row.
@@ -150,6 +155,19 @@ IMAGEGEN_HD void ChainFinish(const ChainVerifyArgs& a, int64_t n, const ChainNod
   a.accepted[n] = acc;
   a.residual[n] = residual;
   a.kept[n] = acc ? nd.x : residual;
+  if (a.packed != nullptr) {
+    double* row = a.packed + n * a.packed_cols;
+    row[0] = acc ? 1.0 : 0.0;
+    row[1] = static_cast<double>(residual);
+    row[2] = static_cast<double>(a.kept[n]);
+    if (a.packed_cols > 4) row[4] = static_cast<double>(a.tokens[n]);
+  }
+}
+
+// Node n's fresh draft, into its output and its packed row.
+IMAGEGEN_HD void ChainFresh(const ChainVerifyArgs& a, int64_t n, int64_t fresh) {
+  a.fresh[n] = fresh;
+  if (a.packed != nullptr) a.packed[n * a.packed_cols + 3] = static_cast<double>(fresh);
 }
 
 // The CPU path's chunk loop: every chunk's sum of `m` into `sums`, and their total.
@@ -172,7 +190,7 @@ inline void ChainVerifyNodeOnHost(const ChainVerifyArgs& a, int64_t n) {
   ChainFinish(a, n, nd, qsum, ChainDraw(nd, m, qsum, sums, total, a.ures[n]));
   if (a.ufresh != nullptr) {  // p's chunk sums, unless the residual draw was from p already
     if (m != ChainMass::kP) total = ChainSumsOnHost(nd, ChainMass::kP, 0, sums);
-    a.fresh[n] = ChainDraw(nd, ChainMass::kP, 0, sums, total, a.ufresh[n]);
+    ChainFresh(a, n, ChainDraw(nd, ChainMass::kP, 0, sums, total, a.ufresh[n]));
   }
 }
 

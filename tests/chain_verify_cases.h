@@ -73,6 +73,7 @@ inline ChainCase RandomChainCase(int64_t A, int64_t V, bool weighted, uint64_t s
 // The eager verification (verify_windows.cc's loop for K = 1).
 struct ChainVerdicts {
   at::Tensor accepted, residual, kept, fresh;  // bool, int64, int64, int64 [A]
+  at::Tensor packed;                           // the fused pass's readback rows, float64 [A, 5]
 };
 
 inline ChainVerdicts EagerChainVerify(const ChainCase& c) {
@@ -109,6 +110,9 @@ inline kernels::ChainVerifyArgs FusedArgs(const ChainCase& c, ChainVerdicts& out
   out.residual = at::empty({a.nodes}, opt.dtype(at::kLong));
   out.kept = at::empty({a.nodes}, opt.dtype(at::kLong));
   out.fresh = at::empty({a.nodes}, opt.dtype(at::kLong));
+  out.packed = at::empty({a.nodes, 5}, opt.dtype(at::kDouble));
+  a.packed = out.packed.data_ptr<double>();
+  a.packed_cols = 5;
   a.accepted = out.accepted.data_ptr<bool>();
   a.residual = out.residual.data_ptr<int64_t>();
   a.kept = out.kept.data_ptr<int64_t>();
@@ -143,6 +147,15 @@ inline int64_t Mismatches(const ChainVerdicts& a, const ChainVerdicts& b, bool a
   return (acc.ne(acc_b) | res | a.kept.cpu().ne(b.kept.cpu()) | a.fresh.cpu().ne(b.fresh.cpu()))
       .sum()
       .item<int64_t>();
+}
+
+// Rows of the fused pass's packed readback that differ from its outputs (and the node tokens).
+inline int64_t PackedMismatches(const ChainCase& c, const ChainVerdicts& v) {
+  at::Tensor want = at::stack(
+      {v.accepted.cpu().to(at::kDouble), v.residual.cpu().to(at::kDouble),
+       v.kept.cpu().to(at::kDouble), v.fresh.cpu().to(at::kDouble), c.tokens.cpu().to(at::kDouble)},
+      1);
+  return want.ne(v.packed.cpu()).any(1).sum().item<int64_t>();
 }
 
 }  // namespace imagegen::chain_test

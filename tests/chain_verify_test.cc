@@ -20,6 +20,7 @@ TEST(ChainVerifyTest, FusedDecidesAndDrawsAsTheEagerVerification) {
       const ChainVerdicts eager = chain_test::EagerChainVerify(c);
       const ChainVerdicts fused = chain_test::HostChainVerify(c);
       EXPECT_EQ(chain_test::Mismatches(eager, fused), 0) << "V " << V << " weighted " << weighted;
+      EXPECT_EQ(chain_test::PackedMismatches(c, fused), 0) << "V " << V;  // the readback rows
       nodes += 330;
       accepted += eager.accepted.sum().item<int64_t>();
       no_draft += (c.kid < 0).sum().item<int64_t>();
@@ -48,6 +49,9 @@ TEST(ChainVerifyPowerTest, ABrokenFusedVerificationDiffers) {
   ChainCase fresh = c;
   fresh.ufresh = c.ures;  // the fresh draft drawn with the residual's uniform
   EXPECT_GT(chain_test::Mismatches(eager, chain_test::HostChainVerify(fresh)), 100);
+  ChainVerdicts swapped = chain_test::HostChainVerify(c);  // readback rows with kept as residual
+  swapped.packed.select(1, 1).copy_(swapped.packed.select(1, 2));
+  EXPECT_GT(chain_test::PackedMismatches(c, swapped), 20);  // 47: the accepted drafts
 }
 
 }  // namespace

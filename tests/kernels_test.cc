@@ -55,6 +55,8 @@ TEST(KernelsTest, ChainVerifyOnGpuIsBitIdenticalToTheHost) {
       EXPECT_EQ(chain_test::Mismatches(host, dev, /*all=*/true), 0)
           << "V " << V << " weighted " << weighted;
       EXPECT_EQ(chain_test::Mismatches(chain_test::EagerChainVerify(c), dev), 0) << "V " << V;
+      EXPECT_EQ(chain_test::PackedMismatches(c, dev), 0) << "V " << V;
+      EXPECT_TRUE(host.packed.equal(dev.packed.cpu())) << "V " << V;
     }
   }
 }

@@ -20,6 +20,14 @@ namespace {
 
 at::Tensor Pack(const Verdicts& v, const NextDrafts& d, const at::Tensor& entropy,
                 const at::Tensor& node_tokens, int64_t tree_k) {
+  // The fused verification's own rows, where they are all there is to read; Gumbel draws that
+  // replaced fresh drafts (DrawNextDrafts) go into their column first (the rows are this
+  // step's readback buffer and nothing else reads them).
+  if (v.packed.defined() && tree_k == 1 && !entropy.defined() &&
+      node_tokens.defined() == (v.packed.size(1) == 5)) {
+    if (!d.fresh.is_same(v.fresh)) v.packed.select(1, 3).copy_(d.fresh);
+    return ReadBack(v.packed);  // the step's only device-to-host read
+  }
   std::vector<at::Tensor> pack = {
       v.accepted.to(at::kDouble), v.residual.unsqueeze(1).to(at::kDouble),
       v.kept.unsqueeze(1).to(at::kDouble), d.fresh.unsqueeze(1).to(at::kDouble)};

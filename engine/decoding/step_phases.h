@@ -69,9 +69,12 @@ struct StepContext {
 // the token a node commits when no child is accepted (its residual, or the bonus at a leaf);
 // the token that follows it on the maximal-coupling path (kept child, else the residual).
 // `fresh`: the fused verification of a step without trees also draws each node's fresh draft
-// from P (DrawNextDrafts's draw, with its uniform); undefined otherwise.
+// from P (DrawNextDrafts's draw, with its uniform); undefined otherwise. `packed`: it then also
+// writes the readback's rows (float64 [nodes, 4 or 5]: accepted, residual, kept, fresh and,
+// with node tokens, the node's token), which the readback takes as they are where nothing
+// else goes into it (no tree, no entropy; Gumbel draws are copied into the fresh column).
 struct Verdicts {
-  at::Tensor accepted, residual, kept, fresh;
+  at::Tensor accepted, residual, kept, fresh, packed;
 };
 
 // Next-step drafts drawn from P: a fresh draw per node and, for trees, K - 1 more without

@@ -143,6 +143,9 @@ Verdicts FusedChainVerify(const StepContext& ctx, const VerifyInputs& in) {
   if (fresh) {
     v.fresh = at::empty({A}, lopt);
     a.fresh = v.fresh.data_ptr<int64_t>();
+    a.packed_cols = tokens.defined() ? 5 : 4;
+    v.packed = at::empty({A, a.packed_cols}, lopt.dtype(at::kDouble));
+    a.packed = v.packed.data_ptr<double>();
   }
   if (dev.is_cpu()) {  // the inputs straight from the host vectors
     a.qrow = in.qrow.data();
