@@ -5,12 +5,16 @@
 namespace imagegen::kernels {
 namespace {
 
-// One block per output row, one thread per chunk: every thread takes its chunk's max, then its
-// sum, then writes it; thread 0 combines the chunks' maxima and sums (GuidedProbsRowOnHost,
-// with the chunk loops run by the block).
+constexpr int kWarps = kChainVerifyChunks / 32;
+
+// One block per output row, one thread per chunk: every thread takes its chunk's max, its
+// counts for the radix select, its sum, then writes it; the block combines the chunks' maxima,
+// counts and sums (GuidedProbsRowOnHost, with the chunk loops run by the block). Counts are
+// integers, added in any order; the sums are added by thread 0 in the host's order.
 __global__ void __launch_bounds__(kChainVerifyChunks) GuidedProbsKernel(GuidedProbsArgs a) {
   __shared__ float maxima[kChainVerifyChunks];
   __shared__ double sums[kChainVerifyChunks];
+  __shared__ long long counts[kWarps];
   __shared__ float s_max;
   __shared__ double s_total;
   const auto r = static_cast<int64_t>(blockIdx.x);
@@ -26,11 +30,27 @@ __global__ void __launch_bounds__(kChainVerifyChunks) GuidedProbsKernel(GuidedPr
   }
   __syncthreads();
   const float m = s_max;
-  sums[t] = GuidedChunkSum(a, r, t, m);
+  float kth = -INFINITY;
+  const int64_t k = GuidedTopK(a, r);
+  if (k < a.vocab) {  // uniform across the block
+    uint32_t prefix = 0;
+    for (int bit = 31; bit >= 0; --bit) {
+      long long n = GuidedChunkCount(a, r, t, prefix | (1U << bit));
+      for (int off = 16; off > 0; off /= 2) n += __shfl_down_sync(0xFFFFFFFFU, n, off);
+      if (t % 32 == 0) counts[t / 32] = n;
+      __syncthreads();
+      long long total = 0;
+      for (int w = 0; w < kWarps; ++w) total += counts[w];
+      prefix = GuidedSelectStep(prefix, bit, total, k);
+      __syncthreads();  // every thread has read the counts before the next round writes them
+    }
+    kth = GuidedFromKey(prefix);
+  }
+  sums[t] = GuidedChunkSum(a, r, t, m, kth);
   __syncthreads();
   if (t == 0) s_total = ChainTotal(sums);
   __syncthreads();
-  GuidedChunkWrite(a, r, t, m, s_total);
+  GuidedChunkWrite(a, r, t, m, kth, s_total);
 }
 
 }  // namespace

@@ -80,8 +80,8 @@ ABSL_FLAG(bool, cuda_graphs, false,
 ABSL_FLAG(bool, fused_verify, true,
           "verify chain windows (sjd, scd, cool-sd, sd) in one fused pass per step: one kernel "
           "on CUDA, the same arithmetic on the host on the CPU; and on CUDA compute the final "
-          "distributions (CFG, temperature, softmax) in one kernel where no request uses top-k "
-          "or top-p; false: the eager verification and distributions");
+          "distributions (CFG, temperature, top-k, softmax) in one kernel where no request uses "
+          "top-p; false: the eager verification and distributions");
 ABSL_FLAG(int32_t, decode_thread, -1,
           "decode finished images, and complete their requests, on a thread with its own CUDA "
           "stream so that decoding overlaps the next step: 1 on, 0 on the engine thread, -1 "

@@ -20,13 +20,15 @@ struct GuidedCase {
   std::vector<int64_t> cond, uncond;  // per output row: its logit rows
   std::vector<float> scale;           // per output row (1 without CFG)
   std::vector<double> temperature;    // per output row, as a request gives it
+  std::vector<int64_t> top_k;         // per output row, as a request gives it (0: none)
   int64_t rows() const { return static_cast<int64_t>(cond.size()); }
 };
 
 // `n` output rows over 2n logit rows. Row r: without CFG (its own row twice, scale 1) when
 // r % 4 == 0, else its pair with scale 1.5-7.5; temperature 1, 0.6, 2.5 or 1e-7 (held at 1e-5:
 // nearly one-hot); logits of spread 1, 8 or 30, and every ninth row flat (all ids equal),
-// every thirteenth one id far above the rest.
+// every thirteenth one id far above the rest; top-k none, 1, 2, 5, V / 3 or V - 1 in turn
+// (ties with the k-th largest kept: the flat rows).
 inline GuidedCase RandomGuidedCase(int64_t n, int64_t V, uint64_t seed) {
   at::Generator g = at::make_generator<at::CPUGeneratorImpl>(seed);
   GuidedCase c;
@@ -44,20 +46,24 @@ inline GuidedCase RandomGuidedCase(int64_t n, int64_t V, uint64_t seed) {
     c.uncond.push_back(cfg ? 2 * r + 1 : 2 * r);
     c.scale.push_back(cfg ? 1.5F + static_cast<float>(r % 7) : 1.0F);
     c.temperature.push_back(temps[(r / 2) % 4]);
+    const int64_t ks[] = {0, 1, 2, 5, V / 3, V - 1};
+    c.top_k.push_back(ks[(r / 3) % 6]);
   }
   c.logits = logits.contiguous();
   return c;
 }
 
-// What GuidedBatch::FusedProbs uploads: [cond, uncond, scale, max(T, 1e-5) as float].
+// What GuidedBatch::FusedProbs uploads: [cond, uncond, scale, max(T, 1e-5) as float, k].
 inline std::vector<double> GuidedMeta(const GuidedCase& c) {
   const int64_t n = c.rows();
-  std::vector<double> meta(static_cast<size_t>(4 * n));
+  std::vector<double> meta(static_cast<size_t>(5 * n));
   for (int64_t r = 0; r < n; ++r) {
     meta[r] = static_cast<double>(c.cond[r]);
     meta[n + r] = static_cast<double>(c.uncond[r]);
     meta[2 * n + r] = c.scale[r];
     meta[3 * n + r] = static_cast<float>(std::max(c.temperature[r], 1e-5));
+    const int64_t V = c.logits.size(1), k = c.top_k[r];
+    meta[4 * n + r] = static_cast<double>(k > 0 ? std::min(k, V) : V);
   }
   return meta;
 }
@@ -66,10 +72,34 @@ inline std::vector<double> GuidedMeta(const GuidedCase& c) {
 inline at::Tensor EagerGuidedProbs(const GuidedCase& c) {
   at::Tensor ci = at::tensor(c.cond, at::kLong), ui = at::tensor(c.uncond, at::kLong);
   std::vector<SamplingParams> params(c.cond.size());
-  for (size_t r = 0; r < params.size(); ++r) params[r].temperature = c.temperature[r];
+  for (size_t r = 0; r < params.size(); ++r) {
+    params[r].temperature = c.temperature[r];
+    params[r].top_k = c.top_k[r];
+  }
   return FinalProbs(CfgCombine(c.logits.index_select(0, ci), c.logits.index_select(0, ui),
                                at::tensor(c.scale, at::kFloat)),
                     params);
+}
+
+// z = CfgCombine / temperature as the eager path computes it: float32 [rows, V].
+inline at::Tensor EagerLogits(const GuidedCase& c) {
+  at::Tensor ci = at::tensor(c.cond, at::kLong), ui = at::tensor(c.uncond, at::kLong);
+  std::vector<float> temps;
+  for (double t : c.temperature) temps.push_back(static_cast<float>(std::max(t, 1e-5)));
+  return (CfgCombine(c.logits.index_select(0, ci), c.logits.index_select(0, ui),
+                     at::tensor(c.scale, at::kFloat)) /
+          at::tensor(temps, at::kFloat).unsqueeze(1))
+      .contiguous();
+}
+
+// The ids top-k keeps, by FinalProbs' rule (at least the k-th largest z): bool [rows, V].
+inline at::Tensor EagerKeep(const GuidedCase& c) {
+  at::Tensor z = EagerLogits(c);
+  const int64_t V = z.size(1);
+  at::Tensor sorted = std::get<0>(z.sort(1, /*descending=*/true));
+  std::vector<int64_t> kk;
+  for (int64_t k : c.top_k) kk.push_back((k > 0 ? std::min(k, V) : V) - 1);
+  return z >= sorted.gather(1, at::tensor(kk, at::kLong).unsqueeze(1));
 }
 
 // The fused pass's arguments over `logits` and `meta` (host or device memory alike), writing

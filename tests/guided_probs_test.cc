@@ -27,13 +27,7 @@ constexpr double kRel = 1e-5, kAbs = 1e-35;
 TEST(GuidedProbsTest, FusedLogitsAreTheEagerOnesBitForBit) {
   for (const int64_t V : {7, 512, 1000}) {
     const GuidedCase c = guided_test::RandomGuidedCase(kRows, V, 3 + V);
-    at::Tensor ci = at::tensor(c.cond, at::kLong), ui = at::tensor(c.uncond, at::kLong);
-    std::vector<float> temps;
-    for (double t : c.temperature) temps.push_back(static_cast<float>(std::max(t, 1e-5)));
-    at::Tensor z = (CfgCombine(c.logits.index_select(0, ci), c.logits.index_select(0, ui),
-                               at::tensor(c.scale, at::kFloat)) /
-                    at::tensor(temps, at::kFloat).unsqueeze(1))
-                       .contiguous();
+    const at::Tensor z = guided_test::EagerLogits(c);
     const std::vector<double> meta = guided_test::GuidedMeta(c);
     at::Tensor out;
     const kernels::GuidedProbsArgs a = guided_test::GuidedArgs(c, c.logits, meta.data(), out);
@@ -61,22 +55,30 @@ TEST(GuidedProbsTest, FusedDistributionsAreTheEagerOnes) {
     // ones.
     EXPECT_GT(fused.max().item<double>(), 1 - 1e-9) << "V " << V;
     EXPECT_LT((fused.amax(1) - fused.amin(1)).min().item<double>(), 1e-12);
+    // Top-k keeps FinalProbs' ids, ties included: none beyond them, and every one of them
+    // where float64 does not underflow (the float32 softmax underflows more).
+    const at::Tensor keep = guided_test::EagerKeep(c);
+    EXPECT_EQ(((fused > 0) & ~keep).sum().item<int64_t>(), 0) << "V " << V;
+    EXPECT_EQ(((fused == 0) & (eager != 0)).sum().item<int64_t>(), 0) << "V " << V;
+    EXPECT_GT((~keep).sum().item<int64_t>(), kRows) << "V " << V;  // the cases cut ids
   }
 }
 
-// Power: the comparison sees CFG applied the wrong way round, the temperature left out, and a
-// row's logits read from its neighbour.
+// Power: the comparison sees CFG applied the wrong way round, the temperature left out, a
+// row's logits read from its neighbour, top-k left out, and top-k one id short or long.
 TEST(GuidedProbsPowerTest, ABrokenFusedPassDiffers) {
   const int64_t V = 512;
   const GuidedCase c = guided_test::RandomGuidedCase(kRows, V, 5);
   const at::Tensor eager = guided_test::EagerGuidedProbs(c);
+  const at::Tensor keep = guided_test::EagerKeep(c);
   auto run = [&](const std::function<void(std::vector<double>&)>& breakit) {
     std::vector<double> meta = guided_test::GuidedMeta(c);
     breakit(meta);
     at::Tensor out;
     const kernels::GuidedProbsArgs a = guided_test::GuidedArgs(c, c.logits, meta.data(), out);
     for (int64_t r = 0; r < kRows; ++r) kernels::GuidedProbsRowOnHost(a, r);
-    return guided_test::ProbsMismatches(eager, out, kRel, kAbs);
+    return guided_test::ProbsMismatches(eager, out, kRel, kAbs) +
+           ((out > 0) & ~keep).sum().item<int64_t>();
   };
   EXPECT_EQ(run([](std::vector<double>&) {}), 0);
   EXPECT_GT(run([](std::vector<double>& m) {
@@ -91,6 +93,24 @@ TEST(GuidedProbsPowerTest, ABrokenFusedPassDiffers) {
             }),
             0)
       << "the neighbour's row";
+  EXPECT_GT(run([&](std::vector<double>& m) {
+              std::fill(m.begin() + 4 * kRows, m.end(), static_cast<double>(V));
+            }),
+            0)
+      << "top-k ignored";
+  EXPECT_GT(run([&](std::vector<double>& m) {
+              for (int64_t r = 0; r < kRows; ++r)
+                m[4 * kRows + r] = std::max(1.0, m[4 * kRows + r] - 1);
+            }),
+            0)
+      << "top-k one short";
+  EXPECT_GT(run([&](std::vector<double>& m) {
+              for (int64_t r = 0; r < kRows; ++r) {
+                m[4 * kRows + r] = std::min(static_cast<double>(V), m[4 * kRows + r] + 1);
+              }
+            }),
+            0)
+      << "top-k one long";
 }
 
 }  // namespace

@@ -55,19 +55,20 @@ at::Tensor GuidedBatch::FusedProbs(const at::Tensor& logits_in, bool host) const
   const at::Device dev = logits_in.device();
   if (dev.is_cpu() ? !host : !(dev.is_cuda() && FusedKernelsBuilt())) return {};
   const int64_t V = logits_in.size(1);
-  const bool filtered = std::any_of(params_.begin(), params_.end(), [&](const SamplingParams& p) {
-    return (p.top_k > 0 && p.top_k < V) || p.top_p < 1.0;
-  });
-  if (filtered) return {};
+  const bool top_p = std::any_of(params_.begin(), params_.end(),
+                                 [](const SamplingParams& p) { return p.top_p < 1.0; });
+  if (top_p) return {};
   // One "launch" either way, as LaunchCount and profilers see it.
   RECORD_FUNCTION("imagegen::guided_probs", std::vector<c10::IValue>());
   const auto n = static_cast<int64_t>(cond_.size());
-  std::vector<double> meta(static_cast<size_t>(4 * n));
+  std::vector<double> meta(static_cast<size_t>(5 * n));
   for (int64_t r = 0; r < n; ++r) {
     meta[r] = static_cast<double>(cond_[r]);
     meta[n + r] = static_cast<double>(uncond_[r]);
     meta[2 * n + r] = scale_[r];
     meta[3 * n + r] = static_cast<float>(std::max(params_[r].temperature, 1e-5));  // FinalProbs'
+    const int64_t k = params_[r].top_k;
+    meta[4 * n + r] = static_cast<double>(k > 0 ? std::min(k, V) : V);
   }
   at::Tensor logits = logits_in.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({n, V}, logits.options().dtype(at::kDouble));

@@ -38,9 +38,8 @@ class GuidedBatch {
   // The same distributions in float64 through the fused kernel (kernels/guided_probs.h): one
   // upload and one launch on CUDA where the build has the kernel, the same arithmetic on the
   // host on the CPU (`host` true; otherwise the CPU keeps Probs, whose vectorised float32
-  // softmax is the cheaper there). Undefined where it does not apply: a row with top-k or
-  // top-p, a device without the kernel, or `host` false on the CPU. The callers then take
-  // Probs.
+  // softmax is the cheaper there). Undefined where it does not apply: a row with top-p, a
+  // device without the kernel, or `host` false on the CPU. The callers then take Probs.
   at::Tensor FusedProbs(const at::Tensor& logits, bool host) const;
 
  private:

@@ -80,12 +80,12 @@ struct SpecOptions {
   // false, run the eager verification (verify.h). Same decisions; a draw can differ from the
   // eager one only where its uniform lands within rounding of a CDF boundary.
   bool fused_verify = true;
-  // The target's and the draft model's final distributions (CFG, temperature, softmax) fused
-  // into one pass per row (kernels/guided_probs.h) for steps in which no row uses top-k or
-  // top-p: -1, where the kernel runs (CUDA builds with it); 1, also on the CPU through the
-  // same arithmetic on the host (tests; ATen's vectorised float32 softmax is the cheaper
-  // there); 0, never. Off whenever fused_verify is false (one switch for the fused kernels).
-  // A softmax in float64 instead of float32: the distributions differ by float32 rounding.
+  // The target's and the draft model's final distributions (CFG, temperature, top-k, softmax)
+  // fused into one pass per row (kernels/guided_probs.h) for steps in which no row uses top-p: -1,
+  // where the kernel runs (CUDA builds with it); 1, also on the CPU through the same arithmetic on
+  // the host (tests; ATen's vectorised float32 softmax is the cheaper there); 0, never. Off
+  // whenever fused_verify is false (one switch for the fused kernels). A softmax in float64 instead
+  // of float32: the distributions differ by float32 rounding.
   int fused_probs = -1;
   // The acceptance decisions (verify.h); null: the exact rules. Tests inject broken ones.
   // Must outlive the SpecBatch.
