@@ -39,7 +39,8 @@ namespace {
 struct Config {
   std::string label;  // preset, or preset plus a variant
   DecodingPolicy policy;
-  bool fused = true;  // SpecOptions::fused_verify
+  bool fused = true;     // SpecOptions::fused_verify
+  int fused_probs = -1;  // SpecOptions::fused_probs
 };
 
 struct Row {
@@ -124,7 +125,7 @@ int main(int argc, char** argv) {
            {"dtype", "auto"}},
           "usage: imagegen-spec-bench [--per-class N] [--batch B] [--windows 16,32,64] "
           "[--methods all|sjd,scd-mc,...] [--model M --draft D|'' --prompts F] [--split 0|1] "
-          "[--fused-verify 1|0|both] [--out-dir DIR] [--device cpu|cuda|cuda:N]");
+          "[--fused-verify 1|0|both|all] [--out-dir DIR] [--device cpu|cuda|cuda:N]");
   const LoadOptions opts = LoadOptionsFromFlags(f);
   ImageModel model = OrDie(LoadImageModel(f.Str("models-dir"), f.Str("model"), opts));
   // --draft "": no draft model (the sd rows are left out).
@@ -213,15 +214,24 @@ int main(int argc, char** argv) {
     w.resize(2);
     OrDie(GenerateSpeculative(*model.gpt, draft.get(), w));
   }
-  // --fused-verify both: every row twice, fused then eager ("+eager"), side by side.
+  // --fused-verify both: every row twice, fused then eager ("+eager"), side by side; all: also
+  // the fused verification with the eager final distributions between them ("+eager-probs";
+  // on the CPU, whose default is the eager distributions, the same as the fused row).
   const std::string fv = f.Str("fused-verify");
-  if (fv != "0" && fv != "1" && fv != "both") f.Fail("--fused-verify: 1, 0 or both");
+  if (fv != "0" && fv != "1" && fv != "both" && fv != "all") {
+    f.Fail("--fused-verify: 1, 0, both or all");
+  }
   if (fv == "0") {
     for (Config& c : configs) c.fused = false;
-  } else if (fv == "both") {
+  } else if (fv == "both" || fv == "all") {
     std::vector<Config> both;
     for (const Config& c : configs) {
       both.push_back(c);
+      if (fv == "all") {
+        both.push_back(c);
+        both.back().fused_probs = 0;
+        both.back().label += "+eager-probs";
+      }
       both.push_back(c);
       both.back().fused = false;
       both.back().label += "+eager";
@@ -236,6 +246,7 @@ int main(int argc, char** argv) {
     SpecOptions so;
     so.collect_entropy = cfg.policy.draft == DraftSource::kNone;
     so.fused_verify = cfg.fused;
+    so.fused_probs = cfg.fused_probs;
     Row row;
     row.cfg = cfg;
     if (f.Int("split") != 0) so.timing = &row.timing;

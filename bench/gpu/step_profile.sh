@@ -56,7 +56,7 @@ timeout -k 5 80 "$B/imagegen-spec-bench" --device "$dev" --dtype bf16 --per-clas
   --out-dir "$o/spec" > "$o/spec.log" 2>&1
 echo "spec exit $?" | tee -a "$o/parts.log"; pack
 timeout -k 5 60 env IMAGEGEN_OP_PROFILE=1 "$B/imagegen-spec-bench" --device "$dev" \
-  --dtype bf16 --per-class 1 --methods scd-mc --windows 32 --split 1 --fused-verify both \
+  --dtype bf16 --per-class 1 --methods scd-mc --windows 32 --split 1 --fused-verify all \
   --python python3 \
   --out-dir "$o/spec-split" > "$o/spec_split.log" 2>&1
 echo "spec-split exit $?" | tee -a "$o/parts.log"; pack
