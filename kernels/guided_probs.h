@@ -38,6 +38,17 @@ struct GuidedProbsArgs {
   double* out = nullptr;  // [rows, V] out
 };
 
+// Writes output row r's entries of `meta` ([5, rows]) from what its request gives: temperature
+// and top-k as FinalProbs takes them (T held at 1e-5 at least, in float32; top_k <= 0: none).
+inline void GuidedMetaRow(double* meta, int64_t rows, int64_t vocab, int64_t r, int64_t cond,
+                          int64_t uncond, float scale, double temperature, int64_t top_k) {
+  meta[r] = static_cast<double>(cond);
+  meta[rows + r] = static_cast<double>(uncond);
+  meta[2 * rows + r] = scale;
+  meta[3 * rows + r] = static_cast<float>(temperature > 1e-5 ? temperature : 1e-5);
+  meta[4 * rows + r] = static_cast<double>(top_k > 0 && top_k < vocab ? top_k : vocab);
+}
+
 // z_v of output row r, in float32 (no fused multiply-add: guided_probs.cu is built without).
 IMAGEGEN_HD float GuidedLogit(const GuidedProbsArgs& a, int64_t r, int64_t v) {
   const auto c_row = static_cast<int64_t>(a.meta[r]);

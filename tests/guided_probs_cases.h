@@ -53,17 +53,13 @@ inline GuidedCase RandomGuidedCase(int64_t n, int64_t V, uint64_t seed) {
   return c;
 }
 
-// What GuidedBatch::FusedProbs uploads: [cond, uncond, scale, max(T, 1e-5) as float, k].
+// What GuidedBatch::FusedProbs uploads (kernels::GuidedMetaRow).
 inline std::vector<double> GuidedMeta(const GuidedCase& c) {
   const int64_t n = c.rows();
   std::vector<double> meta(static_cast<size_t>(5 * n));
   for (int64_t r = 0; r < n; ++r) {
-    meta[r] = static_cast<double>(c.cond[r]);
-    meta[n + r] = static_cast<double>(c.uncond[r]);
-    meta[2 * n + r] = c.scale[r];
-    meta[3 * n + r] = static_cast<float>(std::max(c.temperature[r], 1e-5));
-    const int64_t V = c.logits.size(1), k = c.top_k[r];
-    meta[4 * n + r] = static_cast<double>(k > 0 ? std::min(k, V) : V);
+    kernels::GuidedMetaRow(meta.data(), n, c.logits.size(1), r, c.cond[r], c.uncond[r], c.scale[r],
+                           c.temperature[r], c.top_k[r]);
   }
   return meta;
 }

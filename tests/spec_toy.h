@@ -30,12 +30,10 @@ inline int64_t Pow(int64_t b, int64_t e) {
 }
 
 // Target and draft GPTs with every conditional distribution tabulated. `cfg_interval`:
-// LlamaGen's (SamplingParams::cfg_interval), the exact distributions follow it. `top_k`: the
-// requests' (2 of the 3 ids by default; 0 keeps them all, as the fused final distributions
-// need: SpecOptions::fused_probs).
+// LlamaGen's (SamplingParams::cfg_interval), the exact distributions follow it.
 class Toy {
  public:
-  explicit Toy(int64_t cfg_interval = -1, int64_t top_k = 2) {
+  explicit Toy(int64_t cfg_interval = -1) {
     TinyGptSpec spec;
     spec.vocab = kV;
     spec.grid = kGrid;
@@ -56,7 +54,7 @@ class Toy {
     target = std::move(t).value();
     draft = std::move(d).value();
     sampling.cfg_scale = 1.5;
-    sampling.top_k = top_k;
+    sampling.top_k = 2;
     sampling.cfg_interval = cfg_interval;
     for (int64_t c = 0; c < kClasses; ++c) {
       Tabulate(*target, c, pt[c]);

@@ -63,12 +63,8 @@ at::Tensor GuidedBatch::FusedProbs(const at::Tensor& logits_in, bool host) const
   const auto n = static_cast<int64_t>(cond_.size());
   std::vector<double> meta(static_cast<size_t>(5 * n));
   for (int64_t r = 0; r < n; ++r) {
-    meta[r] = static_cast<double>(cond_[r]);
-    meta[n + r] = static_cast<double>(uncond_[r]);
-    meta[2 * n + r] = scale_[r];
-    meta[3 * n + r] = static_cast<float>(std::max(params_[r].temperature, 1e-5));  // FinalProbs'
-    const int64_t k = params_[r].top_k;
-    meta[4 * n + r] = static_cast<double>(k > 0 ? std::min(k, V) : V);
+    kernels::GuidedMetaRow(meta.data(), n, V, r, cond_[r], uncond_[r], scale_[r],
+                           params_[r].temperature, params_[r].top_k);
   }
   at::Tensor logits = logits_in.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({n, V}, logits.options().dtype(at::kDouble));
