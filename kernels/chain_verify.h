@@ -6,6 +6,7 @@
 //
 //   q'  = q / sum(q)                                (RemoveAndNormalise with nothing removed)
 //   acc = x >= 0 and u_acc < min(1, w p(x) / q'(x))  (q'(x) = 0: 1 if p(x) > 0, else 0)
+//         (a GSD node: u_acc < min(1, p(C) / q(C)) over its cluster C, ChainGroupedRatioOnHost)
 //   r   = [p - min(q', w p)]_+, or p where r has no mass or the node has no draft
 //   res = the first v with r_0 + ... + r_v > u_res * sum(r)   (inverse CDF)
 //   kept = acc ? x : res
@@ -19,6 +20,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 
 #include "kernels/philox_rounds.h"  // IMAGEGEN_HD
 
@@ -47,7 +49,21 @@ struct ChainVerifyArgs {
   // as commit_window.cc's Pack lays them out, without converting and joining the outputs.
   double* packed = nullptr;
   int64_t packed_cols = 0;
+  // Optional GSD (seed 004; verify.h's GroupedAcceptRatio): where group[n] > 0 and node n has a
+  // draft x, its acceptance ratio is the mass of x's cluster under p over its mass under the raw
+  // q row. The cluster: the ids at ranks r(x) - G/2 .. r(x) + G - G/2 - 1 of p's ascending
+  // order (ties by id), G = group[n] <= kChainGroupMax, each kept where |p(j) - p(x)| <
+  // group_delta[n] and |e_j - e_x|^2 < group_dist[n]. The residual stays the exact rule's.
+  const int64_t* group = nullptr;       // [nodes] G, 0: the exact ratio
+  const double* group_delta = nullptr;  // [nodes]
+  const double* group_dist = nullptr;   // [nodes]
+  const double* embed = nullptr;        // [vocab, embed_dim] token embeddings, row-major
+  int64_t embed_dim = 0;
 };
+
+// The largest GSD cluster the fused pass takes: it walks the cluster one rank at a time, a pass
+// over the row per rank. Larger clusters are verified by the eager path.
+constexpr int64_t kChainGroupMax = 64;
 
 // What a node's pass sums: its proposal row, its residual, or its target row.
 enum class ChainMass : int { kQ = 0, kResidual = 1, kP = 2 };
@@ -140,15 +156,82 @@ IMAGEGEN_HD int64_t ChainDraw(const ChainNode& nd, ChainMass m, double qsum,
   return last;  // the chunk has mass (its sum is positive), so last >= 0
 }
 
-// The node's acceptance, given its proposal row's sum; writes the three outputs.
+// GSD: whether node n's ratio is its cluster's.
+IMAGEGEN_HD bool ChainIsGrouped(const ChainVerifyArgs& a, int64_t n, const ChainNode& nd) {
+  return a.group != nullptr && a.group[n] > 0 && nd.x >= 0;
+}
+
+// GSD's order over a row: ascending p, ties by id (a stable sort's).
+IMAGEGEN_HD bool ChainRankLess(double pa, int64_t ia, double pb, int64_t ib) {
+  return pa < pb || (pa == pb && ia < ib);
+}
+
+// Whether id v is nearer to id `at` than `best` (-1: none yet) among the ids above `at` in that
+// order (up) or below it.
+IMAGEGEN_HD bool ChainNearer(const ChainNode& nd, int64_t at, int64_t v, int64_t best, bool up) {
+  const double pv = nd.p[v], pa = nd.p[at];
+  if (up ? !ChainRankLess(pa, at, pv, v) : !ChainRankLess(pv, v, pa, at)) return false;
+  if (best < 0) return true;
+  const double pb = nd.p[best];
+  return up ? ChainRankLess(pv, v, pb, best) : ChainRankLess(pb, best, pv, v);
+}
+
+// Chunk c's nearest id above (or below) `at`; -1: none.
+IMAGEGEN_HD int64_t ChainChunkNeighbour(const ChainNode& nd, int c, int64_t at, bool up) {
+  const int64_t e = ChainChunkBegin(nd.vocab, c + 1);
+  int64_t best = -1;
+  for (int64_t v = ChainChunkBegin(nd.vocab, c); v < e; ++v) {
+    if (ChainNearer(nd, at, v, best, up)) best = v;
+  }
+  return best;
+}
+
+// The nearest of the chunks' candidates (-1: none anywhere).
+IMAGEGEN_HD int64_t ChainNearest(const ChainNode& nd, int64_t at, const int64_t* cand, bool up) {
+  int64_t best = -1;
+  for (int c = 0; c < kChainVerifyChunks; ++c) {
+    if (cand[c] >= 0 && ChainNearer(nd, at, cand[c], best, up)) best = cand[c];
+  }
+  return best;
+}
+
+// Cluster member j's masses, where its probability gap and embedding distance to x are small.
+IMAGEGEN_HD void ChainGroupAdd(const ChainVerifyArgs& a, int64_t n, const ChainNode& nd, int64_t j,
+                               double* num, double* den) {
+  const double gap = nd.p[j] - nd.p[nd.x];
+  if (!((gap < 0 ? -gap : gap) < a.group_delta[n])) return;
+  const double* ex = a.embed + nd.x * a.embed_dim;
+  const double* ej = a.embed + j * a.embed_dim;
+  double d = 0.0;
+  for (int64_t k = 0; k < a.embed_dim; ++k) d += (ej[k] - ex[k]) * (ej[k] - ex[k]);
+  if (!(d < a.group_dist[n])) return;
+  *num += nd.p[j];
+  *den += nd.q[j];
+}
+
+// How many cluster ranks lie below x (up = false) or above it.
+IMAGEGEN_HD int64_t ChainGroupSteps(const ChainVerifyArgs& a, int64_t n, bool up) {
+  const int64_t g = a.group[n];
+  return up ? g - g / 2 - 1 : g / 2;
+}
+
+// p(C) / q(C); q(C) = 0: 1 if p(C) > 0, else 0 (AcceptRatio's rule).
+IMAGEGEN_HD double ChainGroupRatio(double num, double den) {
+  return den > 0 ? num / (den > 1e-300 ? den : 1e-300) : (num > 0 ? 1.0 : 0.0);
+}
+
+// The node's acceptance, given its proposal row's sum (and, for a GSD node, its cluster's
+// ratio; negative: the exact rule's); writes the three outputs.
 IMAGEGEN_HD void ChainFinish(const ChainVerifyArgs& a, int64_t n, const ChainNode& nd, double qsum,
-                             int64_t residual) {
+                             int64_t residual, double grouped_ratio = -1.0) {
   bool acc = false;
   if (nd.x >= 0) {
     const double px = nd.p[nd.x];
     const double qx = ChainQNorm(nd, qsum, nd.x);
     const double num = nd.w * px;
-    double ratio = qx > 0 ? num / (qx > 1e-300 ? qx : 1e-300) : (px > 0 ? 1.0 : 0.0);
+    double ratio = grouped_ratio >= 0 ? grouped_ratio
+                   : qx > 0           ? num / (qx > 1e-300 ? qx : 1e-300)
+                                      : (px > 0 ? 1.0 : 0.0);
     if (ratio > 1.0) ratio = 1.0;
     acc = a.uacc[n] < ratio;
   }
@@ -176,10 +259,32 @@ inline double ChainSumsOnHost(const ChainNode& nd, ChainMass m, double qsum, dou
   return ChainTotal(sums);
 }
 
+// A GSD node's cluster ratio (-1 for any other node): x's own masses, then the ranks below x
+// walking down, then those above walking up, one pass over the row per rank, each chunk's
+// nearest id first (the kernel's order of sums).
+inline double ChainGroupedRatioOnHost(const ChainVerifyArgs& a, int64_t n) {
+  const ChainNode nd = LoadChainNode(a, n);
+  if (!ChainIsGrouped(a, n, nd)) return -1.0;
+  int64_t cand[kChainVerifyChunks];
+  double num = 0.0, den = 0.0;
+  ChainGroupAdd(a, n, nd, nd.x, &num, &den);
+  for (const bool up : {false, true}) {
+    int64_t at = nd.x;
+    for (int64_t s = 0; s < ChainGroupSteps(a, n, up); ++s) {
+      for (int c = 0; c < kChainVerifyChunks; ++c) cand[c] = ChainChunkNeighbour(nd, c, at, up);
+      at = ChainNearest(nd, at, cand, up);
+      if (at < 0) break;  // the row's end
+      ChainGroupAdd(a, n, nd, at, &num, &den);
+    }
+  }
+  return ChainGroupRatio(num, den);
+}
+
 // The CPU path: node n, each chunk in turn where the kernel runs them side by side.
 inline void ChainVerifyNodeOnHost(const ChainVerifyArgs& a, int64_t n) {
   double sums[kChainVerifyChunks];
   const ChainNode nd = LoadChainNode(a, n);
+  const double grouped = ChainGroupedRatioOnHost(a, n);
   const double qsum = nd.x >= 0 ? ChainSumsOnHost(nd, ChainMass::kQ, 0, sums) : 0.0;
   ChainMass m = nd.x >= 0 ? ChainMass::kResidual : ChainMass::kP;
   double total = ChainSumsOnHost(nd, m, qsum, sums);
@@ -187,7 +292,7 @@ inline void ChainVerifyNodeOnHost(const ChainVerifyArgs& a, int64_t n) {
     m = ChainMass::kP;
     total = ChainSumsOnHost(nd, m, qsum, sums);
   }
-  ChainFinish(a, n, nd, qsum, ChainDraw(nd, m, qsum, sums, total, a.ures[n]));
+  ChainFinish(a, n, nd, qsum, ChainDraw(nd, m, qsum, sums, total, a.ures[n]), grouped);
   if (a.ufresh != nullptr) {  // p's chunk sums, unless the residual draw was from p already
     if (m != ChainMass::kP) total = ChainSumsOnHost(nd, ChainMass::kP, 0, sums);
     ChainFresh(a, n, ChainDraw(nd, ChainMass::kP, 0, sums, total, a.ufresh[n]));

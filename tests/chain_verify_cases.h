@@ -1,6 +1,7 @@
 // Random chain-verification inputs with the edge cases the rule has (no draft, a draft q could
 // not have drawn, q == p so no residual mass, one-hot proposals, rows with zeros, COOL-SD
-// weights, drafts given as node indices), and the eager verification of verify.h on them: the
+// weights, drafts given as node indices, GSD clusters with ties), and the eager verification of
+// verify.h on them: the
 // reference the fused verification (kernels/chain_verify.h) is checked against on the host
 // (chain_verify_test.cc) and on a GPU (kernels_test.cc).
 #pragma once
@@ -21,6 +22,11 @@ struct ChainCase {
   at::Tensor w, uacc, ures;      // float64 [A]
   at::Tensor ufresh;             // float64 [A]: the fresh draws from p
   bool weighted = false;
+  // GSD (AddGroups): cluster sizes (0: the exact rule), gap and distance bounds, embeddings.
+  at::Tensor group;          // int64 [A]
+  at::Tensor gdelta, gdist;  // float64 [A]
+  at::Tensor embed;          // float64 [V, 3]
+  bool grouped = false;
 };
 
 inline ChainCase RandomChainCase(int64_t A, int64_t V, bool weighted, uint64_t seed) {
@@ -67,7 +73,57 @@ inline ChainCase RandomChainCase(int64_t A, int64_t V, bool weighted, uint64_t s
   c.uacc = at::rand({A}, g, f64);
   c.ures = at::rand({A}, g, f64);
   c.ufresh = at::rand({A}, g, f64);
+  c.group = at::zeros({A}, at::kLong);
+  c.gdelta = at::zeros({A}, f64);
+  c.gdist = at::zeros({A}, f64);
+  c.embed = at::zeros({V, 3}, f64);
   return c;
+}
+
+// GSD on `c` (unweighted: the engine never mixes the two rules on one node): most nodes
+// grouped, with cluster sizes 1 to kChainGroupMax (and the whole row where it is shorter), gap
+// bounds from 0 (nothing but exact ties) to 1 (all), distance bounds over unit embeddings in 3-D
+// (|e_j - e_x|^2 < 0.5 for about 1 pair in 8, < 2 for half, 1e9 for all), and ties: every
+// fourth node's draft shares its probability with the next two ids, so the order among equal
+// probabilities (by id) decides which ids are in its cluster (as do the zeros of cut rows).
+inline void AddGroups(ChainCase& c, uint64_t seed) {
+  at::Generator g = at::make_generator<at::CPUGeneratorImpl>(seed);
+  auto f64 = at::TensorOptions().dtype(at::kDouble);
+  const int64_t A = c.p.size(0), V = c.p.size(1);
+  TORCH_CHECK(!c.weighted, "AddGroups: an unweighted case");
+  c.grouped = true;
+  const int64_t sizes[] = {0, 14, 1, 2, 3, 7, kernels::kChainGroupMax, 14};
+  const double deltas[] = {0.15, 0.01, 1.0, 0.0, 0.15};
+  const double dists[] = {0.5, 2.0, 1e9};
+  at::Tensor x = at::where(c.kid >= 0, c.tokens.index_select(0, c.kid.clamp_min(0)), c.kid);
+  at::Tensor p = c.p.clone();
+  for (int64_t a = 0; a < A; ++a) {
+    c.group[a] = std::min<int64_t>(sizes[a % 8], V);
+    c.gdelta[a] = deltas[a % 5];
+    c.gdist[a] = dists[a % 3];
+    const int64_t xa = x[a].item<int64_t>();
+    if (a % 4 == 0 && xa >= 0) {  // ties with the draft
+      p[a][(xa + 1) % V] = p[a][xa];
+      p[a][(xa + 2) % V] = p[a][xa];
+    }
+  }
+  c.p = p / p.sum(1, true);
+  at::Tensor e = at::randn({V, 3}, g, f64);
+  c.embed = e / e.norm(2, 1, true);
+}
+// The nodes whose acceptance ratio is GSD's (a cluster size and a draft), as int64 indices.
+inline at::Tensor GroupedNodes(const ChainCase& c) {
+  return ((c.group > 0) & (c.kid >= 0)).nonzero().squeeze(1);
+}
+
+// verify.h's GroupedAcceptRatio for those nodes, over their raw proposal rows.
+inline at::Tensor EagerGroupedRatios(const ChainCase& c) {
+  const at::Tensor gi = GroupedNodes(c);
+  at::Tensor x = c.tokens.index_select(0, c.kid.index_select(0, gi));
+  at::Tensor q = c.q.index_select(0, c.qrow.index_select(0, gi));
+  const at::Tensor group = c.group.index_select(0, gi);
+  return GroupedAcceptRatio(c.p.index_select(0, gi), q, x, group, group.max().item<int64_t>(),
+                            c.gdelta.index_select(0, gi), c.gdist.index_select(0, gi), c.embed);
 }
 
 // The eager verification (verify_windows.cc's loop for K = 1).
@@ -82,6 +138,7 @@ inline ChainVerdicts EagerChainVerify(const ChainCase& c) {
   at::Tensor qk = RemoveAndNormalise(c.q.index_select(0, c.qrow), at::Tensor());
   at::Tensor w = c.weighted ? c.w : at::Tensor();
   at::Tensor ratio = AcceptRatio(c.p, qk, x, w);
+  if (c.grouped) ratio = ratio.index_copy(0, GroupedNodes(c), EagerGroupedRatios(c));
   ChainVerdicts v;
   v.accepted = valid & ExactRules().Accept(c.uacc, ratio.clamp_max(1.0));
   at::Tensor pk = at::where(valid.unsqueeze(1), ResidualDistribution(c.p, qk, w), c.p);
@@ -105,6 +162,13 @@ inline kernels::ChainVerifyArgs FusedArgs(const ChainCase& c, ChainVerdicts& out
   a.ufresh = c.ufresh.data_ptr<double>();
   a.nodes = c.p.size(0);
   a.vocab = c.p.size(1);
+  if (c.grouped) {
+    a.group = c.group.data_ptr<int64_t>();
+    a.group_delta = c.gdelta.data_ptr<double>();
+    a.group_dist = c.gdist.data_ptr<double>();
+    a.embed = c.embed.data_ptr<double>();
+    a.embed_dim = c.embed.size(1);
+  }
   auto opt = c.p.options();
   out.accepted = at::empty({a.nodes}, opt.dtype(at::kBool));
   out.residual = at::empty({a.nodes}, opt.dtype(at::kLong));
@@ -120,6 +184,16 @@ inline kernels::ChainVerifyArgs FusedArgs(const ChainCase& c, ChainVerdicts& out
   return a;
 }
 
+// The fused pass's cluster ratios (ChainGroupedRatioOnHost) for GroupedNodes(c).
+inline at::Tensor HostGroupedRatios(const ChainCase& c, const kernels::ChainVerifyArgs& a) {
+  const at::Tensor gi = GroupedNodes(c);
+  at::Tensor r = at::empty({gi.size(0)}, at::kDouble);
+  for (int64_t i = 0; i < gi.size(0); ++i) {
+    r[i] = kernels::ChainGroupedRatioOnHost(a, gi[i].item<int64_t>());
+  }
+  return r;
+}
+
 inline ChainVerdicts HostChainVerify(const ChainCase& c) {
   ChainVerdicts v;
   const kernels::ChainVerifyArgs a = FusedArgs(c, v);
@@ -129,8 +203,8 @@ inline ChainVerdicts HostChainVerify(const ChainCase& c) {
 
 inline ChainCase ChainCaseOn(const ChainCase& c, const at::Device& d) {
   ChainCase o = c;
-  for (at::Tensor* t :
-       {&o.p, &o.q, &o.qrow, &o.kid, &o.tokens, &o.w, &o.uacc, &o.ures, &o.ufresh}) {
+  for (at::Tensor* t : {&o.p, &o.q, &o.qrow, &o.kid, &o.tokens, &o.w, &o.uacc, &o.ures, &o.ufresh,
+                        &o.group, &o.gdelta, &o.gdist, &o.embed}) {
     *t = t->to(d).contiguous();
   }
   return o;

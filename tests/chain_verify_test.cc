@@ -35,6 +35,77 @@ TEST(ChainVerifyTest, FusedDecidesAndDrawsAsTheEagerVerification) {
   EXPECT_LT(accepted, nodes * 9 / 10);
 }
 
+// GSD in the fused pass: every grouped node's cluster ratio equals verify.h's eager one (a
+// stable sort, gathers and sums) to rounding, and the verdicts are the eager verification's.
+TEST(ChainVerifyTest, FusedGsdClustersAreTheEagerOnes) {
+  int64_t grouped = 0, accepted = 0, partial = 0;
+  for (const int64_t V : {7, 512, 1000, 16384}) {
+    chain_test::ChainCase c = chain_test::RandomChainCase(330, V, false, 23 + V);
+    chain_test::AddGroups(c, 29 + V);
+    const at::Tensor eager_ratio = chain_test::EagerGroupedRatios(c);
+    chain_test::ChainVerdicts out;
+    const at::Tensor fused_ratio = chain_test::HostGroupedRatios(c, chain_test::FusedArgs(c, out));
+    const double err = ((fused_ratio - eager_ratio).abs() / eager_ratio.abs().clamp_min(1e-300))
+                           .max()
+                           .item<double>();
+    EXPECT_LT(err, 1e-12) << "V " << V;
+    const chain_test::ChainVerdicts eager = chain_test::EagerChainVerify(c);
+    const chain_test::ChainVerdicts fused = chain_test::HostChainVerify(c);
+    EXPECT_EQ(chain_test::Mismatches(eager, fused), 0) << "V " << V;
+    EXPECT_EQ(chain_test::PackedMismatches(c, fused), 0) << "V " << V;
+    grouped += eager_ratio.size(0);
+    accepted += eager.accepted.sum().item<int64_t>();
+    // Ratios strictly between 0 and 1: clusters that neither cover nor miss the draft's mass.
+    partial += ((eager_ratio > 0) & (eager_ratio < 1)).sum().item<int64_t>();
+  }
+  std::printf("%lld grouped nodes: %lld accepted, %lld with a ratio in (0, 1)\n",
+              static_cast<long long>(grouped), static_cast<long long>(accepted),
+              static_cast<long long>(partial));
+  EXPECT_GT(grouped, 600);
+  EXPECT_GT(partial, grouped / 10);
+  EXPECT_GT(accepted, grouped / 10);
+}
+
+// Power: the cluster comparison sees a fused pass that ignores the embedding distance, walks one
+// rank too far, swaps the two bounds, or counts ties in the other order.
+TEST(ChainVerifyPowerTest, ABrokenGsdClusterDiffers) {
+  chain_test::ChainCase c = chain_test::RandomChainCase(330, 512, false, 31);
+  chain_test::AddGroups(c, 37);
+  const at::Tensor eager = chain_test::EagerGroupedRatios(c);
+  auto differing = [&](const at::Tensor& fused) {
+    return ((fused - eager).abs() > 1e-9 * eager.abs()).sum().item<int64_t>();
+  };
+  chain_test::ChainVerdicts out;
+  kernels::ChainVerifyArgs a = chain_test::FusedArgs(c, out);
+  EXPECT_EQ(differing(chain_test::HostGroupedRatios(c, a)), 0);
+  kernels::ChainVerifyArgs no_distance = a;
+  no_distance.embed_dim = 0;  // every distance 0
+  EXPECT_GT(differing(chain_test::HostGroupedRatios(c, no_distance)), 10);
+  const at::Tensor wider = c.group + (c.group > 0).to(at::kLong);
+  kernels::ChainVerifyArgs longer = a;
+  longer.group = wider.data_ptr<int64_t>();
+  EXPECT_GT(differing(chain_test::HostGroupedRatios(c, longer)), 20);
+  kernels::ChainVerifyArgs swapped = a;
+  std::swap(swapped.group_delta, swapped.group_dist);
+  EXPECT_GT(differing(chain_test::HostGroupedRatios(c, swapped)), 20);
+  // Ties by descending id: the eager reference over a row order with ids reversed.
+  chain_test::ChainCase flipped = c;
+  flipped.p = c.p.flip(1);
+  flipped.q = c.q.flip(1);
+  flipped.embed = c.embed.flip(0);
+  flipped.tokens = (c.p.size(1) - 1) - c.tokens;
+  const at::Tensor reversed_ties = chain_test::EagerGroupedRatios(flipped);
+  EXPECT_GT(differing(reversed_ties), 5);
+  std::printf(
+      "of %lld grouped nodes, differing: no distance %lld, one rank more %lld, bounds "
+      "swapped %lld, ties reversed %lld\n",
+      static_cast<long long>(eager.size(0)),
+      static_cast<long long>(differing(chain_test::HostGroupedRatios(c, no_distance))),
+      static_cast<long long>(differing(chain_test::HostGroupedRatios(c, longer))),
+      static_cast<long long>(differing(chain_test::HostGroupedRatios(c, swapped))),
+      static_cast<long long>(differing(reversed_ties)));
+}
+
 // Power: the comparison sees a fused verification that leaves out COOL-SD's weights, reads its
 // neighbour's residual uniform (an indexing slip), or draws the fresh draft with the wrong one.
 TEST(ChainVerifyPowerTest, ABrokenFusedVerificationDiffers) {

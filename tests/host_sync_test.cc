@@ -18,6 +18,7 @@
 #include <functional>
 #include <optional>
 #include <stdexcept>
+#include <string>
 
 #include "engine/decoding/speculative.h"
 #include "engine/model/image_model.h"
@@ -219,15 +220,21 @@ TEST(LaunchesPowerTest, AStepWithoutDraftsSkipsTheVerification) {  // the eager 
 }
 
 // The fused chain verification (SpecOptions::fused_verify) is one launch where the eager one
-// is about 30, for every chain method; a tree step keeps the eager verification.
+// is about 30 (GSD's clusters about 80 more), for every chain method; a tree step keeps the
+// eager verification.
 TEST(LaunchesTest, FusedChainVerificationReplacesTheEagerLaunches) {
-  for (const char* preset : {"sjd", "scd-gs", "cool-sd"}) {
+  for (const char* preset : {"sjd", "scd-gs", "cool-sd", "gsd"}) {
     const StepCounts fused = RunSteps(Model(), preset, nullptr, 2, true, true);
     const StepCounts eager = RunSteps(Model(), preset, nullptr, 2, true, false);
     std::printf("%-8s non-forward launches per step (most), fused / eager: %lld / %lld\n", preset,
                 static_cast<long long>(fused.max_other_launches),
                 static_cast<long long>(eager.max_other_launches));
     EXPECT_GE(eager.max_other_launches - fused.max_other_launches, 25) << preset;
+    if (std::string(preset) == "gsd") {  // the clusters too: as few as a plain chain's
+      EXPECT_LE(fused.max_other_launches,
+                RunSteps(Model(), "sjd", nullptr, 2, true, true).max_other_launches)
+          << preset;
+    }
   }
   const StepCounts tree_f = RunSteps(Model(), "sjd-pac", nullptr, 2, true, true);
   const StepCounts tree_e = RunSteps(Model(), "sjd-pac", nullptr, 2, true, false);
@@ -237,8 +244,9 @@ TEST(LaunchesTest, FusedChainVerificationReplacesTheEagerLaunches) {
 // The fused final distributions (SpecOptions::fused_probs; here its host path, which CUDA runs
 // as one kernel) replace the target's row gathers, CFG combine, temperature, softmax and float64
 // conversion, and for sd the draft model's too; with fused_verify off they are off as well.
+// gsd: its clusters in the fused verification, its distributions here.
 TEST(LaunchesTest, FusedFinalDistributionsReplaceTheEagerLaunches) {
-  for (const char* preset : {"ar", "sjd", "sd"}) {
+  for (const char* preset : {"ar", "sjd", "sd", "gsd"}) {
     const StepCounts fused = RunSteps(Model(), preset, nullptr, 2, true, true, 1);
     const StepCounts eager = RunSteps(Model(), preset, nullptr, 2, true, true, 0);
     std::printf(

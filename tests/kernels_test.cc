@@ -40,12 +40,15 @@ TEST(KernelsTest, PhiloxUniformOnGpuIsBitIdenticalToCpu) {
 
 // The fused chain verification's kernel draws bit-identically to its host path (the engine's CPU
 // path, itself checked against the eager verification in chain_verify_test.cc), edge cases
-// included: the block's chunk sums are added in the host's order.
+// included: the block's chunk sums are added in the host's order, and GSD's clusters walked in
+// the host's order.
 TEST(KernelsTest, ChainVerifyOnGpuIsBitIdenticalToTheHost) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
-  for (const bool weighted : {false, true}) {
+  for (const int mode : {0, 1, 2}) {  // exact, COOL-SD's weights, GSD
+    const bool weighted = mode == 1;
     for (const int64_t V : {7, 512, 1000, 16384}) {
-      const chain_test::ChainCase c = chain_test::RandomChainCase(330, V, weighted, 11 + V);
+      chain_test::ChainCase c = chain_test::RandomChainCase(330, V, weighted, 11 + V);
+      if (mode == 2) chain_test::AddGroups(c, 29 + V);
       const chain_test::ChainVerdicts host = chain_test::HostChainVerify(c);
       const chain_test::ChainCase d = chain_test::ChainCaseOn(c, at::kCUDA);
       chain_test::ChainVerdicts dev;
@@ -53,7 +56,7 @@ TEST(KernelsTest, ChainVerifyOnGpuIsBitIdenticalToTheHost) {
       ASSERT_EQ(kernels::LaunchChainVerify(a, nullptr), 0);
       torch::cuda::synchronize();
       EXPECT_EQ(chain_test::Mismatches(host, dev, /*all=*/true), 0)
-          << "V " << V << " weighted " << weighted;
+          << "V " << V << " mode " << mode;
       EXPECT_EQ(chain_test::Mismatches(chain_test::EagerChainVerify(c), dev), 0) << "V " << V;
       EXPECT_EQ(chain_test::PackedMismatches(c, dev), 0) << "V " << V;
       EXPECT_TRUE(host.packed.equal(dev.packed.cpu())) << "V " << V;

@@ -17,6 +17,18 @@ namespace imagegen {
 at::Tensor AcceptRatio(const at::Tensor& p, const at::Tensor& q, const at::Tensor& drafts,
                        const at::Tensor& w = at::Tensor());
 
+// GSD's ratio (seed 004 Alg. 3): for rows p, q [A, V] and drafts x [A], the cluster of ids
+// around x in p's ascending order (ties by id: a stable sort), at ranks r(x) - G/2 ..
+// r(x) + G - G/2 - 1 with G = group[a] (int64 [A], each in [1, max_group], max_group <= V: the
+// bound the host knows, so that no readback is needed), kept where
+// |p(j) - p(x)| < delta[a] and |e_j - e_x|^2 < dist[a] (float64 [A]; `embeddings` float64
+// [V, D]), and its masses' ratio p(C) / q(C) as float64 [A] (q(C) = 0: 1 if p(C) > 0, else 0),
+// not clipped. q is the proposal row as drawn from, not renormalised. kernels/chain_verify.h
+// computes the same in the fused verification.
+at::Tensor GroupedAcceptRatio(const at::Tensor& p, const at::Tensor& q, const at::Tensor& drafts,
+                              const at::Tensor& group, int64_t max_group, const at::Tensor& delta,
+                              const at::Tensor& dist, const at::Tensor& embeddings);
+
 // min(1, p(x) / q(x)): the exact rule's acceptance probability.
 at::Tensor AcceptProbability(const at::Tensor& p, const at::Tensor& q, const at::Tensor& drafts);
 

@@ -69,44 +69,28 @@ VerifyInputs BuildInputs(const StepContext& ctx) {
   return in;
 }
 
-// GSD (seed 004 Alg. 3): for the grouped nodes, the cluster of ids around the draft x in
-// p-sorted order, kept where the probability gap and the embedding distance are small, and
-// the ratio of the cluster's masses under p and q. `gi`: in.grouped on the device.
+// GSD (seed 004 Alg. 3; verify.h) for the grouped nodes: their cluster ratio. `gi`: in.grouped
+// on the device.
 at::Tensor GroupedRatio(const StepContext& ctx, const VerifyInputs& in, const at::Tensor& gi,
                         const at::Tensor& Qa, const at::Tensor& x) {
   const at::Device dev = ctx.dev();
-  const int64_t V = ctx.cfg().vocab_size;
-  at::Tensor pg = ctx.p.index_select(0, gi), qg = Qa.index_select(0, gi);
-  at::Tensor xg = x.index_select(0, gi);
-  const int64_t G = *std::max_element(in.group_size.begin(), in.group_size.end());
-  at::Tensor order = pg.argsort(int64_t{1});  // ascending, as the authors' code
-  at::Tensor rank = order.argsort(int64_t{1}).gather(1, xg.unsqueeze(1));  // [Ag, 1]
-  at::Tensor offs =
-      at::arange(-(G / 2), G - G / 2, at::TensorOptions().dtype(at::kLong).device(dev))
-          .unsqueeze(0);
-  at::Tensor gn = UploadLongs(in.group_size, dev).unsqueeze(1);
-  at::Tensor rk = rank + offs;
-  // Each node's own G: ranks r - G/2 .. r + G - G/2 - 1 (7 below, 6 above for G = 14).
-  at::Tensor inside = (rk >= 0) & (rk < V) & (offs >= -at::floor_divide(gn, 2)) &
-                      (offs < gn - at::floor_divide(gn, 2));
-  at::Tensor ids = order.gather(1, rk.clamp(0, V - 1));
-  at::Tensor pids = pg.gather(1, ids), qids = qg.gather(1, ids);
-  at::Tensor pxg = pg.gather(1, xg.unsqueeze(1));
-  at::Tensor ex = ctx.embeddings.index_select(0, xg).unsqueeze(1);
-  at::Tensor ej = ctx.embeddings.index_select(0, ids.reshape(-1)).view({ids.size(0), G, -1});
-  at::Tensor dist = (ej - ex).pow(2).sum(-1);
-  at::Tensor keep = inside &
-                    ((pids - pxg).abs() < UploadDoubles(in.group_delta, dev).unsqueeze(1)) &
-                    (dist < UploadDoubles(in.group_dist, dev).unsqueeze(1));
-  at::Tensor num = (pids * keep).sum(1), den = (qids * keep).sum(1);
-  return at::where(den > 0, num / den.clamp_min(1e-300), (num > 0).to(at::kDouble));
+  return GroupedAcceptRatio(ctx.p.index_select(0, gi), Qa.index_select(0, gi),
+                            x.index_select(0, gi), UploadLongs(in.group_size, dev),
+                            *std::max_element(in.group_size.begin(), in.group_size.end()),
+                            UploadDoubles(in.group_delta, dev), UploadDoubles(in.group_dist, dev),
+                            ctx.embeddings);
 }
 
 // Whether this step's verification can run fused (SpecOptions::fused_verify): chains only,
-// no GSD node, the exact rules, and on CUDA a build with the kernel.
+// the exact rules, GSD clusters of at most kernels::kChainGroupMax ids, and on CUDA a build
+// with the kernel.
 bool CanFuse(const StepContext& ctx, const VerifyInputs& in) {
-  if (!ctx.opts.fused_verify || ctx.max_kids != 1 || !in.grouped.empty()) return false;
+  if (!ctx.opts.fused_verify || ctx.max_kids != 1) return false;
   if (&ctx.rules != &ExactRules()) return false;
+  if (std::any_of(in.group_size.begin(), in.group_size.end(),
+                  [](int64_t g) { return g > kernels::kChainGroupMax; })) {
+    return false;
+  }
   const at::Device dev = ctx.dev();
   return dev.is_cpu() || (dev.is_cuda() && FusedKernelsBuilt());
 }
@@ -114,7 +98,8 @@ bool CanFuse(const StepContext& ctx, const VerifyInputs& in) {
 // The fused chain verification (kernels/chain_verify.h): one kernel over all nodes on CUDA,
 // the same per-node arithmetic on the host on the CPU. One "launch" either way, as
 // LaunchCount and profilers see it. Without trees in the step it also draws every node's
-// fresh next draft (Verdicts::fresh), which DrawNextDrafts then takes.
+// fresh next draft (Verdicts::fresh), which DrawNextDrafts then takes. GSD nodes' cluster
+// ratios are computed in the same pass.
 Verdicts FusedChainVerify(const StepContext& ctx, const VerifyInputs& in) {
   RECORD_FUNCTION("imagegen::chain_verify", std::vector<c10::IValue>());
   const at::Device dev = ctx.dev();
@@ -125,6 +110,24 @@ Verdicts FusedChainVerify(const StepContext& ctx, const VerifyInputs& in) {
   at::Tensor tokens =
       ctx.node_tokens.defined() ? ctx.node_tokens.to(at::kLong).contiguous() : at::Tensor();
   const bool weighted = std::any_of(in.w.begin(), in.w.end(), [](double x) { return x != 1.0; });
+  // GSD: every node's cluster size (0: the exact ratio), gap and distance bounds.
+  const bool grouped = !in.grouped.empty();
+  std::vector<int64_t> group;
+  std::vector<double> gdelta, gdist;
+  at::Tensor embed;
+  if (grouped) {
+    group.assign(A, 0);
+    gdelta.assign(A, 0.0);
+    gdist.assign(A, 0.0);
+    for (size_t i = 0; i < in.grouped.size(); ++i) {
+      group[in.grouped[i]] = in.group_size[i];
+      gdelta[in.grouped[i]] = in.group_delta[i];
+      gdist[in.grouped[i]] = in.group_dist[i];
+    }
+    embed = ctx.embeddings.contiguous();
+    TORCH_CHECK(embed.scalar_type() == at::kDouble && embed.size(0) == ctx.cfg().vocab_size,
+                "fused verification: GSD needs float64 embeddings [V, D]");
+  }
   auto lopt = at::TensorOptions().dtype(at::kLong).device(dev);
   Verdicts v;
   at::Tensor accepted = at::empty({A}, lopt.dtype(at::kBool));
@@ -147,6 +150,10 @@ Verdicts FusedChainVerify(const StepContext& ctx, const VerifyInputs& in) {
     v.packed = at::empty({A, a.packed_cols}, lopt.dtype(at::kDouble));
     a.packed = v.packed.data_ptr<double>();
   }
+  if (grouped) {
+    a.embed = embed.data_ptr<double>();
+    a.embed_dim = embed.size(1);
+  }
   if (dev.is_cpu()) {  // the inputs straight from the host vectors
     a.qrow = in.qrow.data();
     a.kid = in.kid.data();
@@ -154,16 +161,24 @@ Verdicts FusedChainVerify(const StepContext& ctx, const VerifyInputs& in) {
     a.uacc = in.uacc.data();
     a.ures = in.ures.data();
     a.ufresh = fresh ? in.ufresh.data() : nullptr;
+    if (grouped) {
+      a.group = group.data();
+      a.group_delta = gdelta.data();
+      a.group_dist = gdist.data();
+    }
     at::parallel_for(0, A, 1, [&](int64_t b, int64_t e) {
       for (int64_t n = b; n < e; ++n) kernels::ChainVerifyNodeOnHost(a, n);
     });
   } else {  // two uploads, then the kernel on the current stream
     std::vector<int64_t> longs(in.kid);
     longs.insert(longs.end(), in.qrow.begin(), in.qrow.end());
+    longs.insert(longs.end(), group.begin(), group.end());
     std::vector<double> doubles(in.uacc);
     doubles.insert(doubles.end(), in.ures.begin(), in.ures.end());
     doubles.insert(doubles.end(), in.ufresh.begin(), in.ufresh.end());
     if (weighted) doubles.insert(doubles.end(), in.w.begin(), in.w.end());
+    doubles.insert(doubles.end(), gdelta.begin(), gdelta.end());
+    doubles.insert(doubles.end(), gdist.begin(), gdist.end());
     at::Tensor l = UploadLongs(longs, dev), d = UploadDoubles(doubles, dev);
     a.kid = l.data_ptr<int64_t>();
     a.qrow = a.kid + A;
@@ -171,6 +186,11 @@ Verdicts FusedChainVerify(const StepContext& ctx, const VerifyInputs& in) {
     a.ures = a.uacc + A;
     a.ufresh = fresh ? a.uacc + 2 * A : nullptr;
     a.w = weighted ? a.uacc + (fresh ? 3 : 2) * A : nullptr;
+    if (grouped) {
+      a.group = a.qrow + A;
+      a.group_delta = a.uacc + (2 + (fresh ? 1 : 0) + (weighted ? 1 : 0)) * A;
+      a.group_dist = a.group_delta + A;
+    }
     const int err = LaunchChainVerifyKernel(a, CurrentCudaStream(dev));
     TORCH_CHECK(err == 0, "fused chain verification: CUDA launch failed (error ", err, ")");
   }
