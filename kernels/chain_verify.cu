@@ -12,11 +12,11 @@ __device__ double GroupedRatio(const ChainVerifyArgs& a, int64_t n, const ChainN
   __shared__ int64_t cand[kChainVerifyChunks];
   __shared__ int64_t s_at;
   double num = 0.0, den = 0.0;
-  if (t == 0) ChainGroupAdd(a, n, nd, nd.x, &num, &den);
+  if (t == 0) ChainGroupAdd(a, n, nd, nd.x[0], &num, &den);
   for (int d = 0; d < 2; ++d) {
     const bool up = d == 1;
     __syncthreads();  // every thread has read s_at (the last walk's end)
-    if (t == 0) s_at = nd.x;
+    if (t == 0) s_at = nd.x[0];
     __syncthreads();
     for (int64_t s = 0; s < ChainGroupSteps(a, n, up); ++s) {
       const int64_t at = s_at;
@@ -34,49 +34,43 @@ __device__ double GroupedRatio(const ChainVerifyArgs& a, int64_t n, const ChainN
   return ChainGroupRatio(num, den);
 }
 
-// One block per node, one thread per chunk: every thread sums its chunk, thread 0 adds the
-// chunk sums and draws (ChainVerifyNodeOnHost, with the chunk loop run by the block).
+// ChainVerifyNodeWith's Block on the device: one thread per chunk, thread 0 adds the chunk sums
+// (left to right, as the host), draws and writes.
+struct DeviceBlock {
+  double* sums;  // shared, one per thread
+  double* total;
+  int64_t* token;
+  int t;
+  __device__ double Sum(const ChainNode& nd, const ChainMassSpec& m) {
+    __syncthreads();  // the last pass's sums and total have been read
+    sums[t] = ChainChunkSum(nd, m, t);
+    __syncthreads();
+    if (t == 0) *total = ChainTotal(sums);
+    __syncthreads();
+    return *total;
+  }
+  __device__ bool Leader() const { return t == 0; }
+  __device__ int64_t Share(int64_t v) {
+    if (t == 0) *token = v;
+    __syncthreads();
+    const int64_t r = *token;
+    __syncthreads();
+    return r;
+  }
+};
+
+// One block per node, one thread per chunk (ChainVerifyNodeOnHost, with the chunk loop run by
+// the block).
 __global__ void __launch_bounds__(kChainVerifyChunks) ChainVerifyKernel(ChainVerifyArgs a) {
   __shared__ double sums[kChainVerifyChunks];
-  __shared__ double s_qsum, s_total;
+  __shared__ double s_total;
+  __shared__ int64_t s_token;
   const auto n = static_cast<int64_t>(blockIdx.x);
   const int t = static_cast<int>(threadIdx.x);
-  const ChainNode nd = LoadChainNode(a, n);  // the same for every thread of the block
+  ChainNode nd = LoadChainNode(a, n);  // the same for every thread of the block
   const double grouped = ChainIsGrouped(a, n, nd) ? GroupedRatio(a, n, nd, t) : -1.0;
-  double qsum = 0.0;
-  if (nd.x >= 0) {
-    sums[t] = ChainChunkSum(nd, ChainMass::kQ, 0, t);
-    __syncthreads();
-    if (t == 0) s_qsum = ChainTotal(sums);
-    __syncthreads();
-    qsum = s_qsum;
-  }
-  ChainMass m = nd.x >= 0 ? ChainMass::kResidual : ChainMass::kP;
-  sums[t] = ChainChunkSum(nd, m, qsum, t);
-  __syncthreads();
-  if (t == 0) s_total = ChainTotal(sums);
-  __syncthreads();
-  if (m == ChainMass::kResidual && !(s_total > 0)) {  // uniform across the block
-    m = ChainMass::kP;
-    __syncthreads();  // every thread has read s_total
-    sums[t] = ChainChunkSum(nd, m, qsum, t);
-    __syncthreads();
-    if (t == 0) s_total = ChainTotal(sums);
-    __syncthreads();
-  }
-  if (t == 0) {
-    ChainFinish(a, n, nd, qsum, ChainDraw(nd, m, qsum, sums, s_total, a.ures[n]), grouped);
-  }
-  if (a.ufresh != nullptr) {  // the next draft, from p (whose sums the block may have already)
-    if (m != ChainMass::kP) {
-      __syncthreads();  // thread 0 has drawn from the residual's sums
-      sums[t] = ChainChunkSum(nd, ChainMass::kP, 0, t);
-      __syncthreads();
-      if (t == 0) s_total = ChainTotal(sums);
-      __syncthreads();
-    }
-    if (t == 0) ChainFresh(a, n, ChainDraw(nd, ChainMass::kP, 0, sums, s_total, a.ufresh[n]));
-  }
+  DeviceBlock b{sums, &s_total, &s_token, t};
+  ChainVerifyNodeWith(a, n, nd, grouped, b);
 }
 
 }  // namespace

@@ -1,8 +1,10 @@
-// Fused chain verification: a chain node's whole verification in one pass over its rows,
-// for every node of a step at once (one CUDA block per node, kernels/chain_verify.cu; on the
-// CPU the same functions in the same order, ChainVerifyNodeOnHost). It replaces about 30
-// eager launches (verify.h's AcceptRatio, ResidualDistribution, SampleInverseCdf, ...) with
-// one, and makes the same decision:
+// Fused verification: a node's whole verification in one pass over its rows, for every node of
+// a step at once (one CUDA block per node, kernels/chain_verify.cu; on the CPU the same
+// functions in the same order, ChainVerifyNodeOnHost). It replaces the eager loop of
+// verify_windows.cc (verify.h's AcceptRatio, ResidualDistribution, SampleInverseCdf, ...:
+// about 30 launches for a chain, about 20 more per tree sibling) and DrawNextDrafts' draws
+// (about 5, and about 15 per tree candidate) with one launch, and makes the same decisions.
+// For a chain node (one child x):
 //
 //   q'  = q / sum(q)                                (RemoveAndNormalise with nothing removed)
 //   acc = x >= 0 and u_acc < min(1, w p(x) / q'(x))  (q'(x) = 0: 1 if p(x) > 0, else 0)
@@ -10,7 +12,15 @@
 //   r   = [p - min(q', w p)]_+, or p where r has no mass or the node has no draft
 //   res = the first v with r_0 + ... + r_v > u_res * sum(r)   (inverse CDF)
 //   kept = acc ? x : res
-//   fresh = the first v with p_0 + ... + p_v > u_fresh * sum(p)   (optional: the next draft)
+//   fresh = the first v with p_0 + ... + p_v > u_fresh * sum(p)   (the next draft)
+//
+// A tree node's children x_0..x_{K-1} are verified in turn (multi-draft speculative sampling):
+// child k against p_k (p_0 = p, p_{k+1} = the normalised residual of child k) and q_k (q without
+// x_0..x_{k-1}, renormalised); the residual draw is from the last child's residual; kept is the
+// first accepted child, else the residual. p_k is not stored: a level's value at v is p(v) taken
+// through the residuals before it (ChainPAt), with each level's two sums S_k and T_k from its
+// own passes, so a node of K children makes 2K + 1 passes. Its D - 1 extra next drafts are drawn
+// from p without replacement, after the kept token (maximal coupling) or the fresh draft.
 //
 // Sums are taken in a fixed order: kChainVerifyChunks contiguous chunks, each summed left to
 // right, then the chunk sums left to right. Device and host therefore add the same doubles in
@@ -30,23 +40,29 @@ namespace imagegen::kernels {
 constexpr int kChainVerifyChunks = 256;
 
 struct ChainVerifyArgs {
-  const double* p = nullptr;        // [nodes, V] target distributions, row-major
-  const double* q = nullptr;        // [columns, V] proposals
-  const int64_t* qrow = nullptr;    // [nodes] each node's q row (read where it has a draft)
-  const int64_t* kid = nullptr;     // [nodes] the draft (its token, or its node index), -1: none
+  const double* p = nullptr;      // [nodes, V] target distributions, row-major
+  const double* q = nullptr;      // [columns, V] proposals
+  const int64_t* qrow = nullptr;  // [nodes] each node's q row (read where it has a draft)
+  const int64_t* kid = nullptr;   // [nodes, kids] the children (tokens, or node indices), -1: none
   const int64_t* tokens = nullptr;  // optional [nodes]: kid is a node index into it
-  const double* w = nullptr;        // optional [nodes] COOL-SD weights (null: all 1)
-  const double* uacc = nullptr;     // [nodes] acceptance uniforms
+  const double* w = nullptr;        // optional [nodes] COOL-SD weights of the first child (null: 1)
+  const double* uacc = nullptr;     // [nodes, kids] acceptance uniforms
   const double* ures = nullptr;     // [nodes] uniforms of the residual (or bonus) draw
-  const double* ufresh = nullptr;   // optional [nodes] uniforms of a fresh draw from p
+  const double* ufresh = nullptr;   // optional [nodes, draws] uniforms of the next drafts
+  const int64_t* maximal = nullptr;  // optional [nodes] (draws > 1): 1 where the extra drafts
+                                     // exclude the kept token (maximal coupling), else the fresh
   int64_t nodes = 0, vocab = 0;
-  bool* accepted = nullptr;     // [nodes] out
+  int64_t kids = 1;          // K <= kChainMaxKids: children per node (1: chains)
+  int64_t draws = 1;         // D <= kChainMaxKids: next drafts per node (fresh, then D - 1 extras)
+  bool* accepted = nullptr;  // [nodes, kids] out
   int64_t* residual = nullptr;  // [nodes] out
   int64_t* kept = nullptr;      // [nodes] out
   int64_t* fresh = nullptr;     // [nodes] out where ufresh is given
-  // Optional [nodes, packed_cols] out, float64: accepted, residual, kept, fresh (where ufresh is
-  // given) and, with packed_cols 5, the node's own token (tokens[n]): the step's readback rows
-  // as commit_window.cc's Pack lays them out, without converting and joining the outputs.
+  int64_t* extra = nullptr;     // [nodes, draws - 1] out where ufresh is given and draws > 1
+  // Optional [nodes, packed_cols] out, float64: accepted (kids columns), residual, kept, fresh,
+  // extra (draws - 1; where ufresh is given) and, with packed_cols kids + draws + 3, the node's
+  // own token (tokens[n]): the step's readback rows as commit_window.cc's Pack lays them out,
+  // without converting and joining the outputs.
   double* packed = nullptr;
   int64_t packed_cols = 0;
   // Optional GSD (seed 004; verify.h's GroupedAcceptRatio): where group[n] > 0 and node n has a
@@ -65,42 +81,112 @@ struct ChainVerifyArgs {
 // over the row per rank. Larger clusters are verified by the eager path.
 constexpr int64_t kChainGroupMax = 64;
 
-// What a node's pass sums: its proposal row, its residual, or its target row.
-enum class ChainMass : int { kQ = 0, kResidual = 1, kP = 2 };
+// The most children a node may have, and the most next drafts it may draw, in the fused pass
+// (trees: tree_branches, up to 16 in a policy; wider trees are verified by the eager path).
+constexpr int kChainMaxKids = 8;
 
+// What a pass over a node's row sums, at a sibling level k (the k-th child verified):
+//   kQ         the proposal row without the siblings before k (RemoveAndNormalise's mass)
+//   kResidual  [p_k - min(q_k, w_k p_k)]_+, the residual of sibling k
+//   kP         p_k, the distribution sibling k is verified against (p_0 = p)
+//   kExcluding p without the ids in `excl` (the next drafts' draws without replacement)
+enum class ChainMass : int { kQ = 0, kResidual = 1, kP = 2, kExcluding = 3 };
+
+struct ChainMassSpec {
+  ChainMass kind;
+  int level;
+  int nexcl;
+  int64_t excl[kChainMaxKids];
+};
+
+IMAGEGEN_HD ChainMassSpec ChainSpec(ChainMass kind, int level) {
+  ChainMassSpec m;
+  m.kind = kind;
+  m.level = level;
+  m.nexcl = 0;
+  return m;
+}
+
+// A node: its rows, its children's tokens, and each verified level's sums (filled in as the
+// pass goes): qsum[k] = S_k, the proposal's mass without the siblings before k; rsum[k] = T_k,
+// sibling k's residual mass. p_{k+1} = T_k > 0 ? residual_k / T_k : p_k, where child k exists
+// (ResidualDistribution); a missing child leaves p as it is.
 struct ChainNode {
   const double* p;
-  const double* q;  // null without a draft
+  const double* q;  // null without any draft
   int64_t vocab;
-  int64_t x;  // the draft's token, -1: none
-  double w;
+  int kids;
+  int64_t x[kChainMaxKids];  // the children's tokens, -1: none
+  double w;                  // COOL-SD's weight, on the first child only
+  double qsum[kChainMaxKids], rsum[kChainMaxKids];
 };
 
 IMAGEGEN_HD ChainNode LoadChainNode(const ChainVerifyArgs& a, int64_t n) {
   ChainNode nd;
   nd.p = a.p + n * a.vocab;
   nd.vocab = a.vocab;
-  const int64_t k = a.kid[n];
-  nd.x = k < 0 ? -1 : (a.tokens != nullptr ? a.tokens[k] : k);
-  nd.q = nd.x >= 0 ? a.q + a.qrow[n] * a.vocab : nullptr;
+  nd.kids = static_cast<int>(a.kids);
+  bool any = false;
+  for (int k = 0; k < kChainMaxKids; ++k) {
+    const int64_t kid = k < nd.kids ? a.kid[n * a.kids + k] : -1;
+    nd.x[k] = kid < 0 ? -1 : (a.tokens != nullptr ? a.tokens[kid] : kid);
+    any = any || nd.x[k] >= 0;
+    nd.qsum[k] = nd.rsum[k] = 0.0;
+  }
+  nd.q = any ? a.q + a.qrow[n] * a.vocab : nullptr;
   nd.w = a.w != nullptr ? a.w[n] : 1.0;
   return nd;
 }
 
-// q'(v): the proposal renormalised by its sum (RemoveAndNormalise: 0 where it has no mass).
-IMAGEGEN_HD double ChainQNorm(const ChainNode& nd, double qsum, int64_t v) {
-  return qsum > 0 ? nd.q[v] / (qsum > 1e-300 ? qsum : 1e-300) : 0.0;
+// Whether id v is one of the children before sibling k (removed from q at level k).
+IMAGEGEN_HD bool ChainRemoved(const ChainNode& nd, int k, int64_t v) {
+  for (int i = 0; i < k; ++i) {
+    if (nd.x[i] == v) return true;
+  }
+  return false;
 }
 
-IMAGEGEN_HD double ChainMassAt(const ChainNode& nd, ChainMass m, double qsum, int64_t v) {
-  if (m == ChainMass::kQ) return nd.q[v];
-  const double p = nd.p[v];
-  if (m == ChainMass::kP) return p;
-  const double qn = ChainQNorm(nd, qsum, v);
-  const double wp = nd.w * p;
+// q_k(v): the proposal without the earlier siblings, renormalised (0 where it has no mass).
+IMAGEGEN_HD double ChainQAt(const ChainNode& nd, int k, int64_t v) {
+  if (ChainRemoved(nd, k, v)) return 0.0;
+  const double s = nd.qsum[k];
+  return s > 0 ? nd.q[v] / (s > 1e-300 ? s : 1e-300) : 0.0;
+}
+
+// Sibling k's residual at v, given p_k(v).
+IMAGEGEN_HD double ChainResidualOf(const ChainNode& nd, int k, int64_t v, double pv) {
+  const double qn = ChainQAt(nd, k, v);
+  const double wp = (k == 0 ? nd.w : 1.0) * pv;
   const double cap = qn < wp ? qn : wp;
-  const double r = p - cap;
+  const double r = pv - cap;
   return r > 0 ? r : 0.0;
+}
+
+// p_k(v): p through the residuals of the children before k.
+IMAGEGEN_HD double ChainPAt(const ChainNode& nd, int k, int64_t v) {
+  double pv = nd.p[v];
+  for (int i = 0; i < k; ++i) {
+    if (nd.x[i] < 0) continue;
+    const double t = nd.rsum[i];
+    if (t > 0) pv = ChainResidualOf(nd, i, v, pv) / (t > 1e-300 ? t : 1e-300);
+  }
+  return pv;
+}
+
+IMAGEGEN_HD double ChainMassAt(const ChainNode& nd, const ChainMassSpec& m, int64_t v) {
+  switch (m.kind) {
+    case ChainMass::kQ:
+      return ChainRemoved(nd, m.level, v) ? 0.0 : nd.q[v];
+    case ChainMass::kResidual:
+      return ChainResidualOf(nd, m.level, v, ChainPAt(nd, m.level, v));
+    case ChainMass::kP:
+      return ChainPAt(nd, m.level, v);
+    default:
+      for (int i = 0; i < m.nexcl; ++i) {
+        if (m.excl[i] == v) return 0.0;
+      }
+      return nd.p[v];
+  }
 }
 
 IMAGEGEN_HD int64_t ChainChunkBegin(int64_t vocab, int chunk) {
@@ -110,10 +196,10 @@ IMAGEGEN_HD int64_t ChainChunkBegin(int64_t vocab, int chunk) {
 }
 
 // Chunk `c`'s sum, left to right.
-IMAGEGEN_HD double ChainChunkSum(const ChainNode& nd, ChainMass m, double qsum, int c) {
+IMAGEGEN_HD double ChainChunkSum(const ChainNode& nd, const ChainMassSpec& m, int c) {
   const int64_t e = ChainChunkBegin(nd.vocab, c + 1);
   double s = 0.0;
-  for (int64_t v = ChainChunkBegin(nd.vocab, c); v < e; ++v) s += ChainMassAt(nd, m, qsum, v);
+  for (int64_t v = ChainChunkBegin(nd.vocab, c); v < e; ++v) s += ChainMassAt(nd, m, v);
   return s;
 }
 
@@ -128,8 +214,8 @@ IMAGEGEN_HD double ChainTotal(const double* chunk_sums) {
 // id in it whose running total (from the chunk's start) does. Rounding can leave the target
 // unreached; then the last id with mass of that chunk, or of the whole row, is drawn, never an
 // id without mass (a row with no mass at all gives its last id).
-IMAGEGEN_HD int64_t ChainDraw(const ChainNode& nd, ChainMass m, double qsum,
-                              const double* chunk_sums, double total, double u) {
+IMAGEGEN_HD int64_t ChainDraw(const ChainNode& nd, const ChainMassSpec& m, const double* chunk_sums,
+                              double total, double u) {
   const double target = u * total;
   double run = 0.0;
   int chunk = -1, last_nonzero = -1;
@@ -146,7 +232,7 @@ IMAGEGEN_HD int64_t ChainDraw(const ChainNode& nd, ChainMass m, double qsum,
   const int64_t e = ChainChunkBegin(nd.vocab, chunk + 1);
   int64_t last = -1;
   for (int64_t v = ChainChunkBegin(nd.vocab, chunk); v < e; ++v) {
-    const double mass = ChainMassAt(nd, m, qsum, v);
+    const double mass = ChainMassAt(nd, m, v);
     if (mass > 0) {
       run += mass;
       last = v;
@@ -158,7 +244,7 @@ IMAGEGEN_HD int64_t ChainDraw(const ChainNode& nd, ChainMass m, double qsum,
 
 // GSD: whether node n's ratio is its cluster's.
 IMAGEGEN_HD bool ChainIsGrouped(const ChainVerifyArgs& a, int64_t n, const ChainNode& nd) {
-  return a.group != nullptr && a.group[n] > 0 && nd.x >= 0;
+  return a.group != nullptr && a.group[n] > 0 && nd.x[0] >= 0;
 }
 
 // GSD's order over a row: ascending p, ties by id (a stable sort's).
@@ -198,9 +284,9 @@ IMAGEGEN_HD int64_t ChainNearest(const ChainNode& nd, int64_t at, const int64_t*
 // Cluster member j's masses, where its probability gap and embedding distance to x are small.
 IMAGEGEN_HD void ChainGroupAdd(const ChainVerifyArgs& a, int64_t n, const ChainNode& nd, int64_t j,
                                double* num, double* den) {
-  const double gap = nd.p[j] - nd.p[nd.x];
+  const double gap = nd.p[j] - nd.p[nd.x[0]];
   if (!((gap < 0 ? -gap : gap) < a.group_delta[n])) return;
-  const double* ex = a.embed + nd.x * a.embed_dim;
+  const double* ex = a.embed + nd.x[0] * a.embed_dim;
   const double* ej = a.embed + j * a.embed_dim;
   double d = 0.0;
   for (int64_t k = 0; k < a.embed_dim; ++k) d += (ej[k] - ex[k]) * (ej[k] - ex[k]);
@@ -220,44 +306,112 @@ IMAGEGEN_HD double ChainGroupRatio(double num, double den) {
   return den > 0 ? num / (den > 1e-300 ? den : 1e-300) : (num > 0 ? 1.0 : 0.0);
 }
 
-// The node's acceptance, given its proposal row's sum (and, for a GSD node, its cluster's
-// ratio; negative: the exact rule's); writes the three outputs.
-IMAGEGEN_HD void ChainFinish(const ChainVerifyArgs& a, int64_t n, const ChainNode& nd, double qsum,
-                             int64_t residual, double grouped_ratio = -1.0) {
-  bool acc = false;
-  if (nd.x >= 0) {
-    const double px = nd.p[nd.x];
-    const double qx = ChainQNorm(nd, qsum, nd.x);
-    const double num = nd.w * px;
-    double ratio = grouped_ratio >= 0 ? grouped_ratio
-                   : qx > 0           ? num / (qx > 1e-300 ? qx : 1e-300)
-                                      : (px > 0 ? 1.0 : 0.0);
-    if (ratio > 1.0) ratio = 1.0;
-    acc = a.uacc[n] < ratio;
+// The children's acceptances (sibling k against p_k and q_k; GSD's first child against its
+// cluster ratio `grouped` where that is >= 0), the residual draw and the kept token: writes
+// them and returns the kept token.
+IMAGEGEN_HD int64_t ChainFinish(const ChainVerifyArgs& a, int64_t n, const ChainNode& nd,
+                                double grouped, int64_t residual) {
+  int first = -1;
+  double* row = a.packed != nullptr ? a.packed + n * a.packed_cols : nullptr;
+  for (int k = 0; k < nd.kids; ++k) {
+    bool acc = false;
+    const int64_t x = nd.x[k];
+    if (x >= 0) {
+      const double px = ChainPAt(nd, k, x);
+      const double qx = ChainQAt(nd, k, x);
+      const double num = (k == 0 ? nd.w : 1.0) * px;
+      double ratio = k == 0 && grouped >= 0 ? grouped
+                     : qx > 0               ? num / (qx > 1e-300 ? qx : 1e-300)
+                                            : (px > 0 ? 1.0 : 0.0);
+      if (ratio > 1.0) ratio = 1.0;
+      acc = a.uacc[n * a.kids + k] < ratio;
+    }
+    a.accepted[n * a.kids + k] = acc;
+    if (acc && first < 0) first = k;
+    if (row != nullptr) row[k] = acc ? 1.0 : 0.0;
   }
-  a.accepted[n] = acc;
+  const int64_t kept = first >= 0 ? nd.x[first] : residual;
   a.residual[n] = residual;
-  a.kept[n] = acc ? nd.x : residual;
-  if (a.packed != nullptr) {
-    double* row = a.packed + n * a.packed_cols;
-    row[0] = acc ? 1.0 : 0.0;
-    row[1] = static_cast<double>(residual);
-    row[2] = static_cast<double>(a.kept[n]);
-    if (a.packed_cols > 4) row[4] = static_cast<double>(a.tokens[n]);
+  a.kept[n] = kept;
+  if (row != nullptr) {
+    row[a.kids] = static_cast<double>(residual);
+    row[a.kids + 1] = static_cast<double>(kept);
+    if (a.packed_cols == a.kids + a.draws + 3) {
+      row[a.kids + a.draws + 2] = static_cast<double>(a.tokens[n]);
+    }
+  }
+  return kept;
+}
+
+// Next draft j of node n (0: the fresh one, else extra j - 1), into its output and packed row.
+IMAGEGEN_HD void ChainNextDraft(const ChainVerifyArgs& a, int64_t n, int64_t j, int64_t token) {
+  if (j == 0) {
+    a.fresh[n] = token;
+  } else {
+    a.extra[n * (a.draws - 1) + j - 1] = token;
+  }
+  if (a.packed != nullptr)
+    a.packed[n * a.packed_cols + a.kids + 2 + j] = static_cast<double>(token);
+}
+
+// A node's whole pass, for the host (one thread) and for a CUDA block alike. `Block` provides
+// Sum(nd, m): every chunk's sum of m into sums (one chunk per thread on the device) and their
+// total, returned to every thread; Leader(): the thread that draws and writes; Share(v): the
+// leader's v, returned to every thread. The passes, for children k = 0..K-1 that exist: S_k,
+// then T_k; the residual draw from the last child's residual (or, without residual mass or any
+// child, from the level's p); the fresh draft from p; the extras from p without the ids drawn
+// so far (the kept token under maximal coupling, else the fresh draft, first).
+template <class Block>
+IMAGEGEN_HD void ChainVerifyNodeWith(const ChainVerifyArgs& a, int64_t n, ChainNode& nd,
+                                     double grouped, Block& b) {
+  int last = -1;
+  for (int k = 0; k < nd.kids; ++k) {
+    if (nd.x[k] < 0) continue;
+    nd.qsum[k] = b.Sum(nd, ChainSpec(ChainMass::kQ, k));
+    nd.rsum[k] = b.Sum(nd, ChainSpec(ChainMass::kResidual, k));
+    last = k;
+  }
+  ChainMassSpec m = ChainSpec(ChainMass::kResidual, last);
+  double total = last >= 0 ? nd.rsum[last] : 0.0;  // the last Sum: b.sums holds its chunks
+  if (!(total > 0)) {  // no residual mass, or no child: the level's distribution
+    m = ChainSpec(ChainMass::kP, last < 0 ? 0 : last);
+    total = b.Sum(nd, m);
+  }
+  int64_t kept = -1, fresh = -1;
+  if (b.Leader()) kept = ChainFinish(a, n, nd, grouped, ChainDraw(nd, m, b.sums, total, a.ures[n]));
+  if (a.ufresh == nullptr) return;
+  const ChainMassSpec p0 = ChainSpec(ChainMass::kP, 0);
+  if (!(m.kind == ChainMass::kP && m.level == 0)) total = b.Sum(nd, p0);
+  if (b.Leader()) {
+    fresh = ChainDraw(nd, p0, b.sums, total, a.ufresh[n * a.draws]);
+    ChainNextDraft(a, n, 0, fresh);
+  }
+  if (a.draws < 2) return;
+  ChainMassSpec ex = ChainSpec(ChainMass::kExcluding, 0);
+  ex.excl[ex.nexcl++] = b.Share(a.maximal != nullptr && a.maximal[n] != 0 ? kept : fresh);
+  for (int64_t j = 1; j < a.draws; ++j) {
+    const double t = b.Sum(nd, ex);
+    int64_t e = -1;
+    if (b.Leader()) {
+      e = t > 0 ? ChainDraw(nd, ex, b.sums, t, a.ufresh[n * a.draws + j]) : -1;
+      ChainNextDraft(a, n, j, e);
+    }
+    e = b.Share(e);
+    if (e >= 0) ex.excl[ex.nexcl++] = e;
   }
 }
 
-// Node n's fresh draft, into its output and its packed row.
-IMAGEGEN_HD void ChainFresh(const ChainVerifyArgs& a, int64_t n, int64_t fresh) {
-  a.fresh[n] = fresh;
-  if (a.packed != nullptr) a.packed[n * a.packed_cols + 3] = static_cast<double>(fresh);
-}
-
-// The CPU path's chunk loop: every chunk's sum of `m` into `sums`, and their total.
-inline double ChainSumsOnHost(const ChainNode& nd, ChainMass m, double qsum, double* sums) {
-  for (int c = 0; c < kChainVerifyChunks; ++c) sums[c] = ChainChunkSum(nd, m, qsum, c);
-  return ChainTotal(sums);
-}
+// The host's Block: one thread, every chunk in turn (callable on the device too, as the
+// template it instantiates must be).
+struct ChainHostBlock {
+  double sums[kChainVerifyChunks];
+  IMAGEGEN_HD double Sum(const ChainNode& nd, const ChainMassSpec& m) {
+    for (int c = 0; c < kChainVerifyChunks; ++c) sums[c] = ChainChunkSum(nd, m, c);
+    return ChainTotal(sums);
+  }
+  IMAGEGEN_HD bool Leader() const { return true; }
+  IMAGEGEN_HD int64_t Share(int64_t v) const { return v; }
+};
 
 // A GSD node's cluster ratio (-1 for any other node): x's own masses, then the ranks below x
 // walking down, then those above walking up, one pass over the row per rank, each chunk's
@@ -267,9 +421,9 @@ inline double ChainGroupedRatioOnHost(const ChainVerifyArgs& a, int64_t n) {
   if (!ChainIsGrouped(a, n, nd)) return -1.0;
   int64_t cand[kChainVerifyChunks];
   double num = 0.0, den = 0.0;
-  ChainGroupAdd(a, n, nd, nd.x, &num, &den);
+  ChainGroupAdd(a, n, nd, nd.x[0], &num, &den);
   for (const bool up : {false, true}) {
-    int64_t at = nd.x;
+    int64_t at = nd.x[0];
     for (int64_t s = 0; s < ChainGroupSteps(a, n, up); ++s) {
       for (int c = 0; c < kChainVerifyChunks; ++c) cand[c] = ChainChunkNeighbour(nd, c, at, up);
       at = ChainNearest(nd, at, cand, up);
@@ -282,21 +436,10 @@ inline double ChainGroupedRatioOnHost(const ChainVerifyArgs& a, int64_t n) {
 
 // The CPU path: node n, each chunk in turn where the kernel runs them side by side.
 inline void ChainVerifyNodeOnHost(const ChainVerifyArgs& a, int64_t n) {
-  double sums[kChainVerifyChunks];
-  const ChainNode nd = LoadChainNode(a, n);
+  ChainNode nd = LoadChainNode(a, n);
   const double grouped = ChainGroupedRatioOnHost(a, n);
-  const double qsum = nd.x >= 0 ? ChainSumsOnHost(nd, ChainMass::kQ, 0, sums) : 0.0;
-  ChainMass m = nd.x >= 0 ? ChainMass::kResidual : ChainMass::kP;
-  double total = ChainSumsOnHost(nd, m, qsum, sums);
-  if (m == ChainMass::kResidual && !(total > 0)) {  // no residual mass: draw from p
-    m = ChainMass::kP;
-    total = ChainSumsOnHost(nd, m, qsum, sums);
-  }
-  ChainFinish(a, n, nd, qsum, ChainDraw(nd, m, qsum, sums, total, a.ures[n]), grouped);
-  if (a.ufresh != nullptr) {  // p's chunk sums, unless the residual draw was from p already
-    if (m != ChainMass::kP) total = ChainSumsOnHost(nd, ChainMass::kP, 0, sums);
-    ChainFresh(a, n, ChainDraw(nd, ChainMass::kP, 0, sums, total, a.ufresh[n]));
-  }
+  ChainHostBlock b;
+  ChainVerifyNodeWith(a, n, nd, grouped, b);
 }
 
 // Launches the kernel over all nodes on `stream` (a cudaStream_t; null: the default stream).

@@ -1,7 +1,8 @@
-// Random chain-verification inputs with the edge cases the rule has (no draft, a draft q could
-// not have drawn, q == p so no residual mass, one-hot proposals, rows with zeros, COOL-SD
-// weights, drafts given as node indices, GSD clusters with ties), and the eager verification of
-// verify.h on them: the
+// Random chain- and tree-verification inputs with the edge cases the rule has (no draft, a draft
+// q could not have drawn, q == p so no residual mass, one-hot proposals, rows with zeros, COOL-SD
+// weights, drafts given as node indices, GSD clusters with ties; for trees siblings without
+// replacement, missing siblings, and extra candidates under either coupling), and the eager
+// verification of verify.h on them (verify_windows.cc's loop and next_drafts.cc's draws): the
 // reference the fused verification (kernels/chain_verify.h) is checked against on the host
 // (chain_verify_test.cc) and on a GPU (kernels_test.cc).
 #pragma once
@@ -18,9 +19,11 @@ namespace imagegen::chain_test {
 
 struct ChainCase {
   at::Tensor p, q;               // [A, V], [C, V] float64
-  at::Tensor qrow, kid, tokens;  // int64 [A], [A], [A] (kid indexes tokens)
-  at::Tensor w, uacc, ures;      // float64 [A]
-  at::Tensor ufresh;             // float64 [A]: the fresh draws from p
+  at::Tensor qrow, kid, tokens;  // int64 [A], [A, K], [A * K] (kid indexes tokens)
+  at::Tensor w, uacc, ures;      // float64 [A], [A, K], [A]
+  at::Tensor ufresh;             // float64 [A, D]: the next drafts' draws from p
+  at::Tensor maximal;            // int64 [A] (D > 1): the extras exclude the kept token
+  int64_t kids = 1, draws = 1;   // K, D (1, 1: chains)
   bool weighted = false;
   // GSD (AddGroups): cluster sizes (0: the exact rule), gap and distance bounds, embeddings.
   at::Tensor group;          // int64 [A]
@@ -73,6 +76,7 @@ inline ChainCase RandomChainCase(int64_t A, int64_t V, bool weighted, uint64_t s
   c.uacc = at::rand({A}, g, f64);
   c.ures = at::rand({A}, g, f64);
   c.ufresh = at::rand({A}, g, f64);
+  c.maximal = at::zeros({A}, at::kLong);
   c.group = at::zeros({A}, at::kLong);
   c.gdelta = at::zeros({A}, f64);
   c.gdist = at::zeros({A}, f64);
@@ -95,7 +99,8 @@ inline void AddGroups(ChainCase& c, uint64_t seed) {
   const int64_t sizes[] = {0, 14, 1, 2, 3, 7, kernels::kChainGroupMax, 14};
   const double deltas[] = {0.15, 0.01, 1.0, 0.0, 0.15};
   const double dists[] = {0.5, 2.0, 1e9};
-  at::Tensor x = at::where(c.kid >= 0, c.tokens.index_select(0, c.kid.clamp_min(0)), c.kid);
+  at::Tensor first = c.kid.reshape({A, -1}).select(1, 0);  // GSD verifies the first child
+  at::Tensor x = at::where(first >= 0, c.tokens.index_select(0, first.clamp_min(0)), first);
   at::Tensor p = c.p.clone();
   for (int64_t a = 0; a < A; ++a) {
     c.group[a] = std::min<int64_t>(sizes[a % 8], V);
@@ -111,40 +116,114 @@ inline void AddGroups(ChainCase& c, uint64_t seed) {
   at::Tensor e = at::randn({V, 3}, g, f64);
   c.embed = e / e.norm(2, 1, true);
 }
+// A tree step's nodes: K siblings per node drawn from q without replacement (as a proactive
+// tree's candidates are), the last ones missing on every fourth node and all on every sixth,
+// and on every ninth one missing in the middle; a draft q gives no mass (node % 11 == 3), q = p
+// (every fifth) and one-hot q (every seventh: its later siblings meet a proposal without mass)
+// as for chains; D next drafts per node, maximal coupling on odd nodes.
+inline ChainCase RandomTreeCase(int64_t A, int64_t V, int64_t K, int64_t D, bool weighted,
+                                uint64_t seed) {
+  ChainCase c = RandomChainCase(A, V, weighted, seed);
+  at::Generator g = at::make_generator<at::CPUGeneratorImpl>(seed + 1);
+  auto f64 = at::TensorOptions().dtype(at::kDouble);
+  c.kids = K;
+  c.draws = D;
+  at::Tensor qa = c.q.index_select(0, c.qrow);
+  at::Tensor first = c.kid >= 0;
+  at::Tensor x0 = at::where(first, c.tokens.index_select(0, c.kid.clamp_min(0)), c.kid);
+  std::vector<at::Tensor> cols = {x0};
+  at::Tensor removed = OneHot(x0.clamp_min(0), V, at::kBool) & first.unsqueeze(1);
+  at::Tensor idx = at::arange(A);
+  for (int64_t k = 1; k < K; ++k) {
+    at::Tensor qk = RemoveAndNormalise(qa, removed);
+    at::Tensor ok = (qk.sum(1) > 0) & first;
+    if (k > K / 2) ok = ok & (idx % 4 != 0);  // the last siblings missing
+    at::Tensor xk = SampleInverseCdf(qk, at::rand({A}, g, f64));
+    xk = at::where(ok, xk, at::full_like(xk, -1));
+    cols.push_back(xk);
+    removed = removed | (OneHot(xk.clamp_min(0), V, at::kBool) & ok.unsqueeze(1));
+  }
+  at::Tensor x = at::stack(cols, 1);  // [A, K]
+  if (K > 2) {                        // a missing sibling in the middle
+    x.select(1, 1).copy_(at::where(idx % 9 == 2, at::full_like(x0, -1), x.select(1, 1)));
+  }
+  // The children as node indices into a token table of A * K entries.
+  at::Tensor slot = at::randperm(A * K, g, at::TensorOptions().dtype(at::kLong)).view({A, K});
+  c.tokens =
+      at::zeros({A * K}, at::kLong).index_copy(0, slot.reshape(-1), x.clamp_min(0).reshape(-1));
+  c.kid = at::where(x >= 0, slot, at::full_like(slot, -1));
+  c.uacc = at::rand({A, K}, g, f64);
+  c.ufresh = at::rand({A, D}, g, f64);
+  c.maximal = idx % 2;
+  return c;
+}
+
 // The nodes whose acceptance ratio is GSD's (a cluster size and a draft), as int64 indices.
 inline at::Tensor GroupedNodes(const ChainCase& c) {
-  return ((c.group > 0) & (c.kid >= 0)).nonzero().squeeze(1);
+  return ((c.group > 0) & (c.kid.reshape({c.kid.size(0), -1}).select(1, 0) >= 0))
+      .nonzero()
+      .squeeze(1);
 }
 
 // verify.h's GroupedAcceptRatio for those nodes, over their raw proposal rows.
 inline at::Tensor EagerGroupedRatios(const ChainCase& c) {
   const at::Tensor gi = GroupedNodes(c);
-  at::Tensor x = c.tokens.index_select(0, c.kid.index_select(0, gi));
+  at::Tensor first = c.kid.reshape({c.kid.size(0), -1}).select(1, 0);
+  at::Tensor x = c.tokens.index_select(0, first.index_select(0, gi));
   at::Tensor q = c.q.index_select(0, c.qrow.index_select(0, gi));
   const at::Tensor group = c.group.index_select(0, gi);
   return GroupedAcceptRatio(c.p.index_select(0, gi), q, x, group, group.max().item<int64_t>(),
                             c.gdelta.index_select(0, gi), c.gdist.index_select(0, gi), c.embed);
 }
 
-// The eager verification (verify_windows.cc's loop for K = 1).
+// The eager verification (verify_windows.cc's loop) and next drafts (next_drafts.cc's).
 struct ChainVerdicts {
-  at::Tensor accepted, residual, kept, fresh;  // bool, int64, int64, int64 [A]
-  at::Tensor packed;                           // the fused pass's readback rows, float64 [A, 5]
+  at::Tensor accepted;               // bool [A] (chains) or [A, K]
+  at::Tensor residual, kept, fresh;  // int64 [A]
+  at::Tensor extra;                  // int64 [A, D - 1]
+  at::Tensor packed;                 // the fused pass's readback rows, float64 [A, K + D + 3]
 };
 
 inline ChainVerdicts EagerChainVerify(const ChainCase& c) {
-  at::Tensor xk = at::where(c.kid >= 0, c.tokens.index_select(0, c.kid.clamp_min(0)), c.kid);
-  at::Tensor valid = xk >= 0, x = xk.clamp_min(0);
-  at::Tensor qk = RemoveAndNormalise(c.q.index_select(0, c.qrow), at::Tensor());
-  at::Tensor w = c.weighted ? c.w : at::Tensor();
-  at::Tensor ratio = AcceptRatio(c.p, qk, x, w);
-  if (c.grouped) ratio = ratio.index_copy(0, GroupedNodes(c), EagerGroupedRatios(c));
+  const int64_t A = c.p.size(0), V = c.p.size(1), K = c.kids, D = c.draws;
+  at::Tensor kid = c.kid.reshape({A, K});
+  at::Tensor kids =
+      at::where(kid >= 0, c.tokens.index_select(0, kid.reshape(-1).clamp_min(0)).view({A, K}), kid);
+  at::Tensor uacc = c.uacc.reshape({A, K});
+  at::Tensor Qa = c.q.index_select(0, c.qrow);
+  at::Tensor pk = c.p, removed;
+  std::vector<at::Tensor> acc;
+  for (int64_t k = 0; k < K; ++k) {
+    at::Tensor xk = kids.select(1, k);
+    at::Tensor valid = xk >= 0, x = xk.clamp_min(0);
+    at::Tensor qk = RemoveAndNormalise(Qa, removed);
+    at::Tensor wk = k == 0 && c.weighted ? c.w : at::Tensor();
+    at::Tensor ratio = AcceptRatio(pk, qk, x, wk);
+    if (k == 0 && c.grouped) ratio = ratio.index_copy(0, GroupedNodes(c), EagerGroupedRatios(c));
+    acc.push_back(valid & ExactRules().Accept(uacc.select(1, k), ratio.clamp_max(1.0)));
+    pk = at::where(valid.unsqueeze(1), ResidualDistribution(pk, qk, wk), pk);
+    if (k + 1 < K) {
+      const at::Tensor drop = OneHot(x, V, at::kBool) & valid.unsqueeze(1);
+      removed = removed.defined() ? removed | drop : drop;
+    }
+  }
   ChainVerdicts v;
-  v.accepted = valid & ExactRules().Accept(c.uacc, ratio.clamp_max(1.0));
-  at::Tensor pk = at::where(valid.unsqueeze(1), ResidualDistribution(c.p, qk, w), c.p);
   v.residual = SampleInverseCdf(pk, c.ures);
-  v.kept = at::where(v.accepted, xk, v.residual);
-  v.fresh = SampleInverseCdf(c.p, c.ufresh);  // DrawNextDrafts's fresh draw
+  at::Tensor accepted = at::stack(acc, 1);
+  at::Tensor first = accepted.to(at::kByte).argmax(1, true);
+  v.kept = at::where(accepted.any(1), kids.gather(1, first).squeeze(1), v.residual);
+  v.accepted = K == 1 ? accepted.squeeze(1) : accepted;
+  at::Tensor uf = c.ufresh.reshape({A, D});
+  v.fresh = SampleInverseCdf(c.p, uf.select(1, 0));  // DrawNextDrafts's fresh draw
+  v.extra = at::full({A, D - 1}, -1, at::kLong);
+  at::Tensor mask = OneHot(at::where(c.maximal > 0, v.kept, v.fresh), V, at::kBool);
+  for (int64_t k = 1; k < D; ++k) {  // its tree candidates, without replacement
+    at::Tensor pm = RemoveAndNormalise(c.p, mask);
+    at::Tensor ok = pm.sum(1) > 0;
+    at::Tensor e = at::where(ok, SampleInverseCdf(pm, uf.select(1, k)), at::full_like(v.kept, -1));
+    v.extra.select(1, k - 1).copy_(e);
+    mask = mask | (OneHot(e.clamp_min(0), V, at::kBool) & ok.unsqueeze(1));
+  }
   return v;
 }
 
@@ -160,8 +239,11 @@ inline kernels::ChainVerifyArgs FusedArgs(const ChainCase& c, ChainVerdicts& out
   a.uacc = c.uacc.data_ptr<double>();
   a.ures = c.ures.data_ptr<double>();
   a.ufresh = c.ufresh.data_ptr<double>();
+  a.maximal = c.draws > 1 ? c.maximal.data_ptr<int64_t>() : nullptr;
   a.nodes = c.p.size(0);
   a.vocab = c.p.size(1);
+  a.kids = c.kids;
+  a.draws = c.draws;
   if (c.grouped) {
     a.group = c.group.data_ptr<int64_t>();
     a.group_delta = c.gdelta.data_ptr<double>();
@@ -170,17 +252,20 @@ inline kernels::ChainVerifyArgs FusedArgs(const ChainCase& c, ChainVerdicts& out
     a.embed_dim = c.embed.size(1);
   }
   auto opt = c.p.options();
-  out.accepted = at::empty({a.nodes}, opt.dtype(at::kBool));
+  out.accepted = c.kids == 1 ? at::empty({a.nodes}, opt.dtype(at::kBool))
+                             : at::empty({a.nodes, c.kids}, opt.dtype(at::kBool));
   out.residual = at::empty({a.nodes}, opt.dtype(at::kLong));
   out.kept = at::empty({a.nodes}, opt.dtype(at::kLong));
   out.fresh = at::empty({a.nodes}, opt.dtype(at::kLong));
-  out.packed = at::empty({a.nodes, 5}, opt.dtype(at::kDouble));
+  out.extra = at::empty({a.nodes, c.draws - 1}, opt.dtype(at::kLong));
+  a.packed_cols = c.kids + c.draws + 3;
+  out.packed = at::empty({a.nodes, a.packed_cols}, opt.dtype(at::kDouble));
   a.packed = out.packed.data_ptr<double>();
-  a.packed_cols = 5;
   a.accepted = out.accepted.data_ptr<bool>();
   a.residual = out.residual.data_ptr<int64_t>();
   a.kept = out.kept.data_ptr<int64_t>();
   a.fresh = out.fresh.data_ptr<int64_t>();
+  a.extra = c.draws > 1 ? out.extra.data_ptr<int64_t>() : nullptr;
   return a;
 }
 
@@ -204,30 +289,44 @@ inline ChainVerdicts HostChainVerify(const ChainCase& c) {
 inline ChainCase ChainCaseOn(const ChainCase& c, const at::Device& d) {
   ChainCase o = c;
   for (at::Tensor* t : {&o.p, &o.q, &o.qrow, &o.kid, &o.tokens, &o.w, &o.uacc, &o.ures, &o.ufresh,
-                        &o.group, &o.gdelta, &o.gdist, &o.embed}) {
+                        &o.maximal, &o.group, &o.gdelta, &o.gdist, &o.embed}) {
     *t = t->to(d).contiguous();
   }
   return o;
 }
 
-// Nodes where two verdicts differ in what the engine reads: the acceptance, the kept token, the
-// fresh draw, and the residual where no draft was accepted (CommitWindow commits it only then).
-// `all`: the residual everywhere; where q equals p up to rounding the residual is rounding noise,
-// drawn differently by two summation orders, and never committed (the draft is accepted).
+// Nodes where two verdicts differ in what the engine reads: the acceptances up to the first
+// accepted sibling (CommitWindow's walk stops there), the kept token, the next drafts, and the
+// residual where no draft was accepted (it is committed only then). `all`: every acceptance and
+// the residual everywhere. Past an accepted draft whose q equals p up to rounding, the residual
+// is rounding noise, drawn differently by two summation orders, and so are the later siblings'
+// verdicts against it; the engine reads neither.
 inline int64_t Mismatches(const ChainVerdicts& a, const ChainVerdicts& b, bool all = false) {
-  at::Tensor acc = a.accepted.cpu(), acc_b = b.accepted.cpu();
+  const int64_t A = a.kept.size(0);
+  at::Tensor acc = a.accepted.cpu().reshape({A, -1}), acc_b = b.accepted.cpu().reshape({A, -1});
   at::Tensor res = a.residual.cpu().ne(b.residual.cpu());
-  if (!all) res = res & ~acc;
-  return (acc.ne(acc_b) | res | a.kept.cpu().ne(b.kept.cpu()) | a.fresh.cpu().ne(b.fresh.cpu()))
+  if (!all) {
+    res = res & ~acc.any(1);
+    at::Tensor before = acc.to(at::kInt).cumsum(1) - acc.to(at::kInt);  // accepted before k
+    at::Tensor read = before == 0;
+    acc = acc & read;
+    acc_b = acc_b & read;
+  }
+  at::Tensor extra = a.extra.cpu().ne(b.extra.cpu()).reshape({A, -1}).any(1);
+  return (acc.ne(acc_b).any(1) | res | a.kept.cpu().ne(b.kept.cpu()) |
+          a.fresh.cpu().ne(b.fresh.cpu()) | extra)
       .sum()
       .item<int64_t>();
 }
 
 // Rows of the fused pass's packed readback that differ from its outputs (and the node tokens).
 inline int64_t PackedMismatches(const ChainCase& c, const ChainVerdicts& v) {
-  at::Tensor want = at::stack(
-      {v.accepted.cpu().to(at::kDouble), v.residual.cpu().to(at::kDouble),
-       v.kept.cpu().to(at::kDouble), v.fresh.cpu().to(at::kDouble), c.tokens.cpu().to(at::kDouble)},
+  const int64_t A = v.kept.size(0);
+  at::Tensor want = at::cat(
+      {v.accepted.cpu().reshape({A, -1}).to(at::kDouble),
+       v.residual.cpu().unsqueeze(1).to(at::kDouble), v.kept.cpu().unsqueeze(1).to(at::kDouble),
+       v.fresh.cpu().unsqueeze(1).to(at::kDouble), v.extra.cpu().to(at::kDouble),
+       c.tokens.cpu().narrow(0, 0, A).unsqueeze(1).to(at::kDouble)},
       1);
   return want.ne(v.packed.cpu()).any(1).sum().item<int64_t>();
 }

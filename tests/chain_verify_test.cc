@@ -35,6 +35,79 @@ TEST(ChainVerifyTest, FusedDecidesAndDrawsAsTheEagerVerification) {
   EXPECT_LT(accepted, nodes * 9 / 10);
 }
 
+// Trees: siblings verified in turn against the residual of the ones before (q without them),
+// the residual draw after the last, and the extra candidates drawn without replacement, as the
+// eager loop and DrawNextDrafts make them; with GSD's first-sibling ratio mixed in too.
+TEST(ChainVerifyTest, FusedTreesDecideAndDrawAsTheEagerVerification) {
+  int64_t nodes = 0, later_accepted = 0, none_accepted = 0, extras = 0;
+  for (const int64_t V : {7, 512, 1000, 16384}) {
+    for (const auto& [K, D] : {std::pair<int64_t, int64_t>{2, 3}, {4, 4}, {3, 1}, {8, 8}}) {
+      for (const bool weighted : {false, true}) {
+        chain_test::ChainCase c = chain_test::RandomTreeCase(200, V, K, D, weighted, 41 + V + K);
+        if (!weighted && K == 4) chain_test::AddGroups(c, 43 + V);
+        const chain_test::ChainVerdicts eager = chain_test::EagerChainVerify(c);
+        const chain_test::ChainVerdicts fused = chain_test::HostChainVerify(c);
+        EXPECT_EQ(chain_test::Mismatches(eager, fused), 0)
+            << "V " << V << " K " << K << " D " << D << " weighted " << weighted;
+        EXPECT_EQ(chain_test::PackedMismatches(c, fused), 0) << "V " << V << " K " << K;
+        nodes += 200;
+        at::Tensor acc = eager.accepted.reshape({200, -1});
+        later_accepted +=
+            (acc.narrow(1, 1, K - 1).any(1) & ~acc.select(1, 0)).sum().item<int64_t>();
+        none_accepted += (~acc.any(1)).sum().item<int64_t>();
+        extras += (eager.extra >= 0).sum().item<int64_t>();
+      }
+    }
+  }
+  std::printf("%lld tree nodes: %lld accepted a later sibling only, %lld none; %lld extra drafts\n",
+              static_cast<long long>(nodes), static_cast<long long>(later_accepted),
+              static_cast<long long>(none_accepted), static_cast<long long>(extras));
+  EXPECT_GT(later_accepted, nodes / 20);
+  EXPECT_GT(none_accepted, nodes / 10);
+  EXPECT_GT(extras, nodes);
+}
+
+// Power: the tree comparison sees a pass that verifies every sibling against p (no residual
+// between them), keeps removed siblings in q, or draws the extras with replacement.
+TEST(ChainVerifyPowerTest, ABrokenTreeVerificationDiffers) {
+  const chain_test::ChainCase c = chain_test::RandomTreeCase(200, 512, 4, 4, false, 47);
+  const chain_test::ChainVerdicts eager = chain_test::EagerChainVerify(c);
+  EXPECT_EQ(chain_test::Mismatches(eager, chain_test::HostChainVerify(c)), 0);
+  // Each sibling as the first of its own node: verified against p and the whole q.
+  chain_test::ChainCase alone = c;
+  alone.kids = 1;
+  alone.draws = 1;
+  const int64_t A = c.p.size(0);
+  int64_t differ = 0;
+  for (int64_t k = 1; k < 4; ++k) {
+    alone.kid = c.kid.select(1, k).contiguous();
+    alone.uacc = c.uacc.select(1, k).contiguous();
+    alone.ufresh = c.ufresh.select(1, 0).contiguous();
+    const chain_test::ChainVerdicts v = chain_test::HostChainVerify(alone);
+    differ += (v.accepted.ne(eager.accepted.select(1, k)) & (c.kid.select(1, k) >= 0))
+                  .sum()
+                  .item<int64_t>();
+  }
+  // The extras drawn with the draws' uniforms shifted by one node.
+  chain_test::ChainCase shifted = c;
+  shifted.ufresh = c.ufresh.roll(1, 0);
+  const int64_t shifted_differ =
+      chain_test::Mismatches(eager, chain_test::HostChainVerify(shifted));
+  // The extras' exclusion taken from the other coupling.
+  chain_test::ChainCase coupling = c;
+  coupling.maximal = 1 - c.maximal;
+  const int64_t coupling_differ =
+      chain_test::Mismatches(eager, chain_test::HostChainVerify(coupling));
+  std::printf(
+      "of %lld nodes: later siblings decided against p alone %lld, extras' uniforms "
+      "shifted %lld, coupling swapped %lld\n",
+      static_cast<long long>(A), static_cast<long long>(differ),
+      static_cast<long long>(shifted_differ), static_cast<long long>(coupling_differ));
+  EXPECT_GT(differ, 10);
+  EXPECT_GT(shifted_differ, 100);
+  EXPECT_GT(coupling_differ, 10);
+}
+
 // GSD in the fused pass: every grouped node's cluster ratio equals verify.h's eager one (a
 // stable sort, gathers and sums) to rounding, and the verdicts are the eager verification's.
 TEST(ChainVerifyTest, FusedGsdClustersAreTheEagerOnes) {

@@ -40,15 +40,20 @@ TEST(KernelsTest, PhiloxUniformOnGpuIsBitIdenticalToCpu) {
 
 // The fused chain verification's kernel draws bit-identically to its host path (the engine's CPU
 // path, itself checked against the eager verification in chain_verify_test.cc), edge cases
-// included: the block's chunk sums are added in the host's order, and GSD's clusters walked in
-// the host's order.
+// included: the block's chunk sums are added in the host's order, GSD's clusters walked in the
+// host's order, and trees' siblings and extra drafts taken in the host's order.
 TEST(KernelsTest, ChainVerifyOnGpuIsBitIdenticalToTheHost) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
-  for (const int mode : {0, 1, 2}) {  // exact, COOL-SD's weights, GSD
-    const bool weighted = mode == 1;
+  // Chains (exact, COOL-SD's weights, GSD), then trees (K 4 with 4 next drafts and GSD's first
+  // sibling; K 8 with 8 and the weights).
+  for (const int mode : {0, 1, 2, 3, 4}) {
+    const bool weighted = mode == 1 || mode == 4;
     for (const int64_t V : {7, 512, 1000, 16384}) {
-      chain_test::ChainCase c = chain_test::RandomChainCase(330, V, weighted, 11 + V);
-      if (mode == 2) chain_test::AddGroups(c, 29 + V);
+      chain_test::ChainCase c =
+          mode < 3 ? chain_test::RandomChainCase(330, V, weighted, 11 + V)
+                   : chain_test::RandomTreeCase(200, V, mode == 3 ? 4 : 8, mode == 3 ? 4 : 8,
+                                                weighted, 41 + V);
+      if (mode == 2 || mode == 3) chain_test::AddGroups(c, 29 + V);
       const chain_test::ChainVerdicts host = chain_test::HostChainVerify(c);
       const chain_test::ChainCase d = chain_test::ChainCaseOn(c, at::kCUDA);
       chain_test::ChainVerdicts dev;

@@ -21,11 +21,15 @@ namespace {
 at::Tensor Pack(const Verdicts& v, const NextDrafts& d, const at::Tensor& entropy,
                 const at::Tensor& node_tokens, int64_t tree_k) {
   // The fused verification's own rows, where they are all there is to read; Gumbel draws that
-  // replaced fresh drafts (DrawNextDrafts) go into their column first (the rows are this
-  // step's readback buffer and nothing else reads them).
-  if (v.packed.defined() && tree_k == 1 && !entropy.defined() &&
-      node_tokens.defined() == (v.packed.size(1) == 5)) {
-    if (!d.fresh.is_same(v.fresh)) v.packed.select(1, 3).copy_(d.fresh);
+  // replaced its drafts (DrawNextDrafts) go into their columns first (the rows are this step's
+  // readback buffer and nothing else reads them).
+  const int64_t kids = v.accepted.size(1);
+  if (v.packed.defined() && !entropy.defined() &&
+      node_tokens.defined() == (v.packed.size(1) == kids + tree_k + 3)) {
+    if (!d.fresh.is_same(v.fresh)) {
+      v.packed.narrow(1, kids + 2, 1).copy_(d.fresh.unsqueeze(1));
+      if (tree_k > 1) v.packed.narrow(1, kids + 3, tree_k - 1).copy_(d.extra);
+    }
     return ReadBack(v.packed);  // the step's only device-to-host read
   }
   std::vector<at::Tensor> pack = {
@@ -146,7 +150,8 @@ void Walk::Run() {
 
 // Nodes sit at cache index n + node (n: the root's index); the accepted path moves to n + 1,
 // n + 2, ...
-void CompactKv(const Sequence& s, int64_t n, const std::vector<int64_t>& path, KvCache& cache) {
+void CompactKv(const Sequence& s, int64_t n, const std::vector<int64_t>& path, const KvCache& cache,
+               CacheMoves& moves) {
   size_t first_bad = 0;
   while (first_bad < path.size() && path[first_bad] == static_cast<int64_t>(first_bad) + 1) {
     ++first_bad;
@@ -155,7 +160,7 @@ void CompactKv(const Sequence& s, int64_t n, const std::vector<int64_t>& path, K
   std::vector<int64_t> from;
   for (size_t i = first_bad; i < path.size(); ++i) from.push_back(n + path[i]);
   for (int64_t slot : {s.slot_c, s.slot_u}) {
-    if (slot >= 0) MoveCacheEntries(cache, slot, from, n + static_cast<int64_t>(first_bad) + 1);
+    if (slot >= 0) moves.Add(cache, slot, from, n + static_cast<int64_t>(first_bad) + 1);
   }
 }
 
@@ -169,13 +174,13 @@ HostStep::HostStep(const Verdicts& v, const NextDrafts& d, const at::Tensor& ent
       tree_k_(tree_k),
       token_col_(node_tokens.defined() ? host_.size(1) - 1 : -1) {}
 
-void CommitWindow(Sequence& s, const HostStep& h, const StepContext& ctx) {
+void CommitWindow(Sequence& s, const HostStep& h, const StepContext& ctx, CacheMoves& moves) {
   const int64_t n = s.n(), root = s.root_pos();
   s.stats.nfe += 1;
   Walk walk(s, h, ctx);
   walk.Run();
   s.stats.step_tokens.push_back(static_cast<int32_t>(s.n() - n));
-  CompactKv(s, root, walk.path, ctx.cache);
+  CompactKv(s, root, walk.path, ctx.cache, moves);
   if (s.r.policy.draft == DraftSource::kDraftModel && s.gamma > 0) {
     s.draft_valid = std::min(root + static_cast<int64_t>(walk.path.size()) + 1, root + s.gamma);
   }

@@ -74,12 +74,12 @@ void GumbelDraws(const StepContext& ctx, const DrawInputs& in, NextDrafts& d) {
 NextDrafts DrawNextDrafts(const StepContext& ctx, const Verdicts& v) {
   const int64_t A = ctx.nodes, K = ctx.tree_k, V = ctx.cfg().vocab_size;
   const at::Tensor& kept = v.kept;
-  const bool fused = v.fresh.defined() && K == 1;
+  const bool fused = v.fresh.defined();
   const DrawInputs in = BuildDrawInputs(ctx, /*fresh_uniforms=*/!fused);
   NextDrafts d;
   if (fused) {  // drawn by the fused verification, with the same uniforms
     d.fresh = v.fresh;
-    d.extra = at::empty({A, 0}, d.fresh.options());
+    d.extra = v.extra;
     if (!in.gumbel_nodes.empty()) GumbelDraws(ctx, in, d);
     return d;
   }

@@ -237,7 +237,9 @@ Status SpecBatch::Impl::Step(const std::vector<WindowGrant>& grants) {
   at::Tensor entropy;
   if (opts.collect_entropy) entropy = -(ctx.p * ctx.p.clamp_min(1e-300).log()).sum(1, true);
   const HostStep host(verdicts, next, entropy, ctx.node_tokens, ctx.max_kids, ctx.tree_k);
-  for (Sequence* s : ctx.live) CommitWindow(*s, host, ctx);
+  CacheMoves moves;
+  for (Sequence* s : ctx.live) CommitWindow(*s, host, ctx, moves);
+  MoveCacheEntries(cache, moves);
   prev_p = ctx.p;
   prev_q = ctx.q;
   if (opts.timing != nullptr) {  // the readback has synchronised the device

@@ -9,7 +9,7 @@
 //   DrawNextDrafts   fresh draws, tree candidates and Gumbel redraws from P
 //   ReadBack         the step's only device-to-host copy
 //   CommitWindow     each request walks its window, commits tokens, keeps the next drafts
-//                    and compacts its KV cache
+//                    and lists the KV moves that compact its cache (made once for all)
 //
 // Each phase is a free function over StepContext (what the step shares) and the requests'
 // Sequence state. Internal to engine/decoding; not thread-safe (the step's thread).
@@ -68,13 +68,14 @@ struct StepContext {
 // What the verification decided, on the device: per node and child, accepted ([nodes, K]);
 // the token a node commits when no child is accepted (its residual, or the bonus at a leaf);
 // the token that follows it on the maximal-coupling path (kept child, else the residual).
-// `fresh`: the fused verification of a step without trees also draws each node's fresh draft
-// from P (DrawNextDrafts's draw, with its uniform); undefined otherwise. `packed`: it then also
-// writes the readback's rows (float64 [nodes, 4 or 5]: accepted, residual, kept, fresh and,
-// with node tokens, the node's token), which the readback takes as they are where nothing
-// else goes into it (no tree, no entropy; Gumbel draws are copied into the fresh column).
+// `fresh`, `extra`: the fused verification also draws each node's next drafts from P
+// (DrawNextDrafts's draws, with its uniforms: the fresh one, and with trees K - 1 more without
+// replacement); undefined otherwise. `packed`: it then also writes the readback's rows
+// (float64 [nodes, K + tree_k + 2, + 1 with node tokens]: accepted, residual, kept, fresh,
+// extra and the node's token), which the readback takes as they are where nothing else goes
+// into it (no entropy; Gumbel draws are copied into the draft columns).
 struct Verdicts {
-  at::Tensor accepted, residual, kept, fresh, packed;
+  at::Tensor accepted, residual, kept, fresh, extra, packed;
 };
 
 // Next-step drafts drawn from P: a fresh draw per node and, for trees, K - 1 more without
@@ -118,6 +119,8 @@ void NodeTokens(StepContext& ctx);
 Status ForwardTarget(StepContext& ctx);
 Verdicts VerifyWindows(const StepContext& ctx);
 NextDrafts DrawNextDrafts(const StepContext& ctx, const Verdicts& v);
-void CommitWindow(Sequence& s, const HostStep& h, const StepContext& ctx);
+// The KV moves that make its accepted path contiguous go into `moves` (MoveCacheEntries runs
+// them for every request at once).
+void CommitWindow(Sequence& s, const HostStep& h, const StepContext& ctx, CacheMoves& moves);
 
 }  // namespace imagegen

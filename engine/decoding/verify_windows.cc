@@ -25,20 +25,22 @@ namespace {
 struct VerifyInputs {
   std::vector<int64_t> qrow, kid;
   std::vector<double> w, uacc, ures;
-  std::vector<double> ufresh;  // without trees: the next drafts' uniforms (DrawNextDrafts's)
+  std::vector<double> ufresh;    // [A, tree_k]: the next drafts' uniforms (DrawNextDrafts's)
+  std::vector<int64_t> maximal;  // [A] with trees: 1 under maximal coupling (DrawNextDrafts's)
   std::vector<int64_t> grouped, group_size;
   std::vector<double> group_delta, group_dist;
 };
 
 VerifyInputs BuildInputs(const StepContext& ctx) {
-  const int64_t A = ctx.nodes, K = ctx.max_kids;
+  const int64_t A = ctx.nodes, K = ctx.max_kids, D = ctx.tree_k;
   VerifyInputs in;
   in.qrow.assign(A, 0);
   in.kid.assign(A * K, -1);
   in.w.assign(A, 1.0);
   in.uacc.assign(A * K, 0.0);
   in.ures.assign(A, 0.0);
-  if (ctx.tree_k == 1) in.ufresh.assign(A, 0.0);
+  in.ufresh.assign(A * D, 0.0);
+  if (D > 1) in.maximal.assign(A, 0);
   for (const Sequence* s : ctx.live) {
     const DecodingPolicy& p = s->r.policy;
     for (size_t i = 0; i < s->nodes.size(); ++i) {
@@ -47,7 +49,11 @@ VerifyInputs BuildInputs(const StepContext& ctx) {
       const int64_t col = nd.col + 1;  // the column this node's output predicts
       const auto t = static_cast<uint32_t>(s->n() + col);
       in.ures[a] = Uniform(s->r.seed, t, s->iter, Purpose::kResample);
-      if (!in.ufresh.empty()) in.ufresh[a] = Uniform(s->r.seed, t, s->iter, Purpose::kDraft, 0);
+      for (int64_t k = 0; k < D; ++k) {
+        in.ufresh[a * D + k] =
+            Uniform(s->r.seed, t, s->iter, Purpose::kDraft, static_cast<uint32_t>(k));
+      }
+      if (D > 1) in.maximal[a] = p.coupling == Coupling::kMaximal ? 1 : 0;
       if (nd.kids.empty()) continue;
       in.qrow[a] = s->q_off + col;
       for (size_t k = 0; k < nd.kids.size(); ++k) {
@@ -81,11 +87,12 @@ at::Tensor GroupedRatio(const StepContext& ctx, const VerifyInputs& in, const at
                             ctx.embeddings);
 }
 
-// Whether this step's verification can run fused (SpecOptions::fused_verify): chains only,
-// the exact rules, GSD clusters of at most kernels::kChainGroupMax ids, and on CUDA a build
-// with the kernel.
+// Whether this step's verification can run fused (SpecOptions::fused_verify): chains and trees
+// of at most kernels::kChainMaxKids children (and next drafts) per node, the exact rules, GSD
+// clusters of at most kernels::kChainGroupMax ids, and on CUDA a build with the kernel.
 bool CanFuse(const StepContext& ctx, const VerifyInputs& in) {
-  if (!ctx.opts.fused_verify || ctx.max_kids != 1) return false;
+  if (!ctx.opts.fused_verify) return false;
+  if (ctx.max_kids > kernels::kChainMaxKids || ctx.tree_k > kernels::kChainMaxKids) return false;
   if (&ctx.rules != &ExactRules()) return false;
   if (std::any_of(in.group_size.begin(), in.group_size.end(),
                   [](int64_t g) { return g > kernels::kChainGroupMax; })) {
@@ -95,15 +102,15 @@ bool CanFuse(const StepContext& ctx, const VerifyInputs& in) {
   return dev.is_cpu() || (dev.is_cuda() && FusedKernelsBuilt());
 }
 
-// The fused chain verification (kernels/chain_verify.h): one kernel over all nodes on CUDA,
-// the same per-node arithmetic on the host on the CPU. One "launch" either way, as
-// LaunchCount and profilers see it. Without trees in the step it also draws every node's
-// fresh next draft (Verdicts::fresh), which DrawNextDrafts then takes. GSD nodes' cluster
-// ratios are computed in the same pass.
+// The fused verification (kernels/chain_verify.h): one kernel over all nodes on CUDA, the same
+// per-node arithmetic on the host on the CPU. One "launch" either way, as LaunchCount and
+// profilers see it. It also draws every node's next drafts (Verdicts::fresh and, with trees,
+// Verdicts::extra), which DrawNextDrafts then takes, computes GSD nodes' cluster ratios, and
+// writes the step's readback rows (Verdicts::packed).
 Verdicts FusedChainVerify(const StepContext& ctx, const VerifyInputs& in) {
   RECORD_FUNCTION("imagegen::chain_verify", std::vector<c10::IValue>());
   const at::Device dev = ctx.dev();
-  const int64_t A = ctx.nodes;
+  const int64_t A = ctx.nodes, K = ctx.max_kids, D = ctx.tree_k;
   at::Tensor p = ctx.p.contiguous(), q = ctx.q.contiguous();
   TORCH_CHECK(p.scalar_type() == at::kDouble && q.scalar_type() == at::kDouble,
               "fused verification: P and Q must be float64");
@@ -130,26 +137,27 @@ Verdicts FusedChainVerify(const StepContext& ctx, const VerifyInputs& in) {
   }
   auto lopt = at::TensorOptions().dtype(at::kLong).device(dev);
   Verdicts v;
-  at::Tensor accepted = at::empty({A}, lopt.dtype(at::kBool));
+  v.accepted = at::empty({A, K}, lopt.dtype(at::kBool));
   v.residual = at::empty({A}, lopt);
   v.kept = at::empty({A}, lopt);
+  v.fresh = at::empty({A}, lopt);
+  v.extra = at::empty({A, D - 1}, lopt);
   kernels::ChainVerifyArgs a;
   a.p = p.data_ptr<double>();
   a.q = q.data_ptr<double>();
   a.tokens = tokens.defined() ? tokens.data_ptr<int64_t>() : nullptr;
   a.nodes = A;
   a.vocab = ctx.cfg().vocab_size;
-  a.accepted = accepted.data_ptr<bool>();
+  a.kids = K;
+  a.draws = D;
+  a.accepted = v.accepted.data_ptr<bool>();
   a.residual = v.residual.data_ptr<int64_t>();
   a.kept = v.kept.data_ptr<int64_t>();
-  const bool fresh = !in.ufresh.empty();
-  if (fresh) {
-    v.fresh = at::empty({A}, lopt);
-    a.fresh = v.fresh.data_ptr<int64_t>();
-    a.packed_cols = tokens.defined() ? 5 : 4;
-    v.packed = at::empty({A, a.packed_cols}, lopt.dtype(at::kDouble));
-    a.packed = v.packed.data_ptr<double>();
-  }
+  a.fresh = v.fresh.data_ptr<int64_t>();
+  a.extra = D > 1 ? v.extra.data_ptr<int64_t>() : nullptr;
+  a.packed_cols = K + D + 2 + (tokens.defined() ? 1 : 0);
+  v.packed = at::empty({A, a.packed_cols}, lopt.dtype(at::kDouble));
+  a.packed = v.packed.data_ptr<double>();
   if (grouped) {
     a.embed = embed.data_ptr<double>();
     a.embed_dim = embed.size(1);
@@ -160,7 +168,8 @@ Verdicts FusedChainVerify(const StepContext& ctx, const VerifyInputs& in) {
     a.w = weighted ? in.w.data() : nullptr;
     a.uacc = in.uacc.data();
     a.ures = in.ures.data();
-    a.ufresh = fresh ? in.ufresh.data() : nullptr;
+    a.ufresh = in.ufresh.data();
+    a.maximal = D > 1 ? in.maximal.data() : nullptr;
     if (grouped) {
       a.group = group.data();
       a.group_delta = gdelta.data();
@@ -172,6 +181,7 @@ Verdicts FusedChainVerify(const StepContext& ctx, const VerifyInputs& in) {
   } else {  // two uploads, then the kernel on the current stream
     std::vector<int64_t> longs(in.kid);
     longs.insert(longs.end(), in.qrow.begin(), in.qrow.end());
+    longs.insert(longs.end(), in.maximal.begin(), in.maximal.end());
     longs.insert(longs.end(), group.begin(), group.end());
     std::vector<double> doubles(in.uacc);
     doubles.insert(doubles.end(), in.ures.begin(), in.ures.end());
@@ -180,21 +190,23 @@ Verdicts FusedChainVerify(const StepContext& ctx, const VerifyInputs& in) {
     doubles.insert(doubles.end(), gdelta.begin(), gdelta.end());
     doubles.insert(doubles.end(), gdist.begin(), gdist.end());
     at::Tensor l = UploadLongs(longs, dev), d = UploadDoubles(doubles, dev);
-    a.kid = l.data_ptr<int64_t>();
-    a.qrow = a.kid + A;
-    a.uacc = d.data_ptr<double>();
-    a.ures = a.uacc + A;
-    a.ufresh = fresh ? a.uacc + 2 * A : nullptr;
-    a.w = weighted ? a.uacc + (fresh ? 3 : 2) * A : nullptr;
-    if (grouped) {
-      a.group = a.qrow + A;
-      a.group_delta = a.uacc + (2 + (fresh ? 1 : 0) + (weighted ? 1 : 0)) * A;
-      a.group_dist = a.group_delta + A;
-    }
+    const int64_t* lp = l.data_ptr<int64_t>();
+    a.kid = lp;
+    a.qrow = lp + A * K;
+    a.maximal = D > 1 ? lp + A * K + A : nullptr;
+    a.group = grouped ? lp + A * K + A + static_cast<int64_t>(in.maximal.size()) : nullptr;
+    const double* dp = d.data_ptr<double>();
+    a.uacc = dp;
+    a.ures = dp + A * K;
+    a.ufresh = a.ures + A;
+    const double* rest = a.ufresh + A * D;
+    a.w = weighted ? rest : nullptr;
+    if (weighted) rest += A;
+    a.group_delta = grouped ? rest : nullptr;
+    a.group_dist = grouped ? rest + A : nullptr;
     const int err = LaunchChainVerifyKernel(a, CurrentCudaStream(dev));
     TORCH_CHECK(err == 0, "fused chain verification: CUDA launch failed (error ", err, ")");
   }
-  v.accepted = accepted.unsqueeze(1);  // [A, 1]
   return v;
 }
 

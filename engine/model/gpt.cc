@@ -798,14 +798,25 @@ void CopyCachePrefix(KvCache& cache, int64_t from_slot, int64_t to_slot, int64_t
   }
 }
 
-void MoveCacheEntries(KvCache& cache, int64_t slot, const std::vector<int64_t>& from, int64_t to) {
-  if (from.empty()) return;
-  const auto n = static_cast<int64_t>(from.size());
-  at::Tensor idx = UploadLongs(from, cache.k[0].device());
+void CacheMoves::Add(const KvCache& cache, int64_t slot, const std::vector<int64_t>& from_entries,
+                     int64_t to_entry) {
+  for (size_t i = 0; i < from_entries.size(); ++i) {
+    from.push_back(slot * cache.capacity + from_entries[i]);
+    to.push_back(slot * cache.capacity + to_entry + static_cast<int64_t>(i));
+  }
+}
+
+void MoveCacheEntries(KvCache& cache, const CacheMoves& moves) {
+  if (moves.from.empty()) return;
+  const auto n = static_cast<int64_t>(moves.from.size());
+  std::vector<int64_t> both(moves.from);
+  both.insert(both.end(), moves.to.begin(), moves.to.end());
+  at::Tensor idx = UploadLongs(both, cache.k[0].device());
+  const at::Tensor from = idx.narrow(0, 0, n), to = idx.narrow(0, n, n);
   for (size_t l = 0; l < cache.k.size(); ++l) {
     for (at::Tensor* t : {&cache.k[l], &cache.v[l]}) {
-      at::Tensor s = (*t)[slot];
-      s.narrow(0, to, n).copy_(s.index_select(0, idx));
+      at::Tensor flat = t->flatten(0, 1);  // [slots * capacity, heads, head_dim], a view
+      flat.index_copy_(0, to, flat.index_select(0, from));
     }
   }
 }

@@ -229,9 +229,18 @@ class Gpt {
   at::Tensor head_w1_, head_b1_, head_b2_;
 };
 
-// Copies the cache entries at indices `from` of `slot` (every layer, keys and values) to
-// indices to, to + 1, ...: after a tree step the accepted path is made contiguous.
-void MoveCacheEntries(KvCache& cache, int64_t slot, const std::vector<int64_t>& from, int64_t to);
+// Cache entries to move, each within its slot (as flat indices slot * capacity + entry): after
+// a tree step each request's accepted path is made contiguous.
+struct CacheMoves {
+  std::vector<int64_t> from, to;
+  // Entries `from_entries` of `slot` to entries to_entry, to_entry + 1, ...
+  void Add(const KvCache& cache, int64_t slot, const std::vector<int64_t>& from_entries,
+           int64_t to_entry);
+};
+
+// Makes every move (every layer, keys and values) in one upload and two launches per tensor,
+// whatever the number of requests and slots: every entry is read before any is written.
+void MoveCacheEntries(KvCache& cache, const CacheMoves& moves);
 
 // Copies the first `len` cache entries of `from_slot` (every layer, keys and values) to
 // `to_slot`: a prompt prefilled once serves several images.
