@@ -78,7 +78,8 @@ ABSL_FLAG(bool, cuda_graphs, false,
           "graph and replayed (CUDA devices; on the CPU the static forward runs without graphs). "
           "Overrides --batch_invariant: logits then equal the eager forward's within rounding");
 ABSL_FLAG(bool, fused_verify, true,
-          "verify chain windows (sjd, scd, cool-sd, sd) in one fused pass per step: one kernel "
+          "verify windows (chains and trees of up to 8 branches, GSD's clusters) in one fused pass "
+          "per step: one kernel "
           "on CUDA, the same arithmetic on the host on the CPU; and on CUDA compute the final "
           "distributions (CFG, temperature, top-k, softmax) in one kernel where no request uses "
           "top-p; false: the eager verification and distributions");
