@@ -40,7 +40,12 @@ struct DeviceBlock {
   double* sums;  // shared, one per thread
   double* total;
   int64_t* token;
+  double* ckeys;  // shared, kChainMaxKids per thread
+  int64_t* cids;
   int t;
+  __device__ int ChunkBegin() const { return t; }
+  __device__ int ChunkStep() const { return kChainVerifyChunks; }
+  __device__ void Barrier() const { __syncthreads(); }
   __device__ double Sum(const ChainNode& nd, const ChainMassSpec& m) {
     __syncthreads();  // the last pass's sums and total have been read
     sums[t] = ChainChunkSum(nd, m, t);
@@ -65,11 +70,13 @@ __global__ void __launch_bounds__(kChainVerifyChunks) ChainVerifyKernel(ChainVer
   __shared__ double sums[kChainVerifyChunks];
   __shared__ double s_total;
   __shared__ int64_t s_token;
+  __shared__ double ckeys[kChainVerifyChunks * kChainMaxKids];
+  __shared__ int64_t cids[kChainVerifyChunks * kChainMaxKids];
   const auto n = static_cast<int64_t>(blockIdx.x);
   const int t = static_cast<int>(threadIdx.x);
   ChainNode nd = LoadChainNode(a, n);  // the same for every thread of the block
   const double grouped = ChainIsGrouped(a, n, nd) ? GroupedRatio(a, n, nd, t) : -1.0;
-  DeviceBlock b{sums, &s_total, &s_token, t};
+  DeviceBlock b{sums, &s_total, &s_token, ckeys, cids, t};
   ChainVerifyNodeWith(a, n, nd, grouped, b);
 }
 

@@ -29,6 +29,8 @@
 // boundary. Header-only and free of CUDA: the engine's CPU path includes it.
 #pragma once
 
+#include <cfloat>
+#include <cmath>
 #include <cstdint>
 #include <initializer_list>
 
@@ -75,7 +77,18 @@ struct ChainVerifyArgs {
   const double* group_dist = nullptr;   // [nodes]
   const double* embed = nullptr;        // [vocab, embed_dim] token embeddings, row-major
   int64_t embed_dim = 0;
+  // Optional Gumbel coupling (scd-gs, pac-gumbel; DrawNextDrafts's GumbelDraws): where
+  // gumbel[n] != 0 the next drafts are instead the `draws` ids with the largest
+  // log p(v) - log(-log u_v), u_v = PhiloxUniform(seed[n], position[n], 0, kGumbel, v) clamped
+  // to [1e-300, 1 - 1e-16], in descending order (ties by id); an extra whose key is -inf
+  // (p(v) = 0) is -1.
+  const int64_t* gumbel = nullptr;    // [nodes]
+  const int64_t* seed = nullptr;      // [nodes] the request's seed (its bits)
+  const int64_t* position = nullptr;  // [nodes] the position the node's output predicts
 };
+
+// Purpose::kGumbel of engine/decoding/philox.h (the engine checks that they agree).
+constexpr uint32_t kChainGumbelPurpose = 6;
 
 // The largest GSD cluster the fused pass takes: it walks the cluster one rank at a time, a pass
 // over the row per rank. Larger clusters are verified by the eager path.
@@ -354,13 +367,89 @@ IMAGEGEN_HD void ChainNextDraft(const ChainVerifyArgs& a, int64_t n, int64_t j, 
     a.packed[n * a.packed_cols + a.kids + 2 + j] = static_cast<double>(token);
 }
 
+// A Gumbel-coupled node's key for id v (GumbelDraws' arithmetic, op for op).
+IMAGEGEN_HD double ChainGumbelKey(const ChainVerifyArgs& a, int64_t n, const ChainNode& nd,
+                                  int64_t v) {
+  double u = PhiloxUniform(static_cast<uint64_t>(a.seed[n]), static_cast<uint32_t>(a.position[n]),
+                           0, kChainGumbelPurpose, static_cast<uint32_t>(v));
+  u = u < 1e-300 ? 1e-300 : (u > 1.0 - 1e-16 ? 1.0 - 1e-16 : u);
+  return log(nd.p[v]) - log(-log(u));
+}
+
+// Whether (ka, ia) comes before (kb, ib) among the largest keys: larger key, ties by lower id.
+IMAGEGEN_HD bool ChainKeyBefore(double ka, int64_t ia, double kb, int64_t ib) {
+  return ka > kb || (ka == kb && ia < ib);
+}
+
+// Inserts (key, v) into the best-first list keys/ids of *len <= d entries, keeping the best d.
+IMAGEGEN_HD void ChainTopInsert(double* keys, int64_t* ids, int* len, int d, double key,
+                                int64_t v) {
+  int i = *len;
+  if (i == d) {
+    if (!ChainKeyBefore(key, v, keys[d - 1], ids[d - 1])) return;
+    i = d - 1;
+  } else {
+    *len += 1;
+  }
+  while (i > 0 && ChainKeyBefore(key, v, keys[i - 1], ids[i - 1])) {
+    keys[i] = keys[i - 1];
+    ids[i] = ids[i - 1];
+    --i;
+  }
+  keys[i] = key;
+  ids[i] = v;
+}
+
+// Chunk c's best d ids by Gumbel key (ids -1 past the chunk's length).
+IMAGEGEN_HD void ChainChunkGumbelTop(const ChainVerifyArgs& a, int64_t n, const ChainNode& nd,
+                                     int c, int d, double* keys, int64_t* ids) {
+  int len = 0;
+  const int64_t e = ChainChunkBegin(nd.vocab, c + 1);
+  for (int64_t v = ChainChunkBegin(nd.vocab, c); v < e; ++v) {
+    ChainTopInsert(keys, ids, &len, d, ChainGumbelKey(a, n, nd, v), v);
+  }
+  for (int i = len; i < d; ++i) ids[i] = -1;
+}
+
+// The best d of the chunks' lists: the next drafts.
+IMAGEGEN_HD void ChainGumbelMerge(const ChainVerifyArgs& a, int64_t n, const double* ckeys,
+                                  const int64_t* cids, int d) {
+  double keys[kChainMaxKids];
+  int64_t ids[kChainMaxKids];
+  int len = 0;
+  for (int c = 0; c < kChainVerifyChunks; ++c) {
+    for (int i = 0; i < d; ++i) {
+      const int64_t v = cids[c * kChainMaxKids + i];
+      if (v >= 0) ChainTopInsert(keys, ids, &len, d, ckeys[c * kChainMaxKids + i], v);
+    }
+  }
+  for (int j = 0; j < d; ++j) {
+    const bool ok = j < len && (j == 0 || keys[j] >= -DBL_MAX);  // an extra needs p(v) > 0
+    ChainNextDraft(a, n, j, ok ? ids[j] : -1);
+  }
+}
+
+// A Gumbel-coupled node's next drafts: every chunk's best, then the leader's merge.
+template <class Block>
+IMAGEGEN_HD void ChainGumbelDrafts(const ChainVerifyArgs& a, int64_t n, const ChainNode& nd,
+                                   Block& b) {
+  const int d = static_cast<int>(a.draws);
+  for (int c = b.ChunkBegin(); c < kChainVerifyChunks; c += b.ChunkStep()) {
+    ChainChunkGumbelTop(a, n, nd, c, d, b.ckeys + c * kChainMaxKids, b.cids + c * kChainMaxKids);
+  }
+  b.Barrier();
+  if (b.Leader()) ChainGumbelMerge(a, n, b.ckeys, b.cids, d);
+}
+
 // A node's whole pass, for the host (one thread) and for a CUDA block alike. `Block` provides
 // Sum(nd, m): every chunk's sum of m into sums (one chunk per thread on the device) and their
 // total, returned to every thread; Leader(): the thread that draws and writes; Share(v): the
-// leader's v, returned to every thread. The passes, for children k = 0..K-1 that exist: S_k,
-// then T_k; the residual draw from the last child's residual (or, without residual mass or any
-// child, from the level's p); the fresh draft from p; the extras from p without the ids drawn
-// so far (the kept token under maximal coupling, else the fresh draft, first).
+// leader's v, returned to every thread; ChunkBegin()/ChunkStep(): this thread's chunks;
+// Barrier(); ckeys/cids: every chunk's Gumbel candidates. The passes, for children k = 0..K-1
+// that exist: S_k, then T_k; the residual draw from the last child's residual (or, without
+// residual mass or any child, from the level's p); the fresh draft from p; the extras from p
+// without the ids drawn so far (the kept token under maximal coupling, else the fresh draft,
+// first); for a Gumbel-coupled node instead its D best Gumbel keys.
 template <class Block>
 IMAGEGEN_HD void ChainVerifyNodeWith(const ChainVerifyArgs& a, int64_t n, ChainNode& nd,
                                      double grouped, Block& b) {
@@ -380,6 +469,10 @@ IMAGEGEN_HD void ChainVerifyNodeWith(const ChainVerifyArgs& a, int64_t n, ChainN
   int64_t kept = -1, fresh = -1;
   if (b.Leader()) kept = ChainFinish(a, n, nd, grouped, ChainDraw(nd, m, b.sums, total, a.ures[n]));
   if (a.ufresh == nullptr) return;
+  if (a.gumbel != nullptr && a.gumbel[n] != 0) {
+    ChainGumbelDrafts(a, n, nd, b);
+    return;
+  }
   const ChainMassSpec p0 = ChainSpec(ChainMass::kP, 0);
   if (!(m.kind == ChainMass::kP && m.level == 0)) total = b.Sum(nd, p0);
   if (b.Leader()) {
@@ -405,6 +498,11 @@ IMAGEGEN_HD void ChainVerifyNodeWith(const ChainVerifyArgs& a, int64_t n, ChainN
 // template it instantiates must be).
 struct ChainHostBlock {
   double sums[kChainVerifyChunks];
+  double ckeys[kChainVerifyChunks * kChainMaxKids];  // each chunk's best Gumbel keys and ids
+  int64_t cids[kChainVerifyChunks * kChainMaxKids];
+  IMAGEGEN_HD int ChunkBegin() const { return 0; }
+  IMAGEGEN_HD int ChunkStep() const { return 1; }
+  IMAGEGEN_HD void Barrier() const {}
   IMAGEGEN_HD double Sum(const ChainNode& nd, const ChainMassSpec& m) {
     for (int c = 0; c < kChainVerifyChunks; ++c) sums[c] = ChainChunkSum(nd, m, c);
     return ChainTotal(sums);

@@ -10,7 +10,9 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <limits>
 
+#include "engine/decoding/philox.h"
 #include "engine/decoding/sampling.h"
 #include "engine/decoding/verify.h"
 #include "kernels/chain_verify.h"
@@ -30,6 +32,9 @@ struct ChainCase {
   at::Tensor gdelta, gdist;  // float64 [A]
   at::Tensor embed;          // float64 [V, 3]
   bool grouped = false;
+  // Gumbel coupling (AddGumbel): the flag, the request's seed and the predicted position.
+  at::Tensor gumbel, seed, position;  // int64 [A]
+  bool gumbel_on = false;
 };
 
 inline ChainCase RandomChainCase(int64_t A, int64_t V, bool weighted, uint64_t seed) {
@@ -81,7 +86,22 @@ inline ChainCase RandomChainCase(int64_t A, int64_t V, bool weighted, uint64_t s
   c.gdelta = at::zeros({A}, f64);
   c.gdist = at::zeros({A}, f64);
   c.embed = at::zeros({V, 3}, f64);
+  c.gumbel = at::zeros({A}, at::kLong);
+  c.seed = at::zeros({A}, at::kLong);
+  c.position = at::zeros({A}, at::kLong);
   return c;
+}
+
+// Gumbel coupling on every third node (scd-gs, pac-gumbel): its next drafts are the top D of
+// log p + Gumbel noise keyed by a seed and a position (D <= V).
+inline void AddGumbel(ChainCase& c, uint64_t seed) {
+  at::Generator g = at::make_generator<at::CPUGeneratorImpl>(seed);
+  const int64_t A = c.p.size(0);
+  TORCH_CHECK(c.draws <= c.p.size(1), "AddGumbel: more drafts than ids");
+  c.gumbel_on = true;
+  c.gumbel = (at::arange(A) % 3 == 1).to(at::kLong);
+  c.seed = at::randint(1, int64_t{1} << 40, {A}, g, at::TensorOptions().dtype(at::kLong));
+  c.position = at::randint(1, 1000, {A}, g, at::TensorOptions().dtype(at::kLong));
 }
 
 // GSD on `c` (unweighted: the engine never mixes the two rules on one node): most nodes
@@ -224,6 +244,30 @@ inline ChainVerdicts EagerChainVerify(const ChainCase& c) {
     v.extra.select(1, k - 1).copy_(e);
     mask = mask | (OneHot(e.clamp_min(0), V, at::kBool) & ok.unsqueeze(1));
   }
+  if (c.gumbel_on) {  // GumbelDraws: the top D of log p + g, g keyed by seed and position
+    const at::Tensor gi = c.gumbel.nonzero().squeeze(1);
+    const int64_t Ag = gi.size(0);
+    at::Tensor gu = at::empty({Ag, V}, at::kDouble);
+    double* u = gu.data_ptr<double>();
+    for (int64_t i = 0; i < Ag; ++i) {
+      const int64_t a = gi[i].item<int64_t>();
+      const auto seed = static_cast<uint64_t>(c.seed[a].item<int64_t>());
+      const auto pos = static_cast<uint32_t>(c.position[a].item<int64_t>());
+      for (int64_t t = 0; t < V; ++t) {
+        u[i * V + t] = Uniform(seed, pos, 0, Purpose::kGumbel, static_cast<uint32_t>(t));
+      }
+    }
+    gu = gu.clamp(1e-300, 1.0 - 1e-16);
+    at::Tensor keys = c.p.index_select(0, gi).log() - (-gu.log()).log();
+    auto [vals, top] = keys.topk(D, 1);
+    v.fresh = v.fresh.index_copy(0, gi, top.select(1, 0));
+    if (D > 1) {
+      at::Tensor rest = top.narrow(1, 1, D - 1);
+      const double neg_inf = -std::numeric_limits<double>::infinity();
+      v.extra = v.extra.index_copy(
+          0, gi, at::where(vals.narrow(1, 1, D - 1) > neg_inf, rest, at::full_like(rest, -1)));
+    }
+  }
   return v;
 }
 
@@ -244,6 +288,11 @@ inline kernels::ChainVerifyArgs FusedArgs(const ChainCase& c, ChainVerdicts& out
   a.vocab = c.p.size(1);
   a.kids = c.kids;
   a.draws = c.draws;
+  if (c.gumbel_on) {
+    a.gumbel = c.gumbel.data_ptr<int64_t>();
+    a.seed = c.seed.data_ptr<int64_t>();
+    a.position = c.position.data_ptr<int64_t>();
+  }
   if (c.grouped) {
     a.group = c.group.data_ptr<int64_t>();
     a.group_delta = c.gdelta.data_ptr<double>();
@@ -288,8 +337,9 @@ inline ChainVerdicts HostChainVerify(const ChainCase& c) {
 
 inline ChainCase ChainCaseOn(const ChainCase& c, const at::Device& d) {
   ChainCase o = c;
-  for (at::Tensor* t : {&o.p, &o.q, &o.qrow, &o.kid, &o.tokens, &o.w, &o.uacc, &o.ures, &o.ufresh,
-                        &o.maximal, &o.group, &o.gdelta, &o.gdist, &o.embed}) {
+  for (at::Tensor* t :
+       {&o.p, &o.q, &o.qrow, &o.kid, &o.tokens, &o.w, &o.uacc, &o.ures, &o.ufresh, &o.maximal,
+        &o.group, &o.gdelta, &o.gdist, &o.embed, &o.gumbel, &o.seed, &o.position}) {
     *t = t->to(d).contiguous();
   }
   return o;

@@ -16,7 +16,8 @@ TEST(ChainVerifyTest, FusedDecidesAndDrawsAsTheEagerVerification) {
   int64_t nodes = 0, accepted = 0, no_draft = 0, empty_residual = 0;
   for (const bool weighted : {false, true}) {
     for (const int64_t V : {7, 512, 1000, 16384}) {  // fewer ids than chunks, ragged chunks
-      const ChainCase c = chain_test::RandomChainCase(330, V, weighted, 11 + V);
+      ChainCase c = chain_test::RandomChainCase(330, V, weighted, 11 + V);
+      if (weighted) chain_test::AddGumbel(c, 13 + V);  // and scd-gs's Gumbel drafts
       const ChainVerdicts eager = chain_test::EagerChainVerify(c);
       const ChainVerdicts fused = chain_test::HostChainVerify(c);
       EXPECT_EQ(chain_test::Mismatches(eager, fused), 0) << "V " << V << " weighted " << weighted;
@@ -37,7 +38,8 @@ TEST(ChainVerifyTest, FusedDecidesAndDrawsAsTheEagerVerification) {
 
 // Trees: siblings verified in turn against the residual of the ones before (q without them),
 // the residual draw after the last, and the extra candidates drawn without replacement, as the
-// eager loop and DrawNextDrafts make them; with GSD's first-sibling ratio mixed in too.
+// eager loop and DrawNextDrafts make them; with GSD's first-sibling ratio and Gumbel-coupled
+// nodes (their drafts the top D of log p + Gumbel noise) mixed in too.
 TEST(ChainVerifyTest, FusedTreesDecideAndDrawAsTheEagerVerification) {
   int64_t nodes = 0, later_accepted = 0, none_accepted = 0, extras = 0;
   for (const int64_t V : {7, 512, 1000, 16384}) {
@@ -45,6 +47,7 @@ TEST(ChainVerifyTest, FusedTreesDecideAndDrawAsTheEagerVerification) {
       for (const bool weighted : {false, true}) {
         chain_test::ChainCase c = chain_test::RandomTreeCase(200, V, K, D, weighted, 41 + V + K);
         if (!weighted && K == 4) chain_test::AddGroups(c, 43 + V);
+        if (!weighted && K == 2) chain_test::AddGumbel(c, 45 + V);
         const chain_test::ChainVerdicts eager = chain_test::EagerChainVerify(c);
         const chain_test::ChainVerdicts fused = chain_test::HostChainVerify(c);
         EXPECT_EQ(chain_test::Mismatches(eager, fused), 0)
@@ -93,6 +96,15 @@ TEST(ChainVerifyPowerTest, ABrokenTreeVerificationDiffers) {
   shifted.ufresh = c.ufresh.roll(1, 0);
   const int64_t shifted_differ =
       chain_test::Mismatches(eager, chain_test::HostChainVerify(shifted));
+  // Gumbel noise keyed at the next position.
+  chain_test::ChainCase gc = c;
+  chain_test::AddGumbel(gc, 49);
+  const chain_test::ChainVerdicts geager = chain_test::EagerChainVerify(gc);
+  EXPECT_EQ(chain_test::Mismatches(geager, chain_test::HostChainVerify(gc)), 0);
+  chain_test::ChainCase moved = gc;
+  moved.position = gc.position + 1;
+  const int64_t gumbel_differ = chain_test::Mismatches(geager, chain_test::HostChainVerify(moved));
+  EXPECT_GT(gumbel_differ, 50);  // of 67 Gumbel nodes
   // The extras' exclusion taken from the other coupling.
   chain_test::ChainCase coupling = c;
   coupling.maximal = 1 - c.maximal;
@@ -100,9 +112,10 @@ TEST(ChainVerifyPowerTest, ABrokenTreeVerificationDiffers) {
       chain_test::Mismatches(eager, chain_test::HostChainVerify(coupling));
   std::printf(
       "of %lld nodes: later siblings decided against p alone %lld, extras' uniforms "
-      "shifted %lld, coupling swapped %lld\n",
+      "shifted %lld, coupling swapped %lld, Gumbel noise at the next position %lld\n",
       static_cast<long long>(A), static_cast<long long>(differ),
-      static_cast<long long>(shifted_differ), static_cast<long long>(coupling_differ));
+      static_cast<long long>(shifted_differ), static_cast<long long>(coupling_differ),
+      static_cast<long long>(gumbel_differ));
   EXPECT_GT(differ, 10);
   EXPECT_GT(shifted_differ, 100);
   EXPECT_GT(coupling_differ, 10);

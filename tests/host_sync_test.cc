@@ -250,9 +250,10 @@ TEST(LaunchesTest, FusedChainVerificationReplacesTheEagerLaunches) {
 // The fused final distributions (SpecOptions::fused_probs; here its host path, which CUDA runs
 // as one kernel) replace the target's row gathers, CFG combine, temperature, softmax and float64
 // conversion, and for sd the draft model's too; with fused_verify off they are off as well.
-// gsd: its clusters in the fused verification, its distributions here.
+// gsd, scd-gs: their clusters and Gumbel drafts in the fused verification, their
+// distributions here.
 TEST(LaunchesTest, FusedFinalDistributionsReplaceTheEagerLaunches) {
-  for (const char* preset : {"ar", "sjd", "sd", "gsd"}) {
+  for (const char* preset : {"ar", "sjd", "sd", "gsd", "scd-gs"}) {
     const StepCounts fused = RunSteps(Model(), preset, nullptr, 2, true, true, 1);
     const StepCounts eager = RunSteps(Model(), preset, nullptr, 2, true, true, 0);
     std::printf(

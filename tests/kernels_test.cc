@@ -44,8 +44,8 @@ TEST(KernelsTest, PhiloxUniformOnGpuIsBitIdenticalToCpu) {
 // host's order, and trees' siblings and extra drafts taken in the host's order.
 TEST(KernelsTest, ChainVerifyOnGpuIsBitIdenticalToTheHost) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
-  // Chains (exact, COOL-SD's weights, GSD), then trees (K 4 with 4 next drafts and GSD's first
-  // sibling; K 8 with 8 and the weights).
+  // Chains (exact; COOL-SD's weights and Gumbel drafts; GSD), then trees (K 4 with 4 next
+  // drafts and GSD's first sibling; K 8 with 8, the weights and Gumbel drafts).
   for (const int mode : {0, 1, 2, 3, 4}) {
     const bool weighted = mode == 1 || mode == 4;
     for (const int64_t V : {7, 512, 1000, 16384}) {
@@ -54,6 +54,7 @@ TEST(KernelsTest, ChainVerifyOnGpuIsBitIdenticalToTheHost) {
                    : chain_test::RandomTreeCase(200, V, mode == 3 ? 4 : 8, mode == 3 ? 4 : 8,
                                                 weighted, 41 + V);
       if (mode == 2 || mode == 3) chain_test::AddGroups(c, 29 + V);
+      if ((mode == 1 || mode == 4) && V >= 8) chain_test::AddGumbel(c, 31 + V);
       const chain_test::ChainVerdicts host = chain_test::HostChainVerify(c);
       const chain_test::ChainCase d = chain_test::ChainCaseOn(c, at::kCUDA);
       chain_test::ChainVerdicts dev;

@@ -20,16 +20,11 @@ namespace {
 
 at::Tensor Pack(const Verdicts& v, const NextDrafts& d, const at::Tensor& entropy,
                 const at::Tensor& node_tokens, int64_t tree_k) {
-  // The fused verification's own rows, where they are all there is to read; Gumbel draws that
-  // replaced its drafts (DrawNextDrafts) go into their columns first (the rows are this step's
-  // readback buffer and nothing else reads them).
+  // The fused verification's own rows (its drafts included), where they are all there is to
+  // read.
   const int64_t kids = v.accepted.size(1);
-  if (v.packed.defined() && !entropy.defined() &&
+  if (v.packed.defined() && d.fresh.is_same(v.fresh) && !entropy.defined() &&
       node_tokens.defined() == (v.packed.size(1) == kids + tree_k + 3)) {
-    if (!d.fresh.is_same(v.fresh)) {
-      v.packed.narrow(1, kids + 2, 1).copy_(d.fresh.unsqueeze(1));
-      if (tree_k > 1) v.packed.narrow(1, kids + 3, tree_k - 1).copy_(d.extra);
-    }
     return ReadBack(v.packed);  // the step's only device-to-host read
   }
   std::vector<at::Tensor> pack = {

@@ -20,28 +20,24 @@ struct DrawInputs {
   std::vector<double> gumbel_u;  // [Ag, V]
 };
 
-// With fresh_uniforms false (the fused verification has drawn the fresh drafts) only the Gumbel
-// nodes' inputs are built.
-DrawInputs BuildDrawInputs(const StepContext& ctx, bool fresh_uniforms) {
+DrawInputs BuildDrawInputs(const StepContext& ctx) {
   const int64_t K = ctx.tree_k, V = ctx.cfg().vocab_size;
   DrawInputs in;
-  if (fresh_uniforms) {
-    in.ufresh.assign(ctx.nodes * K, 0.0);
-    in.maximal.assign(ctx.nodes, 0);
-  }
+  in.ufresh.assign(ctx.nodes * K, 0.0);
+  in.maximal.assign(ctx.nodes, 0);
   for (const Sequence* s : ctx.live) {
     const Coupling coupling = s->r.policy.coupling;
     for (size_t i = 0; i < s->nodes.size(); ++i) {
       const int64_t a = s->node_off + static_cast<int64_t>(i);
       const auto t = static_cast<uint32_t>(s->n() + s->nodes[i].col + 1);
-      if (fresh_uniforms) in.maximal[a] = coupling == Coupling::kMaximal ? 1 : 0;
+      in.maximal[a] = coupling == Coupling::kMaximal ? 1 : 0;
       if (coupling == Coupling::kGumbel) {
         in.gumbel_nodes.push_back(a);
         for (int64_t v = 0; v < V; ++v) {
           in.gumbel_u.push_back(
               Uniform(s->r.seed, t, 0, Purpose::kGumbel, static_cast<uint32_t>(v)));
         }
-      } else if (fresh_uniforms) {
+      } else {
         for (int64_t k = 0; k < K; ++k) {
           in.ufresh[a * K + k] =
               Uniform(s->r.seed, t, s->iter, Purpose::kDraft, static_cast<uint32_t>(k));
@@ -74,15 +70,13 @@ void GumbelDraws(const StepContext& ctx, const DrawInputs& in, NextDrafts& d) {
 NextDrafts DrawNextDrafts(const StepContext& ctx, const Verdicts& v) {
   const int64_t A = ctx.nodes, K = ctx.tree_k, V = ctx.cfg().vocab_size;
   const at::Tensor& kept = v.kept;
-  const bool fused = v.fresh.defined();
-  const DrawInputs in = BuildDrawInputs(ctx, /*fresh_uniforms=*/!fused);
   NextDrafts d;
-  if (fused) {  // drawn by the fused verification, with the same uniforms
+  if (v.fresh.defined()) {  // drawn by the fused verification, with the same uniforms and keys
     d.fresh = v.fresh;
     d.extra = v.extra;
-    if (!in.gumbel_nodes.empty()) GumbelDraws(ctx, in, d);
     return d;
   }
+  const DrawInputs in = BuildDrawInputs(ctx);
   at::Tensor uf = UploadDoubles(in.ufresh, ctx.dev()).view({A, K});
   d.fresh = SampleInverseCdf(ctx.p, uf.select(1, 0));
   d.extra = at::full({A, K - 1}, -1, d.fresh.options());

@@ -21,12 +21,18 @@
 namespace imagegen {
 namespace {
 
+static_assert(kernels::kChainGumbelPurpose == static_cast<uint32_t>(Purpose::kGumbel),
+              "the fused pass keys Gumbel noise as DrawNextDrafts does");
+
 // Per-node inputs, built on the host: children, uniforms, q rows, COOL weights, GSD nodes.
 struct VerifyInputs {
   std::vector<int64_t> qrow, kid;
   std::vector<double> w, uacc, ures;
   std::vector<double> ufresh;    // [A, tree_k]: the next drafts' uniforms (DrawNextDrafts's)
   std::vector<int64_t> maximal;  // [A] with trees: 1 under maximal coupling (DrawNextDrafts's)
+  // [A] where a node is Gumbel-coupled: the flag, its request's seed and the position its
+  // output predicts (GumbelDraws' keys).
+  std::vector<int64_t> gumbel, seed, position;
   std::vector<int64_t> grouped, group_size;
   std::vector<double> group_delta, group_dist;
 };
@@ -41,6 +47,12 @@ VerifyInputs BuildInputs(const StepContext& ctx) {
   in.ures.assign(A, 0.0);
   in.ufresh.assign(A * D, 0.0);
   if (D > 1) in.maximal.assign(A, 0);
+  if (std::any_of(ctx.live.begin(), ctx.live.end(),
+                  [](const Sequence* s) { return s->r.policy.coupling == Coupling::kGumbel; })) {
+    in.gumbel.assign(A, 0);
+    in.seed.assign(A, 0);
+    in.position.assign(A, 0);
+  }
   for (const Sequence* s : ctx.live) {
     const DecodingPolicy& p = s->r.policy;
     for (size_t i = 0; i < s->nodes.size(); ++i) {
@@ -54,6 +66,11 @@ VerifyInputs BuildInputs(const StepContext& ctx) {
             Uniform(s->r.seed, t, s->iter, Purpose::kDraft, static_cast<uint32_t>(k));
       }
       if (D > 1) in.maximal[a] = p.coupling == Coupling::kMaximal ? 1 : 0;
+      if (p.coupling == Coupling::kGumbel) {
+        in.gumbel[a] = 1;
+        in.seed[a] = static_cast<int64_t>(s->r.seed);
+        in.position[a] = t;
+      }
       if (nd.kids.empty()) continue;
       in.qrow[a] = s->q_off + col;
       for (size_t k = 0; k < nd.kids.size(); ++k) {
@@ -105,8 +122,9 @@ bool CanFuse(const StepContext& ctx, const VerifyInputs& in) {
 // The fused verification (kernels/chain_verify.h): one kernel over all nodes on CUDA, the same
 // per-node arithmetic on the host on the CPU. One "launch" either way, as LaunchCount and
 // profilers see it. It also draws every node's next drafts (Verdicts::fresh and, with trees,
-// Verdicts::extra), which DrawNextDrafts then takes, computes GSD nodes' cluster ratios, and
-// writes the step's readback rows (Verdicts::packed).
+// Verdicts::extra; Gumbel-coupled nodes' by their Gumbel keys), which DrawNextDrafts then
+// takes, computes GSD nodes' cluster ratios, and writes the step's readback rows
+// (Verdicts::packed).
 Verdicts FusedChainVerify(const StepContext& ctx, const VerifyInputs& in) {
   RECORD_FUNCTION("imagegen::chain_verify", std::vector<c10::IValue>());
   const at::Device dev = ctx.dev();
@@ -170,6 +188,11 @@ Verdicts FusedChainVerify(const StepContext& ctx, const VerifyInputs& in) {
     a.ures = in.ures.data();
     a.ufresh = in.ufresh.data();
     a.maximal = D > 1 ? in.maximal.data() : nullptr;
+    if (!in.gumbel.empty()) {
+      a.gumbel = in.gumbel.data();
+      a.seed = in.seed.data();
+      a.position = in.position.data();
+    }
     if (grouped) {
       a.group = group.data();
       a.group_delta = gdelta.data();
@@ -183,6 +206,9 @@ Verdicts FusedChainVerify(const StepContext& ctx, const VerifyInputs& in) {
     longs.insert(longs.end(), in.qrow.begin(), in.qrow.end());
     longs.insert(longs.end(), in.maximal.begin(), in.maximal.end());
     longs.insert(longs.end(), group.begin(), group.end());
+    for (const auto* g : {&in.gumbel, &in.seed, &in.position}) {
+      longs.insert(longs.end(), g->begin(), g->end());
+    }
     std::vector<double> doubles(in.uacc);
     doubles.insert(doubles.end(), in.ures.begin(), in.ures.end());
     doubles.insert(doubles.end(), in.ufresh.begin(), in.ufresh.end());
@@ -194,7 +220,14 @@ Verdicts FusedChainVerify(const StepContext& ctx, const VerifyInputs& in) {
     a.kid = lp;
     a.qrow = lp + A * K;
     a.maximal = D > 1 ? lp + A * K + A : nullptr;
-    a.group = grouped ? lp + A * K + A + static_cast<int64_t>(in.maximal.size()) : nullptr;
+    const int64_t* after = lp + A * K + A + static_cast<int64_t>(in.maximal.size());
+    a.group = grouped ? after : nullptr;
+    after += static_cast<int64_t>(group.size());
+    if (!in.gumbel.empty()) {
+      a.gumbel = after;
+      a.seed = after + A;
+      a.position = after + 2 * A;
+    }
     const double* dp = d.data_ptr<double>();
     a.uacc = dp;
     a.ures = dp + A * K;
