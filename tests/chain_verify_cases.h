@@ -10,7 +10,6 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
-#include <limits>
 
 #include "engine/decoding/philox.h"
 #include "engine/decoding/sampling.h"
@@ -257,16 +256,9 @@ inline ChainVerdicts EagerChainVerify(const ChainCase& c) {
         u[i * V + t] = Uniform(seed, pos, 0, Purpose::kGumbel, static_cast<uint32_t>(t));
       }
     }
-    gu = gu.clamp(1e-300, 1.0 - 1e-16);
-    at::Tensor keys = c.p.index_select(0, gi).log() - (-gu.log()).log();
-    auto [vals, top] = keys.topk(D, 1);
-    v.fresh = v.fresh.index_copy(0, gi, top.select(1, 0));
-    if (D > 1) {
-      at::Tensor rest = top.narrow(1, 1, D - 1);
-      const double neg_inf = -std::numeric_limits<double>::infinity();
-      v.extra = v.extra.index_copy(
-          0, gi, at::where(vals.narrow(1, 1, D - 1) > neg_inf, rest, at::full_like(rest, -1)));
-    }
+    auto [first, rest] = GumbelTopK(c.p.index_select(0, gi), gu, D);
+    v.fresh = v.fresh.index_copy(0, gi, first);
+    if (D > 1) v.extra = v.extra.index_copy(0, gi, rest);
   }
   return v;
 }

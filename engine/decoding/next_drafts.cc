@@ -12,8 +12,6 @@
 namespace imagegen {
 namespace {
 
-constexpr double kNegInf = -std::numeric_limits<double>::infinity();
-
 struct DrawInputs {
   std::vector<double> ufresh;  // [A, K]: uniforms of the fresh draws
   std::vector<int64_t> maximal, gumbel_nodes;
@@ -54,15 +52,9 @@ void GumbelDraws(const StepContext& ctx, const DrawInputs& in, NextDrafts& d) {
   at::Tensor gi = UploadLongs(in.gumbel_nodes, ctx.dev());
   const auto Ag = static_cast<int64_t>(in.gumbel_nodes.size());
   at::Tensor gu = UploadDoubles(in.gumbel_u, ctx.dev()).view({Ag, V});
-  gu = gu.clamp(1e-300, 1.0 - 1e-16);
-  at::Tensor keys = ctx.p.index_select(0, gi).log() - (-gu.log()).log();
-  auto [vals, top] = keys.topk(K, 1);
-  d.fresh = d.fresh.index_copy(0, gi, top.select(1, 0));
-  if (K > 1) {
-    at::Tensor rest = top.narrow(1, 1, K - 1);
-    at::Tensor ex = at::where(vals.narrow(1, 1, K - 1) > kNegInf, rest, at::full_like(rest, -1));
-    d.extra = d.extra.index_copy(0, gi, ex);
-  }
+  auto [first, rest] = GumbelTopK(ctx.p.index_select(0, gi), gu, K);
+  d.fresh = d.fresh.index_copy(0, gi, first);
+  if (K > 1) d.extra = d.extra.index_copy(0, gi, rest);
 }
 
 }  // namespace

@@ -72,6 +72,16 @@ at::Tensor OneHot(const at::Tensor& ids, int64_t classes, at::ScalarType dtype) 
       .scatter_(1, ids.to(at::kLong).unsqueeze(1), 1);
 }
 
+std::pair<at::Tensor, at::Tensor> GumbelTopK(const at::Tensor& p, const at::Tensor& u, int64_t k) {
+  at::Tensor keys = p.log() - (-u.clamp(1e-300, 1.0 - 1e-16).log()).log();
+  auto [vals, top] = keys.topk(k, 1);
+  if (k == 1) return {top.select(1, 0), at::Tensor()};
+  at::Tensor rest = top.narrow(1, 1, k - 1);
+  const double neg_inf = -std::numeric_limits<double>::infinity();
+  rest = at::where(vals.narrow(1, 1, k - 1) > neg_inf, rest, at::full_like(rest, -1));
+  return {top.select(1, 0), rest};
+}
+
 at::Tensor SampleInverseCdf(const at::Tensor& probs, const at::Tensor& uniforms) {
   at::Tensor cum = probs.to(at::kDouble).cumsum(-1);
   at::Tensor target = uniforms.to(at::kDouble).unsqueeze(1) * cum.narrow(1, cum.size(1) - 1, 1);

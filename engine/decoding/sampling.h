@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/decoding/sampling_params.h"
@@ -26,6 +27,13 @@ at::Tensor FinalProbs(const at::Tensor& logits, const std::vector<SamplingParams
 // u * total (never an id of probability zero). probs [R, V], uniforms [R] in [0, 1), on the
 // same device.
 at::Tensor SampleInverseCdf(const at::Tensor& probs, const at::Tensor& uniforms);
+
+// Gumbel top-k draws: for rows p [R, V] and uniforms u [R, V] (clamped to [1e-300, 1 - 1e-16]),
+// the k ids with the largest log p - log(-log u), best first: the first as int64 [R], the other
+// k - 1 as int64 [R, k - 1] (undefined for k = 1), -1 where the key is -inf (p = 0). The eager
+// path of Gumbel-coupled drafts (next_drafts.cc); kernels/chain_verify.h computes the same in
+// the fused verification.
+std::pair<at::Tensor, at::Tensor> GumbelTopK(const at::Tensor& p, const at::Tensor& u, int64_t k);
 
 // One-hot rows [n, classes] of `dtype` for ids in [0, classes), on the ids' device. Unlike
 // at::one_hot it does not read the ids' range back to the host (a device sync on the CPU
