@@ -10,6 +10,8 @@
 #include <ATen/record_function.h>
 
 #include <algorithm>
+#include <utility>
+#include <vector>
 
 #include "engine/decoding/fused_kernels.h"
 #include "engine/decoding/philox.h"
@@ -119,6 +121,26 @@ bool CanFuse(const StepContext& ctx, const VerifyInputs& in) {
   return dev.is_cpu() || (dev.is_cuda() && FusedKernelsBuilt());
 }
 
+// Several host arrays joined into one, for one upload: Add appends an array and records which
+// argument pointer points at it and where; Bind sets every recorded pointer from the joined
+// array's base (host or device), so no offset is computed twice.
+template <typename T>
+class HostPack {
+ public:
+  void Add(const std::vector<T>& v, const T** at) {
+    slots_.emplace_back(at, data_.size());
+    data_.insert(data_.end(), v.begin(), v.end());
+  }
+  void Bind(const T* base) const {
+    for (const auto& [at, offset] : slots_) *at = base + offset;
+  }
+  const std::vector<T>& data() const { return data_; }
+
+ private:
+  std::vector<T> data_;
+  std::vector<std::pair<const T**, size_t>> slots_;
+};
+
 // The fused verification (kernels/chain_verify.h): one kernel over all nodes on CUDA, the same
 // per-node arithmetic on the host on the CPU. One "launch" either way, as LaunchCount and
 // profilers see it. It also draws every node's next drafts (Verdicts::fresh and, with trees,
@@ -180,63 +202,37 @@ Verdicts FusedChainVerify(const StepContext& ctx, const VerifyInputs& in) {
     a.embed = embed.data_ptr<double>();
     a.embed_dim = embed.size(1);
   }
-  if (dev.is_cpu()) {  // the inputs straight from the host vectors
-    a.qrow = in.qrow.data();
-    a.kid = in.kid.data();
-    a.w = weighted ? in.w.data() : nullptr;
-    a.uacc = in.uacc.data();
-    a.ures = in.ures.data();
-    a.ufresh = in.ufresh.data();
-    a.maximal = D > 1 ? in.maximal.data() : nullptr;
-    if (!in.gumbel.empty()) {
-      a.gumbel = in.gumbel.data();
-      a.seed = in.seed.data();
-      a.position = in.position.data();
-    }
-    if (grouped) {
-      a.group = group.data();
-      a.group_delta = gdelta.data();
-      a.group_dist = gdist.data();
-    }
+  // The per-node inputs, in two flat arrays whose pointers are bound where each is appended:
+  // into the host arrays on the CPU, into their one upload each on CUDA.
+  HostPack<int64_t> longs;
+  HostPack<double> doubles;
+  longs.Add(in.kid, &a.kid);
+  longs.Add(in.qrow, &a.qrow);
+  doubles.Add(in.uacc, &a.uacc);
+  doubles.Add(in.ures, &a.ures);
+  doubles.Add(in.ufresh, &a.ufresh);
+  if (D > 1) longs.Add(in.maximal, &a.maximal);
+  if (weighted) doubles.Add(in.w, &a.w);
+  if (!in.gumbel.empty()) {
+    longs.Add(in.gumbel, &a.gumbel);
+    longs.Add(in.seed, &a.seed);
+    longs.Add(in.position, &a.position);
+  }
+  if (grouped) {
+    longs.Add(group, &a.group);
+    doubles.Add(gdelta, &a.group_delta);
+    doubles.Add(gdist, &a.group_dist);
+  }
+  if (dev.is_cpu()) {
+    longs.Bind(longs.data().data());
+    doubles.Bind(doubles.data().data());
     at::parallel_for(0, A, 1, [&](int64_t b, int64_t e) {
       for (int64_t n = b; n < e; ++n) kernels::ChainVerifyNodeOnHost(a, n);
     });
   } else {  // two uploads, then the kernel on the current stream
-    std::vector<int64_t> longs(in.kid);
-    longs.insert(longs.end(), in.qrow.begin(), in.qrow.end());
-    longs.insert(longs.end(), in.maximal.begin(), in.maximal.end());
-    longs.insert(longs.end(), group.begin(), group.end());
-    for (const auto* g : {&in.gumbel, &in.seed, &in.position}) {
-      longs.insert(longs.end(), g->begin(), g->end());
-    }
-    std::vector<double> doubles(in.uacc);
-    doubles.insert(doubles.end(), in.ures.begin(), in.ures.end());
-    doubles.insert(doubles.end(), in.ufresh.begin(), in.ufresh.end());
-    if (weighted) doubles.insert(doubles.end(), in.w.begin(), in.w.end());
-    doubles.insert(doubles.end(), gdelta.begin(), gdelta.end());
-    doubles.insert(doubles.end(), gdist.begin(), gdist.end());
-    at::Tensor l = UploadLongs(longs, dev), d = UploadDoubles(doubles, dev);
-    const int64_t* lp = l.data_ptr<int64_t>();
-    a.kid = lp;
-    a.qrow = lp + A * K;
-    a.maximal = D > 1 ? lp + A * K + A : nullptr;
-    const int64_t* after = lp + A * K + A + static_cast<int64_t>(in.maximal.size());
-    a.group = grouped ? after : nullptr;
-    after += static_cast<int64_t>(group.size());
-    if (!in.gumbel.empty()) {
-      a.gumbel = after;
-      a.seed = after + A;
-      a.position = after + 2 * A;
-    }
-    const double* dp = d.data_ptr<double>();
-    a.uacc = dp;
-    a.ures = dp + A * K;
-    a.ufresh = a.ures + A;
-    const double* rest = a.ufresh + A * D;
-    a.w = weighted ? rest : nullptr;
-    if (weighted) rest += A;
-    a.group_delta = grouped ? rest : nullptr;
-    a.group_dist = grouped ? rest + A : nullptr;
+    at::Tensor l = UploadLongs(longs.data(), dev), d = UploadDoubles(doubles.data(), dev);
+    longs.Bind(l.data_ptr<int64_t>());
+    doubles.Bind(d.data_ptr<double>());
     const int err = LaunchChainVerifyKernel(a, CurrentCudaStream(dev));
     TORCH_CHECK(err == 0, "fused chain verification: CUDA launch failed (error ", err, ")");
   }
