@@ -3,6 +3,7 @@
 # nvcc, CMake and ninja; no Debian packages, no gRPC, no network), run from the repository root:
 #
 #   bench/gpu/run_all.sh --phase build     # configure and build the engine, tests and benches
+#   bench/gpu/run_all.sh --phase kernels   # the fused kernels against their host paths
 #   bench/gpu/run_all.sh --phase tests     # CUDA parity, kernels, host syncs, exact distributions
 #   bench/gpu/run_all.sh --phase bench     # step-cost curve, speculative bench, load bench
 #                                          # (= --phase step,spec,load)
@@ -143,10 +144,20 @@ phase_tests() {
     # by the CPU's PyTorch; the CUDA checks compare the GPU's logits with them.
     "$PY" tools/parity.py --out "$parity_dir" > "$out/parity_reference.log" 2>&1
     IMAGEGEN_PARITY_DIR="$parity_dir" "$t/parity_tests" 2>&1 | tee "$out/parity_tests.log" | tail -3
-    if [[ -x "$t/kernels_tests" ]]; then
-      "$t/kernels_tests" 2>&1 | tee "$out/kernels_tests.log" | tail -3
-    fi
+    [[ -f $out/kernels_tests.log ]] || phase_kernels || true
   fi
+}
+
+# The fused kernels against their host paths (kernels_tests), on their own and first in a lease:
+# exit 1 where they fail, so that bench/gpu/lease.sh can run the later phases on the eager path
+# (IMAGEGEN_FUSED_KERNELS=0) rather than lose them to a kernel that never ran on a GPU before.
+phase_kernels() {
+  log "kernels tests on $device"
+  if [[ $device != cuda || ! -x "$tests_bin/kernels_tests" ]]; then
+    echo "kernels: none to run (device $device)" | tee "$out/kernels_tests.log"
+    return 0
+  fi
+  "$tests_bin/kernels_tests" 2>&1 | tee "$out/kernels_tests.log" | tail -3
 }
 
 gbps() {  # HBM bandwidth of the GPU, for the weight-read limit
@@ -297,8 +308,8 @@ fi
 IFS=, read -r -a phases <<< "$phase"
 for p in "${phases[@]}"; do
   case "$p" in
-    build|tests|bench|step|spec|load|serve|report) ;;
-    *) echo "--phase: expected all or a list of build, tests, bench (= step, spec, load)," \
+    build|kernels|tests|bench|step|spec|load|serve|report) ;;
+    *) echo "--phase: expected all or a list of build, kernels, tests, bench (= step, spec, load)," \
             "serve, report; got '$p'" >&2; exit 2 ;;
   esac
 done

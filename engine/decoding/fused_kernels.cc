@@ -2,10 +2,19 @@
 // (reporting so) in the CPU-only, sanitizer and nvcc-less builds.
 #include "engine/decoding/fused_kernels.h"
 
+#include <cstdlib>
+#include <cstring>
+
 namespace imagegen {
 
 #ifdef IMAGEGEN_FUSED_KERNELS
-bool FusedKernelsBuilt() { return true; }
+bool FusedKernelsOn() {
+  static const bool on = [] {
+    const char* e = std::getenv("IMAGEGEN_FUSED_KERNELS");
+    return e == nullptr || std::strcmp(e, "0") != 0;
+  }();
+  return on;
+}
 int LaunchChainVerifyKernel(const kernels::ChainVerifyArgs& args, void* stream) {
   return kernels::LaunchChainVerify(args, stream);
 }
@@ -13,7 +22,7 @@ int LaunchGuidedProbsKernel(const kernels::GuidedProbsArgs& args, void* stream) 
   return kernels::LaunchGuidedProbs(args, stream);
 }
 #else
-bool FusedKernelsBuilt() { return false; }
+bool FusedKernelsOn() { return false; }
 int LaunchChainVerifyKernel(const kernels::ChainVerifyArgs&, void*) { return -1; }
 int LaunchGuidedProbsKernel(const kernels::GuidedProbsArgs&, void*) { return -1; }
 #endif

@@ -53,7 +53,7 @@ at::Tensor GuidedBatch::Probs(const at::Tensor& logits) const {
 
 at::Tensor GuidedBatch::FusedProbs(const at::Tensor& logits_in, bool host) const {
   const at::Device dev = logits_in.device();
-  if (dev.is_cpu() ? !host : !(dev.is_cuda() && FusedKernelsBuilt())) return {};
+  if (dev.is_cpu() ? !host : !(dev.is_cuda() && FusedKernelsOn())) return {};
   const int64_t V = logits_in.size(1);
   const bool top_p = std::any_of(params_.begin(), params_.end(),
                                  [](const SamplingParams& p) { return p.top_p < 1.0; });

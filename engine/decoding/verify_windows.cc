@@ -108,7 +108,7 @@ at::Tensor GroupedRatio(const StepContext& ctx, const VerifyInputs& in, const at
 
 // Whether this step's verification can run fused (SpecOptions::fused_verify): chains and trees
 // of at most kernels::kChainMaxKids children (and next drafts) per node, the exact rules, GSD
-// clusters of at most kernels::kChainGroupMax ids, and on CUDA a build with the kernel.
+// clusters of at most kernels::kChainGroupMax ids, and on CUDA the kernel (FusedKernelsOn).
 bool CanFuse(const StepContext& ctx, const VerifyInputs& in) {
   if (!ctx.opts.fused_verify) return false;
   if (ctx.max_kids > kernels::kChainMaxKids || ctx.tree_k > kernels::kChainMaxKids) return false;
@@ -118,7 +118,7 @@ bool CanFuse(const StepContext& ctx, const VerifyInputs& in) {
     return false;
   }
   const at::Device dev = ctx.dev();
-  return dev.is_cpu() || (dev.is_cuda() && FusedKernelsBuilt());
+  return dev.is_cpu() || (dev.is_cuda() && FusedKernelsOn());
 }
 
 // Several host arrays joined into one, for one upload: Add appends an array and records which
