@@ -29,7 +29,6 @@
 // boundary. Header-only and free of CUDA: the engine's CPU path includes it.
 #pragma once
 
-#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
@@ -79,9 +78,9 @@ struct ChainVerifyArgs {
   int64_t embed_dim = 0;
   // Optional Gumbel coupling (scd-gs, pac-gumbel; DrawNextDrafts's GumbelDraws): where
   // gumbel[n] != 0 the next drafts are instead the `draws` ids with the largest
-  // log p(v) - log(-log u_v), u_v = PhiloxUniform(seed[n], position[n], 0, kGumbel, v) clamped
-  // to [1e-300, 1 - 1e-16], in descending order (ties by id); an extra whose key is -inf
-  // (p(v) = 0) is -1.
+  // p(v) / (-log u_v), u_v = PhiloxUniform(seed[n], position[n], 0, kGumbel, v) clamped to
+  // [1e-300, 1 - 1e-16], in descending order (ties by id); an extra whose key is 0 (p(v) = 0)
+  // is -1. (The Gumbel-max key log p(v) - log(-log u_v) in the same order, in one log.)
   const int64_t* gumbel = nullptr;    // [nodes]
   const int64_t* seed = nullptr;      // [nodes] the request's seed (its bits)
   const int64_t* position = nullptr;  // [nodes] the position the node's output predicts
@@ -367,13 +366,13 @@ IMAGEGEN_HD void ChainNextDraft(const ChainVerifyArgs& a, int64_t n, int64_t j, 
     a.packed[n * a.packed_cols + a.kids + 2 + j] = static_cast<double>(token);
 }
 
-// A Gumbel-coupled node's key for id v (GumbelDraws' arithmetic, op for op).
+// A Gumbel-coupled node's key for id v (GumbelTopK's arithmetic, op for op).
 IMAGEGEN_HD double ChainGumbelKey(const ChainVerifyArgs& a, int64_t n, const ChainNode& nd,
                                   int64_t v) {
   double u = PhiloxUniform(static_cast<uint64_t>(a.seed[n]), static_cast<uint32_t>(a.position[n]),
                            0, kChainGumbelPurpose, static_cast<uint32_t>(v));
   u = u < 1e-300 ? 1e-300 : (u > 1.0 - 1e-16 ? 1.0 - 1e-16 : u);
-  return log(nd.p[v]) - log(-log(u));
+  return nd.p[v] / -log(u);
 }
 
 // Whether (ka, ia) comes before (kb, ib) among the largest keys: larger key, ties by lower id.
@@ -424,7 +423,7 @@ IMAGEGEN_HD void ChainGumbelMerge(const ChainVerifyArgs& a, int64_t n, const dou
     }
   }
   for (int j = 0; j < d; ++j) {
-    const bool ok = j < len && (j == 0 || keys[j] >= -DBL_MAX);  // an extra needs p(v) > 0
+    const bool ok = j < len && (j == 0 || keys[j] > 0.0);  // an extra needs p(v) > 0
     ChainNextDraft(a, n, j, ok ? ids[j] : -1);
   }
 }

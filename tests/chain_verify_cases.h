@@ -243,7 +243,7 @@ inline ChainVerdicts EagerChainVerify(const ChainCase& c) {
     v.extra.select(1, k - 1).copy_(e);
     mask = mask | (OneHot(e.clamp_min(0), V, at::kBool) & ok.unsqueeze(1));
   }
-  if (c.gumbel_on) {  // GumbelDraws: the top D of log p + g, g keyed by seed and position
+  if (c.gumbel_on) {  // GumbelDraws: the top D of p / (-log u), u keyed by seed and position
     const at::Tensor gi = c.gumbel.nonzero().squeeze(1);
     const int64_t Ag = gi.size(0);
     at::Tensor gu = at::empty({Ag, V}, at::kDouble);

@@ -73,12 +73,11 @@ at::Tensor OneHot(const at::Tensor& ids, int64_t classes, at::ScalarType dtype) 
 }
 
 std::pair<at::Tensor, at::Tensor> GumbelTopK(const at::Tensor& p, const at::Tensor& u, int64_t k) {
-  at::Tensor keys = p.log() - (-u.clamp(1e-300, 1.0 - 1e-16).log()).log();
+  at::Tensor keys = p / -u.clamp(1e-300, 1.0 - 1e-16).log();
   auto [vals, top] = keys.topk(k, 1);
   if (k == 1) return {top.select(1, 0), at::Tensor()};
   at::Tensor rest = top.narrow(1, 1, k - 1);
-  const double neg_inf = -std::numeric_limits<double>::infinity();
-  rest = at::where(vals.narrow(1, 1, k - 1) > neg_inf, rest, at::full_like(rest, -1));
+  rest = at::where(vals.narrow(1, 1, k - 1) > 0, rest, at::full_like(rest, -1));
   return {top.select(1, 0), rest};
 }
 

@@ -29,8 +29,10 @@ at::Tensor FinalProbs(const at::Tensor& logits, const std::vector<SamplingParams
 at::Tensor SampleInverseCdf(const at::Tensor& probs, const at::Tensor& uniforms);
 
 // Gumbel top-k draws: for rows p [R, V] and uniforms u [R, V] (clamped to [1e-300, 1 - 1e-16]),
-// the k ids with the largest log p - log(-log u), best first: the first as int64 [R], the other
-// k - 1 as int64 [R, k - 1] (undefined for k = 1), -1 where the key is -inf (p = 0). The eager
+// the k ids with the largest p / (-log u), best first: the first as int64 [R], the other k - 1 as
+// int64 [R, k - 1] (undefined for k = 1), -1 where the key is 0 (p = 0). The key is the
+// exponential of the Gumbel-max key log p - log(-log u), so the order is the same (the top k of
+// p + Gumbel noise: k draws from p without replacement) in one log instead of three. The eager
 // path of Gumbel-coupled drafts (next_drafts.cc); kernels/chain_verify.h computes the same in
 // the fused verification.
 std::pair<at::Tensor, at::Tensor> GumbelTopK(const at::Tensor& p, const at::Tensor& u, int64_t k);
