@@ -190,6 +190,14 @@ def main():
         if "failed" in summary or "crashed" in summary or (name == "engine_tests" and
                                                             summary == "not run"):
             problems.append(f"{name}: {summary}")
+    lease = os.path.join(a.out, "lease.log")
+    if os.path.exists(lease):  # bench/gpu/lease.sh's phases, and its kernels fallback
+        lease_lines = [l.rstrip() for l in open(lease, errors="replace") if l.strip()]
+        if any("IMAGEGEN_FUSED_KERNELS=0" in l for l in lease_lines):
+            lines.append("- **the fused kernels failed their tests on this device: every phase "
+                         "after them ran the eager path (IMAGEGEN_FUSED_KERNELS=0)**")
+            problems.append("kernels: failed, later phases on the eager path")
+        lines += ["", "Phases (lease.log):", "", "```"] + lease_lines + ["```"]
     syncs = os.path.join(a.out, "engine_tests.log")
     if os.path.exists(syncs):
         sync_lines = [l.rstrip() for l in open(syncs, errors="replace")
