@@ -63,9 +63,17 @@ TEST(KernelsTest, ChainVerifyOnGpuIsBitIdenticalToTheHost) {
       torch::cuda::synchronize();
       EXPECT_EQ(chain_test::Mismatches(host, dev, /*all=*/true), 0)
           << "V " << V << " mode " << mode;
-      EXPECT_EQ(chain_test::Mismatches(chain_test::EagerChainVerify(c), dev), 0) << "V " << V;
-      EXPECT_EQ(chain_test::PackedMismatches(c, dev), 0) << "V " << V;
-      EXPECT_TRUE(host.packed.equal(dev.packed.cpu())) << "V " << V;
+      // Against the eager verification: as many nodes differ as differ between it and the host
+      // path. Mostly none; one where an edge case leaves the residual nothing but rounding noise,
+      // which two summation orders draw differently (mode 3, V 1000, node 50 on the CPU here and
+      // on an H200's host: GSD rejects a first sibling whose q equals p up to rounding, and the
+      // second sibling is verified against p - q). chain_verify_test.cc checks the host path
+      // against the eager one; bit-identity with the host is what this test asks of the kernel.
+      const chain_test::ChainVerdicts eager = chain_test::EagerChainVerify(c);
+      EXPECT_EQ(chain_test::Mismatches(eager, dev), chain_test::Mismatches(eager, host))
+          << "V " << V << " mode " << mode;
+      EXPECT_EQ(chain_test::PackedMismatches(c, dev), 0) << "V " << V << " mode " << mode;
+      EXPECT_TRUE(host.packed.equal(dev.packed.cpu())) << "V " << V << " mode " << mode;
     }
   }
 }
