@@ -9,10 +9,17 @@
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 
+#include <atomic>
 #include <string>
+#include <thread>
 #include <vector>
 
+#ifdef IMAGEGEN_TEST_CUDA
+#include <c10/cuda/CUDAStream.h>
+#endif
+
 #include "engine/model/cuda_graphs.h"
+#include "engine/model/cuda_stream.h"
 #include "engine/model/gpt.h"
 #include "engine/model/transfer.h"
 #include "tests/test_util.h"
@@ -244,6 +251,67 @@ TEST_F(StaticForwardTest, CudaGraphReplaysEqualTheEagerStaticForward) {
               0.0f);
   }
 }
+
+#ifdef IMAGEGEN_TEST_CUDA
+// Captures beside another thread that keeps uploading on a pooled stream of its own (the decode
+// thread's OwnStream): they run on GraphCaptureStream, outside LibTorch's pool, never on that
+// thread's stream. Captures used to take the pool's next stream; the pool hands its 32 streams
+// out in turn, so now and then the capture's was the decode thread's, whose next upload failed
+// mid-capture ("Cannot copy between CPU and CUDA tensors during CUDA graph capture") before the
+// process crashed (an H200, the load bench with CUDA graphs at 4 clients). Here the pool is
+// turned so that its next stream is the uploader's, as it was then: the old capture fails this.
+TEST_F(StaticForwardTest, CapturesNeverRunOnAnotherThreadsStream) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  LoadOptions o;
+  o.device = at::Device(at::kCUDA, 0);
+  std::unique_ptr<Gpt> gpt = Load(o);
+  ASSERT_NE(gpt, nullptr);
+  KvCache eager = gpt->NewCache(6, 0, true), graphed = gpt->NewCache(6, 0, true);
+  std::atomic<bool> ready{false}, stop{false};
+  std::atomic<int64_t> uploads{0};
+  void* theirs = nullptr;
+  std::string failure;
+  std::thread uploader([&] {
+    OwnStream own(o.device);
+    theirs = CurrentCudaStream(o.device);
+    ready = true;
+    try {
+      const at::Tensor host = at::arange(4096, at::kFloat);
+      while (!stop) {
+        at::Tensor d = host.to(o.device);  // pageable memory: the copy waits for its stream
+        uploads += 1;
+      }
+    } catch (const c10::Error& e) {
+      failure = e.what_without_backtrace();
+    }
+  });
+  while (!ready) std::this_thread::yield();
+  // The pool's stream after the uploader's, then 31 more: the next is the uploader's again.
+  int turns = 0;
+  while (c10::cuda::getStreamFromPool(false, 0).stream() != theirs && turns < 64) turns += 1;
+  ASSERT_LT(turns, 64) << "the uploader's stream is not one of the pool's";
+  for (int i = 0; i < 31; ++i) c10::cuda::getStreamFromPool(false, 0);
+  // Wait until the uploader is uploading (generous: a loaded machine).
+  for (int i = 0; i < 100000 && uploads.load() < 10; ++i) std::this_thread::yield();
+  std::vector<std::vector<BatchRow>> steps = Steps();
+  for (size_t i = 0; i < steps.size(); ++i) {
+    SCOPED_TRACE("step " + std::to_string(i));
+    auto a = gpt->Forward(steps[i], eager, at::Tensor(), ForwardOptions{false, true});
+    auto b = gpt->Forward(steps[i], graphed, at::Tensor(), ForwardOptions{false, true, true});
+    ASSERT_TRUE(a.ok()) << a.status().ToString();
+    ASSERT_TRUE(b.ok()) << b.status().ToString();
+    EXPECT_EQ((*a - *b).abs().max().item<float>(), 0.0f);
+  }
+  const int64_t during = uploads.load();
+  stop = true;
+  uploader.join();
+  EXPECT_EQ(failure, "");
+  EXPECT_GT(during, 10);
+  EXPECT_GT(GraphStats(graphed).captures, 0);
+  EXPECT_NE(GraphCaptureStream(o.device), nullptr);
+  EXPECT_NE(GraphCaptureStream(o.device), theirs);
+}
+#endif
 
 }  // namespace
 }  // namespace imagegen

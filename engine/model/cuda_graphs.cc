@@ -4,6 +4,8 @@
 
 #include <map>
 #include <memory>
+#include <mutex>
+#include <string>
 #include <tuple>
 
 #include "engine/model/transfer.h"
@@ -42,6 +44,38 @@ ForwardGraphStats GraphStats(const KvCache& cache) {
 
 #ifdef IMAGEGEN_CUDA_GRAPHS
 
+namespace {
+
+// Captures run on a stream of their own, one per device, outside LibTorch's pool. The pool hands
+// its 32 streams out in turn, so a pooled capture stream was sooner or later the decode thread's
+// (OwnStream, decode_queue.h): that thread's next upload then failed ("Cannot copy between CPU
+// and CUDA tensors during CUDA graph capture"), and its kernels would have been captured into
+// the forward's graph. Seen on an H200 (the load bench with --cuda-graphs 1 at 4 clients: a
+// request failed, then the process crashed). Created at the first capture, never destroyed (as
+// LibTorch's own streams); captures on one device take turns (several engines, one per model).
+struct CaptureStream {
+  std::mutex mu;
+  cudaStream_t stream = nullptr;
+};
+
+CaptureStream& CaptureStreamOf(c10::DeviceIndex index) {
+  static std::mutex mu;
+  static std::map<c10::DeviceIndex, std::unique_ptr<CaptureStream>> streams;
+  std::lock_guard<std::mutex> l(mu);
+  std::unique_ptr<CaptureStream>& s = streams[index];
+  if (!s) s = std::make_unique<CaptureStream>();
+  return *s;
+}
+
+}  // namespace
+
+void* GraphCaptureStream(const at::Device& device) {
+  if (!device.is_cuda()) return nullptr;
+  CaptureStream& c = CaptureStreamOf(device.index());
+  std::lock_guard<std::mutex> l(c.mu);
+  return c.stream;
+}
+
 StatusOr<at::Tensor> RunForwardGraph(const Gpt& gpt, KvCache& cache, const StaticShape& shape,
                                      const std::vector<int64_t>& host,
                                      const at::Tensor& device_tokens) {
@@ -71,9 +105,20 @@ StatusOr<at::Tensor> RunForwardGraph(const Gpt& gpt, KvCache& cache, const Stati
   e->upload.copy_(UploadLongs(host, dev));
   if (with_tokens) e->tokens = device_tokens.clone();
   at::Tensor logits;
+  CaptureStream& cs = CaptureStreamOf(dev.index());
+  std::lock_guard<std::mutex> turn(cs.mu);
+  if (cs.stream == nullptr) {
+    c10::cuda::CUDAGuard on(dev.index());
+    const cudaError_t err = cudaStreamCreateWithFlags(&cs.stream, cudaStreamNonBlocking);
+    if (err != cudaSuccess) {
+      cs.stream = nullptr;
+      return Internal(std::string("CUDA graphs: cannot create the capture stream: ") +
+                      cudaGetErrorString(err));
+    }
+  }
   c10::cuda::device_synchronize();
   {
-    c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, dev.index());
+    c10::cuda::CUDAStream side = c10::cuda::getStreamFromExternal(cs.stream, dev.index());
     c10::cuda::CUDAStreamGuard guard(side);
     logits = gpt.StaticForward(e->upload, e->tokens, shape, cache);
     side.synchronize();
@@ -89,6 +134,8 @@ StatusOr<at::Tensor> RunForwardGraph(const Gpt& gpt, KvCache& cache, const Stati
 }
 
 #else
+
+void* GraphCaptureStream(const at::Device&) { return nullptr; }
 
 StatusOr<at::Tensor> RunForwardGraph(const Gpt&, KvCache&, const StaticShape&,
                                      const std::vector<int64_t>&, const at::Tensor&) {

@@ -27,6 +27,11 @@ struct ForwardGraphStats {
 };
 ForwardGraphStats GraphStats(const KvCache& cache);
 
+// The stream that graphs on `device` are captured on: outside LibTorch's stream pool, so that no
+// other thread's current stream (OwnStream's are pooled) is ever the capturing one. Null before
+// the first capture on that device, on the CPU, and in builds without LibTorch's CUDA libraries.
+void* GraphCaptureStream(const at::Device& device);
+
 // The static forward of `gpt` over `cache` for a batch laid out as `host` (Gpt::StaticUpload)
 // with device tokens padded to shape.tokens (undefined: none), through the bucket's graph.
 // Logits [shape.tokens, vocab]. FailedPrecondition in builds without LibTorch's CUDA libraries.
