@@ -119,13 +119,16 @@ int main(int argc, char** argv) {
            {"methods", "all"},
            {"split", "1"},
            {"fused-verify", "1"},
+           {"cuda-graphs", "0"},
+           {"noise-row", "1"},
            {"out-dir", "spec-bench"},
            {"python", IMAGEGEN_DEFAULT_PYTHON},
            {"device", "cpu"},
            {"dtype", "auto"}},
           "usage: imagegen-spec-bench [--per-class N] [--batch B] [--windows 16,32,64] "
           "[--methods all|sjd,scd-mc,...] [--model M --draft D|'' --prompts F] [--split 0|1] "
-          "[--fused-verify 1|0|both|all] [--out-dir DIR] [--device cpu|cuda|cuda:N]");
+          "[--fused-verify 1|0|both|all] [--cuda-graphs 0|1] [--noise-row 1|0] [--out-dir DIR] "
+          "[--device cpu|cuda|cuda:N]");
   const LoadOptions opts = LoadOptionsFromFlags(f);
   ImageModel model = OrDie(LoadImageModel(f.Str("models-dir"), f.Str("model"), opts));
   // --draft "": no draft model (the sd rows are left out).
@@ -192,7 +195,8 @@ int main(int argc, char** argv) {
       configs.back().policy.gsd_group = G;
     }
   }
-  add("ar", 1, "ar-noise");  // same count, other seeds: the noise of accuracy and FD
+  // Same count, other seeds: the noise of accuracy and FD (--noise-row 0 leaves it out).
+  if (f.Int("noise-row") != 0) add("ar", 1, "ar-noise");
 
   auto requests = [&](const DecodingPolicy& p, int64_t seed0) {
     std::vector<ImageRequest> all;
@@ -247,6 +251,9 @@ int main(int argc, char** argv) {
     so.collect_entropy = cfg.policy.draft == DraftSource::kNone;
     so.fused_verify = cfg.fused;
     so.fused_probs = cfg.fused_probs;
+    // Static-shape forwards captured as CUDA graphs (EngineOptions::cuda_graphs); on the CPU the
+    // static forward runs eagerly.
+    so.static_shapes = so.cuda_graphs = f.Int("cuda-graphs") != 0;
     Row row;
     row.cfg = cfg;
     if (f.Int("split") != 0) so.timing = &row.timing;

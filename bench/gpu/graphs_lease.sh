@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# A second, shorter device-tool call after bench/gpu/lease.sh (about 4 minutes): the fused
+# kernels' tests, then the engine with CUDA graphs against the eager forward, side by side.
+#
+#   here:   bench/gpu/pack_server.sh --with-benches build/ci .deps/device
+#           tar cJf .deps/carry/device.tar.xz -C .deps device
+#   device: bash bench/gpu/graphs_lease.sh     (carry: [".deps/carry"]; $OUT is the tool's)
+#
+# Steps, each under its own limit, the output packed into $OUT/graphs.tgz after each:
+#   kernels   kernels_tests (on failure the rest runs with IMAGEGEN_FUSED_KERNELS=0, as lease.sh)
+#   tests     the launch-count and CUDA-graph tests of engine_tests
+#   load      imagegen-load-bench at 1 and 8 clients, --cuda-graphs 1, then 0 (AR and scd-mc)
+#   split     imagegen-spec-bench --split 1 with CUDA graphs: the forward against the rest of
+#             a step, with the fused verification and without
+# GRAPHS_STEPS="kernels:30 load:150" picks and sizes the steps; GRAPHS_DEVICE=cpu tries the
+# script without a GPU.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+dest=${OUT:?set OUT to the folder whose files come back}
+work=${LEASE_WORK:-/tmp/imagegen-gpu}
+out=$work/graphs
+mkdir -p "$out"
+. bench/gpu/carried.sh
+carried_unpack "$work" || exit 1
+PY=$(carried_python)
+carried_wrappers "$work/device" "$PY" || exit 1
+b=$work/device/run
+dev=${GRAPHS_DEVICE:-cuda}
+
+step_kernels() {
+  "$b/kernels_tests" > "$out/kernels_tests.log" 2>&1
+  local rc=$?
+  grep -E '^\[  (PASSED|FAILED) |FAILED TEST|bit for bit' "$out/kernels_tests.log"
+  return $rc
+}
+step_tests() {
+  "$b/engine_tests" \
+    --gtest_filter='LaunchesTest.Fused*:EngineTest.CudaGraphs*:StaticForward*:SpecStaticShapes*' \
+    > "$out/engine_tests.log" 2>&1
+  local rc=$?
+  grep -E 'launches per step|^\[  (PASSED|FAILED|SKIPPED) ' "$out/engine_tests.log"
+  return $rc
+}
+step_load() {
+  # CUDA graphs on: every lossless chain and tree preset, with and without the goodput
+  # controller; off: AR and scd-mc alone (the side-by-side baseline).
+  local rc=0
+  echo "-- load bench, --cuda-graphs 1"
+  "$b/imagegen-load-bench" --device "$dev" --dtype bf16 --cuda-graphs 1 \
+    --methods ar,sjd,scd-mc,sjd-pac --concurrency 1,8 --seconds 3 --seconds-per-client 0 \
+    --modes none,goodput --mixed-concurrency '' --out-dir "$out/load-graphs1" 2>&1 \
+    | tee "$out/load_graphs1.log" || rc=1
+  echo "-- load bench, --cuda-graphs 0"
+  "$b/imagegen-load-bench" --device "$dev" --dtype bf16 --cuda-graphs 0 \
+    --methods ar,scd-mc --concurrency 1,8 --seconds 3 --seconds-per-client 0 \
+    --modes none --mixed-concurrency '' --out-dir "$out/load-graphs0" 2>&1 \
+    | tee "$out/load_graphs0.log" || rc=1
+  return $rc
+}
+step_split() {
+  "$b/imagegen-spec-bench" --device "$dev" --dtype bf16 --cuda-graphs 1 --per-class 1 \
+    --methods scd-mc,sjd-pac --windows 32 --split 1 --fused-verify both --noise-row 0 \
+    --python "$PY" --out-dir "$out/split" > "$out/spec_split.log" 2>&1
+  local rc=$?
+  tail -n 9 "$out/spec_split.log"
+  return $rc
+}
+
+nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
+steps=${GRAPHS_STEPS:-kernels:30 tests:60 load:150 split:60}
+for st in $steps; do
+  s=${st%%:*} t=${st##*:}
+  t0=$(date +%s)
+  echo "== $(date +%T) $s"
+  export -f "step_$s"
+  export out b dev PY
+  timeout -k 5 "$t" bash -c "step_$s"
+  rc=$?
+  echo "graphs: step $s exit $rc after $(( $(date +%s) - t0 )) s (limit $t s)" | tee -a "$out/steps.log"
+  if [[ $s == kernels && $rc != 0 ]]; then
+    export IMAGEGEN_FUSED_KERNELS=0
+    echo "graphs: kernels failed: IMAGEGEN_FUSED_KERNELS=0 for the later steps" | tee -a "$out/steps.log"
+  fi
+  tar czf "$dest/graphs.tgz" -C "$out" .
+done
