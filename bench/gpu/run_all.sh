@@ -138,14 +138,19 @@ phase_tests() {
     filter+=":$fused"
     filter+=":$c/sjd_pac_K2_D3_L9_onehot:$c/sd_L4"
   fi
-  "$t/engine_tests" --gtest_filter="$filter" 2>&1 | tee "$out/engine_tests.log" | tail -3
+  # A failing test fails the phase but does not stop it: the parity tests still run (the first
+  # H200 run of the fused kernels lost them to two failing engine tests).
+  local rc=0
+  "$t/engine_tests" --gtest_filter="$filter" 2>&1 | tee "$out/engine_tests.log" | tail -3 || rc=1
   if [[ $device == cuda ]]; then
     # The parity references (tools/parity.py, the checkpoints' own Python code paths) are written
     # by the CPU's PyTorch; the CUDA checks compare the GPU's logits with them.
-    "$PY" tools/parity.py --out "$parity_dir" > "$out/parity_reference.log" 2>&1
-    IMAGEGEN_PARITY_DIR="$parity_dir" "$t/parity_tests" 2>&1 | tee "$out/parity_tests.log" | tail -3
+    "$PY" tools/parity.py --out "$parity_dir" > "$out/parity_reference.log" 2>&1 || rc=1
+    IMAGEGEN_PARITY_DIR="$parity_dir" "$t/parity_tests" 2>&1 | tee "$out/parity_tests.log" \
+      | tail -3 || rc=1
     [[ -f $out/kernels_tests.log ]] || phase_kernels || true
   fi
+  return $rc
 }
 
 # The fused kernels against their host paths (kernels_tests), on their own and first in a lease:
