@@ -354,6 +354,7 @@ int main(int argc, char** argv) {
            {"mixed-concurrency", "4,16,64"},
            {"mixed-modes", "none,budget:256,goodput"},
            {"max-slowdown", "0.25"},
+           {"fixed-step-cost", ""},
            {"cache-dir", ""},
            {"batch-invariant", "1"},
            {"cuda-graphs", "0"},
@@ -378,6 +379,17 @@ int main(int argc, char** argv) {
   base.decode_thread = static_cast<int>(f.Int("decode-thread"));  // EngineOptions::decode_thread
   base.kv_cache_bytes = int64_t{8} << 30;
   base.max_slowdown = f.Num("max-slowdown");
+  // --fixed-step-cost BASE,PER_TOKEN,PER_REQUEST (seconds): the goodput controller plans with
+  // this step cost instead of a calibration (EngineOptions::fixed_step_cost), e.g. a GPU's on
+  // the CPU, to see the windows it would choose there.
+  for (const auto& v : f.List("fixed-step-cost")) {
+    char* end = nullptr;
+    base.fixed_step_cost.push_back(std::strtod(v.c_str(), &end));
+    if (*end != '\0') f.Fail("--fixed-step-cost: '" + v + "' is not a number");
+  }
+  if (!base.fixed_step_cost.empty() && base.fixed_step_cost.size() != 3) {
+    f.Fail("--fixed-step-cost: expected BASE,PER_TOKEN,PER_REQUEST");
+  }
   // The goodput cells share one calibration (measured by the warm-up below).
   base.cache_dir = f.Str("cache-dir").empty() ? out + "/cache" : f.Str("cache-dir");
   const double seconds = f.Num("seconds"), per_client = f.Num("seconds-per-client");
