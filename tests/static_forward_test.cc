@@ -10,6 +10,7 @@
 #include <torch/cuda.h>
 
 #include <atomic>
+#include <chrono>
 #include <string>
 #include <thread>
 #include <vector>
@@ -285,14 +286,28 @@ TEST_F(StaticForwardTest, CapturesNeverRunOnAnotherThreadsStream) {
       failure = e.what_without_backtrace();
     }
   });
-  while (!ready) std::this_thread::yield();
-  // The pool's stream after the uploader's, then 31 more: the next is the uploader's again.
+  // Whatever the checks below do, the uploader stops and is joined.
+  struct Joiner {
+    std::atomic<bool>& stop;
+    std::thread& t;
+    ~Joiner() {
+      stop = true;
+      if (t.joinable()) t.join();
+    }
+  } joiner{stop, uploader};
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (!ready && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
+  ASSERT_TRUE(ready.load());
+  // Turn the pool until it hands out the uploader's stream, then 31 times more: the next stream
+  // it hands out (the one the old capture took) is the uploader's again.
   int turns = 0;
   while (c10::cuda::getStreamFromPool(false, 0).stream() != theirs && turns < 64) turns += 1;
   ASSERT_LT(turns, 64) << "the uploader's stream is not one of the pool's";
   for (int i = 0; i < 31; ++i) c10::cuda::getStreamFromPool(false, 0);
-  // Wait until the uploader is uploading (generous: a loaded machine).
-  for (int i = 0; i < 100000 && uploads.load() < 10; ++i) std::this_thread::yield();
+  // The uploader is uploading (a generous limit: a loaded machine).
+  while (uploads.load() < 10 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   std::vector<std::vector<BatchRow>> steps = Steps();
   for (size_t i = 0; i < steps.size(); ++i) {
     SCOPED_TRACE("step " + std::to_string(i));
