@@ -124,7 +124,17 @@ StatusOr<at::Tensor> RunForwardGraph(const Gpt& gpt, KvCache& cache, const Stati
     side.synchronize();
     if (g.pool.first == 0 && g.pool.second == 0) g.pool = at::cuda::graph_pool_handle();
     e->graph.capture_begin(g.pool, cudaStreamCaptureModeThreadLocal);
-    e->out = gpt.StaticForward(e->upload, e->tokens, shape, cache);
+    try {
+      e->out = gpt.StaticForward(e->upload, e->tokens, shape, cache);
+    } catch (...) {
+      // The capture stream serves every later capture on this device: end this capture before
+      // the error goes up (Gpt::Forward reports it), so that it does not stay capturing.
+      try {
+        e->graph.capture_end();
+      } catch (...) {  // an invalidated capture: ended all the same
+      }
+      throw;
+    }
     e->graph.capture_end();
   }
   c10::cuda::device_synchronize();
