@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A second, shorter device-tool call after bench/gpu/lease.sh (about 4 minutes): the fused
+# A second, shorter device-tool call after bench/gpu/lease.sh (about 5 minutes): the fused
 # kernels' tests, then the engine with CUDA graphs against the eager forward, side by side.
 #
 #   here:   bench/gpu/pack_server.sh --with-benches build/ci .deps/device
@@ -8,8 +8,10 @@
 #
 # Steps, each under its own limit, the output packed into $OUT/graphs.tgz after each:
 #   kernels   kernels_tests (on failure the rest runs with IMAGEGEN_FUSED_KERNELS=0, as lease.sh)
-#   tests     the launch-count and CUDA-graph tests of engine_tests
-#   load      imagegen-load-bench at 1 and 8 clients, --cuda-graphs 1, then 0 (AR and scd-mc)
+#   tests     the launch-count and CUDA-graph tests of engine_tests (the capture-stream test
+#             among them), and the exact distributions through the fused kernels
+#   load      imagegen-load-bench at 1, 4 and 8 clients with --cuda-graphs 1 (4 clients crashed
+#             before the capture stream of its own), then at 1 and 8 without (AR and scd-mc)
 #   split     imagegen-spec-bench --split 1 with CUDA graphs: the forward against the rest of
 #             a step, with the fused verification and without
 # GRAPHS_STEPS="kernels:30 load:150" picks and sizes the steps; GRAPHS_DEVICE=cpu tries the
@@ -35,7 +37,7 @@ step_kernels() {
 }
 step_tests() {
   "$b/engine_tests" \
-    --gtest_filter='LaunchesTest.Fused*:EngineTest.CudaGraphs*:StaticForward*:SpecStaticShapes*' \
+    --gtest_filter='LaunchesTest.Fused*:EngineTest.CudaGraphs*:StaticForward*:SpecStaticShapes*:SpecFusedProbs*' \
     > "$out/engine_tests.log" 2>&1
   local rc=$?
   grep -E 'launches per step|^\[  (PASSED|FAILED|SKIPPED) ' "$out/engine_tests.log"
@@ -47,7 +49,7 @@ step_load() {
   local rc=0
   echo "-- load bench, --cuda-graphs 1"
   "$b/imagegen-load-bench" --device "$dev" --dtype bf16 --cuda-graphs 1 \
-    --methods ar,sjd,scd-mc,sjd-pac --concurrency 1,8 --seconds 3 --seconds-per-client 0 \
+    --methods ar,sjd,scd-mc,sjd-pac --concurrency 1,4,8 --seconds 3 --seconds-per-client 0 \
     --modes none,goodput --mixed-concurrency '' --out-dir "$out/load-graphs1" 2>&1 \
     | tee "$out/load_graphs1.log" || rc=1
   echo "-- load bench, --cuda-graphs 0"
@@ -67,7 +69,7 @@ step_split() {
 }
 
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
-steps=${GRAPHS_STEPS:-kernels:30 tests:60 load:150 split:60}
+steps=${GRAPHS_STEPS:-kernels:30 tests:75 load:170 split:60}
 for st in $steps; do
   s=${st%%:*} t=${st##*:}
   t0=$(date +%s)
