@@ -132,6 +132,15 @@ struct Cell {
   int repeats = 1;
 };
 
+// A client thread's failure ends the process with status 1 at once: std::exit runs the static
+// destructors while the engine's threads may still use what they destroy. (On an H200 a run
+// whose request failed ended in a segmentation fault, status 139, rather than 1.)
+[[noreturn]] void FailFromClientThread() {
+  std::fflush(stdout);
+  std::fflush(stderr);
+  std::_Exit(1);
+}
+
 Cell RunCell(const EngineOptions& base, const std::vector<DecodingPolicy>& policies,
              const std::string& label, const Mode& mode, int64_t c, double seconds,
              uint64_t seed0) {
@@ -176,13 +185,13 @@ Cell RunCell(const EngineOptions& base, const std::vector<DecodingPolicy>& polic
         auto id = engine.Submit(p, w);
         if (!id.ok()) {
           std::fprintf(stderr, "submit: %s\n", id.status().ToString().c_str());
-          std::exit(1);
+          FailFromClientThread();
         }
         RequestStats st;
         std::string err;
         if (!w->Wait(&st, &err)) {
           std::fprintf(stderr, "request failed: %s\n", err.c_str());
-          std::exit(1);
+          FailFromClientThread();
         }
         const auto s1 = Clock::now();
         const double latency = std::chrono::duration<double>(s1 - s0).count();
