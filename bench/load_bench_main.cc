@@ -126,7 +126,8 @@ struct Cell {
   double seconds = 0, images_per_s = 0, p50 = 0, p99 = 0, mean_latency = 0, nfe = 0;
   double tokens_per_step = 0, requests_per_step = 0, limited_frac = 0, step_ms = 0;
   double mean_window = 0, cost_err_p50 = 0, cost_err_p90 = 0, expected_vs_committed = 0;
-  double plan_ms = 0;  // choosing the windows, per step
+  double window_change = 0;  // RequestStats::mean_window_change, over the cell's images
+  double plan_ms = 0;        // choosing the windows, per step
   std::vector<double> latencies, cost_errors;
   std::map<std::string, std::vector<double>> by_method;  // latencies per method (mixed load)
   int repeats = 1;
@@ -159,7 +160,7 @@ Cell RunCell(const EngineOptions& base, const std::vector<DecodingPolicy>& polic
   std::mutex mu;
   Cell cell;
   std::vector<int64_t> nfes;
-  double window_sum = 0;
+  double window_sum = 0, change_sum = 0;
   std::atomic<uint64_t> next_seed{seed0};
   const auto t0 = Clock::now();
   const auto stop =
@@ -200,6 +201,7 @@ Cell RunCell(const EngineOptions& base, const std::vector<DecodingPolicy>& polic
         cell.by_method[policy.preset].push_back(latency);
         nfes.push_back(st.counters.nfe);
         window_sum += st.mean_window;
+        change_sum += st.mean_window_change;
         last_end = std::max(last_end, s1);
       }
     });
@@ -225,6 +227,7 @@ Cell RunCell(const EngineOptions& base, const std::vector<DecodingPolicy>& polic
   cell.mean_latency = sum / images;
   cell.nfe = nsum / images;
   cell.mean_window = window_sum / images;
+  cell.window_change = change_sum / images;
   std::lock_guard<std::mutex> l(totals.mu);
   cell.images_per_s =
       static_cast<double>(totals.committed_before_stop) / static_cast<double>(per_image) / seconds;
@@ -251,7 +254,7 @@ Cell Combine(const std::vector<Cell>& runs) {
   c.latencies.clear();
   c.cost_errors.clear();
   c.by_method.clear();
-  double nfe = 0, tps = 0, rps = 0, lim = 0, ms = 0, win = 0, evc = 0, plan = 0;
+  double nfe = 0, tps = 0, rps = 0, lim = 0, ms = 0, win = 0, evc = 0, plan = 0, dwin = 0;
   c.images = 0;
   c.seconds = 0;
   for (const Cell& r : runs) {
@@ -265,6 +268,7 @@ Cell Combine(const std::vector<Cell>& runs) {
     c.seconds += r.seconds;
     nfe += r.nfe * static_cast<double>(r.images);
     win += r.mean_window * static_cast<double>(r.images);
+    dwin += r.window_change * static_cast<double>(r.images);
     tps += r.tokens_per_step;
     rps += r.requests_per_step;
     lim += r.limited_frac;
@@ -282,6 +286,7 @@ Cell Combine(const std::vector<Cell>& runs) {
   c.mean_latency = sum / std::max<double>(static_cast<double>(c.latencies.size()), 1);
   c.nfe = nfe / images;
   c.mean_window = win / images;
+  c.window_change = dwin / images;
   c.tokens_per_step = tps / n;
   c.requests_per_step = rps / n;
   c.limited_frac = lim / n;
@@ -294,19 +299,20 @@ Cell Combine(const std::vector<Cell>& runs) {
 }
 
 void PrintHeader() {
-  std::printf("%-8s %-11s %4s %6s %8s %7s %7s %7s %6s %8s %6s %7s %7s %6s\n", "method", "mode", "c",
-              "images", "img/s", "p50 s", "p99 s", "NFE", "window", "tok/step", "req/st", "step ms",
-              "plan ms", "err50");
+  std::printf("%-8s %-11s %4s %6s %8s %7s %7s %7s %6s %5s %8s %6s %7s %7s %6s\n", "method", "mode",
+              "c", "images", "img/s", "p50 s", "p99 s", "NFE", "window", "dwin", "tok/step",
+              "req/st", "step ms", "plan ms", "err50");
 }
 
 void Print(const Cell& r) {
-  std::printf("%-8s %-11s %4lld %6lld %8.2f %7.2f %7.2f %7.1f %6.1f %8.1f %6.1f %7.1f %7.3f %6s\n",
-              r.method.c_str(), r.mode.c_str(), static_cast<long long>(r.concurrency),
-              static_cast<long long>(r.images), r.images_per_s, r.p50, r.p99, r.nfe, r.mean_window,
-              r.tokens_per_step, r.requests_per_step, r.step_ms, r.plan_ms,
-              r.cost_errors.empty()
-                  ? "-"
-                  : (std::to_string(static_cast<int>(100 * r.cost_err_p50 + 0.5)) + "%").c_str());
+  std::printf(
+      "%-8s %-11s %4lld %6lld %8.2f %7.2f %7.2f %7.1f %6.1f %5.1f %8.1f %6.1f %7.1f %7.3f %6s\n",
+      r.method.c_str(), r.mode.c_str(), static_cast<long long>(r.concurrency),
+      static_cast<long long>(r.images), r.images_per_s, r.p50, r.p99, r.nfe, r.mean_window,
+      r.window_change, r.tokens_per_step, r.requests_per_step, r.step_ms, r.plan_ms,
+      r.cost_errors.empty()
+          ? "-"
+          : (std::to_string(static_cast<int>(100 * r.cost_err_p50 + 0.5)) + "%").c_str());
   std::fflush(stdout);
 }
 
@@ -314,13 +320,14 @@ void WriteCsv(const std::string& path, const std::vector<Cell>& cells) {
   std::ofstream f(path);
   f << "method,mode,concurrency,budget,images,seconds,images_per_s,p50_s,p99_s,mean_latency_s,"
        "nfe,mean_window,tokens_per_step,requests_per_step,window_limited_steps,step_ms,"
-       "plan_ms,cost_error_p50,cost_error_p90,committed_over_expected\n";
+       "plan_ms,cost_error_p50,cost_error_p90,committed_over_expected,mean_window_change\n";
   for (const Cell& r : cells) {
     f << r.method << "," << r.mode << "," << r.concurrency << "," << r.budget << "," << r.images
       << "," << r.seconds << "," << r.images_per_s << "," << r.p50 << "," << r.p99 << ","
       << r.mean_latency << "," << r.nfe << "," << r.mean_window << "," << r.tokens_per_step << ","
       << r.requests_per_step << "," << r.limited_frac << "," << r.step_ms << "," << r.plan_ms << ","
-      << r.cost_err_p50 << "," << r.cost_err_p90 << "," << r.expected_vs_committed << "\n";
+      << r.cost_err_p50 << "," << r.cost_err_p90 << "," << r.expected_vs_committed << ","
+      << r.window_change << "\n";
   }
 }
 
@@ -364,6 +371,7 @@ int main(int argc, char** argv) {
            {"mixed-modes", "none,budget:256,goodput"},
            {"max-slowdown", "0.25"},
            {"fixed-step-cost", ""},
+           {"refine-step-cost", "1"},
            {"cache-dir", ""},
            {"batch-invariant", "1"},
            {"cuda-graphs", "0"},
@@ -396,6 +404,7 @@ int main(int argc, char** argv) {
     base.fixed_step_cost.push_back(std::strtod(v.c_str(), &end));
     if (*end != '\0') f.Fail("--fixed-step-cost: '" + v + "' is not a number");
   }
+  base.refine_step_cost = f.Int("refine-step-cost") != 0;  // EngineOptions::refine_step_cost
   if (!base.fixed_step_cost.empty() && base.fixed_step_cost.size() != 3) {
     f.Fail("--fixed-step-cost: expected BASE,PER_TOKEN,PER_REQUEST");
   }

@@ -600,7 +600,7 @@ TEST(EngineTest, GoodputShrinksWindowsUnderLoadAndKeepsALoneRequestWhole) {
     rec.push_back(std::make_shared<Recorder>());
     ASSERT_TRUE(engine->Submit(Params("scd-mc", i % 10, 40 + i), rec.back()).ok());
   }
-  double windows = 0;
+  double windows = 0, changes = 0;
   for (auto& r : rec) {
     ASSERT_TRUE(r->Wait());
     ASSERT_TRUE(r->result.has_value());
@@ -610,6 +610,7 @@ TEST(EngineTest, GoodputShrinksWindowsUnderLoadAndKeepsALoneRequestWhole) {
     EXPECT_GT(st.predicted_step_seconds, 0.0);
     EXPECT_GT(st.measured_step_seconds, 0.0);
     windows += st.mean_window;
+    changes += st.mean_window_change;
   }
   EXPECT_LT(windows / 16, 20.0);  // shrunk: whole windows would average about 31
   WaitIdle(*engine);
@@ -640,6 +641,17 @@ TEST(EngineTest, GoodputShrinksWindowsUnderLoadAndKeepsALoneRequestWhole) {
   EXPECT_EQ(g.tokens, f.tokens);
   EXPECT_EQ(g.stats.counters.nfe, f.stats.counters.nfe);
   EXPECT_DOUBLE_EQ(g.stats.mean_window, f.stats.mean_window);
+  std::printf("mean window change per step: 16 under load %.2f, alone %.2f (whole windows %.2f)\n",
+              changes / 16, g.stats.mean_window_change, f.stats.mean_window_change);
+  EXPECT_DOUBLE_EQ(g.stats.mean_window_change, f.stats.mean_window_change);
+  // Whole windows move only at the image's end (the last windows are cut to what is left); AR's
+  // never (a first step counts no change).
+  EXPECT_GT(f.stats.mean_window_change, 0.0);
+  auto ar = std::make_shared<Recorder>();
+  ASSERT_TRUE(whole->Submit(Params("ar", 3, 77), ar).ok());
+  ASSERT_TRUE(ar->Wait());
+  ASSERT_TRUE(ar->result.has_value());
+  EXPECT_EQ(ar->result->stats.mean_window_change, 0.0);
 }
 
 // The calibration is measured once and kept in cache_dir, keyed by model, device and dtype: a

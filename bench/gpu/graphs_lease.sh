@@ -11,7 +11,8 @@
 #   tests     the launch-count and CUDA-graph tests of engine_tests (the capture-stream test
 #             among them), and the exact distributions through the fused kernels
 #   load      imagegen-load-bench at 1, 4 and 8 clients with --cuda-graphs 1 (4 clients crashed
-#             before the capture stream of its own), then at 1 and 8 without (AR and scd-mc)
+#             before the capture stream of its own), the goodput controller with its cost model
+#             frozen (--refine-step-cost 0), then at 1 and 8 clients without graphs
 #   split     imagegen-spec-bench --split 1 with CUDA graphs: the forward against the rest of
 #             a step, with the fused verification and without
 # GRAPHS_STEPS="kernels:30 load:150" picks and sizes the steps; GRAPHS_DEVICE=cpu tries the
@@ -52,6 +53,14 @@ step_load() {
     --methods ar,sjd,scd-mc,sjd-pac --concurrency 1,4,8 --seconds 3 --seconds-per-client 0 \
     --modes none,goodput --mixed-concurrency '' --out-dir "$out/load-graphs1" 2>&1 \
     | tee "$out/load_graphs1.log" || rc=1
+  # The goodput controller with its cost model frozen after calibration (issue 15: are the
+  # windows moving with a cost model refined from jittery sub-millisecond steps? Compare dwin,
+  # NFE and images/s with the refined cells above).
+  echo "-- load bench, --cuda-graphs 1 --refine-step-cost 0"
+  "$b/imagegen-load-bench" --device "$dev" --dtype bf16 --cuda-graphs 1 --refine-step-cost 0 \
+    --methods scd-mc,sjd-pac --concurrency 8 --seconds 3 --seconds-per-client 0 \
+    --modes goodput --mixed-concurrency '' --out-dir "$out/load-frozen" 2>&1 \
+    | tee "$out/load_frozen.log" || rc=1
   echo "-- load bench, --cuda-graphs 0"
   "$b/imagegen-load-bench" --device "$dev" --dtype bf16 --cuda-graphs 0 \
     --methods ar,scd-mc --concurrency 1,8 --seconds 3 --seconds-per-client 0 \
@@ -69,7 +78,7 @@ step_split() {
 }
 
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
-steps=${GRAPHS_STEPS:-kernels:30 tests:75 load:170 split:60}
+steps=${GRAPHS_STEPS:-kernels:30 tests:75 load:200 split:60}
 for st in $steps; do
   s=${st%%:*} t=${st##*:}
   t0=$(date +%s)

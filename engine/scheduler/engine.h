@@ -78,6 +78,10 @@ struct EngineOptions {
   // Instead of the calibration, t = base + per_token * T + per_request * (R - 1) seconds,
   // fixed (tests). Empty: calibrate.
   std::vector<double> fixed_step_cost;
+  // The calibrated step cost refined online from every step's measured time (false: the
+  // calibration alone, e.g. to see what the refinement does on a device whose step times
+  // jitter).
+  bool refine_step_cost = true;
   // A request's image does not depend on what else runs (ForwardOptions::batch_invariant).
   bool batch_invariant = true;
   // The target and draft forwards at static shapes, each bucket captured once as a CUDA graph

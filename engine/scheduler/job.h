@@ -34,6 +34,7 @@ struct Job {
   // Window control: the request's commits against expectation, and sums over its steps.
   RequestCommits commits;
   int64_t steps = 0, window_sum = 0;
+  int64_t last_window = 0, window_change_sum = 0;  // |window - the previous step's|, summed
   double expected_sum = 0, predicted_sum = 0, measured_sum = 0;
 };
 

@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cctype>
 #include <cstdio>
 #include <exception>
@@ -473,6 +474,8 @@ void ModelScheduler::Step(Outcomes& out) {
       j.commits.expected_extra += commits_.Expected(j.request.policy.preset, windows[i]) - 1;
       commits_.Observe(j.request.policy.preset, windows[i], committed);
     }
+    if (j.steps > 0) j.window_change_sum += std::abs(windows[i] - j.last_window);
+    j.last_window = windows[i];
     j.steps += 1;
     j.window_sum += windows[i];
     j.expected_sum += expected[i];
@@ -501,7 +504,9 @@ void ModelScheduler::Step(Outcomes& out) {
   // What the step-cost model predicts: the step from planning to the observers, previews
   // excluded (they have their own budget) and so is decoding the finished images.
   sample.step_seconds = Seconds(t0, Clock::now()) - spent;
-  if (cost_.calibrated()) cost_.Observe(sample.tokens, sample.requests, sample.step_seconds);
+  if (cost_.calibrated() && opts_.refine_step_cost) {
+    cost_.Observe(sample.tokens, sample.requests, sample.step_seconds);
+  }
   for (auto& j : active_) {
     j->predicted_sum += sample.predicted_seconds;
     j->measured_sum += sample.step_seconds;
@@ -594,6 +599,8 @@ void ModelScheduler::Finish(Job& j) {
   st.preemptions = j.preemptions;
   st.mean_window =
       j.steps > 0 ? static_cast<double>(j.window_sum) / static_cast<double>(j.steps) : 0;
+  st.mean_window_change =
+      j.steps > 1 ? static_cast<double>(j.window_change_sum) / static_cast<double>(j.steps - 1) : 0;
   st.expected_tokens = j.expected_sum;
   st.predicted_step_seconds = j.predicted_sum;
   st.measured_step_seconds = j.measured_sum;

@@ -101,6 +101,10 @@ struct RequestStats {
   // controller, the tokens it expected the request to commit (compare counters.tokens), and
   // the predicted and measured times of those steps.
   double mean_window = 0;
+  // How much the window moved from one step to the next, on average (nodes): 0 for whole
+  // windows until the image's last steps; a Jacobi window cut short loses the drafts its tail
+  // was refining.
+  double mean_window_change = 0;
   double expected_tokens = 0;
   double predicted_step_seconds = 0, measured_step_seconds = 0;
   // cspd (continuous tokens): residual proposals drawn for rejected drafts, and the rejected
