@@ -69,6 +69,17 @@ class Flags {
     }
     return out;
   }
+  // The same, as numbers.
+  std::vector<double> Nums(const std::string& k) const {
+    std::vector<double> out;
+    for (const std::string& item : List(k)) {
+      char* end = nullptr;
+      const double d = std::strtod(item.c_str(), &end);
+      if (*end != '\0') Fail("--" + k + ": '" + item + "' is not a number");
+      out.push_back(d);
+    }
+    return out;
+  }
   [[noreturn]] void Fail(const std::string& msg) const {
     std::cerr << "error: " << msg << "\n";
     Usage(2);

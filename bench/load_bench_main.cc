@@ -399,15 +399,11 @@ int main(int argc, char** argv) {
   // --fixed-step-cost BASE,PER_TOKEN,PER_REQUEST (seconds): the goodput controller plans with
   // this step cost instead of a calibration (EngineOptions::fixed_step_cost), e.g. a GPU's on
   // the CPU, to see the windows it would choose there.
-  for (const auto& v : f.List("fixed-step-cost")) {
-    char* end = nullptr;
-    base.fixed_step_cost.push_back(std::strtod(v.c_str(), &end));
-    if (*end != '\0') f.Fail("--fixed-step-cost: '" + v + "' is not a number");
-  }
-  base.refine_step_cost = f.Int("refine-step-cost") != 0;  // EngineOptions::refine_step_cost
+  base.fixed_step_cost = f.Nums("fixed-step-cost");
   if (!base.fixed_step_cost.empty() && base.fixed_step_cost.size() != 3) {
     f.Fail("--fixed-step-cost: expected BASE,PER_TOKEN,PER_REQUEST");
   }
+  base.refine_step_cost = f.Int("refine-step-cost") != 0;  // EngineOptions::refine_step_cost
   // The goodput cells share one calibration (measured by the warm-up below).
   base.cache_dir = f.Str("cache-dir").empty() ? out + "/cache" : f.Str("cache-dir");
   const double seconds = f.Num("seconds"), per_client = f.Num("seconds-per-client");

@@ -75,6 +75,23 @@ class StaticForwardTest : public ::testing::Test {
     EXPECT_TRUE(m.ok()) << m.status().ToString();
     return m.ok() ? std::move(m).value() : nullptr;
   }
+  // The model on the first CUDA device (the CUDA tests skip first where there is none).
+  std::unique_ptr<Gpt> LoadOnCuda() {
+    LoadOptions o;
+    o.device = kCuda;
+    return Load(o);
+  }
+  // One step through the eager static forward into `eager` and through the graphs into
+  // `graphed`: the same logits, bit for bit (the same kernels).
+  static void ExpectGraphsEqualEager(const Gpt& gpt, const std::vector<BatchRow>& step,
+                                     KvCache& eager, KvCache& graphed, const at::Tensor& tokens) {
+    auto a = gpt.Forward(step, eager, tokens, ForwardOptions{false, true});
+    auto b = gpt.Forward(step, graphed, tokens, ForwardOptions{false, true, true});
+    ASSERT_TRUE(a.ok()) << a.status().ToString();
+    ASSERT_TRUE(b.ok()) << b.status().ToString();
+    EXPECT_EQ((*a - *b).abs().max().item<float>(), 0.0f);
+  }
+  const at::Device kCuda{at::kCUDA, 0};
   TinyGptSpec spec_;
   std::unique_ptr<Gpt> gpt_;
 };
@@ -216,9 +233,7 @@ TEST_F(StaticForwardTest, NeedsACacheWithAScratchSlot) {
 // the caches agree.
 TEST_F(StaticForwardTest, CudaGraphReplaysEqualTheEagerStaticForward) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
-  LoadOptions o;
-  o.device = at::Device(at::kCUDA, 0);
-  std::unique_ptr<Gpt> gpt = Load(o);
+  std::unique_ptr<Gpt> gpt = LoadOnCuda();
   ASSERT_NE(gpt, nullptr);
   KvCache eager = gpt->NewCache(6, 0, true), graphed = gpt->NewCache(6, 0, true);
   std::vector<std::vector<BatchRow>> steps = Steps();
@@ -231,13 +246,9 @@ TEST_F(StaticForwardTest, CudaGraphReplaysEqualTheEagerStaticForward) {
       if (device_tokens) {
         std::vector<int64_t> ids;
         for (const BatchRow& r : steps[i]) ids.insert(ids.end(), r.tokens.begin(), r.tokens.end());
-        tokens = at::tensor(ids, at::kLong).to(o.device);
+        tokens = at::tensor(ids, at::kLong).to(kCuda);
       }
-      auto a = gpt->Forward(steps[i], eager, tokens, ForwardOptions{false, true});
-      auto b = gpt->Forward(steps[i], graphed, tokens, ForwardOptions{false, true, true});
-      ASSERT_TRUE(a.ok()) << a.status().ToString();
-      ASSERT_TRUE(b.ok()) << b.status().ToString();
-      EXPECT_EQ((*a - *b).abs().max().item<float>(), 0.0f);
+      ASSERT_NO_FATAL_FAILURE(ExpectGraphsEqualEager(*gpt, steps[i], eager, graphed, tokens));
     }
   }
   const ForwardGraphStats st = GraphStats(graphed);
@@ -263,9 +274,7 @@ TEST_F(StaticForwardTest, CudaGraphReplaysEqualTheEagerStaticForward) {
 // turned so that its next stream is the uploader's, as it was then: the old capture fails this.
 TEST_F(StaticForwardTest, CapturesNeverRunOnAnotherThreadsStream) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
-  LoadOptions o;
-  o.device = at::Device(at::kCUDA, 0);
-  std::unique_ptr<Gpt> gpt = Load(o);
+  std::unique_ptr<Gpt> gpt = LoadOnCuda();
   ASSERT_NE(gpt, nullptr);
   KvCache eager = gpt->NewCache(6, 0, true), graphed = gpt->NewCache(6, 0, true);
   std::atomic<bool> ready{false}, stop{false};
@@ -273,13 +282,13 @@ TEST_F(StaticForwardTest, CapturesNeverRunOnAnotherThreadsStream) {
   void* theirs = nullptr;
   std::string failure;
   std::thread uploader([&] {
-    OwnStream own(o.device);
-    theirs = CurrentCudaStream(o.device);
+    OwnStream own(kCuda);
+    theirs = CurrentCudaStream(kCuda);
     ready = true;
     try {
       const at::Tensor host = at::arange(4096, at::kFloat);
       while (!stop) {
-        at::Tensor d = host.to(o.device);  // pageable memory: the copy waits for its stream
+        at::Tensor d = host.to(kCuda);  // pageable memory: the copy waits for its stream
         uploads += 1;
       }
     } catch (const c10::Error& e) {
@@ -311,11 +320,7 @@ TEST_F(StaticForwardTest, CapturesNeverRunOnAnotherThreadsStream) {
   std::vector<std::vector<BatchRow>> steps = Steps();
   for (size_t i = 0; i < steps.size(); ++i) {
     SCOPED_TRACE("step " + std::to_string(i));
-    auto a = gpt->Forward(steps[i], eager, at::Tensor(), ForwardOptions{false, true});
-    auto b = gpt->Forward(steps[i], graphed, at::Tensor(), ForwardOptions{false, true, true});
-    ASSERT_TRUE(a.ok()) << a.status().ToString();
-    ASSERT_TRUE(b.ok()) << b.status().ToString();
-    EXPECT_EQ((*a - *b).abs().max().item<float>(), 0.0f);
+    ASSERT_NO_FATAL_FAILURE(ExpectGraphsEqualEager(*gpt, steps[i], eager, graphed, at::Tensor()));
   }
   const int64_t during = uploads.load();
   stop = true;
@@ -323,8 +328,8 @@ TEST_F(StaticForwardTest, CapturesNeverRunOnAnotherThreadsStream) {
   EXPECT_EQ(failure, "");
   EXPECT_GT(during, 10);
   EXPECT_GT(GraphStats(graphed).captures, 0);
-  EXPECT_NE(GraphCaptureStream(o.device), nullptr);
-  EXPECT_NE(GraphCaptureStream(o.device), theirs);
+  EXPECT_NE(GraphCaptureStream(kCuda), nullptr);
+  EXPECT_NE(GraphCaptureStream(kCuda), theirs);
 }
 #endif
 

@@ -4,9 +4,9 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cctype>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <filesystem>
 #include <sstream>
