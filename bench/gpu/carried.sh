@@ -50,3 +50,21 @@ carried_wrappers() {
     chmod +x "$dir/run/${p##*/}"
   done
 }
+
+# Runs the command `$5...` as phase $2 of script $1 (its name in the log lines) under a limit of
+# $3 seconds, appends its exit status to the log $4, and after a failed kernels phase sets
+# IMAGEGEN_FUSED_KERNELS=0 for the later phases (the engine's CUDA steps then take the eager
+# path, the same decisions in more launches): a kernel bug costs the kernels' figures, not the
+# call's. Shared by lease.sh and graphs_lease.sh.
+carried_phase() {
+  local who=$1 name=$2 limit=$3 log=$4 s rc
+  shift 4
+  s=$(date +%s)
+  timeout -k 5 "$limit" "$@"
+  rc=$?
+  echo "$who: phase $name exit $rc after $(( $(date +%s) - s )) s (limit $limit s)" | tee -a "$log"
+  if [[ $name == kernels && $rc != 0 ]]; then
+    export IMAGEGEN_FUSED_KERNELS=0
+    echo "$who: kernels failed: IMAGEGEN_FUSED_KERNELS=0 for the later phases" | tee -a "$log"
+  fi
+}

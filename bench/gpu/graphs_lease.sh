@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A second, shorter device-tool call after bench/gpu/lease.sh (about 5 minutes): the fused
+# A second, shorter device-tool call after bench/gpu/lease.sh (about 6 minutes): the fused
 # kernels' tests, then the engine with CUDA graphs against the eager forward, side by side.
 #
 #   here:   bench/gpu/pack_server.sh --with-benches build/ci .deps/device
@@ -7,7 +7,8 @@
 #   device: bash bench/gpu/graphs_lease.sh     (carry: [".deps/carry"]; $OUT is the tool's)
 #
 # Steps, each under its own limit, the output packed into $OUT/graphs.tgz after each:
-#   kernels   kernels_tests (on failure the rest runs with IMAGEGEN_FUSED_KERNELS=0, as lease.sh)
+#   kernels   kernels_tests (on failure the rest runs with IMAGEGEN_FUSED_KERNELS=0:
+#             carried_phase, bench/gpu/carried.sh, as for lease.sh)
 #   tests     the launch-count and CUDA-graph tests of engine_tests (the capture-stream test
 #             among them), and the exact distributions through the fused kernels
 #   load      imagegen-load-bench at 1, 4 and 8 clients with --cuda-graphs 1 (4 clients crashed
@@ -15,7 +16,7 @@
 #             frozen (--refine-step-cost 0), then at 1 and 8 clients without graphs
 #   split     imagegen-spec-bench --split 1 with CUDA graphs: the forward against the rest of
 #             a step, with the fused verification and without
-# GRAPHS_STEPS="kernels:30 load:150" picks and sizes the steps; GRAPHS_DEVICE=cpu tries the
+# GRAPHS_STEPS="kernels:30 load:200" picks and sizes the steps; GRAPHS_DEVICE=cpu tries the
 # script without a GPU.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -81,16 +82,9 @@ nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
 steps=${GRAPHS_STEPS:-kernels:30 tests:75 load:200 split:60}
 for st in $steps; do
   s=${st%%:*} t=${st##*:}
-  t0=$(date +%s)
   echo "== $(date +%T) $s"
   export -f "step_$s"
   export out b dev PY
-  timeout -k 5 "$t" bash -c "step_$s"
-  rc=$?
-  echo "graphs: step $s exit $rc after $(( $(date +%s) - t0 )) s (limit $t s)" | tee -a "$out/steps.log"
-  if [[ $s == kernels && $rc != 0 ]]; then
-    export IMAGEGEN_FUSED_KERNELS=0
-    echo "graphs: kernels failed: IMAGEGEN_FUSED_KERNELS=0 for the later steps" | tee -a "$out/steps.log"
-  fi
+  carried_phase graphs "$s" "$t" "$out/steps.log" bash -c "step_$s"
   tar czf "$dest/graphs.tgz" -C "$out" .
 done

@@ -21,19 +21,8 @@ nvidia-smi > "$work/out/nvidia-smi.txt" 2>&1 || true
 phases=${LEASE_PHASES:-"kernels:40 tests:110 spec:130 step:90 serve:60 load:100 report:20"}
 for pt in $phases; do
   p=${pt%%:*} t=${pt##*:}
-  s=$(date +%s)
-  timeout -k 5 "$t" bash bench/gpu/run_all.sh --prebuilt "$work/device" --scale lease \
-    --device "${LEASE_DEVICE:-cuda}" \
-    --phase "$p" --out "$work/out"
-  rc=$?
-  echo "lease: phase $p exit $rc after $(( $(date +%s) - s )) s (limit $t s)" \
-    | tee -a "$work/out/lease.log"
-  if [[ $p == kernels && $rc != 0 ]]; then
-    # The fused kernels failed (or hung) against their host paths: every later phase runs the
-    # eager path, so that a kernel bug costs its own figures and not the whole call's.
-    export IMAGEGEN_FUSED_KERNELS=0
-    echo "lease: kernels failed: IMAGEGEN_FUSED_KERNELS=0 for the later phases" \
-      | tee -a "$work/out/lease.log"
-  fi
+  carried_phase lease "$p" "$t" "$work/out/lease.log" \
+    bash bench/gpu/run_all.sh --prebuilt "$work/device" --scale lease \
+    --device "${LEASE_DEVICE:-cuda}" --phase "$p" --out "$work/out"
   tar czf "$dest/gpu.tgz" -C "$work/out" .
 done
