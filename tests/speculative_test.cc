@@ -347,6 +347,83 @@ TEST(SpecBatchPreemptionTest, SuspendedAndResumedRequestsKeepTheExactDistributio
   EXPECT_LT(chi.p_value, 1e-6);
 }
 
+// Like Sample, in SpecBatches whose every request is granted a window drawn anew each step
+// (uniform in 1 .. its policy's window, a fixed pseudo-random sequence), as the goodput
+// controller may grant them: windows cut short and grown again. Adds the cut drafts fed again.
+RunStats SampleWithMovingWindows(const DecodingPolicy& policy, const SpecOptions& opts,
+                                 int64_t per_class, int64_t* cut_fed) {
+  const Toy& toy = TheToy();
+  RunStats st;
+  uint64_t lcg = 98765;
+  auto window = [&lcg, &policy] {
+    lcg = lcg * 6364136223846793005ULL + 1442695040888963407ULL;
+    return 1 + static_cast<int64_t>((lcg >> 33) % static_cast<uint64_t>(policy.window));
+  };
+  for (int64_t cls = 0; cls < kClasses; ++cls) {
+    for (int64_t first = 0; first < per_class; first += kChunk) {
+      const int64_t count = std::min(kChunk, per_class - first);
+      SpecBatch batch(*toy.target, toy.draft.get(), 2 * count, opts);
+      std::vector<int64_t> handles;
+      for (int64_t i = 0; i < count; ++i) {
+        ImageRequest r;
+        r.class_id = cls;
+        r.seed = static_cast<uint64_t>(cls * 1000003 + first + i);
+        r.sampling = toy.sampling;
+        r.policy = policy;
+        auto h = batch.Add(r);
+        if (!h.ok()) throw std::runtime_error(h.status().ToString());
+        handles.push_back(*h);
+      }
+      while (batch.active() > 0) {
+        std::vector<WindowGrant> grants;
+        for (int64_t h : handles) {
+          if (!batch.done(h)) grants.push_back({h, window()});
+        }
+        if (Status s = batch.Step(grants); !s.ok()) throw std::runtime_error(s.ToString());
+      }
+      for (int64_t h : handles) {
+        *cut_fed += batch.stats(h).cut_drafts_fed;
+        st.Add(cls, batch.Take(h));
+      }
+    }
+  }
+  return st;
+}
+
+// Windows that move every step keep the exact AR distribution when a longer window feeds the
+// drafts a shorter one cut (SpecOptions::keep_cut_drafts, verified as one-hot proposals), in
+// plain, maximal-coupled and tree Jacobi decoding, with one-hot and uniform initial drafts;
+// verifying them as if they were fresh uniform drafts (the initial q of SJD-PAC) fails.
+TEST(SpecMovingWindowTest, KeptCutDraftsKeepTheExactDistribution) {
+  const auto exact = JointAr();
+  DecodingPolicy pac = Preset("sjd-pac", 9);
+  pac.tree_branches = 3;
+  pac.tree_depth = 2;
+  const std::vector<std::pair<std::string, DecodingPolicy>> cases = {
+      {"sjd", Preset("sjd", 6)}, {"scd-mc", Preset("scd-mc", 6)}, {"sjd-pac", pac}};
+  for (const auto& [name, policy] : cases) {
+    int64_t cut_fed = 0;
+    const RunStats st = SampleWithMovingWindows(policy, {}, kPerClass / 2, &cut_fed);
+    const auto chi = testing::ChiSquareTest(st.counts, exact);
+    std::printf(
+        "moving windows, %-8s %lld images, %.2f cut drafts fed again per image: chi2 %.1f "
+        "df %d p %.4f | mean NFE %.3f\n",
+        name.c_str(), static_cast<long long>(st.images),
+        static_cast<double>(cut_fed) / static_cast<double>(st.images), chi.statistic, chi.df,
+        chi.p_value, st.mean_nfe());
+    EXPECT_GT(chi.p_value, 0.001) << name;
+    EXPECT_GT(cut_fed, st.images / 2) << name;  // the kept drafts were fed again
+  }
+  SpecOptions broken;
+  broken.testing_cut_drafts_with_initial_q = true;
+  int64_t cut_fed = 0;
+  const auto chi = testing::ChiSquareTest(
+      SampleWithMovingWindows(pac, broken, kPerClass / 2, &cut_fed).counts, exact);
+  std::printf("sjd-pac verifying kept cut drafts with the uniform initial q: chi2 %.1f p %.3g\n",
+              chi.statistic, chi.p_value);
+  EXPECT_LT(chi.p_value, 1e-6);
+}
+
 // The static-shape forward (ForwardOptions::static_shapes, what CUDA graphs replay) through the
 // whole speculative step: target and draft forwards, chains, trees, device-fed drafts, a
 // scratch slot in both caches. Its logits equal the ragged forward's within rounding

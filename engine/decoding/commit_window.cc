@@ -180,6 +180,10 @@ void CommitWindow(Sequence& s, const HostStep& h, const StepContext& ctx, CacheM
     s.draft_valid = std::min(root + static_cast<int64_t>(walk.path.size()) + 1, root + s.gamma);
   }
   s.cols = std::move(walk.next);
+  // The window's last node proposed the token the first kept cut draft was for (or it was
+  // committed): the rest follow the new columns.
+  if (!s.cut.empty()) s.cut.erase(s.cut.begin());
+  if (s.finished(ctx.cfg().block_size)) s.cut.clear();
   s.tree_next = walk.rejected && s.r.policy.has_tree();
   s.iter += 1;
 }

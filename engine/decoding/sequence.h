@@ -49,10 +49,14 @@ struct Sequence {
   int64_t uncond_root = -1;  // draft-model steps: the unconditional root's row in node_tokens
   std::vector<int64_t> committed;
   std::vector<Column> cols;  // drafts for image tokens n, n + 1, ...
-  bool tree_next = false;    // the leading columns may carry several candidates
-  uint32_t iter = 0;         // steps taken (keys the random draws)
-  int64_t draft_valid = 0;   // valid entries in the draft model's cache
-  int64_t gamma = 0;         // drafts made by the draft model this step
+  // Drafts a shorter window cut from the end of cols (SpecOptions::keep_cut_drafts), for the
+  // image tokens right after cols; a longer window takes them back before drawing new ones.
+  // Their q is one-hot: the rows of P they were drawn from are gone.
+  std::vector<Column> cut;
+  bool tree_next = false;   // the leading columns may carry several candidates
+  uint32_t iter = 0;        // steps taken (keys the random draws)
+  int64_t draft_valid = 0;  // valid entries in the draft model's cache
+  int64_t gamma = 0;        // drafts made by the draft model this step
   // The scheduler's grant for this step: a window (or, while prefilling, a chunk; 0: none this
   // step); -1: none given (the policy's window, SpecOptions::prefill_chunk).
   int64_t granted = -1;

@@ -137,6 +137,7 @@ void SpecBatch::Suspend(int64_t handle) {
   // What referred to the freed cache or to this step's P and Q: the next window starts from
   // fresh drafts, as a request's first window does.
   s.cols.clear();
+  s.cut.clear();  // they follow cols
   s.nodes.clear();
   s.main.clear();
   s.tree_next = false;
@@ -227,7 +228,7 @@ Status SpecBatch::Impl::Step(const std::vector<WindowGrant>& grants) {
       opts.timing->draft_launches += ThreadLaunches() - l0;
     }
   }
-  for (Sequence* s : ctx.live) PlanWindow(*s, target.config());
+  for (Sequence* s : ctx.live) PlanWindow(*s, target.config(), ctx.opts);
   GatherProposals(ctx);
   NodeTokens(ctx);
   RETURN_IF_ERROR(ForwardTarget(ctx));

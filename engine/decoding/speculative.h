@@ -32,6 +32,7 @@ struct SpecStats {
   int64_t draft_forwards = 0;    // draft-model forwards (counted apart from NFE)
   int64_t drafts_verified = 0;   // drafts tested before the first rejection of each step
   int64_t drafts_accepted = 0;
+  int64_t cut_drafts_fed = 0;        // drafts a shorter window had cut, fed again by a longer one
   std::vector<int32_t> step_tokens;  // tokens committed by each step
   std::vector<int32_t> token_step;   // per image token, the step that committed it
   // Per draft depth d (index d - 1: the d-th draft of a step's accepted path), drafts tested
@@ -95,6 +96,17 @@ struct SpecOptions {
   // Prompt tokens a request prefills per step when the step grants it no window (0: all that
   // are left). A grant caps the chunk like a window.
   int64_t prefill_chunk = 0;
+  // A Jacobi window cut shorter than its drafts (a grant) keeps the cut drafts, and a later,
+  // longer window verifies them before it draws new random ones. They were drawn from rows of
+  // P that are gone, so they are verified as one-hot proposals (q = their token, fixed before
+  // the step's uniforms are: exact, like the one-hot initial drafts); false drops them, and
+  // the longer window starts its tail from random drafts again. Independent and maximal
+  // coupling only: a Gumbel-coupled draft is the argmax of its own keyed noise, which the
+  // target's sample shares, so it is always drawn anew.
+  bool keep_cut_drafts = true;
+  // Tests only (the power check of the moving-window exactness test): the kept drafts are
+  // verified as if drawn from the policy's initial q (uniform for SJD-PAC) instead of one-hot.
+  bool testing_cut_drafts_with_initial_q = false;
   // Tests only (the power check of the preemption exactness test): Resume skips recomputing
   // the KV entries, so a resumed request attends to whatever its new slots hold.
   bool testing_resume_without_recompute = false;

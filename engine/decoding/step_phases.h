@@ -113,7 +113,7 @@ class GuidedBatch;
 // (GuidedBatch::FusedProbs), else GuidedBatch::Probs.
 at::Tensor StepProbs(const StepContext& ctx, const GuidedBatch& batch, const at::Tensor& logits);
 Status DraftWithModel(StepContext& ctx, const std::vector<Sequence*>& drafting);
-void PlanWindow(Sequence& s, const GptConfig& cfg);
+void PlanWindow(Sequence& s, const GptConfig& cfg, const SpecOptions& opts);
 void GatherProposals(StepContext& ctx);
 void NodeTokens(StepContext& ctx);
 Status ForwardTarget(StepContext& ctx);

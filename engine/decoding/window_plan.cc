@@ -16,8 +16,9 @@ int64_t DrawToken(double u, int64_t V) {
 // Trims or extends a Jacobi request's columns to its window; returns T, the leading columns
 // that keep several candidates (the proactive tree), and sets *tree_nodes.
 int64_t PlanJacobiColumns(Sequence& s, int64_t V, int64_t budget, int64_t maxcols,
-                          int64_t* tree_nodes) {
+                          const SpecOptions& opts, int64_t* tree_nodes) {
   const DecodingPolicy& p = s.r.policy;
+  const bool keep = opts.keep_cut_drafts && p.coupling != Coupling::kGumbel;
   int64_t T = 0;
   if (p.has_tree() && s.tree_next) {
     while (T < static_cast<int64_t>(s.cols.size()) && T < p.tree_depth - 1 &&
@@ -38,7 +39,27 @@ int64_t PlanJacobiColumns(Sequence& s, int64_t V, int64_t budget, int64_t maxcol
   }
   for (size_t j = static_cast<size_t>(T); j < s.cols.size(); ++j) s.cols[j].cand.resize(1);
   const int64_t ncols = T + std::max<int64_t>(0, std::min(budget - 1 - *tree_nodes, maxcols - T));
-  if (static_cast<int64_t>(s.cols.size()) > ncols) s.cols.resize(static_cast<size_t>(ncols));
+  if (static_cast<int64_t>(s.cols.size()) > ncols) {
+    if (keep) {  // the cut drafts go in front of those cut before
+      // A random initial draft keeps its q; one drawn from this step's P or Q becomes
+      // one-hot (those rows are gone after the step).
+      for (auto c = s.cols.begin() + ncols; c != s.cols.end(); ++c) {
+        if (c->q.kind == ProposalRef::kOneHot || c->q.kind == ProposalRef::kUniform) continue;
+        c->q = opts.testing_cut_drafts_with_initial_q && p.uniform_init_q
+                   ? ProposalRef{ProposalRef::kUniform, 0}
+                   : ProposalRef{ProposalRef::kOneHot, c->cand[0]};
+      }
+      s.cut.insert(s.cut.begin(), std::make_move_iterator(s.cols.begin() + ncols),
+                   std::make_move_iterator(s.cols.end()));
+    }
+    s.cols.resize(static_cast<size_t>(ncols));
+  }
+  size_t taken = 0;  // the kept drafts first
+  while (static_cast<int64_t>(s.cols.size()) < ncols && taken < s.cut.size()) {
+    s.cols.push_back(std::move(s.cut[taken++]));
+  }
+  s.cut.erase(s.cut.begin(), s.cut.begin() + static_cast<std::ptrdiff_t>(taken));
+  s.stats.cut_drafts_fed += static_cast<int64_t>(taken);
   while (static_cast<int64_t>(s.cols.size()) < ncols) {  // fresh random drafts
     const auto t = static_cast<uint32_t>(s.n() + static_cast<int64_t>(s.cols.size()));
     Column col;
@@ -95,14 +116,15 @@ void LayOutNodes(Sequence& s, int64_t T) {
 
 }  // namespace
 
-void PlanWindow(Sequence& s, const GptConfig& cfg) {
+void PlanWindow(Sequence& s, const GptConfig& cfg, const SpecOptions& opts) {
   const DecodingPolicy& p = s.r.policy;
   const int64_t avail = cfg.block_size - s.n();
   int64_t T = 0, tree_nodes = 0;
   if (p.draft == DraftSource::kNone) {
     s.cols.clear();
   } else if (p.draft == DraftSource::kJacobi) {
-    T = PlanJacobiColumns(s, cfg.vocab_size, std::min(s.window(), avail), avail - 1, &tree_nodes);
+    T = PlanJacobiColumns(s, cfg.vocab_size, std::min(s.window(), avail), avail - 1, opts,
+                          &tree_nodes);
   }
   // Draft-model columns come from DraftWithModel.
   if (p.draft != DraftSource::kNone && p.acceptance == Acceptance::kRelaxed) {
