@@ -370,8 +370,11 @@ int main(int argc, char** argv) {
            {"mixed-concurrency", "4,16,64"},
            {"mixed-modes", "none,budget:256,goodput"},
            {"max-slowdown", "0.25"},
+           {"window-stickiness", "0"},
            {"fixed-step-cost", ""},
            {"refine-step-cost", "1"},
+           {"simulated-step-noise", "0"},
+           {"keep-cut-drafts", "1"},
            {"cache-dir", ""},
            {"batch-invariant", "1"},
            {"cuda-graphs", "0"},
@@ -396,6 +399,7 @@ int main(int argc, char** argv) {
   base.decode_thread = static_cast<int>(f.Int("decode-thread"));  // EngineOptions::decode_thread
   base.kv_cache_bytes = int64_t{8} << 30;
   base.max_slowdown = f.Num("max-slowdown");
+  base.window_stickiness = f.Num("window-stickiness");  // EngineOptions::window_stickiness
   // --fixed-step-cost BASE,PER_TOKEN,PER_REQUEST (seconds): the goodput controller plans with
   // this step cost instead of a calibration (EngineOptions::fixed_step_cost), e.g. a GPU's on
   // the CPU, to see the windows it would choose there.
@@ -403,7 +407,9 @@ int main(int argc, char** argv) {
   if (!base.fixed_step_cost.empty() && base.fixed_step_cost.size() != 3) {
     f.Fail("--fixed-step-cost: expected BASE,PER_TOKEN,PER_REQUEST");
   }
-  base.refine_step_cost = f.Int("refine-step-cost") != 0;  // EngineOptions::refine_step_cost
+  base.refine_step_cost = f.Int("refine-step-cost") != 0;     // EngineOptions::refine_step_cost
+  base.simulated_step_noise = f.Num("simulated-step-noise");  // with --fixed-step-cost
+  base.keep_cut_drafts = f.Int("keep-cut-drafts") != 0;       // EngineOptions::keep_cut_drafts
   // The goodput cells share one calibration (measured by the warm-up below).
   base.cache_dir = f.Str("cache-dir").empty() ? out + "/cache" : f.Str("cache-dir");
   const double seconds = f.Num("seconds"), per_client = f.Num("seconds-per-client");

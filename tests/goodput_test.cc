@@ -243,5 +243,54 @@ TEST(GoodputTest, FairnessBoundCapsWhatSpeculationCostsAnArNeighbour) {
   EXPECT_GT(q.expected / q.seconds, p.expected / p.seconds);  // for more total goodput
 }
 
+// Hysteresis: the previous windows are kept while the models put them within the stickiness
+// of the best plan (a cost model that drifts by a few percent moves nothing), and given up
+// when the best plan is clearly better, when they would break the fairness bound, or with
+// stickiness 0. A new request gets the best plan's window beside the held ones.
+TEST(GoodputTest, PreviousWindowsAreHeldWithinTheStickinessAndNoFurther) {
+  const auto e = Geometric(32, 0.8);
+  std::vector<GoodputRequest> reqs(8, GoodputRequest{2, e});
+  const auto cpu = StepCostModel::Linear(3e-3, 1e-4, 1e-4);
+  GoodputOptions fresh;  // the default: no hysteresis
+  GoodputOptions sticky;
+  sticky.stickiness = 0.05;
+  const GoodputPlan best = PlanGoodput(reqs, cpu, fresh);
+  ASSERT_GT(best.windows[0], 2);
+  // Each request one node off the best plan: within 5% of it, so held.
+  std::vector<GoodputRequest> moved = reqs;
+  for (size_t i = 0; i < moved.size(); ++i) {
+    moved[i].previous = best.windows[i] + (i % 2 == 0 ? 1 : -1);
+  }
+  const GoodputPlan held = PlanGoodput(moved, cpu, sticky);
+  EXPECT_TRUE(held.held);
+  for (size_t i = 0; i < moved.size(); ++i) EXPECT_EQ(held.windows[i], moved[i].previous);
+  EXPECT_GE(held.expected / held.seconds, 0.95 * best.expected / best.seconds);
+  // Stickiness 0 (the default) re-plans.
+  EXPECT_EQ(PlanGoodput(moved, cpu, fresh).windows, best.windows);
+  // Whole windows are far from the best plan on this steep cost: not held.
+  std::vector<GoodputRequest> whole = reqs;
+  for (GoodputRequest& r : whole) r.previous = 32;
+  const GoodputPlan replanned = PlanGoodput(whole, cpu, sticky);
+  EXPECT_FALSE(replanned.held);
+  EXPECT_EQ(replanned.windows, best.windows);
+  // A new request (no previous window) beside held ones takes the best plan's window.
+  std::vector<GoodputRequest> joined = moved;
+  joined.push_back({2, e, 0});
+  const GoodputPlan with_new = PlanGoodput(joined, cpu, sticky);
+  const GoodputPlan with_new_best = PlanGoodput(joined, cpu, fresh);
+  EXPECT_TRUE(with_new.held);
+  for (size_t i = 0; i < moved.size(); ++i) EXPECT_EQ(with_new.windows[i], moved[i].previous);
+  EXPECT_EQ(with_new.windows.back(), with_new_best.windows.back());
+  // Held windows never break the fairness bound: beside AR requests, whole windows that the
+  // bound forbids are given up however small the stickiness's tolerance makes the loss.
+  std::vector<GoodputRequest> mixed(4, GoodputRequest{2, {1.0}});
+  for (int i = 0; i < 4; ++i) mixed.push_back({2, Geometric(32, 0.99), 32});
+  GoodputOptions lax;
+  lax.stickiness = 1;  // any goodput would do
+  const GoodputPlan fair = PlanGoodput(mixed, cpu, lax);
+  EXPECT_FALSE(fair.held);
+  ExpectFair(fair, mixed, lax.max_slowdown);
+}
+
 }  // namespace
 }  // namespace imagegen

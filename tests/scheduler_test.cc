@@ -794,6 +794,9 @@ TEST(EngineTest, BadEngineOptionsAreRejected) {
   o.max_slowdown = -0.5;
   EXPECT_NE(Engine::Start(o).status().message().find("max_slowdown"), std::string::npos);
   o = BundledOptions();
+  o.window_stickiness = 1.5;
+  EXPECT_NE(Engine::Start(o).status().message().find("window_stickiness"), std::string::npos);
+  o = BundledOptions();
   o.fixed_step_cost = {1.0};
   EXPECT_NE(Engine::Start(o).status().message().find("fixed_step_cost"), std::string::npos);
 }

@@ -114,6 +114,12 @@ StatusOr<std::unique_ptr<Engine>> Engine::Start(const EngineOptions& options,
   if (!(o.max_slowdown >= 0 && o.max_slowdown <= 100)) {
     return InvalidArgument("max_slowdown: must be in [0, 100]");
   }
+  if (!(o.window_stickiness >= 0 && o.window_stickiness <= 1)) {
+    return InvalidArgument("window_stickiness: must be in [0, 1]");
+  }
+  if (!(o.simulated_step_noise >= 0 && o.simulated_step_noise <= 10)) {
+    return InvalidArgument("simulated_step_noise: must be in [0, 10]");
+  }
   if (!o.fixed_step_cost.empty() && o.fixed_step_cost.size() != 3) {
     return InvalidArgument("fixed_step_cost: must be empty or {base, per_token, per_request}");
   }

@@ -72,12 +72,22 @@ struct EngineOptions {
   // of stalling everyone's next token.
   int64_t prefill_tokens_per_step = 64;
   double max_slowdown = 0.25;
+  // Goodput hysteresis (GoodputOptions::stickiness): the previous step's windows are kept while
+  // the cost and commit models put their goodput within this fraction of the best plan's. In
+  // [0, 1]; 0 (the default): every step re-plans from scratch.
+  double window_stickiness = 0;
   // Where the step-cost calibration is kept (one JSON file per model, device and dtype, reused
   // at the next start); empty: not kept (calibrated at every start).
   std::string cache_dir;
   // Instead of the calibration, t = base + per_token * T + per_request * (R - 1) seconds,
   // fixed (tests). Empty: calibrate.
   std::vector<double> fixed_step_cost;
+  // Benchmarks of the controller on a host that is not the device it models: with
+  // fixed_step_cost and refine_step_cost, > 0 makes the cost model a calibrated one, fitted to
+  // the formula, and refines it from the formula's time of each step times exp(sigma * z), z
+  // standard normal (seeded), instead of the measured time: a cost model that jitters as one
+  // refined from a GPU's sub-millisecond steps does (docs/results-gpu.md). 0: fixed.
+  double simulated_step_noise = 0;
   // The calibrated step cost refined online from every step's measured time (false: the
   // calibration alone, e.g. to see what the refinement does on a device whose step times
   // jitter).
@@ -91,6 +101,9 @@ struct EngineOptions {
   bool cuda_graphs = false;
   // Chain steps verified in one fused pass (SpecOptions::fused_verify; one kernel on CUDA).
   bool fused_verify = true;
+  // A Jacobi window the controller cuts keeps its cut drafts for a later, longer window
+  // (SpecOptions::keep_cut_drafts); false draws the regrown tail at random again.
+  bool keep_cut_drafts = true;
   // Intra-op threads of the engine thread (at::set_num_threads); 0 keeps LibTorch's default.
   // All LibTorch work, model loading included, runs on the engine thread: with GNU OpenMP a
   // second thread that also runs parallel LibTorch ops made every step about twice as slow on

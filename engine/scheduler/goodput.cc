@@ -245,6 +245,33 @@ GoodputPlan PlanGoodput(const std::vector<GoodputRequest>& requests, const StepC
   for (const Candidate& c : candidates) {
     if (c.rate > best->rate * (1 + 1e-9)) best = &c;
   }
+  if (!options.explore && options.stickiness > 0) {
+    Candidate held;
+    bool any = false;
+    for (size_t i = 0; i < R; ++i) {
+      const auto wanted = static_cast<int64_t>(requests[i].expected.size());
+      const int64_t prev = requests[i].previous;
+      any |= prev > 0;
+      held.windows.push_back(prev > 0 ? std::clamp<int64_t>(prev, 1, wanted) : best->windows[i]);
+      held.tokens += held.windows.back() * requests[i].rows;
+    }
+    if (any && held.windows != best->windows && held.tokens <= std::max(limit, ar_tokens)) {
+      const double t = cost.Predict(held.tokens, Rn);
+      const double e_min = t / ((1 + options.max_slowdown) * ar);
+      double e = 0;
+      bool fair = true;
+      for (size_t i = 0; i < R; ++i) {
+        e += expected(i, held.windows[i]);
+        fair &= expected(i, held.windows[i]) >= e_min - 1e-12;  // the planner's floor
+      }
+      held.rate = e / t;
+      if (fair && held.rate >= best->rate * (1 - options.stickiness)) {
+        finish(held.windows);
+        plan.held = true;
+        return plan;
+      }
+    }
+  }
   if (options.explore) {
     const Candidate* wider = nullptr;
     for (const Candidate& c : candidates) {

@@ -71,6 +71,7 @@ std::vector<double> ExpectedCommits(const CommitModel& model, const DecodingPoli
 struct GoodputRequest {
   int64_t rows = 1;              // forward rows per node (2 with CFG)
   std::vector<double> expected;  // as ExpectedCommits: size = the wanted window (>= 1)
+  int64_t previous = 0;          // the window it was planned last step; 0: none (new)
 };
 
 struct GoodputOptions {
@@ -85,6 +86,16 @@ struct GoodputOptions {
   // forward rows (when one keeps the fairness bound), so that the step-cost model measures
   // the larger steps it would otherwise only extrapolate to.
   bool explore = false;
+  // Hysteresis: the previous step's windows (GoodputRequest::previous, clipped to what each
+  // request wants; a new request takes the best plan's) are kept while their expected goodput
+  // is within this fraction of the best plan's and they keep the fairness bound and the
+  // ceiling. A Jacobi window that moves from step to step commits fewer tokens than one held
+  // (imagegen-window-churn: 7-40% more steps per image on the bundled model), which the
+  // commit model, learned per window size, does not see. Off by default: in a CPU replay with
+  // a GPU-like step cost it neither cut the windows' movement (exploration and images ending
+  // cause most of it) nor raised the commits, and it held sjd-pac at smaller windows in 2 of
+  // 4 cells (docs/results-serving.md, "Moving windows").
+  double stickiness = 0;
 };
 
 struct GoodputPlan {
@@ -93,6 +104,7 @@ struct GoodputPlan {
   double seconds = 0;            // predicted step time
   double expected = 0;           // expected commits, all requests
   double ar_seconds = 0;         // predicted step time with one node each
+  bool held = false;             // the previous windows, kept (GoodputOptions::stickiness)
 };
 
 GoodputPlan PlanGoodput(const std::vector<GoodputRequest>& requests, const StepCostModel& cost,

@@ -35,6 +35,7 @@ struct Job {
   RequestCommits commits;
   int64_t steps = 0, window_sum = 0;
   int64_t last_window = 0, window_change_sum = 0;  // |window - the previous step's|, summed
+  int64_t planned_window = 0;  // the last window the controller chose without exploring
   double expected_sum = 0, predicted_sum = 0, measured_sum = 0;
 };
 

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -25,6 +26,7 @@ SpecOptions BatchOptions(const EngineOptions& o) {
   s.batch_invariant = o.batch_invariant;
   s.cuda_graphs = o.cuda_graphs;
   s.fused_verify = o.fused_verify;
+  s.keep_cut_drafts = o.keep_cut_drafts;
   return s;
 }
 
@@ -71,6 +73,16 @@ Status ModelScheduler::Calibrate(const LoadOptions& load) {
   if (!opts_.fixed_step_cost.empty()) {
     cost_ = StepCostModel::Linear(opts_.fixed_step_cost[0], opts_.fixed_step_cost[1],
                                   opts_.fixed_step_cost[2]);
+    if (opts_.simulated_step_noise > 0 && opts_.refine_step_cost) {
+      // The formula at the shapes a calibration measures, as a calibration refined online.
+      const StepCostModel formula = cost_;
+      std::vector<StepCostSample> samples;
+      for (int64_t r = 1; r <= std::max<int64_t>(slots_ / 2, 1); r *= 2) {
+        for (int64_t t = 2 * r; t <= 4096; t *= 2) samples.push_back({t, r, formula.Predict(t, r)});
+      }
+      cost_ = StepCostModel();
+      RETURN_IF_ERROR(cost_.Calibrate(samples));
+    }
     return OkStatus();
   }
   // What the step time depends on besides the step's shape: the model, where and how it runs.
@@ -221,16 +233,22 @@ std::vector<int64_t> ModelScheduler::ChooseWindows(const std::vector<size_t>& id
   for (size_t i = 0; i < idx.size(); ++i) {
     const Job& j = *active_[idx[i]];
     const int64_t wanted = std::max<int64_t>(demand[i].wanted, 1);
-    reqs.push_back(
-        {demand[i].rows, ExpectedCommits(commits_, j.request.policy, wanted, j.commits.Factor())});
+    reqs.push_back({demand[i].rows,
+                    ExpectedCommits(commits_, j.request.policy, wanted, j.commits.Factor()),
+                    j.planned_window});
   }
   GoodputOptions go;
   go.max_slowdown = opts_.max_slowdown;
   go.max_tokens = opts_.max_tokens_per_step;
+  go.stickiness = opts_.window_stickiness;
   // One planned step in 16 explores a plan twice as wide (GoodputOptions::explore).
   go.explore = reqs.size() > 1 && ++planned_steps_ % 16 == 0;
   plan = PlanGoodput(reqs, cost_, go);
-  for (size_t i = 0; i < reqs.size(); ++i) expected[i] = reqs[i].expected[plan.windows[i] - 1];
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    expected[i] = reqs[i].expected[plan.windows[i] - 1];
+    // What the next step may hold: not an exploring step's windows.
+    if (!go.explore) active_[idx[i]]->planned_window = plan.windows[i];
+  }
   return plan.windows;
 }
 
@@ -505,7 +523,14 @@ void ModelScheduler::Step(Outcomes& out) {
   // excluded (they have their own budget) and so is decoding the finished images.
   sample.step_seconds = Seconds(t0, Clock::now()) - spent;
   if (cost_.calibrated() && opts_.refine_step_cost) {
-    cost_.Observe(sample.tokens, sample.requests, sample.step_seconds);
+    double seconds = sample.step_seconds;
+    if (opts_.simulated_step_noise > 0 && !opts_.fixed_step_cost.empty()) {
+      const std::vector<double>& f = opts_.fixed_step_cost;
+      seconds =
+          StepCostModel::Linear(f[0], f[1], f[2]).Predict(sample.tokens, sample.requests) *
+          std::exp(opts_.simulated_step_noise * std::normal_distribution<double>(0, 1)(noise_rng_));
+    }
+    cost_.Observe(sample.tokens, sample.requests, seconds);
   }
   for (auto& j : active_) {
     j->predicted_sum += sample.predicted_seconds;

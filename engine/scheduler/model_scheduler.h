@@ -3,6 +3,7 @@
 #pragma once
 
 #include <memory>
+#include <random>
 #include <unordered_set>
 #include <vector>
 
@@ -81,6 +82,7 @@ class ModelScheduler : public FamilyScheduler {
   // spent, and the recent cost of one preview.
   double preview_credit_ = 0, preview_cost_ = 0;
   StepCostModel cost_;
+  std::mt19937_64 noise_rng_{1};  // EngineOptions::simulated_step_noise
   CommitModel commits_;
   int64_t planned_steps_ = 0;  // goodput steps with more than one request
 };
