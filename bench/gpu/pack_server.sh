@@ -31,7 +31,7 @@ mkdir -p "$dest/bin" "$dest/lib"
 bins=("$build/server/imagegen-server" "$build/client/imagegen")
 if [[ $benches == 1 ]]; then
   for b in tests/engine_tests tests/parity_tests tests/kernels_tests bench/imagegen-step-cost \
-           bench/imagegen-spec-bench bench/imagegen-load-bench; do
+           bench/imagegen-spec-bench bench/imagegen-load-bench bench/imagegen-window-churn; do
     if [[ -x $build/$b ]]; then
       bins+=("$build/$b")
     elif [[ $b != tests/kernels_tests ]]; then  # kernels_tests exists only where nvcc does
