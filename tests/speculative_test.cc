@@ -249,6 +249,24 @@ TEST(SpeculativeBatchTest, MixedMethodsInOneBatchGiveTheSameGrids) {
     EXPECT_EQ((*all)[i].tokens, alone[i]) << "request " << i;
 }
 
+// Adds `count` toy requests of class `cls` to `batch`, with the seeds Sample gives images
+// first .. first + count - 1 of that class; returns their handles.
+std::vector<int64_t> AddToyRequests(SpecBatch& batch, const DecodingPolicy& policy, int64_t cls,
+                                    int64_t first, int64_t count) {
+  std::vector<int64_t> handles;
+  for (int64_t i = 0; i < count; ++i) {
+    ImageRequest r;
+    r.class_id = cls;
+    r.seed = static_cast<uint64_t>(cls * 1000003 + first + i);
+    r.sampling = TheToy().sampling;
+    r.policy = policy;
+    auto h = batch.Add(r);
+    if (!h.ok()) throw std::runtime_error(h.status().ToString());
+    handles.push_back(*h);
+  }
+  return handles;
+}
+
 // Preemption by recomputation (SpecBatch::Suspend / Resume): after every step, about a quarter
 // of the running requests are suspended (their KV slots freed); before the next, three in four
 // of the suspended ones are resumed, in the order they were suspended, so that each comes back
@@ -268,17 +286,8 @@ RunStats SampleWithPreemption(const DecodingPolicy& policy, const SpecOptions& o
     for (int64_t first = 0; first < per_class; first += kChunk) {
       const int64_t count = std::min(kChunk, per_class - first);
       SpecBatch batch(*toy.target, toy.draft.get(), 2 * count, opts);
-      std::vector<int64_t> handles, paused;
-      for (int64_t i = 0; i < count; ++i) {
-        ImageRequest r;
-        r.class_id = cls;
-        r.seed = static_cast<uint64_t>(cls * 1000003 + first + i);
-        r.sampling = toy.sampling;
-        r.policy = policy;
-        auto h = batch.Add(r);
-        if (!h.ok()) throw std::runtime_error(h.status().ToString());
-        handles.push_back(*h);
-      }
+      const std::vector<int64_t> handles = AddToyRequests(batch, policy, cls, first, count);
+      std::vector<int64_t> paused;
       while (batch.active() > 0 || !paused.empty()) {
         std::vector<int64_t> still;  // one in four stays away another step
         for (int64_t h : paused) {
@@ -363,17 +372,7 @@ RunStats SampleWithMovingWindows(const DecodingPolicy& policy, const SpecOptions
     for (int64_t first = 0; first < per_class; first += kChunk) {
       const int64_t count = std::min(kChunk, per_class - first);
       SpecBatch batch(*toy.target, toy.draft.get(), 2 * count, opts);
-      std::vector<int64_t> handles;
-      for (int64_t i = 0; i < count; ++i) {
-        ImageRequest r;
-        r.class_id = cls;
-        r.seed = static_cast<uint64_t>(cls * 1000003 + first + i);
-        r.sampling = toy.sampling;
-        r.policy = policy;
-        auto h = batch.Add(r);
-        if (!h.ok()) throw std::runtime_error(h.status().ToString());
-        handles.push_back(*h);
-      }
+      const std::vector<int64_t> handles = AddToyRequests(batch, policy, cls, first, count);
       while (batch.active() > 0) {
         std::vector<WindowGrant> grants;
         for (int64_t h : handles) {
