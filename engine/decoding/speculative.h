@@ -96,13 +96,13 @@ struct SpecOptions {
   // Prompt tokens a request prefills per step when the step grants it no window (0: all that
   // are left). A grant caps the chunk like a window.
   int64_t prefill_chunk = 0;
-  // A Jacobi window cut shorter than its drafts (a grant) keeps the cut drafts, and a later,
-  // longer window verifies them before it draws new random ones. They were drawn from rows of
-  // P that are gone, so they are verified as one-hot proposals (q = their token, fixed before
-  // the step's uniforms are: exact, like the one-hot initial drafts); false drops them, and
-  // the longer window starts its tail from random drafts again. Independent and maximal
-  // coupling only: a Gumbel-coupled draft is the argmax of its own keyed noise, which the
-  // target's sample shares, so it is always drawn anew.
+  // A Jacobi window cut shorter than its drafts (a grant, or a tree that takes the chain's
+  // nodes) keeps the cut drafts, and a later, longer window verifies them before it draws new
+  // random ones. They were drawn from rows of P that are gone, so they are verified as one-hot
+  // proposals (q = their token, fixed before the step's uniforms are: exact, like the one-hot
+  // initial drafts); false drops them, and the longer window starts its tail from random
+  // drafts again. Independent and maximal coupling only: a Gumbel-coupled draft is the argmax
+  // of its own keyed noise, which the target's sample shares, so it is always drawn anew.
   bool keep_cut_drafts = true;
   // Tests only (the power check of the moving-window exactness test): the kept drafts are
   // verified as if drawn from the policy's initial q (uniform for SJD-PAC) instead of one-hot.

@@ -92,9 +92,9 @@ struct GoodputOptions {
   // ceiling. A Jacobi window that moves from step to step commits fewer tokens than one held
   // (imagegen-window-churn: 7-40% more steps per image on the bundled model), which the
   // commit model, learned per window size, does not see. Off by default: in a CPU replay with
-  // a GPU-like step cost it neither cut the windows' movement (exploration and images ending
-  // cause most of it) nor raised the commits, and it held sjd-pac at smaller windows in 2 of
-  // 4 cells (docs/results-serving.md, "Moving windows").
+  // a GPU-like step cost it neither cut the windows' movement nor raised the commits, and it
+  // held sjd-pac at smaller windows in 2 of 4 cells (docs/results-serving.md, "Moving
+  // windows").
   double stickiness = 0;
 };
 
