@@ -797,6 +797,9 @@ TEST(EngineTest, BadEngineOptionsAreRejected) {
   o.window_stickiness = 1.5;
   EXPECT_NE(Engine::Start(o).status().message().find("window_stickiness"), std::string::npos);
   o = BundledOptions();
+  o.simulated_step_noise = -1;
+  EXPECT_NE(Engine::Start(o).status().message().find("simulated_step_noise"), std::string::npos);
+  o = BundledOptions();
   o.fixed_step_cost = {1.0};
   EXPECT_NE(Engine::Start(o).status().message().find("fixed_step_cost"), std::string::npos);
 }

@@ -5,9 +5,9 @@ Service serves them, under load while one replica is SIGKILLed and another drain
     PYTHONPATH=build/ci/python python3 tests/deploy/replicas.py \\
         --server build/ci/server/imagegen-server [--clients 12] [--seconds 24]
 
-The client is one gRPC channel over the three addresses with the round_robin policy and a
-retry policy for UNAVAILABLE and CANCELLED (service config, docs/deploy.md), as a client of the
-headless Service would use.
+The client is one gRPC channel over the three addresses with the round_robin policy, client-side
+health checking and a retry policy for UNAVAILABLE and CANCELLED (service config,
+docs/deploy.md), as a client of the headless Service would use.
 Each replica is started from a flagfile (as the Kubernetes ConfigMap does). Timeline, with
 T = --seconds: load from t=0; at T/4 (or once every replica has opened a call) replica A is
 SIGKILLed; T/4 later replica B gets SIGTERM;
@@ -108,6 +108,12 @@ def channel_for(replicas, retries=True):
         "loadBalancingConfig": [{"round_robin": {}}],
     }
     if retries:
+        # Client-side health checking (grpc.health.v1 Watch): round robin stops picking a
+        # replica once it turns NOT_SERVING, which a draining one does at once. Without it the
+        # draining replica stays in the rotation until its listener closes (about 3 s here) and
+        # rejects each call it gets UNAVAILABLE; a call whose 5 attempts all land on it fails
+        # (1 unary call in one clean-clone CI run).
+        config["healthCheckConfig"] = {"serviceName": SERVICE}
         config["methodConfig"] = [{
             "name": [{"service": SERVICE}],
             "retryPolicy": {
@@ -256,7 +262,8 @@ def main():
     k = load.counts
     print(f"replicas: {args.clients} clients, T = {args.seconds:g} s, 3 replicas "
           + ("(round robin, no retries: the control)" if args.no_retry_control
-             else "(round robin; retry on UNAVAILABLE and CANCELLED, up to 5 attempts)"))
+             else "(round robin, client-side health checks; retry on UNAVAILABLE and "
+             "CANCELLED, up to 5 attempts)"))
     print(f"  calls per replica before the kill: {spread}")
     print(f"  A SIGKILLed at {t_kill:.1f} s; B SIGTERM at {t_term:.1f} s: NOT_SERVING at "
           f"+{(t_not_serving or float('nan')) - t_term:.3f} s, listener closed at "
