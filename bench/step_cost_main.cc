@@ -71,7 +71,7 @@ int main(int argc, char** argv) {
            {"csv", ""}},
           "usage: imagegen-step-cost [--shapes bundled,gpt-b,gpt-l,gpt-xl,tiny] [--dtypes "
           "bf16,fp32] [--device cuda] [--requests 1,2,..] [--tokens 1,2,..] [--forwards "
-          "eager,static,graphs] [--csv FILE]");
+          "eager,static,graphs,static-ref,graphs-ref] [--csv FILE]");
   std::ofstream csv;
   if (!f.Str("csv").empty()) {
     csv.open(f.Str("csv"));
@@ -84,24 +84,33 @@ int main(int argc, char** argv) {
   const bool invariant = f.Int("batch-invariant") != 0;
   // eager: the ragged forward (batch-invariant unless --batch-invariant 0); static: the
   // static-shape forward; graphs: the static forward through CUDA graphs (one capture per
-  // bucket in the warm-up repetitions, replays after).
+  // bucket in the warm-up repetitions, replays after). Both with the fused layer
+  // (LoadOptions::fused_static_forward, forced on here, on the CPU too); static-ref and
+  // graphs-ref: the same with the reference layer (a second copy of the model).
+  bool any_ref = false;
   for (const std::string& fw : f.List("forwards")) {
-    if (fw != "eager" && fw != "static" && fw != "graphs") {
-      f.Fail("--forwards: expected eager, static or graphs, got '" + fw + "'");
+    if (fw != "eager" && fw != "static" && fw != "graphs" && fw != "static-ref" &&
+        fw != "graphs-ref") {
+      f.Fail("--forwards: expected eager, static, graphs, static-ref or graphs-ref, got '" + fw +
+             "'");
     }
+    any_ref |= fw == "static-ref" || fw == "graphs-ref";
   }
   for (const std::string& dtype : f.List("dtypes")) {
     auto lo = ParseDeviceAndDtype(f.Str("device"), dtype);
     if (!lo.ok()) f.Fail(lo.status().message());
     for (const std::string& shape : f.List("shapes")) {
-      std::unique_ptr<Gpt> gpt;
-      if (shape == "bundled") {
-        gpt = OrDie(Gpt::Load(f.Str("models-dir") + "/fmnist-gpt", *lo));
-      } else {
+      auto load = [&](bool fused) {
+        LoadOptions o = *lo;
+        o.fused_static_forward = fused;
+        if (shape == "bundled") return OrDie(Gpt::Load(f.Str("models-dir") + "/fmnist-gpt", o));
         GptConfig c;
         if (!Shape(shape, f.Int("grid"), &c)) f.Fail("unknown shape " + shape);
-        gpt = Gpt::Random(c, *lo, 7);
-      }
+        return Gpt::Random(c, o, 7);  // the same weights for both layers
+      };
+      std::unique_ptr<Gpt> fused_gpt = load(true);
+      std::unique_ptr<Gpt> ref_gpt = any_ref ? load(false) : nullptr;
+      const Gpt* gpt = fused_gpt.get();
       const GptConfig& cfg = gpt->config();
       const double weight_ms = gbps > 0 ? gpt->weight_bytes() / (gbps * 1e9) * 1e3 : 0;
       std::printf(
@@ -113,7 +122,9 @@ int main(int argc, char** argv) {
       std::printf("%8s %6s %8s %8s %10s %12s %8s %8s\n", "requests", "rows", "tokens", "tok/req",
                   "median ms", "tokens/s", "x 1 tok", "launches");
       for (const std::string& fw : f.List("forwards")) {
-        const ForwardOptions fo{invariant, fw != "eager", fw == "graphs"};
+        const bool ref = fw == "static-ref" || fw == "graphs-ref";
+        gpt = ref ? ref_gpt.get() : fused_gpt.get();
+        const ForwardOptions fo{invariant, fw != "eager", fw == "graphs" || fw == "graphs-ref"};
         if (f.List("forwards").size() > 1) std::printf("forward: %s\n", fw.c_str());
         double one_token_ms = 0;
         for (int64_t r : f.Ints("requests")) {

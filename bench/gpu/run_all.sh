@@ -180,14 +180,16 @@ phase_step() {
     "$b/imagegen-step-cost" --device "$device" --shapes bundled,tiny --requests 1,4 \
       --tokens 1,4,16,64 --reps 3 --csv "$out/step_cost.csv" > "$out/step_cost.log" 2>&1
   elif [[ $scale == lease ]]; then
-    # The eager forward and the static one through CUDA graphs, side by side for each shape.
+    # CUDA graphs with the fused layer (the CUDA default) and with the reference layer, side
+    # by side for each shape, in bf16 (the eager forward and fp32: docs/results-gpu.md, 2026-11-27;
+    # both in the full scale).
     "$b/imagegen-step-cost" --device "$device" --shapes bundled,gpt-b,gpt-l,gpt-xl \
-      --dtypes bf16,fp32 --requests 1,4,16,64 --tokens 1,4,16,64,256,1024,4096 --reps 5 \
-      --forwards eager,graphs --hbm-gbps "$(gbps)" --csv "$out/step_cost.csv" \
+      --dtypes bf16 --requests 1,4,16,64 --tokens 1,4,16,64,256,1024,4096 --reps 5 \
+      --forwards graphs,graphs-ref --hbm-gbps "$(gbps)" --csv "$out/step_cost.csv" \
       > "$out/step_cost.log" 2>&1
   else
     "$b/imagegen-step-cost" --device "$device" --shapes bundled,gpt-b,gpt-l,gpt-xl \
-      --dtypes bf16,fp32 --forwards eager,static,graphs --hbm-gbps "$(gbps)" \
+      --dtypes bf16,fp32 --forwards eager,static,graphs,graphs-ref --hbm-gbps "$(gbps)" \
       --csv "$out/step_cost.csv" > "$out/step_cost.log" 2>&1
   fi
   tail -n 3 "$out/step_cost.log"

@@ -36,7 +36,8 @@ StatusOr<std::unique_ptr<Classifier>> Classifier::Load(const std::string& dir,
   ASSIGN_OR_RETURN(m->f1b_, s->Take("fc1.bias", {feat}, opts));
   ASSIGN_OR_RETURN(m->f2w_, s->Take("fc2.weight", {classes, feat}, opts));
   ASSIGN_OR_RETURN(m->f2b_, s->Take("fc2.bias", {classes}, opts));
-  LoadOptions cpu64{c10::Device(c10::kCPU), at::kDouble};
+  LoadOptions cpu64;
+  cpu64.dtype = at::kDouble;  // on the CPU
   ASSIGN_OR_RETURN(m->ref_mean_, s->Take("reference.test_feature_mean", {feat}, cpu64));
   ASSIGN_OR_RETURN(m->ref_cov_, s->Take("reference.test_feature_cov", {feat, feat}, cpu64));
   RETURN_IF_ERROR(s->Finish({}));

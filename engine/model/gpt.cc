@@ -46,6 +46,16 @@ at::Tensor ApplyRopeHalf(const at::Tensor& x, const at::Tensor& table) {
   return at::cat({x1 * c - x2 * s, x2 * c + x1 * s}, -1).to(x.scalar_type());
 }
 
+// ApplyRope as LlamaGen writes it: the pairs as complex numbers times the table's (cos, sin),
+// one complex multiply in fp32 (three kernels in bf16, one in fp32, against ApplyRope's ten).
+// x may be a strided view (of the qkv projection).
+at::Tensor ApplyRopeComplex(const at::Tensor& x, const at::Tensor& table) {
+  const int64_t t = x.size(0), h = x.size(1), hd = x.size(2);
+  at::Tensor xc = at::view_as_complex(x.to(at::kFloat).reshape({t, h, hd / 2, 2}));
+  at::Tensor out = at::view_as_real(xc * at::view_as_complex(table).unsqueeze(1));
+  return out.reshape({t, h, hd}).to(x.scalar_type());
+}
+
 at::Tensor Linear(const at::Tensor& x, const at::Tensor& w, bool invariant) {
   const int64_t m = x.size(0);
   if (!invariant || m >= kInvariantMinRows) return at::linear(x, w);
@@ -345,6 +355,7 @@ StatusOr<std::unique_ptr<Gpt>> Gpt::FromStoreImpl(const GptConfig& cfg, WeightSt
   // freqs_cis is recomputed (models.md 1.4); KV caches are never weights.
   RETURN_IF_ERROR(store.Finish({"freqs_cis", "*.kv_cache."}));
   m->rope_ = m->RopeTable().to(opts.device);
+  m->FuseMlpWeights();
   return m;
 }
 
@@ -361,7 +372,7 @@ std::unique_ptr<Gpt> Gpt::Random(const GptConfig& cfg, const LoadOptions& opts, 
   m->embed_ = w({cfg.vocab_size + label_rows, d});
   for (int64_t l = 0; l < cfg.n_layer; ++l) {
     m->layers_.push_back({at::ones({d}, o), w({3 * d, d}), w({d, d}), at::ones({d}, o), w({h, d}),
-                          w({d, h}), w({h, d})});
+                          w({d, h}), w({h, d}), at::Tensor()});
   }
   m->norm_ = at::ones({d}, o);
   if (cfg.prompted()) {
@@ -373,7 +384,19 @@ std::unique_ptr<Gpt> Gpt::Random(const GptConfig& cfg, const LoadOptions& opts, 
     m->output_ = w({cfg.vocab_size, d});
   }
   m->rope_ = m->RopeTable().to(opts.device);
+  m->FuseMlpWeights();
   return m;
+}
+
+void Gpt::FuseMlpWeights() {
+  fused_static_ = opts_.fused_static_forward.value_or(opts_.device.is_cuda());
+  if (!fused_static_) return;
+  const int64_t h = cfg_.ffn_hidden();
+  for (Layer& L : layers_) {
+    L.w13 = at::cat({L.w1, L.w3}, 0);  // contiguous; w1 and w3 freed as their views replace them
+    L.w1 = L.w13.narrow(0, 0, h);
+    L.w3 = L.w13.narrow(0, h, h);
+  }
 }
 
 at::Tensor Gpt::RopeTable() const {
@@ -657,9 +680,25 @@ at::Tensor Gpt::ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache,
 }
 
 at::Tensor Gpt::Decode(at::Tensor x, const at::Tensor& rope, const at::Tensor& dst, KvCache& cache,
-                       bool invariant, const Attend& attend) const {
+                       bool invariant, const Attend& attend, bool fused) const {
   const int64_t T = x.size(0), H = cfg_.n_head, hd = cfg_.head_dim(), D = cfg_.dim;
-  for (size_t l = 0; l < layers_.size(); ++l) {
+  for (size_t l = 0; fused && l < layers_.size(); ++l) {
+    // The reference layer below in about 20 kernels instead of about 47 (LoadOptions::
+    // fused_static_forward): x is this forward's own tensor (an index_select), so the residual
+    // adds go into it in place, as the output GEMMs' beta = 1.
+    const Layer& L = layers_[l];
+    const int64_t h = L.w1.size(0);
+    at::Tensor qkv = at::linear(at::rms_norm(x, {D}, L.attention_norm, cfg_.norm_eps), L.wqkv);
+    at::Tensor qk2 = qkv.narrow(-1, 0, 2 * D).view({T, 2 * H, hd});
+    at::Tensor qk = cfg_.prompted() ? ApplyRopeHalf(qk2, rope) : ApplyRopeComplex(qk2, rope);
+    at::Tensor q = qk.narrow(1, 0, H);
+    cache.k[l].view({-1, H, hd}).index_copy_(0, dst, qk.narrow(1, H, H));
+    cache.v[l].view({-1, H, hd}).index_copy_(0, dst, qkv.narrow(-1, 2 * D, D).view({T, H, hd}));
+    x.addmm_(attend(l, q), L.wo.t());
+    at::Tensor gu = at::linear(at::rms_norm(x, {D}, L.ffn_norm, cfg_.norm_eps), L.w13);
+    x.addmm_(at::silu(gu.narrow(-1, 0, h)) * gu.narrow(-1, h, h), L.w2.t());
+  }
+  for (size_t l = 0; !fused && l < layers_.size(); ++l) {
     const Layer& L = layers_[l];
     at::Tensor qkv = Linear(RmsNorm(x, L.attention_norm, cfg_.norm_eps), L.wqkv, invariant);
     const auto rotate = cfg_.prompted() ? ApplyRopeHalf : ApplyRope;
@@ -676,7 +715,8 @@ at::Tensor Gpt::Decode(at::Tensor x, const at::Tensor& rope, const at::Tensor& d
     x = x + Linear(at::silu(Linear(hn, L.w1, invariant)) * Linear(hn, L.w3, invariant), L.w2,
                    invariant);
   }
-  at::Tensor h = RmsNorm(x, norm_, cfg_.norm_eps);
+  at::Tensor h =
+      fused ? at::rms_norm(x, {D}, norm_, cfg_.norm_eps) : RmsNorm(x, norm_, cfg_.norm_eps);
   if (cfg_.prompted()) {  // gen_head: Linear, GELU (exact), Linear
     h = at::gelu(Linear(h, head_w1_, invariant) + head_b1_);
     return (Linear(h, output_, invariant) + head_b2_).to(at::kFloat);
@@ -786,7 +826,7 @@ at::Tensor Gpt::StaticForward(const at::Tensor& upload, const at::Tensor& device
     return o.transpose(1, 2).reshape({R * W, D}).index_select(0, qout);
   };
   return Decode(embed_.index_select(0, ids), rope_.index_select(0, pos), dst, cache,
-                /*invariant=*/false, attend);
+                /*invariant=*/false, attend, fused_static_);
 }
 
 void CopyCachePrefix(KvCache& cache, int64_t from_slot, int64_t to_slot, int64_t len) {

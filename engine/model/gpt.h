@@ -161,6 +161,8 @@ class Gpt {
 
   const GptConfig& config() const { return cfg_; }
   const LoadOptions& options() const { return opts_; }
+  // Whether the static-shape forward runs the fused layer (LoadOptions::fused_static_forward).
+  bool fused_static() const { return fused_static_; }
 
   // A cache with `slots` slots of seq_len() + extra entries each, zero-filled. Throws
   // c10::Error if the device is out of memory (callers size it from a memory budget).
@@ -196,7 +198,10 @@ class Gpt {
  private:
   struct Layer {
     at::Tensor attention_norm, wqkv, wo, ffn_norm, w1, w2, w3;
+    at::Tensor w13;  // [2 * hidden, dim]: w1 then w3, with w1 and w3 views of it (fused only)
   };
+  // The layers' MLP weights as one tensor each (LoadOptions::fused_static_forward).
+  void FuseMlpWeights();
   Gpt() = default;
   static StatusOr<std::unique_ptr<Gpt>> FromStoreImpl(const GptConfig& cfg, WeightStore& store,
                                                       const LoadOptions& opts);
@@ -206,8 +211,9 @@ class Gpt {
   // new keys and values to the cache at flat indices dst (slot * capacity + entry), then
   // attends through attend(layer, q) -> [T, D], which reads the keys and values from the cache.
   using Attend = std::function<at::Tensor(size_t, const at::Tensor&)>;
+  // `fused`: each layer through the fused kernels (LoadOptions::fused_static_forward).
   at::Tensor Decode(at::Tensor x, const at::Tensor& rope, const at::Tensor& dst, KvCache& cache,
-                    bool invariant, const Attend& attend) const;
+                    bool invariant, const Attend& attend, bool fused = false) const;
   Status Validate(const std::vector<BatchRow>& batch, const KvCache& cache,
                   bool check_tokens) const;
   at::Tensor RopeTable() const;  // float32 on CPU
@@ -217,6 +223,7 @@ class Gpt {
 
   GptConfig cfg_;
   LoadOptions opts_;
+  bool fused_static_ = false;
   // [vocab + condition_ids, dim]: image-token rows then condition rows (class labels, or text
   // tokens). Janus's image rows are gen_aligner(gen_embed(id)), computed once at load.
   at::Tensor embed_;

@@ -5,6 +5,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <cstring>
+#include <optional>
 #include <string_view>
 
 namespace imagegen {
@@ -71,6 +72,7 @@ void SynchronizeDevice(at::Device device) {
 // thread-local too).
 struct SyncWatch::State {
   int64_t syncing = 0, stray = 0;
+  int64_t depth = 0;  // ATen calls in progress (nesting)
   std::vector<std::string> seen;
   at::CallbackHandle handle = 0;
 };
@@ -91,15 +93,29 @@ bool IsSyncing(std::string_view name) {
 }
 
 // A device move: to(device), to(other tensor), to(options with a device), cpu(), or copy_
-// between tensors on different devices.
-bool IsMove(const at::RecordFunction& fn) {
+// between tensors on different devices. Called by the caller's code (not `nested` in another
+// ATen call), any to() naming a device counts, even the one the tensor is on: on the CPU every
+// device is, and the watch must catch there the moves that would cross to a GPU. Inside
+// LibTorch's own ops (`nested`) only a to() that changes the device counts: their composites
+// convert dtypes with type_as (at::rms_norm's CPU path does), which names the same device.
+bool IsMove(const at::RecordFunction& fn, bool nested) {
   const std::string_view name = fn.name();
   const std::string_view overload = fn.overload_name();
   const auto in = fn.inputs();
   if (name == "aten::to") {
-    if (overload == "device" || overload == "other") return true;
-    if (overload == "dtype_layout") return in.size() > 3 && !in[3].isNone();
-    return false;
+    std::optional<at::Device> target;
+    if (overload == "device" && in.size() > 1 && in[1].isDevice()) target = in[1].toDevice();
+    if (overload == "other" && in.size() > 1 && in[1].isTensor()) {
+      target = in[1].toTensor().device();
+    }
+    if (overload == "dtype_layout" && in.size() > 3 && in[3].isDevice()) {
+      target = in[3].toDevice();
+    }
+    const bool names_device = overload == "device" || overload == "other" ||
+                              (overload == "dtype_layout" && in.size() > 3 && !in[3].isNone());
+    if (!names_device) return false;
+    if (!nested || !target.has_value() || in.empty() || !in[0].isTensor()) return true;
+    return *target != in[0].toTensor().device();
   }
   if (name == "aten::cpu" || name == "aten::cuda") return true;
   if (name == "aten::copy_" && in.size() >= 2 && in[0].isTensor() && in[1].isTensor()) {
@@ -110,13 +126,16 @@ bool IsMove(const at::RecordFunction& fn) {
 
 std::unique_ptr<at::ObserverContext> OnCall(const at::RecordFunction& fn) {
   SyncWatch::State* w = t_watch;
-  if (w == nullptr || t_in_helper > 0) return nullptr;
+  if (w == nullptr) return nullptr;
+  const bool nested = w->depth > 0;
+  w->depth += 1;  // OnCallEnd takes it back
+  if (t_in_helper > 0) return nullptr;
   const std::string_view name = fn.name();
   bool hit = false;
   if (IsSyncing(name)) {
     w->syncing += 1;
     hit = true;
-  } else if (IsMove(fn)) {
+  } else if (IsMove(fn, nested)) {
     w->stray += 1;
     hit = true;
   }
@@ -124,13 +143,19 @@ std::unique_ptr<at::ObserverContext> OnCall(const at::RecordFunction& fn) {
   return nullptr;
 }
 
+void OnCallEnd(const at::RecordFunction&, at::ObserverContext*) {
+  SyncWatch::State* w = t_watch;
+  if (w != nullptr && w->depth > 0) w->depth -= 1;
+}
+
 }  // namespace
 
 SyncWatch::SyncWatch() : state_(std::make_unique<State>()) {
   TORCH_CHECK(t_watch == nullptr, "SyncWatch: one at a time per thread");
   t_watch = state_.get();
-  state_->handle = at::addThreadLocalCallback(
-      at::RecordFunctionCallback(&OnCall).needsInputs(true).scopes({at::RecordScope::FUNCTION}));
+  state_->handle = at::addThreadLocalCallback(at::RecordFunctionCallback(&OnCall, &OnCallEnd)
+                                                  .needsInputs(true)
+                                                  .scopes({at::RecordScope::FUNCTION}));
 }
 
 SyncWatch::~SyncWatch() {
@@ -214,7 +239,7 @@ bool IsMetadataOnly(std::string_view name) {
       "aten::split", "aten::unbind", "aten::chunk", "aten::split_with_sizes", "aten::result_type",
       "aten::size", "aten::stride", "aten::is_same_size", "aten::broadcast_tensors",
       "aten::unfold", "aten::_has_compatible_shallow_copy_type", "aten::type_as", "aten::numpy_T",
-      "aten::mT",
+      "aten::mT", "aten::view_as_complex", "aten::view_as_real",
   };
   // clang-format on
   for (std::string_view s : kNoKernel) {

@@ -10,6 +10,7 @@
 #include <c10/core/Device.h>
 
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -24,6 +25,14 @@ struct LoadOptions {
   c10::Device device = c10::Device(c10::kCPU);
   // Compute dtype for float weights (fp32 on CPU; bf16/fp16 on CUDA where supported).
   at::ScalarType dtype = at::kFloat;
+  // GPT models: the static-shape forward (the one CUDA graphs capture) runs each layer through
+  // fewer, fused kernels: rms_norm (one kernel on CUDA, where the reference RMSNorm is eight),
+  // the rotary embedding as one complex multiply (LlamaGen's own formulation), the gate and up
+  // projections of the MLP as one GEMM (w1 and w3 become views of their concatenation: no
+  // more memory), and the residual adds in the output GEMMs (addmm_). Its logits equal the
+  // reference layer's within rounding. Unset: on CUDA devices only (the CPU's eager forward,
+  // which the golden grids and LlamaGen parity pin, never runs it either way).
+  std::optional<bool> fused_static_forward;
 };
 
 // Reads and parses <dir>/config.json.
