@@ -75,7 +75,6 @@ status=0
 echo "== sanitizers: engine unit tests (filter $ENGINE_FILTER)"
 sharded_engine_tests "$build/tests" "$ENGINE_FILTER" "$build/engine_tests" || status=1
 echo "== sanitizers: server start-up, end-to-end tests and fuzz replays"
-# Two at a time (the preset's jobs, as the ci preset runs them): about 150 s less on 2 cores.
 ctest --preset asan-ubsan || status=1
 end=$(date +%s)
 

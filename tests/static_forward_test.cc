@@ -86,6 +86,17 @@ class StaticForwardTest : public ::testing::Test {
     o.fused_static_forward = fused;
     return Load(o);
   }
+  // Where the fused layer is compared with the reference one: the CPU in fp32 and bf16, and the
+  // first CUDA device in both when there is one.
+  std::vector<std::pair<at::Device, at::ScalarType>> FusedCases() const {
+    std::vector<std::pair<at::Device, at::ScalarType>> cases = {{at::kCPU, at::kFloat},
+                                                                {at::kCPU, at::kBFloat16}};
+    if (torch::cuda::is_available()) {
+      cases.push_back({kCuda, at::kFloat});
+      cases.push_back({kCuda, at::kBFloat16});
+    }
+    return cases;
+  }
   // The model on the first CUDA device (the CUDA tests skip first where there is none).
   std::unique_ptr<Gpt> LoadOnCuda() {
     LoadOptions o;
@@ -253,11 +264,8 @@ TEST_F(StaticForwardTest, NeedsACacheWithAScratchSlot) {
 // for the 2-layer model: 104 -> 61 in fp32, 119 -> 66 in bf16 (19 and 23 a layer, and the final
 // norm).
 TEST_F(StaticForwardTest, FusedLayersMatchTheReferenceLayerInFewerLaunches) {
-  std::vector<std::pair<at::Device, at::ScalarType>> cases = {{at::kCPU, at::kFloat},
-                                                              {at::kCPU, at::kBFloat16}};
+  const auto cases = FusedCases();
   if (torch::cuda::is_available()) {
-    cases.push_back({kCuda, at::kFloat});
-    cases.push_back({kCuda, at::kBFloat16});
     EXPECT_TRUE(LoadOnCuda()->fused_static());  // the default there
   }
   EXPECT_FALSE(gpt_->fused_static());  // the default on the CPU
@@ -312,12 +320,7 @@ TEST_F(StaticForwardTest, FusedLayersMatchTheReferenceLayerInFewerLaunches) {
 // embedding on its strided view of the projection: two steps of prompt prefill, image tokens
 // and a tree, on the CPU in fp32 and bf16 and on a CUDA device when there is one.
 TEST_F(StaticForwardTest, FusedLayersMatchTheReferenceLayerForPromptedModels) {
-  std::vector<std::pair<at::Device, at::ScalarType>> cases = {{at::kCPU, at::kFloat},
-                                                              {at::kCPU, at::kBFloat16}};
-  if (torch::cuda::is_available()) {
-    cases.push_back({kCuda, at::kFloat});
-    cases.push_back({kCuda, at::kBFloat16});
-  }
+  const auto cases = FusedCases();
   const std::string dir =
       testing::WriteTinyJanus(testing::TempDir("static-janus") + "/m", testing::TinyJanusSpec{}, 5);
   auto prompted = [](int64_t slot, int64_t prefix, int64_t cache_len, std::vector<int64_t> tokens,
