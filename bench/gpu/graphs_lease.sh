@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A second, shorter device-tool call after bench/gpu/lease.sh (about 6 minutes): the fused
+# A second, shorter device-tool call after bench/gpu/lease.sh (about 7 minutes): the fused
 # kernels' tests, then the engine with CUDA graphs against the eager forward, side by side.
 #
 #   here:   bench/gpu/pack_server.sh --with-benches build/ci .deps/device
@@ -16,6 +16,8 @@
 #             frozen (--refine-step-cost 0), then at 1 and 8 clients without graphs
 #   split     imagegen-spec-bench --split 1 with CUDA graphs: the forward against the rest of
 #             a step, with the fused verification and without
+#   fused     imagegen-step-cost: the static forward's fused layer against the reference one,
+#             through CUDA graphs (bundled and GPT-B in bf16)
 #   churn     imagegen-window-churn: sjd-pac and scd-mc with windows held at 16 and moving
 #             (16 +- 8), eager against CUDA graphs, cut drafts dropped and kept (issue 15: the
 #             controller's sjd-pac at 8 clients committed 1.51 tokens a step at 19 nodes with
@@ -87,6 +89,19 @@ step_churn() {
   cat "$out/churn.log"
   return $rc
 }
+step_fused() {
+  # The static forward's fused layer (docs/engine.md, "The fused layer") against the reference
+  # layer, both through CUDA graphs: GPT-B and the bundled model in bf16.
+  local gbps=0  # for the weight-read limit
+  case $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1) in
+    *H200*) gbps=4800 ;; *H100*) gbps=3350 ;; esac
+  "$b/imagegen-step-cost" --device "$dev" --shapes bundled,gpt-b --dtypes bf16 --requests 1,16 \
+    --tokens 1,16,256 --reps 5 --forwards graphs,graphs-ref --hbm-gbps "$gbps" \
+    --csv "$out/fused_step.csv" > "$out/fused_step.log" 2>&1
+  local rc=$?
+  cat "$out/fused_step.log"
+  return $rc
+}
 step_split() {
   "$b/imagegen-spec-bench" --device "$dev" --dtype bf16 --cuda-graphs 1 --per-class 1 \
     --methods scd-mc,sjd-pac --windows 32 --split 1 --fused-verify both --noise-row 0 \
@@ -97,7 +112,7 @@ step_split() {
 }
 
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
-steps=${GRAPHS_STEPS:-kernels:30 tests:75 churn:40 load:215 split:60}
+steps=${GRAPHS_STEPS:-kernels:30 tests:75 fused:30 churn:40 load:215 split:60}
 for st in $steps; do
   s=${st%%:*} t=${st##*:}
   echo "== $(date +%T) $s"
