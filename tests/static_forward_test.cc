@@ -259,10 +259,10 @@ TEST_F(StaticForwardTest, NeedsACacheWithAScratchSlot) {
 // The fused layer against the reference layer, step by step through the static forward: on the
 // CPU in fp32 (within 2e-5, as the static forward against the ragged one) and bf16 (within 3%
 // of the logits' range: one rounding of each product instead of two), and on a CUDA device
-// when there is one (where the fused layer is the default); the keys and values written agree
-// as well. Launches counted on the CPU (LaunchCount, an estimate of a CUDA forward's kernels)
-// for the 2-layer model: 104 -> 61 in fp32, 119 -> 66 in bf16 (19 and 23 a layer, and the final
-// norm).
+// when there is one (where the fused layer is the default; fp32 within 1e-4 there); the keys and
+// values written agree as well. Launches counted on the CPU (LaunchCount, an estimate of a CUDA
+// forward's kernels) for the 2-layer model: 104 -> 61 in fp32, 119 -> 66 in bf16 (19 and 23 a
+// layer, and the final norm).
 TEST_F(StaticForwardTest, FusedLayersMatchTheReferenceLayerInFewerLaunches) {
   const auto cases = FusedCases();
   if (torch::cuda::is_available()) {
@@ -271,6 +271,9 @@ TEST_F(StaticForwardTest, FusedLayersMatchTheReferenceLayerInFewerLaunches) {
   EXPECT_FALSE(gpt_->fused_static());  // the default on the CPU
   for (const auto& [device, dtype] : cases) {
     const bool fp32 = dtype == at::kFloat;
+    // fp32: 2e-5 on the CPU; 1e-4 on CUDA, where cuBLAS picks its GEMM kernels by shape (w13's
+    // is not w1's) and the parity tests allow 1e-4 too.
+    const float fp32_tol = device.is_cpu() ? 2e-5f : 1e-4f;
     SCOPED_TRACE(device.str() + (fp32 ? " fp32" : " bf16"));
     std::unique_ptr<Gpt> ref = LoadFused(false, dtype, device);
     std::unique_ptr<Gpt> fused = LoadFused(true, dtype, device);
@@ -289,12 +292,12 @@ TEST_F(StaticForwardTest, FusedLayersMatchTheReferenceLayerInFewerLaunches) {
       const float range = la->abs().max().item<float>();
       const float diff = (*la - *lb).abs().max().item<float>();
       EXPECT_GT(range, 0.1);
-      EXPECT_LT(diff, fp32 ? 2e-5f : 0.03f * range) << "range " << range;
+      EXPECT_LT(diff, fp32 ? fp32_tol : 0.03f * range) << "range " << range;
     }
     for (size_t l = 0; l < a.k.size(); ++l) {
       const float range = a.k[l].abs().max().item<float>();
-      EXPECT_LT((a.k[l] - b.k[l]).abs().max().item<float>(), fp32 ? 2e-5f : 0.03f * range);
-      EXPECT_LT((a.v[l] - b.v[l]).abs().max().item<float>(), fp32 ? 2e-5f : 0.03f * range);
+      EXPECT_LT((a.k[l] - b.k[l]).abs().max().item<float>(), fp32 ? fp32_tol : 0.03f * range);
+      EXPECT_LT((a.v[l] - b.v[l]).abs().max().item<float>(), fp32 ? fp32_tol : 0.03f * range);
     }
     if (device.is_cpu()) {
       int64_t launches[2] = {0, 0};
@@ -336,6 +339,9 @@ TEST_F(StaticForwardTest, FusedLayersMatchTheReferenceLayerForPromptedModels) {
       {prompted(0, 4, 6, {2, 0, 1}, {6, 7, 7}, Fan(3)), prompted(1, 2, 3, {1}, {3})}};
   for (const auto& [device, dtype] : cases) {
     const bool fp32 = dtype == at::kFloat;
+    // fp32: 2e-5 on the CPU; 1e-4 on CUDA, where cuBLAS picks its GEMM kernels by shape (w13's
+    // is not w1's) and the parity tests allow 1e-4 too.
+    const float fp32_tol = device.is_cpu() ? 2e-5f : 1e-4f;
     SCOPED_TRACE(device.str() + (fp32 ? " fp32" : " bf16"));
     std::unique_ptr<Gpt> models[2];
     for (const bool fused : {false, true}) {
@@ -358,7 +364,7 @@ TEST_F(StaticForwardTest, FusedLayersMatchTheReferenceLayerForPromptedModels) {
       ASSERT_TRUE(lb.ok()) << lb.status().ToString();
       const float range = la->abs().max().item<float>();
       EXPECT_GT(range, 0.1);
-      EXPECT_LT((*la - *lb).abs().max().item<float>(), fp32 ? 2e-5f : 0.03f * range);
+      EXPECT_LT((*la - *lb).abs().max().item<float>(), fp32 ? fp32_tol : 0.03f * range);
     }
   }
 }
