@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A second, shorter device-tool call after bench/gpu/lease.sh (about 7 minutes): the fused
+# A second, shorter device-tool call after bench/gpu/lease.sh (about 7.5 minutes): the fused
 # kernels' tests, then the engine with CUDA graphs against the eager forward, side by side.
 #
 #   here:   bench/gpu/pack_server.sh --with-benches build/ci .deps/device
