@@ -2,6 +2,7 @@
 // which must build on GPU hosts with only LibTorch).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <iostream>
@@ -55,6 +56,18 @@ class Flags {
     std::stringstream ss(values_.at(k));
     for (std::string item; std::getline(ss, item, ',');) {
       if (!item.empty()) out.push_back(item);
+    }
+    return out;
+  }
+  // The same, each item one of `allowed` (else a failure naming the flag and the choices).
+  std::vector<std::string> Choices(const std::string& k,
+                                   const std::vector<std::string>& allowed) const {
+    std::vector<std::string> out = List(k);
+    for (const std::string& item : out) {
+      if (std::find(allowed.begin(), allowed.end(), item) != allowed.end()) continue;
+      std::string all;
+      for (const std::string& a : allowed) all += (all.empty() ? "" : ", ") + a;
+      Fail("--" + k + ": expected " + all + "; got '" + item + "'");
     }
     return out;
   }

@@ -88,12 +88,8 @@ int main(int argc, char** argv) {
   // (LoadOptions::fused_static_forward, forced on here, on the CPU too); static-ref and
   // graphs-ref: the same with the reference layer (a second copy of the model).
   bool any_ref = false;
-  for (const std::string& fw : f.List("forwards")) {
-    if (fw != "eager" && fw != "static" && fw != "graphs" && fw != "static-ref" &&
-        fw != "graphs-ref") {
-      f.Fail("--forwards: expected eager, static, graphs, static-ref or graphs-ref, got '" + fw +
-             "'");
-    }
+  for (const std::string& fw :
+       f.Choices("forwards", {"eager", "static", "graphs", "static-ref", "graphs-ref"})) {
     any_ref |= fw == "static-ref" || fw == "graphs-ref";
   }
   for (const std::string& dtype : f.List("dtypes")) {

@@ -107,16 +107,8 @@ int main(int argc, char** argv) {
   const GptConfig& cfg = model.gpt->config();
   if (cfg.prompted()) f.Fail("model " + model.name + " is prompted: use a class model");
   const int64_t S = f.Int("swing");
-  for (const std::string& sc : f.List("schedules")) {
-    if (sc != "const" && sc != "alternate" && sc != "random") {
-      f.Fail("--schedules: const, alternate or random, got '" + sc + "'");
-    }
-  }
-  for (const std::string& fw : f.List("forwards")) {
-    if (fw != "eager" && fw != "static" && fw != "graphs") {
-      f.Fail("--forwards: eager, static or graphs, got '" + fw + "'");
-    }
-  }
+  f.Choices("schedules", {"const", "alternate", "random"});  // checked before any model runs
+  f.Choices("forwards", {"eager", "static", "graphs"});
   std::FILE* csv = nullptr;
   if (!f.Str("csv").empty()) {
     csv = std::fopen(f.Str("csv").c_str(), "w");

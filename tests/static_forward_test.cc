@@ -77,14 +77,18 @@ class StaticForwardTest : public ::testing::Test {
     EXPECT_TRUE(m.ok()) << m.status().ToString();
     return m.ok() ? std::move(m).value() : nullptr;
   }
-  // The model with the fused layer (true) or the reference one, on the CPU.
-  std::unique_ptr<Gpt> LoadFused(bool fused, at::ScalarType dtype = at::kFloat,
-                                 at::Device device = at::kCPU) {
+  // Options for the fused layer (true) or the reference one.
+  static LoadOptions FusedOptions(bool fused, at::ScalarType dtype = at::kFloat,
+                                  at::Device device = at::kCPU) {
     LoadOptions o;
     o.device = device;
     o.dtype = dtype;
     o.fused_static_forward = fused;
-    return Load(o);
+    return o;
+  }
+  std::unique_ptr<Gpt> LoadFused(bool fused, at::ScalarType dtype = at::kFloat,
+                                 at::Device device = at::kCPU) {
+    return Load(FusedOptions(fused, dtype, device));
   }
   // Where the fused layer is compared with the reference one: the CPU in fp32 and bf16, and the
   // first CUDA device in both when there is one.
@@ -345,11 +349,7 @@ TEST_F(StaticForwardTest, FusedLayersMatchTheReferenceLayerForPromptedModels) {
     SCOPED_TRACE(device.str() + (fp32 ? " fp32" : " bf16"));
     std::unique_ptr<Gpt> models[2];
     for (const bool fused : {false, true}) {
-      LoadOptions o;
-      o.device = device;
-      o.dtype = dtype;
-      o.fused_static_forward = fused;
-      auto m = Gpt::Load(dir, o);
+      auto m = Gpt::Load(dir, FusedOptions(fused, dtype, device));
       ASSERT_TRUE(m.ok()) << m.status().ToString();
       ASSERT_TRUE((*m)->config().prompted());
       ASSERT_EQ((*m)->fused_static(), fused);

@@ -682,24 +682,23 @@ at::Tensor Gpt::ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache,
 at::Tensor Gpt::Decode(at::Tensor x, const at::Tensor& rope, const at::Tensor& dst, KvCache& cache,
                        bool invariant, const Attend& attend, bool fused) const {
   const int64_t T = x.size(0), H = cfg_.n_head, hd = cfg_.head_dim(), D = cfg_.dim;
-  for (size_t l = 0; fused && l < layers_.size(); ++l) {
-    // The reference layer below in about 20 kernels instead of about 47 (LoadOptions::
-    // fused_static_forward): x is this forward's own tensor (an index_select), so the residual
-    // adds go into it in place, as the output GEMMs' beta = 1.
+  for (size_t l = 0; l < layers_.size(); ++l) {
     const Layer& L = layers_[l];
-    const int64_t h = L.w1.size(0);
-    at::Tensor qkv = at::linear(at::rms_norm(x, {D}, L.attention_norm, cfg_.norm_eps), L.wqkv);
-    at::Tensor qk2 = qkv.narrow(-1, 0, 2 * D).view({T, 2 * H, hd});
-    at::Tensor qk = cfg_.prompted() ? ApplyRopeHalf(qk2, rope) : ApplyRopeComplex(qk2, rope);
-    at::Tensor q = qk.narrow(1, 0, H);
-    cache.k[l].view({-1, H, hd}).index_copy_(0, dst, qk.narrow(1, H, H));
-    cache.v[l].view({-1, H, hd}).index_copy_(0, dst, qkv.narrow(-1, 2 * D, D).view({T, H, hd}));
-    x.addmm_(attend(l, q), L.wo.t());
-    at::Tensor gu = at::linear(at::rms_norm(x, {D}, L.ffn_norm, cfg_.norm_eps), L.w13);
-    x.addmm_(at::silu(gu.narrow(-1, 0, h)) * gu.narrow(-1, h, h), L.w2.t());
-  }
-  for (size_t l = 0; !fused && l < layers_.size(); ++l) {
-    const Layer& L = layers_[l];
+    if (fused) {
+      // The reference layer below in about 20 kernels instead of about 47 (LoadOptions::
+      // fused_static_forward): x is this forward's own tensor (an index_select), so the
+      // residual adds go into it in place, as the output GEMMs' beta = 1.
+      const int64_t h = L.w1.size(0);
+      at::Tensor qkv = at::linear(at::rms_norm(x, {D}, L.attention_norm, cfg_.norm_eps), L.wqkv);
+      at::Tensor qk2 = qkv.narrow(-1, 0, 2 * D).view({T, 2 * H, hd});
+      at::Tensor qk = cfg_.prompted() ? ApplyRopeHalf(qk2, rope) : ApplyRopeComplex(qk2, rope);
+      cache.k[l].view({-1, H, hd}).index_copy_(0, dst, qk.narrow(1, H, H));
+      cache.v[l].view({-1, H, hd}).index_copy_(0, dst, qkv.narrow(-1, 2 * D, D).view({T, H, hd}));
+      x.addmm_(attend(l, qk.narrow(1, 0, H)), L.wo.t());
+      at::Tensor gu = at::linear(at::rms_norm(x, {D}, L.ffn_norm, cfg_.norm_eps), L.w13);
+      x.addmm_(at::silu(gu.narrow(-1, 0, h)) * gu.narrow(-1, h, h), L.w2.t());
+      continue;
+    }
     at::Tensor qkv = Linear(RmsNorm(x, L.attention_norm, cfg_.norm_eps), L.wqkv, invariant);
     const auto rotate = cfg_.prompted() ? ApplyRopeHalf : ApplyRope;
     // q and k rotated in one pass, as 2H heads sharing each token's table: the same arithmetic

@@ -5,7 +5,6 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <cstring>
-#include <optional>
 #include <string_view>
 
 namespace imagegen {
@@ -103,19 +102,15 @@ bool IsMove(const at::RecordFunction& fn, bool nested) {
   const std::string_view overload = fn.overload_name();
   const auto in = fn.inputs();
   if (name == "aten::to") {
-    std::optional<at::Device> target;
-    if (overload == "device" && in.size() > 1 && in[1].isDevice()) target = in[1].toDevice();
-    if (overload == "other" && in.size() > 1 && in[1].isTensor()) {
-      target = in[1].toTensor().device();
-    }
-    if (overload == "dtype_layout" && in.size() > 3 && in[3].isDevice()) {
-      target = in[3].toDevice();
-    }
-    const bool names_device = overload == "device" || overload == "other" ||
-                              (overload == "dtype_layout" && in.size() > 3 && !in[3].isNone());
-    if (!names_device) return false;
-    if (!nested || !target.has_value() || in.empty() || !in[0].isTensor()) return true;
-    return *target != in[0].toTensor().device();
+    // The argument naming a device: to(device), to(other tensor), to(dtype, layout, device, ...).
+    const size_t arg = overload == "device" || overload == "other" ? 1
+                       : overload == "dtype_layout"                ? 3
+                                                                   : 0;
+    if (arg == 0 || in.size() <= arg || in[arg].isNone()) return false;
+    if (!nested || !in[0].isTensor()) return true;
+    const c10::IValue& target = in[arg];
+    if (target.isTensor()) return target.toTensor().device() != in[0].toTensor().device();
+    return !target.isDevice() || target.toDevice() != in[0].toTensor().device();
   }
   if (name == "aten::cpu" || name == "aten::cuda") return true;
   if (name == "aten::copy_" && in.size() >= 2 && in[0].isTensor() && in[1].isTensor()) {
