@@ -264,8 +264,10 @@ phase_serve() {
   local S=(env LD_LIBRARY_PATH="$lp" "$bin/imagegen-server")
   local C=(env LD_LIBRARY_PATH="$lp" "$bin/imagegen")
   rm -f "$out/ports"
+  # IMAGEGEN_SERVE_FLAGS: more daemon flags (bench/gpu/scale_lease.sh: --cuda_graphs).
+  # shellcheck disable=SC2086
   "${S[@]}" --device "$device" --models_dir "$ROOT/models" --listen 127.0.0.1:0 \
-    --metrics_listen 127.0.0.1:0 \
+    --metrics_listen 127.0.0.1:0 ${IMAGEGEN_SERVE_FLAGS:-} \
     --port_file "$out/ports" --grace_seconds 60 > "$out/daemon.log" 2>&1 &
   local pid=$! port="" i
   for i in $(seq 1 240); do  # up to 120 s for the models to load

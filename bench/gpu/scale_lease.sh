@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# A short device-tool call after bench/gpu/graphs_lease.sh on the still-warm machine (about 5
+# minutes): CUDA graphs at the loads and model size the earlier calls left out, and the
+# daemon with graphs.
+#
+#   device: bash bench/gpu/scale_lease.sh     (carry: [".deps/carry"]; $OUT is the tool's)
+#
+# Steps, most wanted first, each under its own limit, the output packed into $OUT/scale.tgz
+# after each:
+#   high    imagegen-load-bench with --cuda-graphs 1 at 16, 32 and 64 clients (ar, scd-mc,
+#           sjd-pac; whole windows and the goodput controller): the earlier runs stopped at 8
+#   serve   the daemon with --cuda_graphs (run_all.sh --phase serve): a sneaker, imagegen load
+#           for ar and scd-mc at 16 clients, /metrics, SIGTERM drain
+#   gptb    a random GPT-B-shaped LlamaGen model served (tools/parity.py's gptb-random with its
+#           random VQ-16 decoder at 256 px), graphs on, ar and scd-mc at 1, 8 and 32 clients.
+#           Random weights: the acceptance says nothing of a trained model; the AR cells are
+#           the served throughput of the shape
+#   cudnn   cuDNN's attention against the memory-efficient kernel (IMAGEGEN_CUDNN_SDPA=1 / 0),
+#           eager forward, ar and scd-mc at 1 and 4 clients
+# SCALE_STEPS="high:100 serve:60" picks and sizes the steps; SCALE_DEVICE=cpu tries the script
+# without a GPU.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+dest=${OUT:?set OUT to the folder whose files come back}
+work=${LEASE_WORK:-/tmp/imagegen-gpu}
+out=$work/scale
+mkdir -p "$out"
+. bench/gpu/carried.sh
+carried_unpack "$work" || exit 1
+PY=$(carried_python)
+carried_wrappers "$work/device" "$PY" || exit 1
+b=$work/device/run
+dev=${SCALE_DEVICE:-cuda}
+
+step_high() {
+  "$b/imagegen-load-bench" --device "$dev" --dtype bf16 --cuda-graphs 1 \
+    --methods ar,scd-mc,sjd-pac --concurrency "${SCALE_HIGH_CONCURRENCY:-16,32,64}" \
+    --seconds 3 --seconds-per-client 0 --modes none,goodput --mixed-concurrency '' \
+    --out-dir "$out/load-high" 2>&1 | tee "$out/load_high.log"
+}
+step_serve() {
+  IMAGEGEN_SERVE_FLAGS=--cuda_graphs bash bench/gpu/run_all.sh --prebuilt "$work/device" \
+    --scale lease --device "$dev" --phase serve --out "$out/serve"
+}
+step_gptb() {
+  # The parity references of lease.sh's tests phase hold the random GPT-B and VQ-16; written
+  # here if this machine has none.
+  local p=$work/device/parity m=$work/gptb-models
+  if [[ ! -f $p/gptb-random/config.json ]]; then
+    "$PY" tools/parity.py --out "$p" > "$out/parity_reference.log" 2>&1 || return 1
+  fi
+  rm -rf "$m" && mkdir -p "$m" && cp -r "$p/gptb-random" "$m/" \
+    && cp -r "$p/vq16-random" "$m/llamagen-vq16" || return 1
+  # The parity VQ is written for 64-px images; the GPT's 256 tokens are a 16x16 grid.
+  sed -i 's/"image_size": 64/"image_size": 256/' "$m/llamagen-vq16/config.json"
+  "$b/imagegen-load-bench" --device "$dev" --dtype bf16 --cuda-graphs 1 --models-dir "$m" \
+    --model gptb-random --methods ar,scd-mc --concurrency "${SCALE_GPTB_CONCURRENCY:-1,8,32}" \
+    --seconds 3 --seconds-per-client 0 --modes none --mixed-concurrency '' \
+    --out-dir "$out/load-gptb" 2>&1 | tee "$out/load_gptb.log"
+}
+step_cudnn() {
+  local rc=0 v
+  for v in 0 1; do
+    echo "-- IMAGEGEN_CUDNN_SDPA=$v"
+    IMAGEGEN_CUDNN_SDPA=$v "$b/imagegen-load-bench" --device "$dev" --dtype bf16 \
+      --methods ar,scd-mc --concurrency 1,4 --seconds 3 --seconds-per-client 0 --modes none \
+      --mixed-concurrency '' --out-dir "$out/load-cudnn$v" 2>&1 | tee "$out/load_cudnn$v.log" \
+      || rc=1
+  done
+  return $rc
+}
+
+nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
+steps=${SCALE_STEPS:-high:100 serve:60 gptb:80 cudnn:70}
+for st in $steps; do
+  s=${st%%:*} t=${st##*:}
+  echo "== $(date +%T) $s"
+  export -f "step_$s"
+  export out b dev PY work
+  carried_phase scale "$s" "$t" "$out/steps.log" bash -c "step_$s"
+  tar czf "$dest/scale.tgz" -C "$out" .
+done
