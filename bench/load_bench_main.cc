@@ -377,7 +377,7 @@ int main(int argc, char** argv) {
            {"keep-cut-drafts", "1"},
            {"cache-dir", ""},
            {"batch-invariant", "1"},
-           {"cuda-graphs", "0"},
+           {"cuda-graphs", "-1"},
            {"fused-verify", "1"},
            {"decode-thread", "-1"},
            {"repeat", "1"},
@@ -394,7 +394,7 @@ int main(int argc, char** argv) {
   base.device = f.Str("device");
   base.dtype = f.Str("dtype");
   base.batch_invariant = f.Int("batch-invariant") != 0;
-  base.cuda_graphs = f.Int("cuda-graphs") != 0;                   // EngineOptions::cuda_graphs
+  base.cuda_graphs = static_cast<int>(f.Int("cuda-graphs"));      // EngineOptions: -1 by device
   base.fused_verify = f.Int("fused-verify") != 0;                 // EngineOptions::fused_verify
   base.decode_thread = static_cast<int>(f.Int("decode-thread"));  // EngineOptions::decode_thread
   base.kv_cache_bytes = int64_t{8} << 30;

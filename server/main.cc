@@ -77,10 +77,12 @@ ABSL_FLAG(std::string, cache_dir, "",
           "$XDG_CACHE_HOME/imagegen, else $HOME/.cache/imagegen; 'none': not kept)");
 ABSL_FLAG(bool, batch_invariant, true,
           "a request's image does not depend on the requests beside it (costs some throughput)");
-ABSL_FLAG(bool, cuda_graphs, false,
-          "run the model forwards at static shapes, each shape bucket captured once as a CUDA "
-          "graph and replayed (CUDA devices; on the CPU the static forward runs without graphs). "
-          "Overrides --batch_invariant: logits then equal the eager forward's within rounding");
+ABSL_FLAG(bool, cuda_graphs, true,
+          "on CUDA devices, run the model forwards at static shapes, each shape bucket captured "
+          "once as a CUDA graph and replayed (5-9x the served throughput of the eager forward on "
+          "an H200); no effect on the CPU. Overrides --batch_invariant: logits then equal the "
+          "eager forward's within rounding; --cuda_graphs=false for images that are bit for bit "
+          "independent of the requests beside them");
 ABSL_FLAG(bool, fused_verify, true,
           "verify windows (chains and trees of up to 8 branches, GSD's clusters) in one fused pass "
           "per step: one kernel "
@@ -232,7 +234,7 @@ int main(int argc, char** argv) {
     }
   }
   eo.batch_invariant = absl::GetFlag(FLAGS_batch_invariant);
-  eo.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
+  eo.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs) ? -1 : 0;  // -1: on for CUDA devices
   eo.fused_verify = absl::GetFlag(FLAGS_fused_verify);
   eo.decode_thread = absl::GetFlag(FLAGS_decode_thread);
   eo.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);

@@ -425,6 +425,56 @@ TEST(EnginePromptTest, ServedPromptsGiveTheOfflineImages) {
   engine.Shutdown(std::chrono::milliseconds(0));
 }
 
+// A prompted model through the static-shape forward (EngineOptions::cuda_graphs, the CUDA
+// default; on the CPU the same forward runs without graphs): prefill chunks and image windows
+// padded to their buckets draw the offline images, up to rounding (the two forwards differ
+// there, so a uniform within it of a token boundary may draw another token: at most one of the
+// 12 images).
+TEST(EnginePromptTest, StaticShapesServeThePromptedImages) {
+  PromptToy& toy = TheToy();
+  EngineOptions o;
+  o.models_dir = toy.dir;
+  o.models = {"toy-t2i"};
+  o.window_policy = "full";
+  o.prefill_tokens_per_step = 3;  // prompts of up to 8 ids in chunks, beside decoding windows
+  o.cuda_graphs = 1;
+  auto started = Engine::Start(o);
+  ASSERT_TRUE(started.ok()) << started.status().ToString();
+  Engine& engine = **started;
+  const std::vector<Method> methods = Methods();
+  std::vector<ImageRequest> offline;
+  std::vector<std::shared_ptr<Collect>> obs;
+  for (int64_t i = 0; i < 12; ++i) {
+    const size_t pi = static_cast<size_t>(i) % toy.prompts.size();
+    GenerateParams p;
+    p.prompt_token_ids = toy.prompts[pi];
+    p.seed = static_cast<uint64_t>(900 + i);
+    p.policy = methods[static_cast<size_t>(i) % methods.size()].policy;
+    obs.push_back(std::make_shared<Collect>());
+    auto id = engine.Submit(p, obs.back());
+    ASSERT_TRUE(id.ok()) << id.status().ToString();
+    ImageRequest r = toy.Request(pi);
+    r.seed = *p.seed;
+    r.policy = p.policy;
+    offline.push_back(r);
+  }
+  SpecOptions so;
+  so.batch_invariant = true;
+  auto expect = GenerateSpeculative(*toy.target, toy.draft.get(), offline, so);
+  ASSERT_TRUE(expect.ok()) << expect.status().ToString();
+  int same = 0;
+  for (size_t i = 0; i < obs.size(); ++i) {
+    obs[i]->Wait();
+    ASSERT_TRUE(obs[i]->error.ok()) << obs[i]->error.ToString();
+    EXPECT_EQ(obs[i]->result.tokens.size(), (*expect)[i].tokens.size());
+    same += obs[i]->result.tokens == (*expect)[i].tokens ? 1 : 0;
+  }
+  std::printf("static shapes: %d of %zu prompted images identical to the offline ones\n", same,
+              obs.size());
+  EXPECT_GE(same, 11);
+  engine.Shutdown(std::chrono::milliseconds(0));
+}
+
 // A group (a client's n images) is queued at once and admitted in order: the first image
 // prefills, the others copy its prefill, and each image is the one its seed draws alone. Bad
 // groups and negative prompts are refused naming the field.

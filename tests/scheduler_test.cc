@@ -264,22 +264,31 @@ TEST(EngineTest, CudaGraphsOptionRunsStaticShapesAndDrawsTheSameImages) {
 }
 
 // The static forward's scratch slot comes out of the KV memory budget: with the same bytes,
-// cuda_graphs leaves one slot fewer to requests.
+// cuda_graphs leaves one slot fewer to requests. By default (-1) the engine takes graphs on a
+// CUDA device and the eager forward on the CPU, which the scratch slot shows.
 TEST(EngineTest, CudaGraphsScratchSlotIsCountedInTheKvBudget) {
-  int64_t slots[2] = {0, 0};
-  for (const bool graphs : {false, true}) {
+  int64_t slots[3] = {0, 0, 0};  // off, on, by device
+  for (const int graphs : {0, 1, -1}) {
     EngineOptions o = BundledOptions();
     o.fixed_step_cost = {0.005, 2e-5, 1e-3};
     o.max_slots = int64_t{1} << 30;  // the memory decides
     o.kv_cache_bytes = int64_t{8} << 20;
     o.cuda_graphs = graphs;
     auto engine = StartOrDie(o);
-    slots[graphs ? 1 : 0] = engine->Models()[0].kv_slots;
+    slots[graphs < 0 ? 2 : graphs] = engine->Models()[0].kv_slots;
   }
-  std::printf("8 MiB of KV cache: %lld slots eager, %lld with cuda_graphs\n",
-              static_cast<long long>(slots[0]), static_cast<long long>(slots[1]));
+  const bool cuda = testing::TestLoadOptions().device.is_cuda();
+  std::printf("8 MiB of KV cache: %lld slots eager, %lld with cuda_graphs, %lld by default on %s\n",
+              static_cast<long long>(slots[0]), static_cast<long long>(slots[1]),
+              static_cast<long long>(slots[2]), cuda ? "CUDA" : "the CPU");
   EXPECT_GE(slots[0], 3);
   EXPECT_EQ(slots[1], slots[0] - 1);
+  EXPECT_EQ(slots[2], cuda ? slots[1] : slots[0]);
+  EngineOptions bad = BundledOptions();
+  bad.cuda_graphs = 2;
+  const Status refused = Engine::Start(bad).status();
+  EXPECT_EQ(refused.code(), Code::kInvalidArgument);
+  EXPECT_NE(refused.message().find("cuda_graphs"), std::string::npos) << refused.ToString();
 }
 
 // The forward itself: one row's logits alone and inside a ragged batch of other rows.
@@ -901,6 +910,9 @@ EngineOptions DecodeOptions(int decode_thread) {
   o.window_policy = "full";  // the same windows whatever the timing: the same images
   o.fixed_step_cost = {0.005, 2e-5, 1e-3};
   o.decode_thread = decode_thread;
+  // The batch-invariant forward on CUDA too (graphs are its default there): the same images
+  // however the two runs happen to batch their requests.
+  o.cuda_graphs = 0;
   return o;
 }
 

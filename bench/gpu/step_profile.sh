@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Where a served step's time goes on the device, and two A/Bs: the load bench (the engine's
 # continuous batching, AR and scd-mc at 1 and 4 clients) as imagegen runs by default (cuDNN's
-# attention off, PrepareAttention in engine/model/device.h), with CUDA graphs
-# (--cuda-graphs 1, engine/model/cuda_graphs.h), and with cuDNN's attention on
+# attention off, PrepareAttention in engine/model/device.h; CUDA graphs on, the CUDA default
+# since 2026-11-28, engine/model/cuda_graphs.h), with the eager forward (--cuda-graphs 0), and
+# with cuDNN's attention on
 # (IMAGEGEN_CUDNN_SDPA=1, LibTorch's default); the forward alone, eager against graphs
 # (imagegen-step-cost); the per-op profile (IMAGEGEN_OP_PROFILE=1, bench/op_profile.h); the
 # speculative bench at batch 1 (speedups with the step split off, then the split, profiled).
@@ -30,12 +31,13 @@ load() {  # name, env..., then load-bench flags
   echo "$name exit $?" | tee -a "$o/parts.log"
   pack
 }
-# Most wanted first (a call cut off at its limit keeps what finished): the default engine, the
-# same with CUDA graphs, the forward alone eager against graphs, then the profile, the spec
-# bench, and last cuDNN's attention (LibTorch's choice, which the first GPU run measured).
+# Most wanted first (a call cut off at its limit keeps what finished): the default engine (CUDA
+# graphs), the same with the eager forward, the forward alone eager against graphs, then the
+# profile, the spec bench, and last cuDNN's attention (LibTorch's choice, which the first GPU
+# run measured).
 load load_default IMAGEGEN_CUDNN_SDPA=0 "$B/imagegen-load-bench" --device "$dev" --dtype bf16
-load load_graphs IMAGEGEN_CUDNN_SDPA=0 "$B/imagegen-load-bench" --device "$dev" --dtype bf16 \
-  --cuda-graphs 1
+load load_eager IMAGEGEN_CUDNN_SDPA=0 "$B/imagegen-load-bench" --device "$dev" --dtype bf16 \
+  --cuda-graphs 0
 # Finished images decoded on the engine thread (the default on CUDA is the decode thread).
 load load_inline_decode IMAGEGEN_CUDNN_SDPA=0 "$B/imagegen-load-bench" --device "$dev" \
   --dtype bf16 --decode-thread 0
@@ -61,7 +63,7 @@ timeout -k 5 60 env IMAGEGEN_OP_PROFILE=1 "$B/imagegen-spec-bench" --device "$de
   --out-dir "$o/spec-split" > "$o/spec_split.log" 2>&1
 echo "spec-split exit $?" | tee -a "$o/parts.log"; pack
 load load_cudnn IMAGEGEN_CUDNN_SDPA=1 "$B/imagegen-load-bench" --device "$dev" --dtype bf16
-head -n 5 "$o/load_default.log" "$o/load_graphs.log" "$o/load_inline_decode.log" \
+head -n 5 "$o/load_default.log" "$o/load_eager.log" "$o/load_inline_decode.log" \
   "$o/load_cudnn.log"
 tail -n 30 "$o/step_cost_graphs.log"; cat "$o/llamagen.md"; tail -n 40 "$o/load_profile.log"
 tail -n 14 "$o/spec.log"

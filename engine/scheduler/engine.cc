@@ -130,6 +130,9 @@ StatusOr<std::unique_ptr<Engine>> Engine::Start(const EngineOptions& options,
   if (o.decode_thread < -1 || o.decode_thread > 1) {
     return InvalidArgument("decode_thread: must be -1 (by device), 0 or 1");
   }
+  if (o.cuda_graphs < -1 || o.cuda_graphs > 1) {
+    return InvalidArgument("cuda_graphs: must be -1 (by device), 0 or 1");
+  }
   // Every LibTorch call, loading included, happens on the engine thread (see EngineOptions).
   std::promise<Status> loaded;
   Impl* raw = impl.get();
@@ -162,6 +165,7 @@ Status Engine::Impl::Load() {
                                : lo.device.is_cuda()           ? 2048
                                                                : 256;
   }
+  if (opts.cuda_graphs < 0) opts.cuda_graphs = lo.device.is_cuda() ? 1 : 0;
   const EngineOptions& o = opts;
   const bool decode_thread = o.decode_thread < 0 ? lo.device.is_cuda() : o.decode_thread > 0;
   decoder = std::make_unique<DecodeQueue>(decode_thread, lo.device, o.cpu_threads);
@@ -181,7 +185,7 @@ Status Engine::Impl::Load() {
     if (model->draft) per_slot += CacheBytesPerSlot(*model->draft);
     // The static-shape forward (cuda_graphs) writes its padding into one more slot, a scratch
     // slot no request holds: it comes out of the same memory.
-    const int64_t scratch = o.cuda_graphs ? 1 : 0;
+    const int64_t scratch = o.cuda_graphs > 0 ? 1 : 0;
     const int64_t slots = std::min(o.max_slots, o.kv_cache_bytes / per_slot - scratch);
     if (slots < 2) {
       return InvalidArgument("kv_cache_bytes: " + std::to_string(o.kv_cache_bytes) +

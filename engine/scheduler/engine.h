@@ -97,8 +97,10 @@ struct EngineOptions {
   // The target and draft forwards at static shapes, each bucket captured once as a CUDA graph
   // and replayed (ForwardOptions::cuda_graphs; on the CPU the static forward runs eagerly).
   // Overrides batch_invariant: a request's logits then equal the eager forward's within
-  // rounding rather than bit for bit.
-  bool cuda_graphs = false;
+  // rounding rather than bit for bit. -1: by device, on for CUDA (5-9x the eager forward's
+  // served throughput on an H200, docs/results-gpu.md), off on the CPU; 0 off; 1 on. Start
+  // resolves -1, so that the options the schedulers see hold 0 or 1.
+  int cuda_graphs = -1;
   // Chain steps verified in one fused pass (SpecOptions::fused_verify; one kernel on CUDA).
   bool fused_verify = true;
   // A Jacobi window the controller cuts keeps its cut drafts for a later, longer window

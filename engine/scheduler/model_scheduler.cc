@@ -24,7 +24,7 @@ double Seconds(Clock::time_point a, Clock::time_point b) {
 SpecOptions BatchOptions(const EngineOptions& o) {
   SpecOptions s;
   s.batch_invariant = o.batch_invariant;
-  s.cuda_graphs = o.cuda_graphs;
+  s.cuda_graphs = o.cuda_graphs > 0;
   s.fused_verify = o.fused_verify;
   s.keep_cut_drafts = o.keep_cut_drafts;
   return s;
@@ -96,7 +96,7 @@ Status ModelScheduler::Calibrate(const LoadOptions& load) {
       << dtype
       << (load.device.is_cpu() ? ", " + std::to_string(at::get_num_threads()) + " threads"
                                : std::string())
-      << (opts_.cuda_graphs       ? ", CUDA graphs"
+      << (opts_.cuda_graphs > 0   ? ", CUDA graphs"
           : opts_.batch_invariant ? ", batch-invariant"
                                   : "");
   // A calibration measured with fewer requests at a time than this engine's slots allow (an
@@ -109,7 +109,7 @@ Status ModelScheduler::Calibrate(const LoadOptions& load) {
     // CUDA graphs cost differently from the eager forward: a file of their own, so that the
     // two modes do not replace each other's calibration.
     path = opts_.cache_dir + "/step-cost-" + FileSafe(model_.name) + "-" + FileSafe(device) + "-" +
-           FileSafe(dtype) + (opts_.cuda_graphs ? "-graphs" : "") + ".json";
+           FileSafe(dtype) + (opts_.cuda_graphs > 0 ? "-graphs" : "") + ".json";
     StatusOr<std::string> text = ReadFile(path);
     if (text.ok()) {
       Status st = cost_.Deserialize(*text, key.str(), path);
