@@ -356,6 +356,45 @@ class Collect : public RequestObserver {
   Status error;
 };
 
+// Submits `n` requests of the toy's prompts in turn to `engine` (seed seed0 + i, the method
+// changing every `per_method` requests, the image decoded for every `decode_every`-th; 0: none)
+// and returns the same requests for the offline batch; a refused submission fails the test and
+// ends the list there.
+std::vector<ImageRequest> SubmitToyPrompts(Engine& engine, PromptToy& toy, int64_t n,
+                                           uint64_t seed0, int64_t per_method, int64_t decode_every,
+                                           std::vector<std::shared_ptr<Collect>>* obs) {
+  const std::vector<Method> methods = Methods();
+  std::vector<ImageRequest> offline;
+  for (int64_t i = 0; i < n; ++i) {
+    const size_t pi = static_cast<size_t>(i) % toy.prompts.size();
+    GenerateParams p;
+    p.prompt_token_ids = toy.prompts[pi];
+    p.seed = seed0 + static_cast<uint64_t>(i);
+    p.policy = methods[static_cast<size_t>(i / per_method) % methods.size()].policy;
+    p.decode_image = decode_every > 0 && i % decode_every == 0;
+    auto observer = std::make_shared<Collect>();
+    auto id = engine.Submit(p, observer);
+    if (!id.ok()) {
+      ADD_FAILURE() << id.status().ToString();
+      break;
+    }
+    obs->push_back(observer);
+    ImageRequest r = toy.Request(pi);
+    r.seed = *p.seed;
+    r.policy = p.policy;
+    offline.push_back(r);
+  }
+  return offline;
+}
+
+// The offline batch's images (batch-invariant forwards) of `requests`.
+StatusOr<std::vector<SpecResult>> OfflineImages(PromptToy& toy,
+                                                const std::vector<ImageRequest>& requests) {
+  SpecOptions so;
+  so.batch_invariant = true;
+  return GenerateSpeculative(*toy.target, toy.draft.get(), requests, so);
+}
+
 TEST(EnginePromptTest, ServedPromptsGiveTheOfflineImages) {
   PromptToy& toy = TheToy();
   EngineOptions o;
@@ -372,27 +411,11 @@ TEST(EnginePromptTest, ServedPromptsGiveTheOfflineImages) {
   EXPECT_EQ(info.text_vocab_size, 8);
   EXPECT_EQ(info.num_classes, 0);
 
-  const std::vector<Method> methods = Methods();
-  std::vector<ImageRequest> offline;
   std::vector<std::shared_ptr<Collect>> obs;
-  for (int64_t i = 0; i < 24; ++i) {
-    const size_t pi = static_cast<size_t>(i) % toy.prompts.size();
-    GenerateParams p;
-    p.prompt_token_ids = toy.prompts[pi];
-    p.seed = static_cast<uint64_t>(500 + i);
-    p.policy = methods[static_cast<size_t>(i / 3) % methods.size()].policy;
-    p.decode_image = i % 8 == 0;
-    obs.push_back(std::make_shared<Collect>());
-    auto id = engine.Submit(p, obs.back());
-    ASSERT_TRUE(id.ok()) << id.status().ToString();
-    ImageRequest r = toy.Request(pi);
-    r.seed = *p.seed;
-    r.policy = p.policy;
-    offline.push_back(r);
-  }
-  SpecOptions so;
-  so.batch_invariant = true;
-  auto expect = GenerateSpeculative(*toy.target, toy.draft.get(), offline, so);
+  const std::vector<ImageRequest> offline =
+      SubmitToyPrompts(engine, toy, 24, /*seed0=*/500, /*per_method=*/3, /*decode_every=*/8, &obs);
+  ASSERT_EQ(obs.size(), offline.size());
+  auto expect = OfflineImages(toy, offline);
   ASSERT_TRUE(expect.ok()) << expect.status().ToString();
   int64_t shared = 0;
   for (size_t i = 0; i < obs.size(); ++i) {
@@ -441,26 +464,11 @@ TEST(EnginePromptTest, StaticShapesServeThePromptedImages) {
   auto started = Engine::Start(o);
   ASSERT_TRUE(started.ok()) << started.status().ToString();
   Engine& engine = **started;
-  const std::vector<Method> methods = Methods();
-  std::vector<ImageRequest> offline;
   std::vector<std::shared_ptr<Collect>> obs;
-  for (int64_t i = 0; i < 12; ++i) {
-    const size_t pi = static_cast<size_t>(i) % toy.prompts.size();
-    GenerateParams p;
-    p.prompt_token_ids = toy.prompts[pi];
-    p.seed = static_cast<uint64_t>(900 + i);
-    p.policy = methods[static_cast<size_t>(i) % methods.size()].policy;
-    obs.push_back(std::make_shared<Collect>());
-    auto id = engine.Submit(p, obs.back());
-    ASSERT_TRUE(id.ok()) << id.status().ToString();
-    ImageRequest r = toy.Request(pi);
-    r.seed = *p.seed;
-    r.policy = p.policy;
-    offline.push_back(r);
-  }
-  SpecOptions so;
-  so.batch_invariant = true;
-  auto expect = GenerateSpeculative(*toy.target, toy.draft.get(), offline, so);
+  const std::vector<ImageRequest> offline =
+      SubmitToyPrompts(engine, toy, 12, /*seed0=*/900, /*per_method=*/1, /*decode_every=*/0, &obs);
+  ASSERT_EQ(obs.size(), offline.size());
+  auto expect = OfflineImages(toy, offline);
   ASSERT_TRUE(expect.ok()) << expect.status().ToString();
   int same = 0;
   for (size_t i = 0; i < obs.size(); ++i) {

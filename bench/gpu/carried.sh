@@ -68,3 +68,26 @@ carried_phase() {
     echo "$who: kernels failed: IMAGEGEN_FUSED_KERNELS=0 for the later phases" | tee -a "$log"
   fi
 }
+
+# The set-up of a step script (graphs_lease.sh, scale_lease.sh): the programs unpacked into
+# folder $1 with their wrappers; sets PY (the Python that holds PyTorch) and b (the wrappers).
+carried_setup() {
+  carried_unpack "$1" || return 1
+  PY=$(carried_python)
+  carried_wrappers "$1/device" "$PY" || return 1
+  b=$1/device/run
+}
+
+# Runs the steps $1 ("name:seconds ...") of script $2: each function step_NAME under its limit
+# (carried_phase, log $3), then packs folder $4 into $5, so that a call cut off at the tool's
+# limit keeps every finished step. The caller exports what the steps read.
+carried_steps() {
+  local who=$2 log=$3 from=$4 tgz=$5 st s t
+  for st in $1; do
+    s=${st%%:*} t=${st##*:}
+    echo "== $(date +%T) $s"
+    export -f "step_$s"
+    carried_phase "$who" "$s" "$t" "$log" bash -c "step_$s"
+    tar czf "$tgz" -C "$from" .
+  done
+}

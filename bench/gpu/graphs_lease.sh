@@ -31,10 +31,7 @@ work=${LEASE_WORK:-/tmp/imagegen-gpu}
 out=$work/graphs
 mkdir -p "$out"
 . bench/gpu/carried.sh
-carried_unpack "$work" || exit 1
-PY=$(carried_python)
-carried_wrappers "$work/device" "$PY" || exit 1
-b=$work/device/run
+carried_setup "$work" || exit 1
 dev=${GRAPHS_DEVICE:-cuda}
 
 step_kernels() {
@@ -112,12 +109,6 @@ step_split() {
 }
 
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
-steps=${GRAPHS_STEPS:-kernels:30 tests:75 fused:30 churn:40 load:215 split:60}
-for st in $steps; do
-  s=${st%%:*} t=${st##*:}
-  echo "== $(date +%T) $s"
-  export -f "step_$s"
-  export out b dev PY
-  carried_phase graphs "$s" "$t" "$out/steps.log" bash -c "step_$s"
-  tar czf "$dest/graphs.tgz" -C "$out" .
-done
+export out b dev PY
+carried_steps "${GRAPHS_STEPS:-kernels:30 tests:75 fused:30 churn:40 load:215 split:60}" graphs \
+  "$out/steps.log" "$out" "$dest/graphs.tgz"

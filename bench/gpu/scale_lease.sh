@@ -26,10 +26,7 @@ work=${LEASE_WORK:-/tmp/imagegen-gpu}
 out=$work/scale
 mkdir -p "$out"
 . bench/gpu/carried.sh
-carried_unpack "$work" || exit 1
-PY=$(carried_python)
-carried_wrappers "$work/device" "$PY" || exit 1
-b=$work/device/run
+carried_setup "$work" || exit 1
 dev=${SCALE_DEVICE:-cuda}
 
 step_high() {
@@ -71,12 +68,6 @@ step_cudnn() {
 }
 
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
-steps=${SCALE_STEPS:-high:100 serve:60 gptb:80 cudnn:70}
-for st in $steps; do
-  s=${st%%:*} t=${st##*:}
-  echo "== $(date +%T) $s"
-  export -f "step_$s"
-  export out b dev PY work
-  carried_phase scale "$s" "$t" "$out/steps.log" bash -c "step_$s"
-  tar czf "$dest/scale.tgz" -C "$out" .
-done
+export out b dev PY work
+carried_steps "${SCALE_STEPS:-high:100 serve:60 gptb:80 cudnn:70}" scale "$out/steps.log" "$out" \
+  "$dest/scale.tgz"
