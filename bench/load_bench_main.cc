@@ -80,12 +80,13 @@ struct StepTotals : EngineListener {
     expected += s.expected_committed;
     if (s.expected_committed > 0) planned_committed += s.committed;
     plan_seconds += s.plan_seconds;
+    captures += s.graph_captures;
     if (Clock::now() < stop) committed_before_stop += s.committed;
   }
   Clock::time_point stop = Clock::time_point::max();  // set before the clients start
   std::mutex mu;
   int64_t steps = 0, tokens = 0, requests = 0, limited = 0, planned_committed = 0;
-  int64_t committed_before_stop = 0;
+  int64_t committed_before_stop = 0, captures = 0;
   double seconds = 0, expected = 0, plan_seconds = 0;
   std::vector<double> cost_error;  // |measured / predicted - 1| per step
 };
@@ -126,8 +127,9 @@ struct Cell {
   double seconds = 0, images_per_s = 0, p50 = 0, p99 = 0, mean_latency = 0, nfe = 0;
   double tokens_per_step = 0, requests_per_step = 0, limited_frac = 0, step_ms = 0;
   double mean_window = 0, cost_err_p50 = 0, cost_err_p90 = 0, expected_vs_committed = 0;
-  double window_change = 0;  // RequestStats::mean_window_change, over the cell's images
-  double plan_ms = 0;        // choosing the windows, per step
+  double window_change = 0;   // RequestStats::mean_window_change, over the cell's images
+  double plan_ms = 0;         // choosing the windows, per step
+  double graph_captures = 0;  // CUDA graphs captured in the cell's steps (StepSample)
   std::vector<double> latencies, cost_errors;
   std::map<std::string, std::vector<double>> by_method;  // latencies per method (mixed load)
   int repeats = 1;
@@ -142,9 +144,11 @@ struct Cell {
   std::_Exit(1);
 }
 
+// `decode_images` false: the requests ask for tokens alone, no decoded image (to see what
+// decoding the finished images costs a load).
 Cell RunCell(const EngineOptions& base, const std::vector<DecodingPolicy>& policies,
-             const std::string& label, const Mode& mode, int64_t c, double seconds,
-             uint64_t seed0) {
+             const std::string& label, const Mode& mode, int64_t c, double seconds, uint64_t seed0,
+             bool decode_images) {
   EngineOptions o = base;
   o.window_policy = mode.policy;
   o.max_tokens_per_step = mode.budget;
@@ -180,7 +184,7 @@ Cell RunCell(const EngineOptions& base, const std::vector<DecodingPolicy>& polic
         p.class_id = static_cast<int64_t>(seed % 10);
         p.seed = seed;
         p.policy = policy;
-        p.decode_image = true;
+        p.decode_image = decode_images;
         auto w = std::make_shared<Waiter>();
         const auto s0 = Clock::now();
         auto id = engine.Submit(p, w);
@@ -237,6 +241,7 @@ Cell RunCell(const EngineOptions& base, const std::vector<DecodingPolicy>& polic
   cell.limited_frac = totals.limited / steps;
   cell.step_ms = 1000 * totals.seconds / steps;
   cell.plan_ms = 1000 * totals.plan_seconds / steps;
+  cell.graph_captures = static_cast<double>(totals.captures);
   cell.cost_errors = totals.cost_error;
   cell.cost_err_p50 = Percentile(cell.cost_errors, 0.5);
   cell.cost_err_p90 = Percentile(cell.cost_errors, 0.9);
@@ -255,6 +260,7 @@ Cell Combine(const std::vector<Cell>& runs) {
   c.cost_errors.clear();
   c.by_method.clear();
   double nfe = 0, tps = 0, rps = 0, lim = 0, ms = 0, win = 0, evc = 0, plan = 0, dwin = 0;
+  double capt = 0;
   c.images = 0;
   c.seconds = 0;
   for (const Cell& r : runs) {
@@ -274,6 +280,7 @@ Cell Combine(const std::vector<Cell>& runs) {
     lim += r.limited_frac;
     ms += r.step_ms;
     plan += r.plan_ms;
+    capt += r.graph_captures;
     evc += r.expected_vs_committed;
   }
   const double n = static_cast<double>(runs.size());
@@ -292,6 +299,7 @@ Cell Combine(const std::vector<Cell>& runs) {
   c.limited_frac = lim / n;
   c.step_ms = ms / n;
   c.plan_ms = plan / n;
+  c.graph_captures = capt / n;
   c.expected_vs_committed = evc / n;
   c.cost_err_p50 = Percentile(c.cost_errors, 0.5);
   c.cost_err_p90 = Percentile(c.cost_errors, 0.9);
@@ -299,20 +307,22 @@ Cell Combine(const std::vector<Cell>& runs) {
 }
 
 void PrintHeader() {
-  std::printf("%-8s %-11s %4s %6s %8s %7s %7s %7s %6s %5s %8s %6s %7s %7s %6s\n", "method", "mode",
-              "c", "images", "img/s", "p50 s", "p99 s", "NFE", "window", "dwin", "tok/step",
-              "req/st", "step ms", "plan ms", "err50");
+  std::printf("%-8s %-11s %4s %6s %8s %7s %7s %7s %6s %5s %8s %6s %7s %7s %6s %5s\n", "method",
+              "mode", "c", "images", "img/s", "p50 s", "p99 s", "NFE", "window", "dwin", "tok/step",
+              "req/st", "step ms", "plan ms", "err50", "capt");
 }
 
 void Print(const Cell& r) {
   std::printf(
-      "%-8s %-11s %4lld %6lld %8.2f %7.2f %7.2f %7.1f %6.1f %5.1f %8.1f %6.1f %7.1f %7.3f %6s\n",
+      "%-8s %-11s %4lld %6lld %8.2f %7.2f %7.2f %7.1f %6.1f %5.1f %8.1f %6.1f %7.1f %7.3f %6s "
+      "%5.0f\n",
       r.method.c_str(), r.mode.c_str(), static_cast<long long>(r.concurrency),
       static_cast<long long>(r.images), r.images_per_s, r.p50, r.p99, r.nfe, r.mean_window,
       r.window_change, r.tokens_per_step, r.requests_per_step, r.step_ms, r.plan_ms,
       r.cost_errors.empty()
           ? "-"
-          : (std::to_string(static_cast<int>(100 * r.cost_err_p50 + 0.5)) + "%").c_str());
+          : (std::to_string(static_cast<int>(100 * r.cost_err_p50 + 0.5)) + "%").c_str(),
+      r.graph_captures);
   std::fflush(stdout);
 }
 
@@ -320,14 +330,15 @@ void WriteCsv(const std::string& path, const std::vector<Cell>& cells) {
   std::ofstream f(path);
   f << "method,mode,concurrency,budget,images,seconds,images_per_s,p50_s,p99_s,mean_latency_s,"
        "nfe,mean_window,tokens_per_step,requests_per_step,window_limited_steps,step_ms,"
-       "plan_ms,cost_error_p50,cost_error_p90,committed_over_expected,mean_window_change\n";
+       "plan_ms,cost_error_p50,cost_error_p90,committed_over_expected,mean_window_change,"
+       "graph_captures\n";
   for (const Cell& r : cells) {
     f << r.method << "," << r.mode << "," << r.concurrency << "," << r.budget << "," << r.images
       << "," << r.seconds << "," << r.images_per_s << "," << r.p50 << "," << r.p99 << ","
       << r.mean_latency << "," << r.nfe << "," << r.mean_window << "," << r.tokens_per_step << ","
       << r.requests_per_step << "," << r.limited_frac << "," << r.step_ms << "," << r.plan_ms << ","
       << r.cost_err_p50 << "," << r.cost_err_p90 << "," << r.expected_vs_committed << ","
-      << r.window_change << "\n";
+      << r.window_change << "," << r.graph_captures << "\n";
   }
 }
 
@@ -380,6 +391,7 @@ int main(int argc, char** argv) {
            {"cuda-graphs", "-1"},
            {"fused-verify", "1"},
            {"decode-thread", "-1"},
+           {"decode-images", "1"},
            {"repeat", "1"},
            {"out-dir", "load-bench"}},
           "usage: imagegen-load-bench [--methods LIST (preset or preset@window)] "
@@ -430,8 +442,9 @@ int main(int argc, char** argv) {
   // its engine has the slots to calibrate with up to 32 requests at a time, which every cell
   // then reuses (with 2 clients, the calibration measured one request at a time only, and the
   // cost of many requests was left to extrapolation and online refinement).
+  const bool decode_images = f.Int("decode-images") != 0;
   RunCell(base, {PolicyOrDie("scd-mc")}, "warm-up", ParseMode(f, "modes", "goodput"), 32, 2,
-          1u << 30);
+          1u << 30, decode_images);
 
   uint64_t seed = 0;
   // Runs every mode for one (policies, c), alternating their order on repeats.
@@ -441,8 +454,8 @@ int main(int argc, char** argv) {
     for (int r = 0; r < repeats; ++r) {
       for (size_t k = 0; k < ms.size(); ++k) {
         const size_t i = r % 2 == 0 ? k : ms.size() - 1 - k;
-        runs[i].push_back(
-            RunCell(base, policies, label, ms[i], c, cell_seconds(c), seed += 100000));
+        runs[i].push_back(RunCell(base, policies, label, ms[i], c, cell_seconds(c), seed += 100000,
+                                  decode_images));
       }
     }
     std::vector<Cell> cells;

@@ -252,6 +252,12 @@ Metrics::Metrics()
                           .Help("Steps in which some request was granted less than its "
                                 "whole window (by the controller or the token budget)")
                           .Register(*registry_)),
+      graph_captures_(BuildCounter()
+                          .Name("imagegen_cuda_graph_captures_total")
+                          .Help("CUDA graphs captured (a shape bucket's first forward; one-off, "
+                                "tens of replays' time; the step-cost model leaves these steps "
+                                "out)")
+                          .Register(*registry_)),
       info_(BuildGauge()
                 .Name("imagegen_build_info")
                 .Help("Always 1; the version in a label")
@@ -341,6 +347,9 @@ void Metrics::OnStep(const StepSample& s) {
   step_tokens_.Add(lb, kStepTokens).Observe(static_cast<double>(s.tokens));
   step_requests_.Add(lb, kStepRequests).Observe(static_cast<double>(s.requests));
   if (s.budget_limited) window_limited_.Add(lb).Increment();
+  if (s.graph_captures > 0) {
+    graph_captures_.Add(lb).Increment(static_cast<double>(s.graph_captures));
+  }
   if (s.predicted_seconds > 0) {
     step_cost_ratio_.Add(lb, kCostRatio).Observe(s.step_seconds / s.predicted_seconds);
     step_predicted_.Add(lb).Increment(s.predicted_seconds);

@@ -62,8 +62,11 @@ def main(out):
     fig.tight_layout()
     fig.savefig(f"{out}/load_throughput_latency.png", dpi=100)
 
+    mixed = []
     if os.path.exists(f"{out}/mixed.csv"):
-        rows = [r for r in csv.DictReader(open(f"{out}/mixed.csv")) if r["method"] != "all"]
+        mixed = [r for r in csv.DictReader(open(f"{out}/mixed.csv")) if r["method"] != "all"]
+    if mixed:  # none with --mixed-concurrency ''
+        rows = mixed
         cs = sorted({int(r["concurrency"]) for r in rows})
         modes = list(dict.fromkeys(r["mode"] for r in rows))
         ms = list(dict.fromkeys(r["method"] for r in rows))

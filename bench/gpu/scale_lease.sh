@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A short device-tool call after bench/gpu/graphs_lease.sh on the still-warm machine (about 5
+# A short device-tool call after bench/gpu/graphs_lease.sh on the still-warm machine (about 6
 # minutes): CUDA graphs at the loads and model size the earlier calls left out, and the
 # daemon with graphs.
 #
@@ -9,6 +9,10 @@
 # after each:
 #   high    imagegen-load-bench with --cuda-graphs 1 at 16, 32 and 64 clients (ar, scd-mc,
 #           sjd-pac; whole windows and the goodput controller): the earlier runs stopped at 8
+#   decode  why requests fall out of steps at high load (2026-11-28: 6-18 requests a step at 16-64
+#           clients): ar and scd-mc at 32 clients with whole windows, the finished images
+#           decoded on the decode thread (the default), on the engine thread
+#           (--decode-thread 0), and not decoded at all (--decode-images 0)
 #   serve   the daemon with --cuda_graphs (run_all.sh --phase serve): a sneaker, imagegen load
 #           for ar and scd-mc at 16 clients, /metrics, SIGTERM drain
 #   gptb    a random GPT-B-shaped LlamaGen model served (tools/parity.py's gptb-random with its
@@ -34,6 +38,18 @@ step_high() {
     --methods ar,scd-mc,sjd-pac --concurrency "${SCALE_HIGH_CONCURRENCY:-16,32,64}" \
     --seconds 3 --seconds-per-client 0 --modes none,goodput --mixed-concurrency '' \
     --out-dir "$out/load-high" 2>&1 | tee "$out/load_high.log"
+}
+step_decode() {
+  local rc=0 name flags
+  for name in thread:--decode-thread=1 inline:--decode-thread=0 none:--decode-images=0; do
+    flags=${name#*:} name=${name%%:*}
+    echo "-- finished images: $name ($flags)"
+    "$b/imagegen-load-bench" --device "$dev" --dtype bf16 --cuda-graphs 1 "$flags" \
+      --methods ar,scd-mc --concurrency 32 --seconds 3 --seconds-per-client 0 --modes none \
+      --mixed-concurrency '' --out-dir "$out/load-decode-$name" 2>&1 \
+      | tee "$out/load_decode_$name.log" || rc=1
+  done
+  return $rc
 }
 step_serve() {
   IMAGEGEN_SERVE_FLAGS=--cuda_graphs bash bench/gpu/run_all.sh --prebuilt "$work/device" \
@@ -69,5 +85,5 @@ step_cudnn() {
 
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
 export out b dev PY work
-carried_steps "${SCALE_STEPS:-high:100 serve:60 gptb:80 cudnn:70}" scale "$out/steps.log" "$out" \
+carried_steps "${SCALE_STEPS:-high:100 decode:60 serve:60 gptb:80 cudnn:70}" scale "$out/steps.log" "$out" \
   "$dest/scale.tgz"

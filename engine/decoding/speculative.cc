@@ -7,6 +7,7 @@
 
 #include "engine/decoding/sequence.h"
 #include "engine/decoding/step_phases.h"
+#include "engine/model/cuda_graphs.h"
 #include "engine/model/transfer.h"
 
 namespace imagegen {
@@ -166,6 +167,10 @@ Status SpecBatch::Resume(int64_t handle) {
 }
 
 Status SpecBatch::Step(const std::vector<WindowGrant>& grants) { return impl_->Step(grants); }
+
+int64_t SpecBatch::graph_captures() const {
+  return GraphStats(impl_->cache).captures + GraphStats(impl_->dcache).captures;
+}
 
 StepContext SpecBatch::Impl::Context(const std::vector<WindowGrant>& grants) {
   StepContext ctx(target, draft, cache, dcache, opts,

@@ -179,6 +179,10 @@ class SpecBatch {
   void Suspend(int64_t handle);
   Status Resume(int64_t handle);
 
+  // CUDA graphs captured so far over the batch's caches (SpecOptions::cuda_graphs on a CUDA
+  // device; 0 otherwise).
+  int64_t graph_captures() const;
+
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;

@@ -142,6 +142,10 @@ struct StepSample {
   double predicted_seconds = 0;   // the step-cost model's prediction (0: no model)
   double expected_committed = 0;  // the controller's expectation of `committed` (goodput)
   double plan_seconds = 0;        // choosing the windows (the controller's own cost)
+  // CUDA graphs captured in this step (a bucket's first forward: an eager forward, the capture
+  // and its instantiation, tens of times a replay). A one-off cost: the step-cost model leaves
+  // such steps out of its refinement.
+  int64_t graph_captures = 0;
 };
 
 class EngineListener {

@@ -457,6 +457,7 @@ void ModelScheduler::Step(Outcomes& out) {
     sample.tokens += chunks[k] * batch_.RowsPerNode(h);
   }
   Status st;
+  const int64_t captures = batch_.graph_captures();
   try {
     st = batch_.Step(grants);
   } catch (const std::exception& e) {
@@ -471,6 +472,7 @@ void ModelScheduler::Step(Outcomes& out) {
     return;
   }
   const auto t1 = Clock::now();
+  sample.graph_captures = batch_.graph_captures() - captures;
   if (cost_.calibrated()) {
     sample.predicted_seconds =
         plan.seconds > 0 ? plan.seconds : cost_.Predict(sample.tokens, sample.requests);
@@ -522,7 +524,11 @@ void ModelScheduler::Step(Outcomes& out) {
   // What the step-cost model predicts: the step from planning to the observers, previews
   // excluded (they have their own budget) and so is decoding the finished images.
   sample.step_seconds = Seconds(t0, Clock::now()) - spent;
-  if (cost_.calibrated() && opts_.refine_step_cost) {
+  // A step that captured a CUDA graph paid a one-off cost, tens of replays: the model learns
+  // the steady cost from the other steps. (On an H200 the refined model, not the frozen one,
+  // cut sjd-pac's windows at 8 clients, docs/results-gpu.md, 2026-11-28; trees meet many
+  // buckets, so many captures, and these steps are the suspected cause.)
+  if (cost_.calibrated() && opts_.refine_step_cost && sample.graph_captures == 0) {
     double seconds = sample.step_seconds;
     if (opts_.simulated_step_noise > 0 && !opts_.fixed_step_cost.empty()) {
       const std::vector<double>& f = opts_.fixed_step_cost;
