@@ -188,6 +188,7 @@ class Call : public std::enable_shared_from_this<Call> {
     {
       std::lock_guard<std::mutex> l(mu_);
       writing_ = false;
+      write_started_.reset();
       if (!ok && !gone_) running = GoneLocked();
       ScheduleLocked();
     }
@@ -206,7 +207,7 @@ class Call : public std::enable_shared_from_this<Call> {
     if (done_) return;
     {
       std::lock_guard<std::mutex> l(mu_);
-      if (!writing_ || stalled_ || now - write_started_ < limit) return;
+      if (!write_started_ || stalled_ || now - *write_started_ < limit) return;
       stalled_ = true;
     }
     svc_->metrics_->OnStreamStalled();
@@ -447,7 +448,11 @@ class Call : public std::enable_shared_from_this<Call> {
   CallRecord record_;            // the images sent so far, for the request log
   grpc::ByteBuffer out_;         // the message being written
   bool headers_ = false;         // Pump's: the request id is in the initial metadata
-  Clock::time_point write_started_;
+  // When the write in flight was started: none while a message is being encoded (writing_ is
+  // set then, to reserve the stream) or no write is in flight, so that the watchdog times the
+  // client's reading alone. (It used to read writing_ and a stale time: a stream's first
+  // message, a large preview encoded on a loaded machine, was cancelled as stalled.)
+  std::optional<Clock::time_point> write_started_;
 
   std::mutex ctx_mu_;
   bool done_ = false;  // gRPC is done with the call: ctx_ is gone

@@ -739,7 +739,11 @@ TEST(E2eTest, ApiKeysNameTenantsBoundPrioritiesAndReloadOnSighup) {
     held.mutable_output()->set_scale(16);
     auto reader = slow->GenerateStream(&sctx, held);
     v1::GenerateStreamResponse msg;
-    ASSERT_TRUE(reader->Read(&msg));  // the call has begun: its image counts
+    if (!reader->Read(&msg)) {  // the call has begun: its image counts
+      const grpc::Status ended = reader->Finish();
+      FAIL() << "the held stream ended before its first message: " << ended.error_code() << " "
+             << ended.error_message();
+    }
     const grpc::Status busy = call("tok-capped", 0, "k-capped-busy", "");
     ASSERT_EQ(busy.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << busy.error_message();
     EXPECT_NE(busy.error_message().find("max_in_flight is 1"), std::string::npos)
