@@ -130,6 +130,7 @@ struct Cell {
   double window_change = 0;   // RequestStats::mean_window_change, over the cell's images
   double plan_ms = 0;         // choosing the windows, per step
   double graph_captures = 0;  // CUDA graphs captured in the cell's steps (StepSample)
+  double decode_ms = 0;       // last token to the decoded image, mean (RequestStats)
   std::vector<double> latencies, cost_errors;
   std::map<std::string, std::vector<double>> by_method;  // latencies per method (mixed load)
   int repeats = 1;
@@ -164,7 +165,7 @@ Cell RunCell(const EngineOptions& base, const std::vector<DecodingPolicy>& polic
   std::mutex mu;
   Cell cell;
   std::vector<int64_t> nfes;
-  double window_sum = 0, change_sum = 0;
+  double window_sum = 0, change_sum = 0, decode_sum = 0;
   std::atomic<uint64_t> next_seed{seed0};
   const auto t0 = Clock::now();
   const auto stop =
@@ -206,6 +207,7 @@ Cell RunCell(const EngineOptions& base, const std::vector<DecodingPolicy>& polic
         nfes.push_back(st.counters.nfe);
         window_sum += st.mean_window;
         change_sum += st.mean_window_change;
+        decode_sum += st.decode_seconds;
         last_end = std::max(last_end, s1);
       }
     });
@@ -232,6 +234,7 @@ Cell RunCell(const EngineOptions& base, const std::vector<DecodingPolicy>& polic
   cell.nfe = nsum / images;
   cell.mean_window = window_sum / images;
   cell.window_change = change_sum / images;
+  cell.decode_ms = 1000 * decode_sum / images;
   std::lock_guard<std::mutex> l(totals.mu);
   cell.images_per_s =
       static_cast<double>(totals.committed_before_stop) / static_cast<double>(per_image) / seconds;
@@ -260,7 +263,7 @@ Cell Combine(const std::vector<Cell>& runs) {
   c.cost_errors.clear();
   c.by_method.clear();
   double nfe = 0, tps = 0, rps = 0, lim = 0, ms = 0, win = 0, evc = 0, plan = 0, dwin = 0;
-  double capt = 0;
+  double capt = 0, dec = 0;
   c.images = 0;
   c.seconds = 0;
   for (const Cell& r : runs) {
@@ -275,6 +278,7 @@ Cell Combine(const std::vector<Cell>& runs) {
     nfe += r.nfe * static_cast<double>(r.images);
     win += r.mean_window * static_cast<double>(r.images);
     dwin += r.window_change * static_cast<double>(r.images);
+    dec += r.decode_ms * static_cast<double>(r.images);
     tps += r.tokens_per_step;
     rps += r.requests_per_step;
     lim += r.limited_frac;
@@ -294,6 +298,7 @@ Cell Combine(const std::vector<Cell>& runs) {
   c.nfe = nfe / images;
   c.mean_window = win / images;
   c.window_change = dwin / images;
+  c.decode_ms = dec / images;
   c.tokens_per_step = tps / n;
   c.requests_per_step = rps / n;
   c.limited_frac = lim / n;
@@ -307,22 +312,22 @@ Cell Combine(const std::vector<Cell>& runs) {
 }
 
 void PrintHeader() {
-  std::printf("%-8s %-11s %4s %6s %8s %7s %7s %7s %6s %5s %8s %6s %7s %7s %6s %5s\n", "method",
+  std::printf("%-8s %-11s %4s %6s %8s %7s %7s %7s %6s %5s %8s %6s %7s %7s %6s %5s %6s\n", "method",
               "mode", "c", "images", "img/s", "p50 s", "p99 s", "NFE", "window", "dwin", "tok/step",
-              "req/st", "step ms", "plan ms", "err50", "capt");
+              "req/st", "step ms", "plan ms", "err50", "capt", "dec ms");
 }
 
 void Print(const Cell& r) {
   std::printf(
       "%-8s %-11s %4lld %6lld %8.2f %7.2f %7.2f %7.1f %6.1f %5.1f %8.1f %6.1f %7.1f %7.3f %6s "
-      "%5.0f\n",
+      "%5.0f %6.2f\n",
       r.method.c_str(), r.mode.c_str(), static_cast<long long>(r.concurrency),
       static_cast<long long>(r.images), r.images_per_s, r.p50, r.p99, r.nfe, r.mean_window,
       r.window_change, r.tokens_per_step, r.requests_per_step, r.step_ms, r.plan_ms,
       r.cost_errors.empty()
           ? "-"
           : (std::to_string(static_cast<int>(100 * r.cost_err_p50 + 0.5)) + "%").c_str(),
-      r.graph_captures);
+      r.graph_captures, r.decode_ms);
   std::fflush(stdout);
 }
 
@@ -331,14 +336,14 @@ void WriteCsv(const std::string& path, const std::vector<Cell>& cells) {
   f << "method,mode,concurrency,budget,images,seconds,images_per_s,p50_s,p99_s,mean_latency_s,"
        "nfe,mean_window,tokens_per_step,requests_per_step,window_limited_steps,step_ms,"
        "plan_ms,cost_error_p50,cost_error_p90,committed_over_expected,mean_window_change,"
-       "graph_captures\n";
+       "graph_captures,decode_ms\n";
   for (const Cell& r : cells) {
     f << r.method << "," << r.mode << "," << r.concurrency << "," << r.budget << "," << r.images
       << "," << r.seconds << "," << r.images_per_s << "," << r.p50 << "," << r.p99 << ","
       << r.mean_latency << "," << r.nfe << "," << r.mean_window << "," << r.tokens_per_step << ","
       << r.requests_per_step << "," << r.limited_frac << "," << r.step_ms << "," << r.plan_ms << ","
       << r.cost_err_p50 << "," << r.cost_err_p90 << "," << r.expected_vs_committed << ","
-      << r.window_change << "," << r.graph_captures << "\n";
+      << r.window_change << "," << r.graph_captures << "," << r.decode_ms << "\n";
   }
 }
 
@@ -392,6 +397,7 @@ int main(int argc, char** argv) {
            {"fused-verify", "1"},
            {"decode-thread", "-1"},
            {"decode-images", "1"},
+           {"decode-batch", "-1"},
            {"repeat", "1"},
            {"out-dir", "load-bench"}},
           "usage: imagegen-load-bench [--methods LIST (preset or preset@window)] "
@@ -409,6 +415,7 @@ int main(int argc, char** argv) {
   base.cuda_graphs = static_cast<int>(f.Int("cuda-graphs"));      // EngineOptions: -1 by device
   base.fused_verify = f.Int("fused-verify") != 0;                 // EngineOptions::fused_verify
   base.decode_thread = static_cast<int>(f.Int("decode-thread"));  // EngineOptions::decode_thread
+  base.decode_batch = f.Int("decode-batch");                      // EngineOptions::decode_batch
   base.kv_cache_bytes = int64_t{8} << 30;
   base.max_slowdown = f.Num("max-slowdown");
   base.window_stickiness = f.Num("window-stickiness");  // EngineOptions::window_stickiness

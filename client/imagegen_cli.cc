@@ -252,9 +252,9 @@ void PrintStats(const v1::GenerateResponse& r, const std::string& out) {
                 static_cast<long long>(s.residual_rounds()),
                 static_cast<long long>(s.residual_fallbacks()), s.draft_target_sq_dist());
   }
-  std::printf("queue %.3f s, first token %.3f s, generation %.3f s, total %.3f s",
+  std::printf("queue %.3f s, first token %.3f s, generation %.3f s, decode %.3f s, total %.3f s",
               s.queue_seconds(), s.first_token_seconds(), s.generation_seconds(),
-              s.total_seconds());
+              s.decode_seconds(), s.total_seconds());
   if (!out.empty()) std::printf(" -> %s (%dx%d)", out.c_str(), r.width(), r.height());
   std::printf("\n");
 }

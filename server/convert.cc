@@ -389,6 +389,7 @@ grpc::Status FillResponse(const RequestResult& r, int scale, bool include_tokens
   s->set_prompt_tokens(static_cast<int32_t>(r.prompt_tokens));
   s->set_prefill_forwards(st.prefill_forwards);
   s->set_preemptions(st.preemptions);
+  s->set_decode_seconds(st.decode_seconds);
   return grpc::Status::OK;
 }
 

@@ -199,7 +199,10 @@ std::string Daemon::Describe() const {
   }
   return names + " on " + options_.engine.device + "; " + windows + "; default method " +
          options_.default_method +
-         (engine_->decode_thread() ? "; images decoded on their own thread" : "");
+         (engine_->decode_thread() ? "; images decoded on their own thread" : "") +
+         (engine_->decode_batch() > 1
+              ? "; up to " + std::to_string(engine_->decode_batch()) + " images a decoder call"
+              : "");
 }
 
 EngineStats Daemon::Stop(std::chrono::milliseconds grace) {

@@ -190,6 +190,7 @@ json StatsJson(const v1::GenerationStats& s) {
           {"queue_seconds", s.queue_seconds()},
           {"first_token_seconds", s.first_token_seconds()},
           {"generation_seconds", s.generation_seconds()},
+          {"decode_seconds", s.decode_seconds()},
           {"total_seconds", s.total_seconds()}};
 }
 

@@ -93,6 +93,11 @@ ABSL_FLAG(int32_t, decode_thread, -1,
           "decode finished images, and complete their requests, on a thread with its own CUDA "
           "stream so that decoding overlaps the next step: 1 on, 0 on the engine thread, -1 "
           "by device (on for CUDA, off on the CPU)");
+ABSL_FLAG(int64_t, decode_batch, -1,
+          "the most finished images decoded in one decoder call (those finished in one step, "
+          "and those queued for the decode thread): -1 by forward (16 with CUDA graphs, whose "
+          "pixels are within rounding of one-at-a-time decoding's; 1 with the batch-invariant "
+          "forward), 1 one at a time, at most 256");
 ABSL_FLAG(int64_t, cpu_threads, 0, "LibTorch intra-op threads of the engine (0: default)");
 ABSL_FLAG(double, preview_share, 0.05,
           "share of the engine's time that preview decoding may take (due previews wait their "
@@ -237,6 +242,7 @@ int main(int argc, char** argv) {
   eo.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs) ? -1 : 0;  // -1: on for CUDA devices
   eo.fused_verify = absl::GetFlag(FLAGS_fused_verify);
   eo.decode_thread = absl::GetFlag(FLAGS_decode_thread);
+  eo.decode_batch = absl::GetFlag(FLAGS_decode_batch);
   eo.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
   eo.preview_share = absl::GetFlag(FLAGS_preview_share);
   eo.log = [](const std::string& msg) { Log(msg); };

@@ -207,6 +207,12 @@ Metrics::Metrics()
                       .Name("imagegen_request_generation_seconds")
                       .Help("First engine step to the last token")
                       .Register(*registry_)),
+      decode_(BuildHistogram()
+                  .Name("imagegen_request_decode_seconds")
+                  .Help("Last token to the decoded image: the wait for the decoder (the decode "
+                        "thread's queue) and the VQ decode itself; images that are not decoded "
+                        "are not counted")
+                  .Register(*registry_)),
       step_duration_(BuildHistogram()
                          .Name("imagegen_step_duration_seconds")
                          .Help("One engine step: drafting, target forward, verification, events")
@@ -336,6 +342,7 @@ Metrics::PerMethod& Metrics::For(const std::string& model, const std::string& me
   p.latency = &latency_.Add(lb, kLatency);
   p.queue_time = &queue_time_.Add(lb, kQueue);
   p.generation = &generation_.Add(lb, kLatency);
+  p.decode = &decode_.Add(lb, kStep);
   p.window = &window_.Add(lb, kWindow);
   return per_method_.emplace(key, std::move(p)).first->second;
 }
@@ -431,6 +438,7 @@ void Metrics::OnImage(const std::string& model, const std::string& method, const
   p.latency->Observe(total_seconds);
   p.queue_time->Observe(s.queue_seconds);
   p.generation->Observe(s.generation_seconds);
+  if (!r.image.pixels.empty()) p.decode->Observe(s.decode_seconds);
   {
     std::lock_guard<std::mutex> l(totals_mu_);
     totals_[ml].images += 1;

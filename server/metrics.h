@@ -76,7 +76,7 @@ class Metrics : public EngineListener {
   struct PerMethod {
     prometheus::Counter *drafted, *accepted, *nfe, *draft_forwards, *images;
     prometheus::Histogram *accepted_length, *nfe_per_image, *compression, *first_token, *latency,
-        *queue_time, *generation, *window;
+        *queue_time, *generation, *decode, *window;
     std::map<std::string, prometheus::Counter*> drafted_at, accepted_at;
   };
   PerMethod& For(const std::string& model, const std::string& method);
@@ -104,6 +104,7 @@ class Metrics : public EngineListener {
   prometheus::Family<prometheus::Histogram>& latency_;
   prometheus::Family<prometheus::Histogram>& queue_time_;
   prometheus::Family<prometheus::Histogram>& generation_;
+  prometheus::Family<prometheus::Histogram>& decode_;
   prometheus::Family<prometheus::Histogram>& step_duration_;
   prometheus::Family<prometheus::Histogram>& step_tokens_;
   prometheus::Family<prometheus::Histogram>& step_requests_;

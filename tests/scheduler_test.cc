@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <future>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <thread>
 
 #include "engine/model/image_model.h"
@@ -864,6 +865,128 @@ TEST(DecodeQueueTest, AsyncRunsInOrderOnItsOwnThreadAndInlineRunsAtOnce) {
   EXPECT_EQ(q.completed(), 2);
 }
 
+// A finished request for the queue's batched path: its label is its seed.
+DecodeQueue::Finished FinishedFor(uint64_t label, std::shared_ptr<Recorder> r) {
+  DecodeQueue::Finished f;
+  f.observer = std::move(r);
+  f.result.seed = label;
+  f.finished = Clock::now();
+  return f;
+}
+
+// An image 1 x 1 whose pixel is the request's label, and the sizes of the calls.
+DecodeQueue::BatchDecode LabelDecode(std::vector<size_t>* calls, std::mutex* mu) {
+  return [calls, mu](const std::vector<const RequestResult*>& rs) {
+    std::lock_guard<std::mutex> l(*mu);
+    calls->push_back(rs.size());
+    std::vector<StatusOr<Image>> out;
+    for (const RequestResult* r : rs) {
+      if (r->seed == 99) {
+        out.emplace_back(Internal("no image for 99"));
+        continue;
+      }
+      Image img;
+      img.width = img.height = img.channels = 1;
+      img.pixels = std::string(1, static_cast<char>(r->seed));
+      out.emplace_back(std::move(img));
+    }
+    return out;
+  };
+}
+
+TEST(DecodeQueueTest, BatchesTheSameDecodersQueuedRequestsUpToItsLimit) {
+  DecodeQueue q(true, c10::Device(c10::kCPU), 0, /*max_batch=*/4);
+  std::promise<void> release;
+  std::shared_future<void> gate = release.get_future().share();
+  q.Run([&] {
+    gate.wait();  // holds the thread while the batches queue behind
+    return true;
+  });
+  std::mutex mu;
+  std::vector<size_t> calls;
+  int a = 0, b = 0;  // two decoders
+  std::vector<std::shared_ptr<Recorder>> rs;
+  auto submit = [&](const void* key, std::vector<uint64_t> labels) {
+    std::vector<DecodeQueue::Finished> done;
+    for (uint64_t l : labels) {
+      rs.push_back(std::make_shared<Recorder>());
+      done.push_back(FinishedFor(l, rs.back()));
+    }
+    q.CompleteBatch(key, std::move(done), LabelDecode(&calls, &mu));
+  };
+  submit(&a, {1});
+  submit(&a, {2, 3});
+  submit(&a, {4, 5});  // would make 5: the next call
+  submit(&b, {6});     // another decoder: a call of its own
+  submit(&a, {7, 99});
+  submit(&a, {8, 9, 10, 11, 12});  // more than the limit: split
+  EXPECT_EQ(q.pending(), 14);      // the held task and 13 requests
+  release.set_value();
+  q.Stop();
+  EXPECT_EQ(calls, (std::vector<size_t>{3, 2, 1, 2, 4, 1}));
+  EXPECT_EQ(q.batch_calls(), 6);
+  EXPECT_EQ(q.batch_images(), 13);
+  const std::vector<uint64_t> labels = {1, 2, 3, 4, 5, 6, 7, 99, 8, 9, 10, 11, 12};
+  for (size_t i = 0; i < rs.size(); ++i) {
+    EXPECT_EQ(rs[i]->terminal_calls, 1) << i;
+    if (labels[i] == 99) {
+      ASSERT_TRUE(rs[i]->error.has_value());
+      EXPECT_NE(rs[i]->error->message().find("no image for 99"), std::string::npos);
+      continue;
+    }
+    ASSERT_TRUE(rs[i]->result.has_value()) << i;
+    EXPECT_EQ(rs[i]->result->image.pixels, std::string(1, static_cast<char>(labels[i]))) << i;
+    EXPECT_GE(rs[i]->result->stats.decode_seconds, 0);
+  }
+  EXPECT_EQ(q.completed(), 1 + 12);  // the held task and 12 images
+  EXPECT_EQ(q.failed(), 1);
+}
+
+TEST(DecodeQueueTest, InlineBatchesRunAtOnceInCallsOfTheLimitAndAFailedCallFailsEach) {
+  DecodeQueue q(false, c10::Device(c10::kCPU), 0, /*max_batch=*/2);
+  std::mutex mu;
+  std::vector<size_t> calls;
+  std::vector<std::shared_ptr<Recorder>> rs;
+  std::vector<DecodeQueue::Finished> done;
+  for (uint64_t l = 1; l <= 5; ++l) {
+    rs.push_back(std::make_shared<Recorder>());
+    done.push_back(FinishedFor(l, rs.back()));
+  }
+  q.CompleteBatch(nullptr, std::move(done), LabelDecode(&calls, &mu));
+  EXPECT_EQ(calls, (std::vector<size_t>{2, 2, 1}));
+  for (size_t i = 0; i < rs.size(); ++i) {
+    ASSERT_TRUE(rs[i]->result.has_value()) << i;  // no waiting: inline
+    EXPECT_EQ(rs[i]->result->image.pixels, std::string(1, static_cast<char>(i + 1)));
+  }
+  // A decoder that throws, or returns the wrong number of images: every request of the call
+  // gets the error, none is lost.
+  const std::vector<DecodeQueue::BatchDecode> broken = {
+      [](const std::vector<const RequestResult*>&) -> std::vector<StatusOr<Image>> {
+        throw std::runtime_error("out of memory");
+      },
+      [](const std::vector<const RequestResult*>&) {
+        std::vector<StatusOr<Image>> one;
+        one.emplace_back(Image{});
+        return one;
+      }};
+  for (const auto& decode : broken) {
+    std::vector<std::shared_ptr<Recorder>> failing;
+    std::vector<DecodeQueue::Finished> two;
+    for (uint64_t l = 1; l <= 2; ++l) {
+      failing.push_back(std::make_shared<Recorder>());
+      two.push_back(FinishedFor(l, failing.back()));
+    }
+    q.CompleteBatch(nullptr, std::move(two), decode);
+    for (auto& r : failing) {
+      EXPECT_EQ(r->terminal_calls, 1);
+      ASSERT_TRUE(r->error.has_value());
+      EXPECT_EQ(r->error->code(), Code::kInternal) << r->error->ToString();
+    }
+  }
+  EXPECT_EQ(q.completed(), 5);
+  EXPECT_EQ(q.failed(), 4);
+}
+
 // Records which thread each callback came on; can hold OnComplete (a slow client) until released.
 class ThreadRecorder : public Recorder {
  public:
@@ -965,6 +1088,64 @@ TEST(EngineTest, DecodeThreadDrawsTheSameImagesAndCompletesOffTheEngineThread) {
     EXPECT_FALSE(results[1][i].image.empty());
     EXPECT_EQ(results[0][i].image.pixels, results[1][i].image.pixels) << i;
   }
+}
+
+// Batched decoding (decode_batch): requests that finish in the same step are decoded in one
+// call, and each gets its own image, equal within rounding to decoding it alone.
+TEST(EngineTest, BatchedDecodeGivesEachRequestItsOwnImageWithinRounding) {
+  auto vq = LoadImageModel(DefaultModelsDir(), "fmnist-gpt", {});
+  ASSERT_TRUE(vq.ok()) << vq.status().ToString();
+  for (const int mode : {0, 1}) {
+    EngineOptions o = DecodeOptions(mode);
+    o.decode_batch = 8;
+    auto engine = StartOrDie(o);
+    EXPECT_EQ(engine->decode_batch(), 8);
+    std::vector<std::shared_ptr<Recorder>> rs;
+    std::vector<GenerateParams> ps;
+    for (int i = 0; i < 12; ++i) ps.push_back(Params("ar", i % 10, 9400 + i));
+    std::vector<std::shared_ptr<RequestObserver>> obs;
+    for (size_t i = 0; i < ps.size(); ++i) {
+      rs.push_back(std::make_shared<Recorder>());
+      obs.push_back(rs.back());
+    }
+    ASSERT_TRUE(engine->SubmitGroup(ps, obs).ok());  // AR: they all finish in one step
+    std::set<std::string> distinct;
+    for (auto& r : rs) {
+      ASSERT_TRUE(r->Wait() && r->result.has_value())
+          << (r->error ? r->error->ToString() : std::string("no result"));
+      auto alone = TokensToImage(*vq->vq, r->result->tokens);
+      ASSERT_TRUE(alone.ok());
+      const std::string& px = r->result->image.pixels;
+      ASSERT_EQ(px.size(), alone->pixels.size());
+      int64_t differ = 0;
+      for (size_t k = 0; k < px.size(); ++k) {
+        const int d = std::abs(static_cast<int>(static_cast<uint8_t>(px[k])) -
+                               static_cast<int>(static_cast<uint8_t>(alone->pixels[k])));
+        EXPECT_LE(d, 2) << "pixel " << k;
+        differ += d > 0;
+      }
+      EXPECT_LE(differ, static_cast<int64_t>(px.size()) / 100);
+      distinct.insert(px);
+    }
+    EXPECT_EQ(distinct.size(), ps.size());
+    EngineStats st;
+    for (int i = 0; i < 3000; ++i) {  // counted when the decoding returns, after OnComplete
+      st = engine->Stats();
+      if (st.batch_decoded == static_cast<int64_t>(ps.size())) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    EXPECT_EQ(st.batch_decoded, static_cast<int64_t>(ps.size()));
+    EXPECT_EQ(st.decode_batches, 2) << "12 images that finish in one step: 8 and 4; mode " << mode
+                                    << ", " << st.batch_decoded << " images";
+  }
+  // The defaults: one at a time with the batch-invariant forward, 16 with graphs.
+  EXPECT_EQ(StartOrDie(DecodeOptions(0))->decode_batch(), 1);
+  EngineOptions graphs = DecodeOptions(0);
+  graphs.cuda_graphs = 1;
+  EXPECT_EQ(StartOrDie(graphs)->decode_batch(), 16);
+  EngineOptions bad = DecodeOptions(0);
+  bad.decode_batch = 0;
+  EXPECT_NE(Engine::Start(bad).status().message().find("decode_batch"), std::string::npos);
 }
 
 // A client slow to take its image (OnComplete held) stalls the step loop when images complete

@@ -7,7 +7,8 @@
 # (newer than bookworm's, compatible).
 #
 # --with-benches also packs the test and bench programs the GPU script runs (engine_tests,
-# parity_tests, kernels_tests, imagegen-step-cost, -spec-bench, -load-bench), stripped, so that
+# parity_tests, kernels_tests, imagegen-step-cost, -spec-bench, -load-bench, -window-churn,
+# -forward-latency), stripped, so that
 # a GPU session spends no device time building: run_all.sh --prebuilt DEST (docs/gpu.md).
 #
 #   bench/gpu/pack_server.sh [--with-benches] [BUILD_DIR [DEST]]
@@ -31,7 +32,8 @@ mkdir -p "$dest/bin" "$dest/lib"
 bins=("$build/server/imagegen-server" "$build/client/imagegen")
 if [[ $benches == 1 ]]; then
   for b in tests/engine_tests tests/parity_tests tests/kernels_tests bench/imagegen-step-cost \
-           bench/imagegen-spec-bench bench/imagegen-load-bench bench/imagegen-window-churn; do
+           bench/imagegen-spec-bench bench/imagegen-load-bench bench/imagegen-window-churn \
+           bench/imagegen-forward-latency; do
     if [[ -x $build/$b ]]; then
       bins+=("$build/$b")
     elif [[ $b != tests/kernels_tests ]]; then  # kernels_tests exists only where nvcc does

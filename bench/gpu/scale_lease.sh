@@ -11,8 +11,10 @@
 #           sjd-pac; whole windows and the goodput controller): the earlier runs stopped at 8
 #   decode  why requests fall out of steps at high load (2026-11-28: 6-18 requests a step at 16-64
 #           clients): ar and scd-mc at 32 clients with whole windows, the finished images
-#           decoded on the decode thread (the default), on the engine thread
-#           (--decode-thread 0), and not decoded at all (--decode-images 0)
+#           decoded on the decode thread up to 16 a call (the default with graphs), on it one
+#           at a time (--decode-batch 1), on the engine thread (--decode-thread 0), and not
+#           decoded at all (--decode-images 0); the dec ms column is last token to image;
+#           first the decoder alone at 1..32 images a call (imagegen-forward-latency --decoder)
 #   serve   the daemon with --cuda_graphs (run_all.sh --phase serve): a sneaker, imagegen load
 #           for ar and scd-mc at 16 clients, /metrics, SIGTERM drain
 #   gptb    a random GPT-B-shaped LlamaGen model served (tools/parity.py's gptb-random with its
@@ -41,10 +43,15 @@ step_high() {
 }
 step_decode() {
   local rc=0 name flags
-  for name in thread:--decode-thread=1 inline:--decode-thread=0 none:--decode-images=0; do
+  echo "-- the VQ decoder alone: images per call"
+  "$b/imagegen-forward-latency" --device "$dev" --dtype bf16 --decoder 1 \
+    --batches 1,2,4,8,16,32 --reps 20 2>&1 | tee "$out/decoder_batch.log" || rc=1
+  for name in thread:--decode-thread=1 thread1:--decode-thread=1,--decode-batch=1 \
+    inline:--decode-thread=0 none:--decode-images=0; do
     flags=${name#*:} name=${name%%:*}
     echo "-- finished images: $name ($flags)"
-    "$b/imagegen-load-bench" --device "$dev" --dtype bf16 --cuda-graphs 1 "$flags" \
+    # shellcheck disable=SC2086  # the flags are split at the commas
+    "$b/imagegen-load-bench" --device "$dev" --dtype bf16 --cuda-graphs 1 ${flags//,/ } \
       --methods ar,scd-mc --concurrency 32 --seconds 3 --seconds-per-client 0 --modes none \
       --mixed-concurrency '' --out-dir "$out/load-decode-$name" 2>&1 \
       | tee "$out/load_decode_$name.log" || rc=1

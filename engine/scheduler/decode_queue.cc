@@ -1,5 +1,7 @@
 #include "engine/scheduler/decode_queue.h"
 
+#include <algorithm>
+#include <iterator>
 #include <string>
 #include <utility>
 
@@ -9,8 +11,9 @@
 
 namespace imagegen {
 
-DecodeQueue::DecodeQueue(bool async, const c10::Device& device, int64_t cpu_threads)
-    : async_(async) {
+DecodeQueue::DecodeQueue(bool async, const c10::Device& device, int64_t cpu_threads,
+                         int64_t max_batch)
+    : async_(async), max_batch_(std::max<int64_t>(max_batch, 1)) {
   if (async_) thread_ = std::thread([this, device, cpu_threads] { Loop(device, cpu_threads); });
 }
 
@@ -22,7 +25,9 @@ void DecodeQueue::Run(Task task) {
   {
     std::lock_guard<std::mutex> l(mu_);
     if (async_ && !stopping_) {
-      tasks_.push_back(std::move(task));
+      Entry e;
+      e.task = std::move(task);
+      tasks_.push_back(std::move(e));
       cv_.notify_one();
       return;
     }
@@ -53,6 +58,84 @@ void DecodeQueue::Complete(std::shared_ptr<RequestObserver> observer, RequestRes
   });
 }
 
+void DecodeQueue::CompleteBatch(const void* key, std::vector<Finished> done, BatchDecode decode) {
+  if (key == nullptr) key = this;  // any non-null key: merged only with the same decoder's
+  // Calls of at most max_batch requests.
+  std::vector<std::vector<Finished>> parts;
+  for (size_t i = 0; i < done.size(); i += static_cast<size_t>(max_batch_)) {
+    const size_t end = std::min(done.size(), i + static_cast<size_t>(max_batch_));
+    parts.emplace_back(std::make_move_iterator(done.begin() + static_cast<long>(i)),
+                       std::make_move_iterator(done.begin() + static_cast<long>(end)));
+  }
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (async_ && !stopping_) {
+      for (std::vector<Finished>& part : parts) {
+        Entry e;
+        e.key = key;
+        e.done = std::move(part);
+        e.decode = decode;
+        tasks_.push_back(std::move(e));
+      }
+      cv_.notify_one();
+      return;
+    }
+  }
+  for (std::vector<Finished>& part : parts) RunBatch(part, decode);
+}
+
+// One decoder call for all of `done`, then each request's OnComplete or OnError.
+void DecodeQueue::RunBatch(std::vector<Finished>& done, const BatchDecode& decode) {
+  batch_calls_.fetch_add(1);
+  batch_images_.fetch_add(static_cast<int64_t>(done.size()));
+  std::vector<const RequestResult*> results;
+  for (const Finished& f : done) results.push_back(&f.result);
+  std::vector<StatusOr<Image>> images;
+  Status failed;
+  try {
+    images = decode(results);
+  } catch (const std::exception& e) {
+    failed = Internal(std::string("image decoding failed: ") + e.what());
+  }
+  if (failed.ok() && images.size() != done.size()) {
+    failed = Internal("image decoding made " + std::to_string(images.size()) + " images for " +
+                      std::to_string(done.size()) + " requests");
+  }
+  for (size_t i = 0; i < done.size(); ++i) {
+    Finished& f = done[i];
+    StatusOr<Image> image = failed.ok() ? std::move(images[i]) : StatusOr<Image>(failed);
+    bool ok = false;
+    try {
+      if (!image.ok()) {
+        f.observer->OnError(image.status());
+      } else {
+        f.result.image = std::move(image).value();
+        f.result.stats.decode_seconds =
+            std::chrono::duration<double>(Clock::now() - f.finished).count();
+        f.observer->OnComplete(std::move(f.result));
+        ok = true;
+      }
+    } catch (...) {
+      ok = false;  // an observer's own error: the others still complete
+    }
+    Count(ok);
+  }
+}
+
+void DecodeQueue::RunEntry(Entry& e) {
+  if (e.key != nullptr) {
+    RunBatch(e.done, e.decode);
+    return;
+  }
+  bool ok = false;
+  try {
+    ok = e.task();
+  } catch (...) {
+    ok = false;  // a task reports its own errors; this one escaped (a bug): counted as failed
+  }
+  Count(ok);
+}
+
 void DecodeQueue::Stop() {
   {
     std::lock_guard<std::mutex> l(mu_);
@@ -64,7 +147,9 @@ void DecodeQueue::Stop() {
 
 int64_t DecodeQueue::pending() const {
   std::lock_guard<std::mutex> l(mu_);
-  return static_cast<int64_t>(tasks_.size()) + running_;
+  int64_t n = running_;
+  for (const Entry& e : tasks_) n += e.Size();
+  return n;
 }
 
 void DecodeQueue::Loop(c10::Device device, int64_t cpu_threads) {
@@ -74,19 +159,20 @@ void DecodeQueue::Loop(c10::Device device, int64_t cpu_threads) {
   while (true) {
     cv_.wait(l, [&] { return stopping_ || !tasks_.empty(); });
     if (tasks_.empty()) return;  // stopping, and nothing left
-    Task task = std::move(tasks_.front());
+    Entry e = std::move(tasks_.front());
     tasks_.pop_front();
-    running_ += 1;
-    l.unlock();
-    bool ok = false;
-    try {
-      ok = task();
-    } catch (...) {
-      ok = false;  // a task reports its own errors; this one escaped (a bug): counted as failed
+    // The same decoder's finished requests queued right behind: one call for all of them.
+    while (e.key != nullptr && !tasks_.empty() && tasks_.front().key == e.key &&
+           e.Size() + tasks_.front().Size() <= max_batch_) {
+      for (Finished& f : tasks_.front().done) e.done.push_back(std::move(f));
+      tasks_.pop_front();
     }
-    Count(ok);
+    const int64_t n = e.Size();
+    running_ += n;
+    l.unlock();
+    RunEntry(e);
     l.lock();
-    running_ -= 1;
+    running_ -= n;
   }
 }
 

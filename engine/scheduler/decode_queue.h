@@ -7,6 +7,13 @@
 //
 // Tasks run one at a time, in the order given. Thread-safe; a task must not touch the
 // scheduler's state (it gets host data and the model, which outlives the queue).
+//
+// Batched decoding (CompleteBatch, EngineOptions::decode_batch): finished requests of one
+// decoder that wait in the queue one behind the other are decoded in one decoder call of up
+// to `max_batch` images, so that a decode thread that fell behind under load catches up in
+// few calls instead of one call per image. A batch's pixels equal one-at-a-time decoding's
+// only within rounding (a convolution's arithmetic depends on the batch), so the engine
+// batches only where its forward is not batch-invariant either (CUDA graphs).
 #pragma once
 
 #include <c10/core/Device.h>
@@ -18,6 +25,7 @@
 #include <functional>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include "engine/scheduler/request.h"
 
@@ -30,8 +38,10 @@ class DecodeQueue {
   using Task = std::function<bool()>;
 
   // `cpu_threads` > 0: the decode thread's LibTorch intra-op threads (as the engine thread's,
-  // EngineOptions::cpu_threads).
-  DecodeQueue(bool async, const c10::Device& device, int64_t cpu_threads = 0);
+  // EngineOptions::cpu_threads). `max_batch` >= 1: the most images one CompleteBatch decoder
+  // call makes.
+  DecodeQueue(bool async, const c10::Device& device, int64_t cpu_threads = 0,
+              int64_t max_batch = 1);
   ~DecodeQueue();  // Stop()
   DecodeQueue(const DecodeQueue&) = delete;
   DecodeQueue& operator=(const DecodeQueue&) = delete;
@@ -44,27 +54,57 @@ class DecodeQueue {
   using ImageDecode = std::function<StatusOr<Image>(const RequestResult&)>;
   void Complete(std::shared_ptr<RequestObserver> observer, RequestResult result,
                 Clock::time_point finished, ImageDecode decode);
+  // A finished request waiting for its image.
+  struct Finished {
+    std::shared_ptr<RequestObserver> observer;
+    RequestResult result;
+    Clock::time_point finished;  // its last token (decode_seconds counts from here)
+  };
+  // Makes the images of several finished requests in one decoder call: one per request, in
+  // their order.
+  using BatchDecode =
+      std::function<std::vector<StatusOr<Image>>(const std::vector<const RequestResult*>&)>;
+  // Completes each of `done` as Complete does, its image made by `decode`. Requests with the
+  // same non-null `key` (their decoder) that are queued one behind the other are decoded in
+  // one call of up to max_batch (inline: at once, in calls of up to max_batch). A failed call
+  // fails each of its requests with the error.
+  void CompleteBatch(const void* key, std::vector<Finished> done, BatchDecode decode);
   // Runs every queued task, then ends the decode thread. Idempotent.
   void Stop();
 
   bool async() const { return async_; }
-  int64_t pending() const;  // queued or running, not yet returned
+  int64_t max_batch() const { return max_batch_; }
+  int64_t pending() const;  // tasks and batched requests queued or running, not yet returned
   // Tasks that returned true / false so far (counted when the task returns, after the
-  // observer's OnComplete or OnError).
+  // observer's OnComplete or OnError); a batched request counts as one task.
   int64_t completed() const { return completed_.load(); }
   int64_t failed() const { return failed_.load(); }
+  // CompleteBatch's decoder calls so far, and the requests they were for.
+  int64_t batch_calls() const { return batch_calls_.load(); }
+  int64_t batch_images() const { return batch_images_.load(); }
 
  private:
+  // A queued task, or finished requests to decode together (key non-null).
+  struct Entry {
+    Task task;
+    const void* key = nullptr;
+    std::vector<Finished> done;
+    BatchDecode decode;
+    int64_t Size() const { return key != nullptr ? static_cast<int64_t>(done.size()) : 1; }
+  };
   void Count(bool ok);
+  void RunEntry(Entry& e);
+  void RunBatch(std::vector<Finished>& done, const BatchDecode& decode);
   void Loop(c10::Device device, int64_t cpu_threads);
 
   const bool async_;
+  const int64_t max_batch_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<Task> tasks_;
+  std::deque<Entry> tasks_;
   int64_t running_ = 0;
   bool stopping_ = false;
-  std::atomic<int64_t> completed_{0}, failed_{0};
+  std::atomic<int64_t> completed_{0}, failed_{0}, batch_calls_{0}, batch_images_{0};
   std::thread thread_;
 };
 

@@ -130,6 +130,9 @@ StatusOr<std::unique_ptr<Engine>> Engine::Start(const EngineOptions& options,
   if (o.decode_thread < -1 || o.decode_thread > 1) {
     return InvalidArgument("decode_thread: must be -1 (by device), 0 or 1");
   }
+  if (o.decode_batch != -1 && (o.decode_batch < 1 || o.decode_batch > 256)) {
+    return InvalidArgument("decode_batch: must be -1 (by forward) or in [1, 256]");
+  }
   if (o.cuda_graphs < -1 || o.cuda_graphs > 1) {
     return InvalidArgument("cuda_graphs: must be -1 (by device), 0 or 1");
   }
@@ -168,7 +171,10 @@ Status Engine::Impl::Load() {
   if (opts.cuda_graphs < 0) opts.cuda_graphs = lo.device.is_cuda() ? 1 : 0;
   const EngineOptions& o = opts;
   const bool decode_thread = o.decode_thread < 0 ? lo.device.is_cuda() : o.decode_thread > 0;
-  decoder = std::make_unique<DecodeQueue>(decode_thread, lo.device, o.cpu_threads);
+  if (opts.decode_batch < 0) {
+    opts.decode_batch = opts.cuda_graphs > 0 || !opts.batch_invariant ? 16 : 1;
+  }
+  decoder = std::make_unique<DecodeQueue>(decode_thread, lo.device, o.cpu_threads, o.decode_batch);
   for (const std::string& name : o.models) {
     for (const auto& m : models) {
       if (m.name == name) return InvalidArgument("models: '" + name + "' is listed twice");
@@ -468,6 +474,7 @@ void Engine::Cancel(int64_t id) {
 }
 
 bool Engine::decode_thread() const { return impl_->decoder && impl_->decoder->async(); }
+int64_t Engine::decode_batch() const { return impl_->decoder ? impl_->decoder->max_batch() : 1; }
 
 EngineStats Engine::Stats() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
@@ -475,6 +482,8 @@ EngineStats Engine::Stats() const {
   if (impl_->decoder) {  // finished requests count when their decoding returns
     s.completed += impl_->decoder->completed();
     s.failed += impl_->decoder->failed();
+    s.decode_batches = impl_->decoder->batch_calls();
+    s.batch_decoded = impl_->decoder->batch_images();
   }
   for (size_t i = 0; i < s.models.size(); ++i) s.models[i].queued = impl_->Queued(i);
   return s;

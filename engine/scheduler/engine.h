@@ -122,6 +122,12 @@ struct EngineOptions {
   // inside the step; -1 (default) by device: 1 on CUDA, 0 on the CPU, where both threads'
   // parallel LibTorch ops would share the same cores (see cpu_threads).
   int decode_thread = -1;
+  // The most finished images decoded in one decoder call (DecodeQueue::CompleteBatch): the
+  // images that finish in one step, and on the decode thread those queued one behind the
+  // other. A batch's pixels equal one-at-a-time decoding's within rounding, not bit for bit,
+  // so -1 (default) is 16 where the forward is not batch-invariant either (CUDA graphs,
+  // batch_invariant off) and 1 otherwise; 1 decodes one image a call; at most 256.
+  int64_t decode_batch = -1;
   // Where the engine's notices go (a step-cost calibration that is not reused or not cached),
   // one line each, without a trailing newline; unset: stderr, prefixed "imagegen: ". The
   // daemon routes them through its --log-format.
@@ -167,6 +173,9 @@ struct EngineStats {
   int64_t submitted = 0, completed = 0, cancelled = 0, expired = 0, failed = 0, rejected = 0;
   int64_t shed = 0;       // queued, then gave up their place in a full queue to a later arrival
   int64_t preempted = 0;  // times a running request gave up its slots to a more urgent one
+  // Batched decoding (EngineOptions::decode_batch > 1): decoder calls, and the finished images
+  // they made (their ratio is the mean batch).
+  int64_t decode_batches = 0, batch_decoded = 0;
   bool draining = false;
 };
 
@@ -207,6 +216,7 @@ class Engine {
   const std::vector<ModelInfo>& Models() const;
   int64_t max_tokens_per_step() const;  // the budget in force (after -1 is resolved)
   bool decode_thread() const;           // EngineOptions::decode_thread, -1 resolved
+  int64_t decode_batch() const;         // EngineOptions::decode_batch, -1 resolved
 
   // Refuses new requests, lets queued and running ones finish for up to `grace`, then ends
   // what is left with UNAVAILABLE and stops the engine thread. Idempotent; returns when the

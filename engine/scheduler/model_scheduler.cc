@@ -542,11 +542,30 @@ void ModelScheduler::Step(Outcomes& out) {
     j->predicted_sum += sample.predicted_seconds;
     j->measured_sum += sample.step_seconds;
   }
+  std::vector<DecodeQueue::Finished> finished;
   std::erase_if(active_, [&](std::unique_ptr<Job>& j) {
     if (!batch_.done(j->handle)) return false;
-    Finish(*j);
+    Finish(*j, decoder_.max_batch() > 1 ? &finished : nullptr);
     return true;
   });
+  if (!finished.empty()) {
+    decoder_.CompleteBatch(
+        model_.vq.get(), std::move(finished),
+        [vq = model_.vq.get()](const std::vector<const RequestResult*>& results) {
+          std::vector<std::vector<int32_t>> grids;
+          for (const RequestResult* r : results) grids.push_back(r->tokens);
+          std::vector<StatusOr<Image>> images;
+          StatusOr<at::Tensor> pixels = TokensToPixels(*vq, grids);
+          for (size_t b = 0; b < results.size(); ++b) {
+            if (!pixels.ok()) {
+              images.emplace_back(pixels.status());
+            } else {
+              images.emplace_back(PixelsToImage((*pixels)[static_cast<int64_t>(b)]));
+            }
+          }
+          return images;
+        });
+  }
   sample.seconds = Seconds(t0, Clock::now());
   if (listener_ != nullptr) listener_->OnStep(sample);
 }
@@ -614,8 +633,8 @@ std::vector<size_t> ModelScheduler::PreviewsThisStep(std::vector<size_t> due, do
 }
 
 // The result, then the image: decoded by the decode queue (on its thread, or now), which then
-// completes the request.
-void ModelScheduler::Finish(Job& j) {
+// completes the request. Images that finish in one step go to it together (decode_batch).
+void ModelScheduler::Finish(Job& j, std::vector<DecodeQueue::Finished>* batch) {
   SpecResult r = batch_.Take(j.handle);
   j.handle = -1;
   const auto t_end = Clock::now();
@@ -635,6 +654,10 @@ void ModelScheduler::Finish(Job& j) {
   st.expected_tokens = j.expected_sum;
   st.predicted_step_seconds = j.predicted_sum;
   st.measured_step_seconds = j.measured_sum;
+  if (batch != nullptr && j.params.decode_image) {
+    batch->push_back({j.observer, std::move(res), t_end});
+    return;
+  }
   DecodeQueue::ImageDecode decode;
   if (j.params.decode_image) {
     decode = [vq = model_.vq.get()](const RequestResult& r) {

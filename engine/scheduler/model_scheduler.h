@@ -68,7 +68,9 @@ class ModelScheduler : public FamilyScheduler {
   // Of the requests whose preview is due, those the preview budget allows this step.
   std::vector<size_t> PreviewsThisStep(std::vector<size_t> due, double step_seconds);
   void AddPreviews(const std::vector<size_t>& due, std::vector<StepEvent>& events);
-  void Finish(Job& job);
+  // Completes a finished job through the decode queue; with `batch` (decode_batch > 1), a job
+  // that wants its image is added to it, for one decoder call with the step's others.
+  void Finish(Job& job, std::vector<DecodeQueue::Finished>* batch);
   void End(Job& job, const Status& status);
 
   const ImageModel& model_;

@@ -1100,6 +1100,9 @@ TEST(E2eTest, PrometheusScrapesAcceptanceRateAndNfe) {
     grpc::ClientContext ctx;
     v1::GenerateResponse resp;
     ASSERT_TRUE(stub->Generate(&ctx, Request("bag", seed, method), &resp).ok());
+    // Last token to pixels, within the response's time.
+    EXPECT_GT(resp.stats().decode_seconds(), 0);
+    EXPECT_LT(resp.stats().decode_seconds(), resp.stats().total_seconds());
   }
   // promtool lints the exposition: nothing to report.
   const std::string dir = d.dir();
@@ -1116,6 +1119,8 @@ TEST(E2eTest, PrometheusScrapesAcceptanceRateAndNfe) {
                              "imagegen_step_predicted_seconds_total{model=\"fmnist-gpt\"}",
                              "imagegen_controller_expected_tokens_total{model=\"fmnist-gpt\"}",
                              "imagegen_controller_committed_tokens_total{model=\"fmnist-gpt\"}",
+                             "imagegen_request_decode_seconds_count{method=\"scd-mc\",model="
+                             "\"fmnist-gpt\"} 3",
                              "imagegen_request_window_tokens_bucket{method=\"scd-mc\",model="
                              "\"fmnist-gpt\",le=\"32\"}"}) {
     EXPECT_NE(text.find(series), std::string::npos) << series;
