@@ -123,9 +123,11 @@ phase_tests() {
   # The static-shape forward and its CUDA graphs (StaticForwardTest: replays equal the eager
   # static forward; SpecStaticShapesTest and EngineTest.CudaGraphs*: the same images as the
   # ragged forward) in every scale; and the decode thread on its own stream (the same images
-  # as decoding on the engine thread, completions delivered at shutdown).
+  # as decoding on the engine thread, completions delivered at shutdown), and batched decoding
+  # (each image within rounding of decoding it alone).
   local graphs='StaticForward*:SpecStaticShapes*:EngineTest.CudaGraphs*'
   graphs+=':DecodeQueueTest.*:EngineTest.Decode*:EngineTest.ShutdownDelivers*'
+  graphs+=':EngineTest.BatchedDecode*'
   # The fused kernels through the engine: the chain verification and the final distributions
   # (exact distributions through them, their launches, their host paths).
   local fused='ChainVerify*:GuidedProbs*:SpecFusedProbs*:LaunchesTest.Fused*'
