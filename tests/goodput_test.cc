@@ -60,6 +60,32 @@ TEST(StepCostTest, OnlineStepsMoveTheModelOffAStaleCalibration) {
   EXPECT_EQ(m.observed(), 600);
 }
 
+// A step now and then that stalls (a CUDA graph captured for a new bucket, the allocator
+// growing) must not teach the model that the shapes it fell on are slow.
+TEST(StepCostTest, OneOffStallsDoNotRaiseTheModelAndAStallFreeDeviceIsLearned) {
+  auto gpu = [](int64_t T, int64_t) { return 1e-3 * std::max<double>(1.0, T / 2048.0); };
+  auto run = [&](double max_ratio) {
+    StepCostModel m;
+    m.max_ratio = max_ratio;
+    EXPECT_TRUE(m.Calibrate(Calibration(gpu)).ok());
+    for (int i = 0; i < 2000; ++i) {
+      const int64_t T = 256 + (i * 97) % 1024;              // the large windows of a few requests
+      m.Observe(T, 8, (i % 25 == 0 ? 30 : 1) * gpu(T, 8));  // 4% of the steps stall, 30x
+    }
+    return m.Predict(1024, 8) / gpu(1024, 8);
+  };
+  EXPECT_LT(run(2), 1.10);
+  EXPECT_GT(run(0), 1.8) << "without the bound the stalls would have counted";  // power
+  // The same bound still follows a device that became 3x slower (another tenant).
+  StepCostModel m;
+  ASSERT_TRUE(m.Calibrate(Calibration(gpu)).ok());
+  for (int i = 0; i < 600; ++i) {
+    const int64_t T = 16 + (i * 37) % 600;
+    m.Observe(T, 8, 3 * gpu(T, 8));
+  }
+  EXPECT_NEAR(m.Predict(300, 8) / (3 * gpu(300, 8)), 1.0, 0.1);
+}
+
 TEST(StepCostTest, CacheFileRoundTripsAndRefusesOtherKeysAndGarbage) {
   StepCostModel a;
   ASSERT_TRUE(a.Calibrate(Calibration([](int64_t T, int64_t) { return 1e-3 + 1e-5 * T; })).ok());

@@ -112,8 +112,12 @@ Status StepCostModel::Calibrate(const std::vector<StepCostSample>& samples) {
 }
 
 void StepCostModel::Observe(int64_t tokens, int64_t requests, double seconds) {
-  const StepCostSample s{tokens, requests, seconds};
+  StepCostSample s{tokens, requests, seconds};
   if (fixed_ || !Valid(s)) return;
+  if (max_ratio >= 1 && !prior_.empty()) {
+    const double p = Predict(tokens, requests);
+    s.seconds = std::clamp(s.seconds, p / max_ratio, p * max_ratio);
+  }
   for (double& v : online_a_) v *= decay;
   for (double& v : online_b_) v *= decay;
   Accumulate(online_a_, online_b_, s, 1);

@@ -7,7 +7,8 @@
 // start-up calibration (a few real steps at chosen T and R; ModelScheduler runs it, and caches
 // its samples per device, model and dtype) and then refined online from every step's measured
 // time: the calibration's samples stay as a fixed prior, the online ones decay (each new one
-// multiplies the weight of the older ones by `decay`), and the fit is redone every few steps.
+// multiplies the weight of the older ones by `decay`) and are bounded to a factor of the
+// prediction (`max_ratio`: one-off stalls), and the fit is redone every few steps.
 // A small penalty on each knot's distance from the straight line through its neighbours keeps
 // knots without samples on the line the others draw. f is made non-decreasing and c >= 0.
 #pragma once
@@ -59,7 +60,14 @@ class StepCostModel {
   // model: recalibrate), DATA_LOSS naming `where` when the text is not such a file.
   Status Deserialize(const std::string& text, const std::string& key, const std::string& where);
 
-  double decay = 0.995;      // weight of the older online samples at each new one
+  double decay = 0.995;  // weight of the older online samples at each new one
+  // An online sample counts as at most this factor above or below the current prediction
+  // (0: as measured). A one-off stall (a CUDA graph's capture, the allocator growing its pool,
+  // the host thread preempted) costs tens of steps; counted as measured, a handful of them
+  // would raise the knots where they fell for hundreds of steps, and the controller would
+  // then stop planning the steps that could correct it. A real change of the device's speed
+  // is still learned: by this factor per refit at most.
+  double max_ratio = 2;
   int64_t refit_every = 16;  // online samples between fits
   // The most concurrent requests the calibration set out to measure (it may have stopped
   // short on a slow device); kept in the serialized file. 0: the most it measured.
