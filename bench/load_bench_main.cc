@@ -22,6 +22,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <thread>
 
@@ -82,7 +83,22 @@ struct StepTotals : EngineListener {
     plan_seconds += s.plan_seconds;
     captures += s.graph_captures;
     if (Clock::now() < stop) committed_before_stop += s.committed;
+    if (trace) {
+      // One row per request that decoded (--trace-dir): the step's figures, then the request's.
+      const double t = std::chrono::duration<double>(Clock::now() - trace_t0).count();
+      for (const StepSample::RequestTrace& r : s.trace) {
+        *trace << steps << "," << t << "," << s.requests << "," << s.tokens << ","
+               << 1000 * s.predicted_seconds << "," << 1000 * s.step_seconds << ","
+               << 1000 * s.wanted_predicted_seconds << "," << s.expected_committed << ","
+               << s.graph_captures << "," << (s.explore ? 1 : 0) << "," << r.id << "," << r.method
+               << "," << r.wanted << "," << r.window << "," << r.rows << "," << r.expected << ","
+               << r.expected_wanted << "," << r.factor << "," << r.committed << "\n";
+      }
+    }
   }
+  // --trace-dir: the file, and the cell's start.
+  std::unique_ptr<std::ofstream> trace;
+  Clock::time_point trace_t0 = Clock::now();
   Clock::time_point stop = Clock::time_point::max();  // set before the clients start
   std::mutex mu;
   int64_t steps = 0, tokens = 0, requests = 0, limited = 0, planned_committed = 0;
@@ -147,15 +163,28 @@ struct Cell {
 
 // `decode_images` false: the requests ask for tokens alone, no decoded image (to see what
 // decoding the finished images costs a load).
+// `trace_dir` non-empty: a CSV of the controller's per-request view of every step
+// (EngineOptions::trace_steps) there, one file per cell.
 Cell RunCell(const EngineOptions& base, const std::vector<DecodingPolicy>& policies,
              const std::string& label, const Mode& mode, int64_t c, double seconds, uint64_t seed0,
-             bool decode_images) {
+             bool decode_images, const std::string& trace_dir = "") {
   EngineOptions o = base;
   o.window_policy = mode.policy;
   o.max_tokens_per_step = mode.budget;
   o.max_queue = std::max<int64_t>(c, 1);
   o.max_slots = mode.serial ? 2 : std::max<int64_t>(2 * c, 2);
   StepTotals totals;
+  if (!trace_dir.empty()) {
+    static int cells = 0;
+    std::string name =
+        label + "_" + mode.name + "_c" + std::to_string(c) + "_" + std::to_string(++cells) + ".csv";
+    std::replace(name.begin(), name.end(), ':', '-');
+    totals.trace = std::make_unique<std::ofstream>(trace_dir + "/trace_" + name);
+    *totals.trace << "step,t_s,requests,tokens,predicted_ms,measured_ms,wanted_predicted_ms,"
+                     "plan_expected,captures,explore,id,method,wanted,window,rows,expected,"
+                     "expected_wanted,factor,committed\n";
+    o.trace_steps = true;
+  }
   auto started = Engine::Start(o, &totals);
   if (!started.ok()) {
     std::fprintf(stderr, "error: %s\n", started.status().ToString().c_str());
@@ -398,6 +427,8 @@ int main(int argc, char** argv) {
            {"decode-thread", "-1"},
            {"decode-images", "1"},
            {"decode-batch", "-1"},
+           {"trace-dir", ""},
+           {"commit-warmup-steps", "0"},
            {"repeat", "1"},
            {"out-dir", "load-bench"}},
           "usage: imagegen-load-bench [--methods LIST (preset or preset@window)] "
@@ -418,7 +449,8 @@ int main(int argc, char** argv) {
   base.decode_batch = f.Int("decode-batch");                      // EngineOptions::decode_batch
   base.kv_cache_bytes = int64_t{8} << 30;
   base.max_slowdown = f.Num("max-slowdown");
-  base.window_stickiness = f.Num("window-stickiness");  // EngineOptions::window_stickiness
+  base.window_stickiness = f.Num("window-stickiness");      // EngineOptions::window_stickiness
+  base.commit_warmup_steps = f.Int("commit-warmup-steps");  // EngineOptions: 0 counts every step
   // --fixed-step-cost BASE,PER_TOKEN,PER_REQUEST (seconds): the goodput controller plans with
   // this step cost instead of a calibration (EngineOptions::fixed_step_cost), e.g. a GPU's on
   // the CPU, to see the windows it would choose there.
@@ -450,6 +482,13 @@ int main(int argc, char** argv) {
   // then reuses (with 2 clients, the calibration measured one request at a time only, and the
   // cost of many requests was left to extrapolation and online refinement).
   const bool decode_images = f.Int("decode-images") != 0;
+  // --trace-dir DIR: every cell's steps as the controller saw them (EngineOptions::trace_steps),
+  // DIR/trace_<method>_<mode>_c<clients>_<n>.csv, one row per request and step.
+  const std::string trace_dir = f.Str("trace-dir");
+  if (std::error_code ec;
+      !trace_dir.empty() && !std::filesystem::create_directories(trace_dir, ec) && ec) {
+    f.Fail("cannot create --trace-dir " + trace_dir + ": " + ec.message());
+  }
   RunCell(base, {PolicyOrDie("scd-mc")}, "warm-up", ParseMode(f, "modes", "goodput"), 32, 2,
           1u << 30, decode_images);
 
@@ -462,7 +501,7 @@ int main(int argc, char** argv) {
       for (size_t k = 0; k < ms.size(); ++k) {
         const size_t i = r % 2 == 0 ? k : ms.size() - 1 - k;
         runs[i].push_back(RunCell(base, policies, label, ms[i], c, cell_seconds(c), seed += 100000,
-                                  decode_images));
+                                  decode_images, trace_dir));
       }
     }
     std::vector<Cell> cells;

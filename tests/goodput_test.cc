@@ -140,6 +140,18 @@ TEST(GoodputTest, CommitsPerWindowStartAtThePriorAndLearnPerMethodAndRequest) {
   r.extra = 196;
   r.expected_extra = 96;
   EXPECT_DOUBLE_EQ(r.Factor(), 2);
+  // With a warm-up, a request's first steps do not count: a Jacobi request's drafts start
+  // random, so they commit about one token whatever the window. Counted, eight such steps
+  // against an expectation of 3.5 put it at the factor's floor.
+  RequestCommits young, counted;
+  for (int64_t s = 0; s < 8; ++s) {
+    young.Observe(s, 1, 3.5, /*warmup=*/8);
+    counted.Observe(s, 1, 3.5);
+  }
+  EXPECT_DOUBLE_EQ(young.Factor(), 1);
+  EXPECT_DOUBLE_EQ(counted.Factor(), 0.25);
+  young.Observe(8, 6, 3.5, 8);  // then it does
+  EXPECT_DOUBLE_EQ(young.Factor(), (5.0 + 4) / (2.5 + 4));
   const auto e = ExpectedCommits(m, Preset("scd-mc", 8), 8, 2.0);
   ASSERT_EQ(e.size(), 8u);
   EXPECT_DOUBLE_EQ(e[0], 1);

@@ -613,6 +613,7 @@ TEST(EngineTest, GoodputShrinksWindowsUnderLoadAndKeepsALoneRequestWhole) {
   // A step whose tokens cost (10 ms + 20 us per row + 0.1 ms per request): 16 whole windows
   // of 32 would take 32 ms for about 58 tokens, windows of 12-16 take 19-22 ms for 40-46.
   o.fixed_step_cost = {10e-3, 2e-5, 1e-4};
+  o.trace_steps = true;  // and the controller's view of each request, checked below
   StepLog log;
   auto engine = StartOrDie(o, &log);
   std::vector<std::shared_ptr<Recorder>> rec;
@@ -636,15 +637,42 @@ TEST(EngineTest, GoodputShrinksWindowsUnderLoadAndKeepsALoneRequestWhole) {
   WaitIdle(*engine);
   {
     std::lock_guard<std::mutex> l(log.mu);
-    int64_t limited = 0;
+    int64_t limited = 0, explored = 0, cut = 0;
     for (const StepSample& s : log.samples) {
       limited += s.budget_limited ? 1 : 0;
       if (s.requests > 1) {
         EXPECT_GT(s.expected_committed, 0.0);
       }
       EXPECT_GT(s.predicted_seconds, 0.0);
+      // The trace: every request of the step, with what it was granted and committed.
+      ASSERT_EQ(static_cast<int64_t>(s.trace.size()), s.requests);
+      int64_t tokens = 0, committed = 0;
+      double expected = 0;
+      for (const StepSample::RequestTrace& t : s.trace) {
+        EXPECT_EQ(t.method, "scd-mc");
+        EXPECT_GE(t.window, 1);
+        EXPECT_LE(t.window, t.wanted);
+        EXPECT_GE(t.committed, 1);
+        EXPECT_LE(t.committed, t.window);
+        EXPECT_GE(t.factor, 0.25);
+        EXPECT_LE(t.factor, 4.0);
+        EXPECT_GE(t.expected, 1.0);
+        tokens += t.window * t.rows;
+        committed += t.committed;
+        expected += t.expected;
+        cut += t.window < t.wanted ? 1 : 0;
+      }
+      EXPECT_EQ(tokens, s.tokens);
+      EXPECT_EQ(committed, s.committed);
+      if (s.requests > 1) {
+        EXPECT_NEAR(expected, s.expected_committed, 1e-6 * expected);
+      }
+      EXPECT_GE(s.wanted_predicted_seconds, s.predicted_seconds * (1 - 1e-9));
+      explored += s.explore ? 1 : 0;
     }
     EXPECT_GT(limited, 0);
+    EXPECT_GT(cut, 0);
+    EXPECT_GT(explored, 0);  // one planned step in 16
   }
   auto alone = [&](Engine& e) {
     auto r = std::make_shared<Recorder>();

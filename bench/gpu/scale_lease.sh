@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A short device-tool call after bench/gpu/graphs_lease.sh on the still-warm machine (about 6
+# A short device-tool call after bench/gpu/graphs_lease.sh on the still-warm machine (about 8
 # minutes): CUDA graphs at the loads and model size the earlier calls left out, and the
 # daemon with graphs.
 #
@@ -15,6 +15,10 @@
 #           at a time (--decode-batch 1), on the engine thread (--decode-thread 0), and not
 #           decoded at all (--decode-images 0); the dec ms column is last token to image;
 #           first the decoder alone at 1..32 images a call (imagegen-forward-latency --decoder)
+#   trace   the goodput controller's view of every step (--trace-dir: each request's age,
+#           window, expectation, commit factor and commits) for sjd-pac and scd-mc at 4 and 16
+#           clients, where it lost to whole windows on 2026-11-28, with every step counted in
+#           the commit factor and with the first 8 left out (--commit-warmup-steps 8)
 #   serve   the daemon with --cuda_graphs (run_all.sh --phase serve): a sneaker, imagegen load
 #           for ar and scd-mc at 16 clients, /metrics, SIGTERM drain
 #   gptb    a random GPT-B-shaped LlamaGen model served (tools/parity.py's gptb-random with its
@@ -58,6 +62,18 @@ step_decode() {
   done
   return $rc
 }
+step_trace() {
+  local rc=0 w
+  for w in 0 8; do
+    echo "-- --commit-warmup-steps $w"
+    "$b/imagegen-load-bench" --device "$dev" --dtype bf16 --cuda-graphs 1 \
+      --methods sjd-pac,scd-mc --concurrency 4,16 --seconds 3 --seconds-per-client 0 \
+      --modes goodput --commit-warmup-steps "$w" --mixed-concurrency '' \
+      --trace-dir "$out/trace-w$w" --out-dir "$out/load-trace-w$w" 2>&1 \
+      | tee "$out/load_trace_w$w.log" || rc=1
+  done
+  return $rc
+}
 step_serve() {
   IMAGEGEN_SERVE_FLAGS=--cuda_graphs bash bench/gpu/run_all.sh --prebuilt "$work/device" \
     --scale lease --device "$dev" --phase serve --out "$out/serve"
@@ -92,5 +108,5 @@ step_cudnn() {
 
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
 export out b dev PY work
-carried_steps "${SCALE_STEPS:-high:100 decode:60 serve:60 gptb:80 cudnn:70}" scale \
+carried_steps "${SCALE_STEPS:-high:100 decode:60 trace:80 serve:60 gptb:80 cudnn:70}" scale \
   "$out/steps.log" "$out" "$dest/scale.tgz"

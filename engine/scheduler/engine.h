@@ -76,6 +76,10 @@ struct EngineOptions {
   // the cost and commit models put their goodput within this fraction of the best plan's. In
   // [0, 1]; 0 (the default): every step re-plans from scratch.
   double window_stickiness = 0;
+  // The first steps of a request that its own commit factor does not learn from
+  // (RequestCommits: a Jacobi request's first steps commit about one token whatever its
+  // window). 0 (default): every step counts.
+  int64_t commit_warmup_steps = 0;
   // Where the step-cost calibration is kept (one JSON file per model, device and dtype, reused
   // at the next start); empty: not kept (calibrated at every start).
   std::string cache_dir;
@@ -128,6 +132,9 @@ struct EngineOptions {
   // so -1 (default) is 16 where the forward is not batch-invariant either (CUDA graphs,
   // batch_invariant off) and 1 otherwise; 1 decodes one image a call; at most 256.
   int64_t decode_batch = -1;
+  // Fills StepSample::trace (each decoding request's windows, expectations and commits) for
+  // the listener: diagnostics of the goodput controller; off, nothing is collected.
+  bool trace_steps = false;
   // Where the engine's notices go (a step-cost calibration that is not reused or not cached),
   // one line each, without a trailing newline; unset: stderr, prefixed "imagegen: ". The
   // daemon routes them through its --log-format.
@@ -152,6 +159,23 @@ struct StepSample {
   // and its instantiation, tens of times a replay). A one-off cost: the step-cost model leaves
   // such steps out of its refinement.
   int64_t graph_captures = 0;
+  // EngineOptions::trace_steps (goodput window control): what the controller saw for each
+  // request that decoded in this step, and the plan it did not choose, every request at its
+  // wanted window (for diagnosing its choices offline; the load bench's --trace-dir).
+  struct RequestTrace {
+    int64_t id = 0;
+    std::string method;          // the preset
+    int64_t wanted = 0;          // the window its method wanted (nodes)
+    int64_t window = 0;          // granted
+    int64_t rows = 0;            // forward rows per node (2 with CFG)
+    double expected = 0;         // commits expected at the granted window (its factor included)
+    double expected_wanted = 0;  // ... at the wanted window
+    double factor = 0;           // RequestCommits::Factor
+    int64_t committed = 0;       // tokens the step committed for it
+  };
+  std::vector<RequestTrace> trace;
+  bool explore = false;                 // the controller's exploring step (one in 16)
+  double wanted_predicted_seconds = 0;  // the step-cost model's time for the wanted windows
 };
 
 class EngineListener {

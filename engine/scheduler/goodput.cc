@@ -94,6 +94,12 @@ void CommitModel::Observe(const std::string& method, int64_t nodes, int64_t comm
   t.weight[k + 1] += w;
 }
 
+void RequestCommits::Observe(int64_t step, int64_t committed, double expected, int64_t warmup) {
+  if (step < warmup) return;
+  extra += static_cast<double>(committed - 1);
+  expected_extra += expected - 1;
+}
+
 double RequestCommits::Factor() const {
   return std::clamp((extra + 4) / (expected_extra + 4), 0.25, 4.0);
 }

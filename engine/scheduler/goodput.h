@@ -55,8 +55,21 @@ class CommitModel {
 
 // One request's commits against what the controller expected of it: its content can make its
 // drafts much better or worse than its method's average.
+//
+// A Jacobi request's drafts start random and take iterations to converge, so its first steps
+// commit about one token whatever the window (whole windows on the bundled model: 1.0-1.8
+// tokens a step over steps 1-7, then 3-5), while the method's table averages over whole
+// images: counted, they make every young request look like a poor drafter (its factor near
+// 0.3 after 7 steps). `warmup` leaves a request's first steps out (EngineOptions::
+// commit_warmup_steps); on the CPU's replays of a GPU's step cost it helped with a steep cost
+// and cost a little with a flat one (docs/results-serving.md, "The warm-up of a Jacobi
+// request"), so it is off by default until a GPU measures it.
 struct RequestCommits {
-  // Sums over its steps of (committed - 1) and of (the method's expectation - 1).
+  // One step of the request (`step`: how many it had before, 0 for its first), which committed
+  // `committed` tokens where its method's table expected `expected` (without this factor);
+  // ignored while step < warmup.
+  void Observe(int64_t step, int64_t committed, double expected, int64_t warmup = 0);
+  // Sums over its counted steps of (committed - 1) and of (the method's expectation - 1).
   double extra = 0, expected_extra = 0;
   // The factor on the method's expected extra tokens: realised / expected, with 4 pseudo-tokens
   // of each, in [0.25, 4].

@@ -243,6 +243,7 @@ std::vector<int64_t> ModelScheduler::ChooseWindows(const std::vector<size_t>& id
   go.stickiness = opts_.window_stickiness;
   // One planned step in 16 explores a plan twice as wide (GoodputOptions::explore).
   go.explore = reqs.size() > 1 && ++planned_steps_ % 16 == 0;
+  explored_ = go.explore;
   plan = PlanGoodput(reqs, cost_, go);
   for (size_t i = 0; i < reqs.size(); ++i) {
     expected[i] = reqs[i].expected[plan.windows[i] - 1];
@@ -456,6 +457,8 @@ void ModelScheduler::Step(Outcomes& out) {
     grants.push_back({h, chunks[k]});
     sample.tokens += chunks[k] * batch_.RowsPerNode(h);
   }
+  std::vector<size_t> traced(active_.size(), 0);  // index into sample.trace, per active request
+  if (opts_.trace_steps) TraceStep(dec, windows, demand, expected, sample, traced);
   Status st;
   const int64_t captures = batch_.graph_captures();
   try {
@@ -487,11 +490,12 @@ void ModelScheduler::Step(Outcomes& out) {
     sample.committed += static_cast<int64_t>(batch_.tokens(j.handle).size() - j.reported);
     events[i] = Event(j, windows[i]);
     const auto committed = static_cast<int64_t>(events[i].positions.size());
+    if (opts_.trace_steps) sample.trace[traced[i]].committed = committed;
     if (j.request.policy.draft != DraftSource::kNone) {
-      // The request against its method's expectation (without its own factor), then the
-      // method's table.
-      j.commits.extra += static_cast<double>(committed - 1);
-      j.commits.expected_extra += commits_.Expected(j.request.policy.preset, windows[i]) - 1;
+      // The request against its method's expectation (without its own factor; not in its
+      // warm-up), then the method's table.
+      j.commits.Observe(j.steps, committed, commits_.Expected(j.request.policy.preset, windows[i]),
+                        opts_.commit_warmup_steps);
       commits_.Observe(j.request.policy.preset, windows[i], committed);
     }
     if (j.steps > 0) j.window_change_sum += std::abs(windows[i] - j.last_window);
@@ -568,6 +572,35 @@ void ModelScheduler::Step(Outcomes& out) {
   }
   sample.seconds = Seconds(t0, Clock::now());
   if (listener_ != nullptr) listener_->OnStep(sample);
+}
+
+// StepSample::trace before the step: what the controller saw for each decoding request (its
+// factor before this step's commits), and the step-cost model's time for the wanted windows.
+void ModelScheduler::TraceStep(const std::vector<size_t>& dec, const std::vector<int64_t>& windows,
+                               const std::vector<WindowDemand>& demand,
+                               const std::vector<double>& expected, StepSample& sample,
+                               std::vector<size_t>& traced) {
+  sample.explore = opts_.window_policy == "goodput" && explored_;
+  int64_t wanted_tokens = sample.tokens;
+  for (size_t i : dec) {
+    const Job& j = *active_[i];
+    const int64_t wanted = std::max<int64_t>(demand[i].wanted, 1);
+    wanted_tokens += (wanted - windows[i]) * demand[i].rows;
+    StepSample::RequestTrace t;
+    t.id = j.id;
+    t.method = j.request.policy.preset;
+    t.wanted = wanted;
+    t.window = windows[i];
+    t.rows = demand[i].rows;
+    t.factor = j.commits.Factor();
+    t.expected = expected[i];
+    t.expected_wanted = ExpectedCommits(commits_, j.request.policy, wanted, t.factor).back();
+    traced[i] = sample.trace.size();
+    sample.trace.push_back(std::move(t));
+  }
+  if (cost_.calibrated()) {
+    sample.wanted_predicted_seconds = cost_.Predict(wanted_tokens, sample.requests);
+  }
 }
 
 StepEvent ModelScheduler::Event(Job& j, int64_t window) {

@@ -59,6 +59,9 @@ class ModelScheduler : public FamilyScheduler {
   std::vector<int64_t> ChooseWindows(const std::vector<size_t>& idx,
                                      const std::vector<WindowDemand>& demand,
                                      std::vector<double>& expected, GoodputPlan& plan);
+  void TraceStep(const std::vector<size_t>& dec, const std::vector<int64_t>& windows,
+                 const std::vector<WindowDemand>& demand, const std::vector<double>& expected,
+                 StepSample& sample, std::vector<size_t>& traced);
   // Prompt chunks for the prefilling requests active_[idx[i]], in order, within
   // EngineOptions::prefill_tokens_per_step.
   std::vector<int64_t> PrefillChunks(const std::vector<size_t>& idx) const;
@@ -87,6 +90,7 @@ class ModelScheduler : public FamilyScheduler {
   std::mt19937_64 noise_rng_{1};  // EngineOptions::simulated_step_noise
   CommitModel commits_;
   int64_t planned_steps_ = 0;  // goodput steps with more than one request
+  bool explored_ = false;      // the last plan was an exploring one (GoodputOptions::explore)
 };
 
 }  // namespace imagegen
