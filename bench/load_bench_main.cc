@@ -419,6 +419,7 @@ int main(int argc, char** argv) {
            {"fixed-step-cost", ""},
            {"refine-step-cost", "1"},
            {"simulated-step-noise", "0"},
+           {"simulated-tree-cost", "0"},
            {"keep-cut-drafts", "1"},
            {"cache-dir", ""},
            {"batch-invariant", "1"},
@@ -460,6 +461,7 @@ int main(int argc, char** argv) {
   }
   base.refine_step_cost = f.Int("refine-step-cost") != 0;     // EngineOptions::refine_step_cost
   base.simulated_step_noise = f.Num("simulated-step-noise");  // with --fixed-step-cost
+  base.simulated_tree_cost = f.Num("simulated-tree-cost");    // EngineOptions, seconds
   base.keep_cut_drafts = f.Int("keep-cut-drafts") != 0;       // EngineOptions::keep_cut_drafts
   // The goodput cells share one calibration (measured by the warm-up below).
   base.cache_dir = f.Str("cache-dir").empty() ? out + "/cache" : f.Str("cache-dir");

@@ -121,6 +121,9 @@ StatusOr<std::unique_ptr<Engine>> Engine::Start(const EngineOptions& options,
   if (!(o.simulated_step_noise >= 0 && o.simulated_step_noise <= 10)) {
     return InvalidArgument("simulated_step_noise: must be in [0, 10]");
   }
+  if (!(o.simulated_tree_cost >= 0 && o.simulated_tree_cost <= 1)) {
+    return InvalidArgument("simulated_tree_cost: must be in [0, 1] seconds");
+  }
   if (!o.fixed_step_cost.empty() && o.fixed_step_cost.size() != 3) {
     return InvalidArgument("fixed_step_cost: must be empty or {base, per_token, per_request}");
   }

@@ -92,6 +92,11 @@ struct EngineOptions {
   // standard normal (seeded), instead of the measured time: a cost model that jitters as one
   // refined from a GPU's sub-millisecond steps does (docs/results-gpu.md). 0: fixed.
   double simulated_step_noise = 0;
+  // With simulated_step_noise: seconds the replayed time adds per request whose window holds
+  // its whole proactive tree (1 + K + ... + K^(D-1) nodes: 21 for sjd-pac), the tree's own
+  // cost beside the rows it feeds (on an H200, sjd-pac's steps cost 1.5-1.9x sjd chains'
+  // calibration at the same rows, about 0.055 ms more per request; docs/results-serving.md).
+  double simulated_tree_cost = 0;
   // The calibrated step cost refined online from every step's measured time (false: the
   // calibration alone, e.g. to see what the refinement does on a device whose step times
   // jitter).

@@ -536,8 +536,17 @@ void ModelScheduler::Step(Outcomes& out) {
     double seconds = sample.step_seconds;
     if (opts_.simulated_step_noise > 0 && !opts_.fixed_step_cost.empty()) {
       const std::vector<double>& f = opts_.fixed_step_cost;
+      int64_t trees = 0;  // requests whose window holds their whole tree
+      for (size_t i = 0; i < active_.size(); ++i) {
+        const DecodingPolicy& p = active_[i]->request.policy;
+        if (!decoding[i] || !p.has_tree()) continue;
+        int64_t full = 1, level = 1;
+        for (int64_t d = 1; d < p.tree_depth; ++d) full += (level *= p.tree_branches);
+        trees += windows[i] >= full ? 1 : 0;
+      }
       seconds =
-          StepCostModel::Linear(f[0], f[1], f[2]).Predict(sample.tokens, sample.requests) *
+          (StepCostModel::Linear(f[0], f[1], f[2]).Predict(sample.tokens, sample.requests) +
+           opts_.simulated_tree_cost * static_cast<double>(trees)) *
           std::exp(opts_.simulated_step_noise * std::normal_distribution<double>(0, 1)(noise_rng_));
     }
     cost_.Observe(sample.tokens, sample.requests, seconds);
