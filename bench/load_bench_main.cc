@@ -420,6 +420,9 @@ int main(int argc, char** argv) {
            {"refine-step-cost", "1"},
            {"simulated-step-noise", "0"},
            {"simulated-tree-cost", "0"},
+           {"simulated-capture-cost", "0"},
+           {"refine-on-captures", "1"},
+           {"step-cost-max-ratio", "2"},
            {"keep-cut-drafts", "1"},
            {"cache-dir", ""},
            {"batch-invariant", "1"},
@@ -459,10 +462,13 @@ int main(int argc, char** argv) {
   if (!base.fixed_step_cost.empty() && base.fixed_step_cost.size() != 3) {
     f.Fail("--fixed-step-cost: expected BASE,PER_TOKEN,PER_REQUEST");
   }
-  base.refine_step_cost = f.Int("refine-step-cost") != 0;     // EngineOptions::refine_step_cost
-  base.simulated_step_noise = f.Num("simulated-step-noise");  // with --fixed-step-cost
-  base.simulated_tree_cost = f.Num("simulated-tree-cost");    // EngineOptions, seconds
-  base.keep_cut_drafts = f.Int("keep-cut-drafts") != 0;       // EngineOptions::keep_cut_drafts
+  base.refine_step_cost = f.Int("refine-step-cost") != 0;         // EngineOptions::refine_step_cost
+  base.simulated_step_noise = f.Num("simulated-step-noise");      // with --fixed-step-cost
+  base.simulated_tree_cost = f.Num("simulated-tree-cost");        // EngineOptions, seconds
+  base.simulated_capture_cost = f.Num("simulated-capture-cost");  // EngineOptions, a factor
+  base.refine_on_captures = f.Int("refine-on-captures") != 0;     // EngineOptions
+  base.step_cost_max_ratio = f.Num("step-cost-max-ratio");        // EngineOptions, 0: unbounded
+  base.keep_cut_drafts = f.Int("keep-cut-drafts") != 0;           // EngineOptions::keep_cut_drafts
   // The goodput cells share one calibration (measured by the warm-up below).
   base.cache_dir = f.Str("cache-dir").empty() ? out + "/cache" : f.Str("cache-dir");
   const double seconds = f.Num("seconds"), per_client = f.Num("seconds-per-client");

@@ -850,6 +850,18 @@ TEST(EngineTest, BadEngineOptionsAreRejected) {
   o = BundledOptions();
   o.fixed_step_cost = {1.0};
   EXPECT_NE(Engine::Start(o).status().message().find("fixed_step_cost"), std::string::npos);
+  o = BundledOptions();
+  o.simulated_capture_cost = -1;
+  EXPECT_NE(Engine::Start(o).status().message().find("simulated_capture_cost"), std::string::npos);
+  o = BundledOptions();
+  o.simulated_tree_cost = 2;
+  EXPECT_NE(Engine::Start(o).status().message().find("simulated_tree_cost"), std::string::npos);
+  o = BundledOptions();
+  o.step_cost_max_ratio = 0.5;
+  EXPECT_NE(Engine::Start(o).status().message().find("step_cost_max_ratio"), std::string::npos);
+  o = BundledOptions();
+  o.commit_warmup_steps = -1;
+  EXPECT_NE(Engine::Start(o).status().message().find("commit_warmup_steps"), std::string::npos);
 }
 
 // --- Decoding finished images off the engine thread (EngineOptions::decode_thread) -------------

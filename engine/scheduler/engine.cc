@@ -121,6 +121,13 @@ StatusOr<std::unique_ptr<Engine>> Engine::Start(const EngineOptions& options,
   if (!(o.simulated_step_noise >= 0 && o.simulated_step_noise <= 10)) {
     return InvalidArgument("simulated_step_noise: must be in [0, 10]");
   }
+  if (!(o.simulated_capture_cost >= 0 && o.simulated_capture_cost <= 1000)) {
+    return InvalidArgument("simulated_capture_cost: must be in [0, 1000]");
+  }
+  if (!(o.step_cost_max_ratio == 0 ||
+        (o.step_cost_max_ratio >= 1 && o.step_cost_max_ratio <= 1000))) {
+    return InvalidArgument("step_cost_max_ratio: must be 0 (unbounded) or in [1, 1000]");
+  }
   if (!(o.simulated_tree_cost >= 0 && o.simulated_tree_cost <= 1)) {
     return InvalidArgument("simulated_tree_cost: must be in [0, 1] seconds");
   }

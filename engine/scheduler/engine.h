@@ -97,6 +97,17 @@ struct EngineOptions {
   // cost beside the rows it feeds (on an H200, sjd-pac's steps cost 1.5-1.9x sjd chains'
   // calibration at the same rows, about 0.055 ms more per request; docs/results-serving.md).
   double simulated_tree_cost = 0;
+  // With simulated_step_noise: a step whose shape bucket (approximately the static forward's:
+  // powers of two of its rows, its batch rows and its widest window, and of its requests that
+  // hold a tree) is new to the engine replays as a CUDA graph capture, its time times this
+  // factor, and reports one capture (StepSample::graph_captures). 0: none.
+  double simulated_capture_cost = 0;
+  // Steps that captured a CUDA graph go into the step-cost refinement like the others (false:
+  // left out), and each online sample counts as at most step_cost_max_ratio times the
+  // prediction (StepCostModel::max_ratio; 0: unbounded, as before 2026-11-28). Measured in
+  // replays (docs/results-serving.md, "Graph captures in the refinement").
+  bool refine_on_captures = true;
+  double step_cost_max_ratio = 2;
   // The calibrated step cost refined online from every step's measured time (false: the
   // calibration alone, e.g. to see what the refinement does on a device whose step times
   // jitter).

@@ -2,8 +2,10 @@
 // budget, the step, and the events each step produces. The engine thread owns it (not thread-safe).
 #pragma once
 
+#include <array>
 #include <memory>
 #include <random>
+#include <set>
 #include <unordered_set>
 #include <vector>
 
@@ -59,6 +61,8 @@ class ModelScheduler : public FamilyScheduler {
   std::vector<int64_t> ChooseWindows(const std::vector<size_t>& idx,
                                      const std::vector<WindowDemand>& demand,
                                      std::vector<double>& expected, GoodputPlan& plan);
+  double ReplayedSeconds(StepSample& sample, const std::vector<int64_t>& windows,
+                         const std::vector<bool>& decoding);
   void TraceStep(const std::vector<size_t>& dec, const std::vector<int64_t>& windows,
                  const std::vector<WindowDemand>& demand, const std::vector<double>& expected,
                  StepSample& sample, std::vector<size_t>& traced);
@@ -89,8 +93,9 @@ class ModelScheduler : public FamilyScheduler {
   StepCostModel cost_;
   std::mt19937_64 noise_rng_{1};  // EngineOptions::simulated_step_noise
   CommitModel commits_;
-  int64_t planned_steps_ = 0;  // goodput steps with more than one request
-  bool explored_ = false;      // the last plan was an exploring one (GoodputOptions::explore)
+  int64_t planned_steps_ = 0;                          // goodput steps with more than one request
+  std::set<std::array<int64_t, 4>> replayed_buckets_;  // simulated_capture_cost
+  bool explored_ = false;  // the last plan was an exploring one (GoodputOptions::explore)
 };
 
 }  // namespace imagegen
