@@ -261,8 +261,8 @@ Metrics::Metrics()
       graph_captures_(BuildCounter()
                           .Name("imagegen_cuda_graph_captures_total")
                           .Help("CUDA graphs captured (a shape bucket's first forward; one-off, "
-                                "tens of replays' time; the step-cost model leaves these steps "
-                                "out)")
+                                "tens of replays' time; the step-cost model counts such a step as "
+                                "at most 2x its prediction)")
                           .Register(*registry_)),
       info_(BuildGauge()
                 .Name("imagegen_build_info")

@@ -258,7 +258,7 @@ TEST(EngineTest, CudaGraphsOptionRunsStaticShapesAndDrawsTheSameImages) {
     std::printf("%s: %zu steps, %.1f s, %lld forward tokens, %lld graphs captured\n",
                 graphs ? "static" : "eager", log.samples.size(), seconds,
                 static_cast<long long>(tokens), static_cast<long long>(captures));
-    // Steps report their captures (the step-cost model leaves those steps out): graphs are
+    // Steps report their captures (the step-cost model bounds what they teach it): graphs are
     // captured on a CUDA device only, and a few buckets serve all the steps.
     if (graphs && o.device == "cuda") {
       EXPECT_GT(captures, 0);

@@ -172,8 +172,8 @@ struct StepSample {
   double expected_committed = 0;  // the controller's expectation of `committed` (goodput)
   double plan_seconds = 0;        // choosing the windows (the controller's own cost)
   // CUDA graphs captured in this step (a bucket's first forward: an eager forward, the capture
-  // and its instantiation, tens of times a replay). A one-off cost: the step-cost model leaves
-  // such steps out of its refinement.
+  // and its instantiation, tens of times a replay). A one-off cost: the step-cost model's
+  // refinement counts such a step as at most step_cost_max_ratio times its prediction.
   int64_t graph_captures = 0;
   // EngineOptions::trace_steps (goodput window control): what the controller saw for each
   // request that decoded in this step, and the plan it did not choose, every request at its

@@ -61,9 +61,9 @@ class CommitModel {
 // tokens a step over steps 1-7, then 3-5), while the method's table averages over whole
 // images: counted, they make every young request look like a poor drafter (its factor near
 // 0.3 after 7 steps). `warmup` leaves a request's first steps out (EngineOptions::
-// commit_warmup_steps); on the CPU's replays of a GPU's step cost it helped with a steep cost
-// and cost a little with a flat one (docs/results-serving.md, "The warm-up of a Jacobi
-// request"), so it is off by default until a GPU measures it.
+// commit_warmup_steps); in the CPU's replays of a GPU's step cost it moved the controller's
+// rate by -12% to +3% (docs/results-serving.md, "The warm-up of a Jacobi request"), so it is
+// off by default until a GPU measures it.
 struct RequestCommits {
   // One step of the request (`step`: how many it had before, 0 for its first), which committed
   // `committed` tokens where its method's table expected `expected` (without this factor);
