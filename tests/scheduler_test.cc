@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <functional>
 #include <future>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -824,44 +825,27 @@ TEST(EngineTest, BadEngineOptionsAreRejected) {
   EngineOptions o = BundledOptions();
   o.models = {"missing-model"};
   EXPECT_EQ(Engine::Start(o).status().code(), Code::kNotFound);
-  o = BundledOptions();
-  o.kv_cache_bytes = 1000;
-  EXPECT_NE(Engine::Start(o).status().message().find("kv_cache_bytes"), std::string::npos);
-  o = BundledOptions();
-  o.device = "tpu";
-  EXPECT_NE(Engine::Start(o).status().message().find("device"), std::string::npos);
-  o = BundledOptions();
-  o.max_tokens_per_step = 1;
-  EXPECT_NE(Engine::Start(o).status().message().find("max_tokens_per_step"), std::string::npos);
-  o.max_tokens_per_step = -2;
-  EXPECT_NE(Engine::Start(o).status().message().find("max_tokens_per_step"), std::string::npos);
-  o = BundledOptions();
-  o.window_policy = "fastest";
-  EXPECT_NE(Engine::Start(o).status().message().find("window_policy"), std::string::npos);
-  o = BundledOptions();
-  o.max_slowdown = -0.5;
-  EXPECT_NE(Engine::Start(o).status().message().find("max_slowdown"), std::string::npos);
-  o = BundledOptions();
-  o.window_stickiness = 1.5;
-  EXPECT_NE(Engine::Start(o).status().message().find("window_stickiness"), std::string::npos);
-  o = BundledOptions();
-  o.simulated_step_noise = -1;
-  EXPECT_NE(Engine::Start(o).status().message().find("simulated_step_noise"), std::string::npos);
-  o = BundledOptions();
-  o.fixed_step_cost = {1.0};
-  EXPECT_NE(Engine::Start(o).status().message().find("fixed_step_cost"), std::string::npos);
-  o = BundledOptions();
-  o.simulated_capture_cost = -1;
-  EXPECT_NE(Engine::Start(o).status().message().find("simulated_capture_cost"), std::string::npos);
-  o = BundledOptions();
-  o.simulated_tree_cost = 2;
-  EXPECT_NE(Engine::Start(o).status().message().find("simulated_tree_cost"), std::string::npos);
-  o = BundledOptions();
-  o.step_cost_max_ratio = 0.5;
-  EXPECT_NE(Engine::Start(o).status().message().find("step_cost_max_ratio"), std::string::npos);
-  o = BundledOptions();
-  o.commit_warmup_steps = -1;
-  EXPECT_NE(Engine::Start(o).status().message().find("commit_warmup_steps"), std::string::npos);
+  // Each option out of its range is refused, the message naming it.
+  const std::vector<std::pair<std::string, std::function<void(EngineOptions&)>>> bad = {
+      {"kv_cache_bytes", [](EngineOptions& e) { e.kv_cache_bytes = 1000; }},
+      {"device", [](EngineOptions& e) { e.device = "tpu"; }},
+      {"max_tokens_per_step", [](EngineOptions& e) { e.max_tokens_per_step = 1; }},
+      {"max_tokens_per_step", [](EngineOptions& e) { e.max_tokens_per_step = -2; }},
+      {"window_policy", [](EngineOptions& e) { e.window_policy = "fastest"; }},
+      {"max_slowdown", [](EngineOptions& e) { e.max_slowdown = -0.5; }},
+      {"window_stickiness", [](EngineOptions& e) { e.window_stickiness = 1.5; }},
+      {"simulated_step_noise", [](EngineOptions& e) { e.simulated_step_noise = -1; }},
+      {"fixed_step_cost", [](EngineOptions& e) { e.fixed_step_cost = {1.0}; }},
+      {"simulated_capture_cost", [](EngineOptions& e) { e.simulated_capture_cost = -1; }},
+      {"simulated_tree_cost", [](EngineOptions& e) { e.simulated_tree_cost = 2; }},
+      {"step_cost_max_ratio", [](EngineOptions& e) { e.step_cost_max_ratio = 0.5; }},
+      {"commit_warmup_steps", [](EngineOptions& e) { e.commit_warmup_steps = -1; }},
+  };
+  for (const auto& [field, set] : bad) {
+    o = BundledOptions();
+    set(o);
+    EXPECT_NE(Engine::Start(o).status().message().find(field), std::string::npos) << field;
+  }
 }
 
 // --- Decoding finished images off the engine thread (EngineOptions::decode_thread) -------------
