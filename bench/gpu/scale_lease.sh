@@ -108,5 +108,5 @@ step_cudnn() {
 
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
 export out b dev PY work
-carried_steps "${SCALE_STEPS:-high:100 decode:60 trace:80 serve:60 gptb:80 cudnn:70}" scale \
+carried_steps "${SCALE_STEPS:-high:100 decode:80 trace:80 serve:60 gptb:80 cudnn:70}" scale \
   "$out/steps.log" "$out" "$dest/scale.tgz"
