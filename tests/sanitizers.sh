@@ -29,7 +29,7 @@ start=$(date +%s)
 sanitizer_ccache "$root"
 
 echo "== sanitizers: configure and build (preset asan-ubsan)"
-cmake --preset asan-ubsan
+sanitizer_configure asan-ubsan "$build"
 cmake --build --preset asan-ubsan
 built=$(date +%s)
 

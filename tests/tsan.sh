@@ -118,7 +118,7 @@ fi
 deps_built=$(date +%s)
 
 echo "== tsan: configure and build (preset tsan$([ $short = 1 ] && echo ', engine_tests only'))"
-cmake --preset tsan > /dev/null
+sanitizer_configure tsan "$build" > /dev/null
 if [ $short = 1 ]; then
   cmake --build "$build" --target engine_tests
 else

@@ -7,6 +7,22 @@ sanitizer_ccache() {
   export CCACHE_SLOPPINESS="pch_defines,time_macros${CCACHE_SLOPPINESS:+,$CCACHE_SLOPPINESS}"
 }
 
+# Configures CMake preset $1 into folder $2; when that fails, shows the end of CMake's logs and
+# tries once more from an empty folder. (CI, 2026-11-28: the asan-ubsan configure failed once
+# with "CMAKE_CUDA_ARCHITECTURES must be non-empty if set": CMake's identification of the CUDA
+# compiler, which LibTorch's CMake asks for, got no output from nvcc. The same configure passed
+# by hand right after, and in every run before.)
+sanitizer_configure() {
+  if cmake --preset "$1"; then return 0; fi
+  {  # on stderr: the tsan script sends the configure's stdout to /dev/null
+    echo "== $1: configure failed; CMake's logs end:"
+    tail -n 40 "$2/CMakeFiles/CMakeOutput.log" "$2/CMakeFiles/CMakeError.log" || true
+    echo "== $1: configuring again from an empty folder"
+  } >&2
+  rm -rf "$2"
+  cmake --preset "$1"
+}
+
 # Prints every report a sanitizer wrote to folder $2 under the heading "== $1: reports";
 # returns 1 when there was one.
 sanitizer_reports() {
