@@ -457,8 +457,11 @@ void ModelScheduler::Step(Outcomes& out) {
     grants.push_back({h, chunks[k]});
     sample.tokens += chunks[k] * batch_.RowsPerNode(h);
   }
-  std::vector<size_t> traced(active_.size(), 0);  // index into sample.trace, per active request
-  if (opts_.trace_steps) TraceStep(dec, windows, demand, expected, sample, traced);
+  std::vector<size_t> traced;  // index into sample.trace, per active request (trace_steps)
+  if (opts_.trace_steps) {
+    traced.assign(active_.size(), 0);
+    TraceStep(dec, windows, demand, expected, sample, traced);
+  }
   Status st;
   const int64_t captures = batch_.graph_captures();
   try {
