@@ -723,14 +723,6 @@ at::Tensor Gpt::Decode(at::Tensor x, const at::Tensor& rope, const at::Tensor& d
   return Linear(h, output_, invariant).to(at::kFloat);
 }
 
-namespace {
-int64_t Pow2AtLeast(int64_t n) {
-  int64_t p = 1;
-  while (p < n) p *= 2;
-  return p;
-}
-}  // namespace
-
 StaticShape Gpt::StaticBucket(const std::vector<BatchRow>& batch) const {
   int64_t T = 0, nmax = 0, pairs = 0;
   for (const BatchRow& row : batch) {
@@ -738,14 +730,7 @@ StaticShape Gpt::StaticBucket(const std::vector<BatchRow>& batch) const {
     nmax = std::max(nmax, static_cast<int64_t>(row.tokens.size()));
     for (uint8_t m : row.mask) pairs += m != 0 ? 1 : 0;
   }
-  StaticShape s;
-  // At least kInvariantMinRows tokens: the linear layers then never see the tiny matrices
-  // whose BLAS kernels round differently.
-  s.tokens = Pow2AtLeast(std::max(T, kInvariantMinRows));
-  s.rows = Pow2AtLeast(static_cast<int64_t>(batch.size()));
-  s.width = Pow2AtLeast(nmax);
-  s.pairs = pairs == 0 ? 0 : Pow2AtLeast(pairs);
-  return s;
+  return StaticShape::Of(T, static_cast<int64_t>(batch.size()), nmax, pairs);
 }
 
 std::vector<int64_t> Gpt::StaticUpload(const std::vector<BatchRow>& batch, const KvCache& cache,

@@ -10,6 +10,7 @@
 
 #include <ATen/Tensor.h>
 
+#include <algorithm>
 #include <functional>
 #include <memory>
 #include <string>
@@ -131,9 +132,25 @@ struct ForwardOptions {
   bool cuda_graphs = false;
 };
 
+// Rows below which a batch-invariant forward pads its linear layers (see ForwardOptions).
+inline constexpr int64_t kInvariantMinRows = 16;
+
 // The bucket of a static-shape forward (ForwardOptions::static_shapes).
 struct StaticShape {
   int64_t tokens = 0, rows = 0, width = 0, pairs = 0;
+  // The bucket of a batch of `tokens` tokens in `rows` rows, the widest row `width` tokens
+  // long, with `pairs` own-mask pairs: each rounded up to a power of two, tokens to at least
+  // kInvariantMinRows (the linear layers then never see the tiny matrices whose BLAS kernels
+  // round differently), pairs 0 staying 0.
+  static StaticShape Of(int64_t tokens, int64_t rows, int64_t width, int64_t pairs) {
+    auto pow2 = [](int64_t n) {
+      int64_t p = 1;
+      while (p < n) p *= 2;
+      return p;
+    };
+    return {pow2(std::max(tokens, kInvariantMinRows)), pow2(rows), pow2(width),
+            pairs == 0 ? 0 : pow2(pairs)};
+  }
   bool operator==(const StaticShape& o) const {
     return tokens == o.tokens && rows == o.rows && width == o.width && pairs == o.pairs;
   }
@@ -141,9 +158,6 @@ struct StaticShape {
   // slot, cache length, token count and own-mask flag per row, then the mask pairs.
   int64_t upload_size() const { return 4 * tokens + 4 * rows + pairs; }
 };
-
-// Rows below which a batch-invariant forward pads its linear layers (see ForwardOptions).
-inline constexpr int64_t kInvariantMinRows = 16;
 
 class Gpt {
  public:

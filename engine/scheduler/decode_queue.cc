@@ -37,25 +37,33 @@ void DecodeQueue::Run(Task task) {
 
 void DecodeQueue::Complete(std::shared_ptr<RequestObserver> observer, RequestResult result,
                            Clock::time_point finished, ImageDecode decode) {
-  Run([observer = std::move(observer), res = std::make_shared<RequestResult>(std::move(result)),
-       finished, decode = std::move(decode)] {
-    if (decode) {
-      StatusOr<Image> image = Internal("image not decoded");
-      try {
-        image = decode(*res);
-      } catch (const std::exception& e) {
-        image = Internal(std::string("image decoding failed: ") + e.what());
-      }
-      if (!image.ok()) {
-        observer->OnError(image.status());
-        return false;
-      }
-      res->image = std::move(image).value();
+  Run([f = std::make_shared<Finished>(Finished{std::move(observer), std::move(result), finished}),
+       decode = std::move(decode)] {
+    if (!decode) return Deliver(*f, nullptr);
+    StatusOr<Image> image = Internal("image not decoded");
+    try {
+      image = decode(f->result);
+    } catch (const std::exception& e) {
+      image = Internal(std::string("image decoding failed: ") + e.what());
     }
-    res->stats.decode_seconds = std::chrono::duration<double>(Clock::now() - finished).count();
-    observer->OnComplete(std::move(*res));
-    return true;
+    return Deliver(*f, &image);
   });
+}
+
+bool DecodeQueue::Deliver(Finished& f, StatusOr<Image>* image) {
+  try {
+    if (image != nullptr && !image->ok()) {
+      f.observer->OnError(image->status());
+      return false;
+    }
+    if (image != nullptr) f.result.image = std::move(*image).value();
+    f.result.stats.decode_seconds =
+        std::chrono::duration<double>(Clock::now() - f.finished).count();
+    f.observer->OnComplete(std::move(f.result));
+    return true;
+  } catch (...) {
+    return false;  // an observer's own error: counted as failed, the others still complete
+  }
 }
 
 void DecodeQueue::CompleteBatch(const void* key, std::vector<Finished> done, BatchDecode decode) {
@@ -102,23 +110,8 @@ void DecodeQueue::RunBatch(std::vector<Finished>& done, const BatchDecode& decod
                       std::to_string(done.size()) + " requests");
   }
   for (size_t i = 0; i < done.size(); ++i) {
-    Finished& f = done[i];
     StatusOr<Image> image = failed.ok() ? std::move(images[i]) : StatusOr<Image>(failed);
-    bool ok = false;
-    try {
-      if (!image.ok()) {
-        f.observer->OnError(image.status());
-      } else {
-        f.result.image = std::move(image).value();
-        f.result.stats.decode_seconds =
-            std::chrono::duration<double>(Clock::now() - f.finished).count();
-        f.observer->OnComplete(std::move(f.result));
-        ok = true;
-      }
-    } catch (...) {
-      ok = false;  // an observer's own error: the others still complete
-    }
-    Count(ok);
+    Count(Deliver(done[i], &image));
   }
 }
 

@@ -93,6 +93,9 @@ class DecodeQueue {
     int64_t Size() const { return key != nullptr ? static_cast<int64_t>(done.size()) : 1; }
   };
   void Count(bool ok);
+  // Hands `f` its image (null: none wanted) through OnComplete, or its error through OnError;
+  // true when it completed. An observer's exception counts as a failure and goes no further.
+  static bool Deliver(Finished& f, StatusOr<Image>* image);
   void RunEntry(Entry& e);
   void RunBatch(std::vector<Finished>& done, const BatchDecode& decode);
   void Loop(c10::Device device, int64_t cpu_threads);

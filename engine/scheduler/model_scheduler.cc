@@ -625,13 +625,8 @@ double ModelScheduler::ReplayedSeconds(StepSample& sample, const std::vector<int
   double t = StepCostModel::Linear(f[0], f[1], f[2]).Predict(sample.tokens, sample.requests) +
              opts_.simulated_tree_cost * static_cast<double>(trees);
   if (opts_.simulated_capture_cost > 0) {
-    auto pow2 = [](int64_t n) {
-      int64_t p = 1;
-      while (p < n) p *= 2;
-      return p;
-    };
-    const std::array<int64_t, 4> bucket = {pow2(std::max<int64_t>(sample.tokens, 16)), pow2(rows),
-                                           pow2(widest), trees > 0 ? pow2(trees) : 0};
+    const StaticShape s = StaticShape::Of(sample.tokens, rows, widest, trees);
+    const std::array<int64_t, 4> bucket = {s.tokens, s.rows, s.width, s.pairs};
     if (replayed_buckets_.insert(bucket).second) {
       t *= opts_.simulated_capture_cost;
       sample.graph_captures += 1;
