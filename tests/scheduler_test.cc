@@ -1011,6 +1011,46 @@ TEST(DecodeQueueTest, InlineBatchesRunAtOnceInCallsOfTheLimitAndAFailedCallFails
   EXPECT_EQ(q.failed(), 4);
 }
 
+// Complete (one request, the path of the eager engine and of MAR): no image wanted, an image,
+// a decoder that throws, and an observer that throws; inline, nothing escapes to the caller.
+TEST(DecodeQueueTest, CompleteDeliversEachOutcomeAndAnObserversErrorStaysInTheQueue) {
+  class Throwing : public Recorder {
+   public:
+    void OnComplete(RequestResult) override { throw std::runtime_error("client gone"); }
+  };
+  DecodeQueue q(false, c10::Device(c10::kCPU));
+  const Clock::time_point finished = Clock::now();
+  RequestResult res;
+  res.seed = 7;
+  auto none = std::make_shared<Recorder>();
+  q.Complete(none, res, finished, nullptr);
+  ASSERT_TRUE(none->result.has_value());
+  EXPECT_TRUE(none->result->image.pixels.empty());
+  EXPECT_EQ(none->result->seed, 7u);
+  EXPECT_GE(none->result->stats.decode_seconds, 0);
+
+  auto imaged = std::make_shared<Recorder>();
+  q.Complete(imaged, res, finished, [](const RequestResult& r) -> StatusOr<Image> {
+    Image img;
+    img.width = img.height = img.channels = 1;
+    img.pixels = std::string(1, static_cast<char>(r.seed));
+    return img;
+  });
+  ASSERT_TRUE(imaged->result.has_value());
+  EXPECT_EQ(imaged->result->image.pixels, std::string(1, '\x07'));
+
+  auto broken = std::make_shared<Recorder>();
+  q.Complete(broken, res, finished,
+             [](const RequestResult&) -> StatusOr<Image> { throw std::runtime_error("oom"); });
+  ASSERT_TRUE(broken->error.has_value());
+  EXPECT_NE(broken->error->message().find("image decoding failed: oom"), std::string::npos);
+  EXPECT_EQ(broken->terminal_calls, 1);
+
+  EXPECT_NO_THROW(q.Complete(std::make_shared<Throwing>(), res, finished, nullptr));
+  EXPECT_EQ(q.completed(), 2);
+  EXPECT_EQ(q.failed(), 2);
+}
+
 // Records which thread each callback came on; can hold OnComplete (a slow client) until released.
 class ThreadRecorder : public Recorder {
  public:
