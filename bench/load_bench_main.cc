@@ -173,6 +173,16 @@ Cell RunCell(const EngineOptions& base, const std::vector<DecodingPolicy>& polic
   o.max_tokens_per_step = mode.budget;
   o.max_queue = std::max<int64_t>(c, 1);
   o.max_slots = mode.serial ? 2 : std::max<int64_t>(2 * c, 2);
+  // --warmup 1 without lists: the cell's own methods at its own load, before its clock starts.
+  if (o.warmup != 0 && o.warmup_methods.empty()) {
+    for (const DecodingPolicy& p : policies) {
+      if (std::find(o.warmup_methods.begin(), o.warmup_methods.end(), p.preset) ==
+          o.warmup_methods.end()) {
+        o.warmup_methods.push_back(p.preset);
+      }
+    }
+  }
+  if (o.warmup != 0 && o.warmup_concurrency.empty()) o.warmup_concurrency = {c};
   StepTotals totals;
   if (!trace_dir.empty()) {
     static int cells = 0;
@@ -431,6 +441,9 @@ int main(int argc, char** argv) {
            {"decode-thread", "-1"},
            {"decode-images", "1"},
            {"decode-batch", "-1"},
+           {"warmup", "0"},
+           {"warmup-methods", ""},
+           {"warmup-concurrency", ""},
            {"trace-dir", ""},
            {"commit-warmup-steps", "0"},
            {"repeat", "1"},
@@ -451,6 +464,11 @@ int main(int argc, char** argv) {
   base.fused_verify = f.Int("fused-verify") != 0;                 // EngineOptions::fused_verify
   base.decode_thread = static_cast<int>(f.Int("decode-thread"));  // EngineOptions::decode_thread
   base.decode_batch = f.Int("decode-batch");                      // EngineOptions::decode_batch
+  // EngineOptions::warmup (0 by default here, unlike the engine's -1: figures comparable with
+  // earlier runs, and a GPU lease's minutes kept); empty lists: each cell's own methods and load.
+  base.warmup = static_cast<int>(f.Int("warmup"));
+  base.warmup_methods = f.List("warmup-methods");
+  base.warmup_concurrency = f.Ints("warmup-concurrency");
   base.kv_cache_bytes = int64_t{8} << 30;
   base.max_slowdown = f.Num("max-slowdown");
   base.window_stickiness = f.Num("window-stickiness");      // EngineOptions::window_stickiness

@@ -12,6 +12,7 @@
 #include <absl/flags/usage.h>
 #include <absl/flags/usage_config.h>
 #include <absl/strings/match.h>
+#include <absl/strings/numbers.h>
 #include <absl/strings/str_format.h>
 
 #include <algorithm>
@@ -98,6 +99,17 @@ ABSL_FLAG(int64_t, decode_batch, -1,
           "and those queued for the decode thread): -1 by forward (16 with CUDA graphs, whose "
           "pixels are within rounding of one-at-a-time decoding's; 1 with the batch-invariant "
           "forward), 1 one at a time, at most 256");
+ABSL_FLAG(int32_t, warmup, -1,
+          "before reporting ready, run --warmup_methods at each of --warmup_concurrency "
+          "(requests at a time) on each model, so that clients meet CUDA graphs already "
+          "captured and a decoder already warm: 1 on, 0 off, -1 with CUDA graphs (on for CUDA "
+          "devices, off on the CPU)");
+ABSL_FLAG(std::vector<std::string>, warmup_methods,
+          (std::vector<std::string>{"ar", "sjd", "scd-mc", "sjd-pac"}),
+          "the methods the warm-up runs (those a model does not serve are skipped)");
+ABSL_FLAG(std::vector<std::string>, warmup_concurrency,
+          (std::vector<std::string>{"1", "2", "4", "8", "16"}),
+          "the loads the warm-up runs, in requests at a time (at most half a model's KV slots)");
 ABSL_FLAG(int64_t, cpu_threads, 0, "LibTorch intra-op threads of the engine (0: default)");
 ABSL_FLAG(double, preview_share, 0.05,
           "share of the engine's time that preview decoding may take (due previews wait their "
@@ -243,6 +255,17 @@ int main(int argc, char** argv) {
   eo.fused_verify = absl::GetFlag(FLAGS_fused_verify);
   eo.decode_thread = absl::GetFlag(FLAGS_decode_thread);
   eo.decode_batch = absl::GetFlag(FLAGS_decode_batch);
+  eo.warmup = absl::GetFlag(FLAGS_warmup);
+  eo.warmup_methods = absl::GetFlag(FLAGS_warmup_methods);
+  eo.warmup_concurrency.clear();
+  for (const std::string& c : absl::GetFlag(FLAGS_warmup_concurrency)) {
+    int64_t n = 0;
+    if (!absl::SimpleAtoi(c, &n)) {
+      Log("--warmup-concurrency: '" + c + "' is not a number");
+      return 2;
+    }
+    eo.warmup_concurrency.push_back(n);
+  }
   eo.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
   eo.preview_share = absl::GetFlag(FLAGS_preview_share);
   eo.log = [](const std::string& msg) { Log(msg); };

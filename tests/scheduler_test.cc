@@ -57,6 +57,9 @@ EngineOptions BundledOptions() {
   if (testing::TestLoadOptions().device.is_cuda()) o.device = "cuda";
   // One step-cost calibration for all the tests' engines (goodput window control).
   o.cache_dir = testing::SharedStepCostCache();
+  // No start-up warm-up (on by default with CUDA graphs, so under run_all.sh): it would run
+  // over a hundred images at every engine start. EngineTest.WarmUp* turns it on.
+  o.warmup = 0;
   return o;
 }
 
@@ -799,6 +802,76 @@ TEST(EngineTest, TokenBudgetShrinksWindowsAndBoundsAdmission) {
   EXPECT_GE(widest, 2);  // alone at the end, a request gets more than one token
 }
 
+// EngineOptions::warmup: each method at each concurrency runs before Start returns, through
+// the static-shape forward that CUDA graphs capture (eager on the CPU), and leaves no trace a
+// client could see: no steps reach the listener, the stats count nothing, the KV slots are
+// free, and a request then draws the same image as on an engine that did not warm up.
+TEST(EngineTest, WarmUpRunsBeforeStartReturnsAndLeavesNoTrace) {
+  EngineOptions o = BundledOptions();
+  o.cuda_graphs = 1;
+  std::mutex mu;
+  std::vector<std::string> notices;
+  o.log = [&](const std::string& line) {
+    std::lock_guard<std::mutex> l(mu);
+    notices.push_back(line);
+  };
+  auto warm_notices = [&] {
+    std::lock_guard<std::mutex> l(mu);
+    int64_t n = 0;
+    for (const std::string& line : notices) n += line.rfind("warm-up: ", 0) == 0 ? 1 : 0;
+    return n;
+  };
+  EngineOptions warm = o;
+  warm.warmup = 1;
+  // sd needs the draft model, which this engine loads; "cspd" is a MAR method: skipped.
+  warm.warmup_methods = {"ar", "sjd-pac", "sd", "cspd"};
+  warm.warmup_concurrency = {1, 3, 3};         // a repeated count runs once
+  warm.models = {"fmnist-gpt", "fmnist-t2i"};  // a class-conditional and a prompted model
+  StepLog log;
+  auto engine = StartOrDie(warm, &log);
+  EXPECT_EQ(warm_notices(), 1);
+  int64_t images = 0;  // 2 x (1 + 3) of each listed method a model serves
+  for (const ModelInfo& m : engine->Models()) {
+    for (const std::string& method : warm.warmup_methods) {
+      images += std::count(m.methods.begin(), m.methods.end(), method) * 8;
+    }
+  }
+  EXPECT_GE(images, 40);  // ar, sjd-pac and sd on fmnist-gpt; ar and sjd-pac at least on t2i
+  {
+    std::lock_guard<std::mutex> l(mu);
+    ASSERT_FALSE(notices.empty());
+    EXPECT_EQ(notices.back().rfind("warm-up: " + std::to_string(images) + " images in ", 0), 0u)
+        << notices.back();
+  }
+  EXPECT_TRUE(log.samples.empty());
+  EngineStats st = engine->Stats();
+  EXPECT_EQ(st.completed, 0);
+  EXPECT_EQ(st.failed, 0);
+  EXPECT_EQ(st.steps, 0);
+  EXPECT_EQ(st.decode_batches, 0);
+  EXPECT_EQ(st.batch_decoded, 0);
+
+  auto cold = StartOrDie(o);
+  EXPECT_EQ(warm_notices(), 1);  // off: no warm-up
+  auto a = std::make_shared<Recorder>(), b = std::make_shared<Recorder>();
+  ASSERT_TRUE(engine->Submit(Params("ar", 3, 77), a).ok());
+  ASSERT_TRUE(cold->Submit(Params("ar", 3, 77), b).ok());
+  ASSERT_TRUE(a->Wait());
+  ASSERT_TRUE(b->Wait());
+  ASSERT_TRUE(a->result.has_value());
+  ASSERT_TRUE(b->result.has_value());
+  EXPECT_EQ(a->result->tokens, b->result->tokens);
+  EXPECT_EQ(a->result->image.pixels, b->result->image.pixels);
+  WaitIdle(*engine);
+  st = engine->Stats();
+  EXPECT_EQ(st.completed, 1);
+  EXPECT_EQ(st.models[0].slots_used, 0);
+  {
+    std::lock_guard<std::mutex> l(log.mu);
+    EXPECT_FALSE(log.samples.empty());  // the listener is back on after the warm-up
+  }
+}
+
 TEST(EngineTest, ShutdownDrainsRunningRequestsThenRefusesNewOnes) {
   auto engine = StartOrDie(BundledOptions());
   auto a = std::make_shared<Recorder>(), b = std::make_shared<Recorder>();
@@ -840,6 +913,15 @@ TEST(EngineTest, BadEngineOptionsAreRejected) {
       {"simulated_tree_cost", [](EngineOptions& e) { e.simulated_tree_cost = 2; }},
       {"step_cost_max_ratio", [](EngineOptions& e) { e.step_cost_max_ratio = 0.5; }},
       {"commit_warmup_steps", [](EngineOptions& e) { e.commit_warmup_steps = -1; }},
+      {"warmup", [](EngineOptions& e) { e.warmup = 2; }},
+      {"warmup_methods",
+       [](EngineOptions& e) {
+         e.warmup_methods = {"ar", "fastest"};
+       }},
+      {"warmup_concurrency",
+       [](EngineOptions& e) {
+         e.warmup_concurrency = {4, 0};
+       }},
   };
   for (const auto& [field, set] : bad) {
     o = BundledOptions();

@@ -16,9 +16,12 @@
 #           decoded at all (--decode-images 0); the dec ms column is last token to image;
 #           first the decoder alone at 1..32 images a call (imagegen-forward-latency --decoder)
 #   trace   the goodput controller's view of every step (--trace-dir: each request's age,
-#           window, expectation, commit factor and commits) for sjd-pac and scd-mc at 4 and 16
-#           clients, where it lost to whole windows on 2026-11-28, with every step counted in
-#           the commit factor and with the first 8 left out (--commit-warmup-steps 8)
+#           window, expectation, commit factor and commits, and each step's captures and
+#           measured time) for sjd-pac and scd-mc at 4 and 16 clients, where it lost to whole
+#           windows on 2026-11-28, each cell's engine cold (--warmup 0: graphs captured as
+#           the load meets their shapes) and warmed up with the cell's method and load first
+#           (--warmup 1, the daemon's default with graphs): the capt column, and the cost of
+#           a capture step against a replay in the trace
 #   serve   the daemon with --cuda_graphs (run_all.sh --phase serve): a sneaker, imagegen load
 #           for ar and scd-mc at 16 clients, /metrics, SIGTERM drain
 #   gptb    a random GPT-B-shaped LlamaGen model served (tools/parity.py's gptb-random with its
@@ -64,11 +67,11 @@ step_decode() {
 }
 step_trace() {
   local rc=0 w
-  for w in 0 8; do
-    echo "-- --commit-warmup-steps $w"
+  for w in 0 1; do
+    echo "-- --warmup $w"
     "$b/imagegen-load-bench" --device "$dev" --dtype bf16 --cuda-graphs 1 \
       --methods sjd-pac,scd-mc --concurrency 4,16 --seconds 3 --seconds-per-client 0 \
-      --modes goodput --commit-warmup-steps "$w" --mixed-concurrency '' \
+      --modes goodput --warmup "$w" --mixed-concurrency '' \
       --trace-dir "$out/trace-w$w" --out-dir "$out/load-trace-w$w" 2>&1 \
       | tee "$out/load_trace_w$w.log" || rc=1
   done

@@ -3,11 +3,14 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <chrono>
 #include <condition_variable>
 #include <filesystem>
 #include <future>
 #include <mutex>
 #include <random>
+#include <sstream>
 #include <thread>
 #include <unordered_set>
 
@@ -36,6 +39,56 @@ Status ShedStatus(ShedReason reason) {
             "client or API key had the most requests waiting)");
 }
 
+// Forwards steps to the engine's listener, except the warm-up's, which it only counts.
+// Called on the engine thread only.
+class WarmupGate : public EngineListener {
+ public:
+  explicit WarmupGate(EngineListener* target) : target_(target) {}
+  void OnStep(const StepSample& s) override {
+    if (!warming) {
+      if (target_ != nullptr) target_->OnStep(s);
+      return;
+    }
+    steps += 1;
+    captures += s.graph_captures;
+  }
+  bool warming = false;
+  int64_t steps = 0, captures = 0;
+
+ private:
+  EngineListener* target_;
+};
+
+// Waits for the warm-up's requests: how many ended, and the first error.
+class WarmupObserver : public RequestObserver {
+ public:
+  void OnStep(const StepEvent&) override {}
+  void OnComplete(RequestResult) override { End(OkStatus()); }
+  void OnError(const Status& s) override { End(s); }
+  // The first error once `n` requests ended; DeadlineExceeded past `limit`.
+  Status Wait(int64_t n, std::chrono::seconds limit) {
+    std::unique_lock<std::mutex> l(mu_);
+    if (!cv_.wait_for(l, limit, [&] { return ended_ >= n; })) {
+      return DeadlineExceeded("warm-up: " + std::to_string(n - ended_) + " of " +
+                              std::to_string(n) + " requests did not end within " +
+                              std::to_string(limit.count()) + " s");
+    }
+    return first_error_;
+  }
+
+ private:
+  void End(const Status& s) {
+    std::lock_guard<std::mutex> l(mu_);
+    if (first_error_.ok() && !s.ok()) first_error_ = s;
+    ended_ += 1;
+    cv_.notify_all();
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int64_t ended_ = 0;
+  Status first_error_;
+};
+
 }  // namespace
 
 uint64_t RandomSeed() {
@@ -47,6 +100,10 @@ uint64_t RandomSeed() {
 struct Engine::Impl {
   EngineOptions opts;
   EngineListener* listener = nullptr;
+  // The schedulers' listener: `listener`, but not during the warm-up.
+  std::unique_ptr<WarmupGate> gate;
+  // The decode queue's counts after the warm-up (EngineStats leaves the warm-up out).
+  int64_t warm_completed = 0, warm_decode_batches = 0, warm_batch_decoded = 0;
   // One per served model, in EngineOptions::models order: a discrete-token model (gpt) or a
   // continuous-token one (mar).
   struct Served {
@@ -84,6 +141,8 @@ struct Engine::Impl {
   StatusOr<std::unique_ptr<Job>> ResolveMar(GenerateParams p, const MarModel& m) const;
   Status Load();
   Status LoadMar(const std::string& name, const LoadOptions& lo);
+  // EngineOptions::warmup, after the models are loaded.
+  Status WarmUp();
   void Run();
 };
 
@@ -96,6 +155,7 @@ StatusOr<std::unique_ptr<Engine>> Engine::Start(const EngineOptions& options,
   auto impl = std::make_unique<Impl>();
   impl->opts = options;
   impl->listener = listener;
+  impl->gate = std::make_unique<WarmupGate>(listener);
   EngineOptions& o = impl->opts;
   if (o.models.empty()) o.models = {"fmnist-gpt"};
   if (o.max_queue < 0) return InvalidArgument("max_queue: must be >= 0");
@@ -147,6 +207,20 @@ StatusOr<std::unique_ptr<Engine>> Engine::Start(const EngineOptions& options,
   if (o.cuda_graphs < -1 || o.cuda_graphs > 1) {
     return InvalidArgument("cuda_graphs: must be -1 (by device), 0 or 1");
   }
+  if (o.warmup < -1 || o.warmup > 1) {
+    return InvalidArgument("warmup: must be -1 (with CUDA graphs), 0 or 1");
+  }
+  for (const std::string& m : o.warmup_methods) {
+    if (!PolicyFromPreset(m).ok()) {
+      return InvalidArgument("warmup_methods: unknown method '" + m.substr(0, 64) + "'");
+    }
+  }
+  for (int64_t c : o.warmup_concurrency) {
+    if (c < 1 || c > 4096) {
+      return InvalidArgument("warmup_concurrency: each must be in [1, 4096], got " +
+                             std::to_string(c));
+    }
+  }
   // Every LibTorch call, loading included, happens on the engine thread (see EngineOptions).
   std::promise<Status> loaded;
   Impl* raw = impl.get();
@@ -180,6 +254,7 @@ Status Engine::Impl::Load() {
                                                                : 256;
   }
   if (opts.cuda_graphs < 0) opts.cuda_graphs = lo.device.is_cuda() ? 1 : 0;
+  if (opts.warmup < 0) opts.warmup = opts.cuda_graphs;
   const EngineOptions& o = opts;
   const bool decode_thread = o.decode_thread < 0 ? lo.device.is_cuda() : o.decode_thread > 0;
   if (opts.decode_batch < 0) {
@@ -212,7 +287,7 @@ Status Engine::Impl::Load() {
     }
     std::unique_ptr<ModelScheduler> sched;
     try {
-      sched = std::make_unique<ModelScheduler>(*model, slots, opts, *decoder, listener);
+      sched = std::make_unique<ModelScheduler>(*model, slots, opts, *decoder, gate.get());
     } catch (const std::exception& e) {
       return ResourceExhausted("KV cache of model '" + name + "' (" + std::to_string(slots) +
                                " slots): " + e.what());
@@ -257,6 +332,85 @@ Status Engine::Impl::Load() {
   census.assign(models.size(), {});
   inbox_census.assign(models.size(), {});
   shed.assign(models.size(), {});
+  return opts.warmup > 0 ? WarmUp() : OkStatus();
+}
+
+Status Engine::Impl::WarmUp() {
+  const auto t0 = Clock::now();
+  gate->warming = true;
+  int64_t images = 0, next = 0;
+  Status failed;
+  for (size_t mi = 0; mi < models.size() && failed.ok(); ++mi) {
+    if (!models[mi].gpt) continue;  // continuous-token models capture no graphs
+    const ModelInfo& info = infos[mi];
+    const GptConfig& c = models[mi].gpt->gpt->config();
+    std::vector<int64_t> counts;  // at most half the slots (a CFG request takes two), no repeats
+    for (int64_t n : opts.warmup_concurrency) {
+      n = std::max<int64_t>(1, std::min(n, info.kv_slots / 2));
+      if (std::find(counts.begin(), counts.end(), n) == counts.end()) counts.push_back(n);
+    }
+    for (const std::string& method : opts.warmup_methods) {
+      if (std::find(info.methods.begin(), info.methods.end(), method) == info.methods.end()) {
+        continue;  // e.g. sd without a draft model
+      }
+      for (int64_t n : counts) {
+        // A closed loop of n clients for 2n images, the first n arriving one a step: requests
+        // at every age side by side, as a load has them (n started together would meet only
+        // the shapes of requests in lockstep).
+        const int64_t total = 2 * n;
+        auto observer = std::make_shared<WarmupObserver>();
+        FamilyScheduler& sched = *schedulers[mi];
+        int64_t submitted = 0;
+        Outcomes out;
+        while (failed.ok() && (submitted < total || !sched.idle())) {
+          if (submitted < total && sched.queued() + sched.active() < n) {
+            GenerateParams p;
+            p.model = info.name;
+            p.policy = *PolicyFromPreset(method);
+            if (c.prompted()) {
+              p.prompt_token_ids = {0};
+            } else {
+              p.class_id = submitted % std::max<int64_t>(c.num_classes, 1);
+            }
+            p.seed = static_cast<uint64_t>(submitted);
+            size_t m = 0;
+            StatusOr<std::unique_ptr<Job>> job = Resolve(std::move(p), &m);
+            if (!job.ok()) {
+              failed = job.status();
+              break;
+            }
+            (*job)->id = (*job)->group = -(++next);  // never a client's id
+            (*job)->submitted = Clock::now();
+            (*job)->observer = observer;
+            sched.Enqueue(std::move(*job));
+            ++submitted;
+          }
+          sched.Tick({}, Clock::now(), out);
+        }
+        if (failed.ok()) failed = observer->Wait(submitted, std::chrono::seconds(600));
+        if (!failed.ok()) {
+          failed =
+              Status(failed.code(), "warm-up of model '" + info.name + "' with " + method + " at " +
+                                        std::to_string(n) + " at a time: " + failed.message());
+          sched.EndAll(failed, out);
+          break;
+        }
+        images += total;
+      }
+      if (!failed.ok()) break;
+    }
+  }
+  gate->warming = false;
+  RETURN_IF_ERROR(failed);
+  warm_completed = decoder->completed();
+  warm_decode_batches = decoder->batch_calls();
+  warm_batch_decoded = decoder->batch_images();
+  std::ostringstream msg;
+  msg.precision(3);
+  msg << "warm-up: " << images << " images in "
+      << std::chrono::duration<double>(Clock::now() - t0).count() << " s, " << gate->steps
+      << " steps, " << gate->captures << " CUDA graphs captured";
+  Notice(opts, msg.str());
   return OkStatus();
 }
 
@@ -271,7 +425,7 @@ Status Engine::Impl::LoadMar(const std::string& name, const LoadOptions& lo) {
                               "the target's (trajectory alignment needs the same steps)");
   }
   const int64_t slots = opts.max_slots;
-  schedulers.push_back(std::make_unique<MarScheduler>(*model, slots, opts, *decoder, listener));
+  schedulers.push_back(std::make_unique<MarScheduler>(*model, slots, opts, *decoder, gate.get()));
   ModelInfo info;
   info.name = name;
   info.grid = c.grid();
@@ -491,10 +645,10 @@ EngineStats Engine::Stats() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   EngineStats s = impl_->stats;
   if (impl_->decoder) {  // finished requests count when their decoding returns
-    s.completed += impl_->decoder->completed();
+    s.completed += impl_->decoder->completed() - impl_->warm_completed;
     s.failed += impl_->decoder->failed();
-    s.decode_batches = impl_->decoder->batch_calls();
-    s.batch_decoded = impl_->decoder->batch_images();
+    s.decode_batches = impl_->decoder->batch_calls() - impl_->warm_decode_batches;
+    s.batch_decoded = impl_->decoder->batch_images() - impl_->warm_batch_decoded;
   }
   for (size_t i = 0; i < s.models.size(); ++i) s.models[i].queued = impl_->Queued(i);
   return s;

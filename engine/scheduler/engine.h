@@ -148,6 +148,19 @@ struct EngineOptions {
   // so -1 (default) is 16 where the forward is not batch-invariant either (CUDA graphs,
   // batch_invariant off) and 1 otherwise; 1 decodes one image a call; at most 256.
   int64_t decode_batch = -1;
+  // A warm-up before Start returns, and so before the daemon reports ready: for each
+  // discrete-token model, each of warmup_methods it serves runs at each n of
+  // warmup_concurrency (at most half its KV slots): a closed loop of n clients, arriving one a
+  // step, for 2n images, through the ordinary scheduler with the model's default sampling. It
+  // captures the CUDA graphs of the shape buckets such loads meet (a capture costs tens of times a
+  // replay) and warms the VQ decoder's batch sizes, so that clients' requests meet replays, and the
+  // step-cost refinement and the acceptance statistics have seen the device before the first
+  // client. Warm-up requests are not counted in EngineStats, their steps do not reach the listener,
+  // and one that fails fails Start. -1 (default): by device, on with CUDA graphs, off
+  // otherwise; 0 off; 1 on.
+  int warmup = -1;
+  std::vector<std::string> warmup_methods = {"ar", "sjd", "scd-mc", "sjd-pac"};  // presets
+  std::vector<int64_t> warmup_concurrency = {1, 2, 4, 8, 16};                    // each >= 1
   // Fills StepSample::trace (each decoding request's windows, expectations and commits) for
   // the listener: diagnostics of the goodput controller; off, nothing is collected.
   bool trace_steps = false;

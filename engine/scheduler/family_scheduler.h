@@ -5,6 +5,8 @@
 
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
+#include <string>
 #include <memory>
 #include <unordered_set>
 
@@ -13,6 +15,16 @@
 #include "engine/scheduler/wait_queue.h"
 
 namespace imagegen {
+
+// One engine notice (a calibration not reused, the warm-up's figures), through
+// EngineOptions::log when set, else on stderr.
+inline void Notice(const EngineOptions& o, const std::string& msg) {
+  if (o.log) {
+    o.log(msg);
+  } else {
+    std::fprintf(stderr, "imagegen: %s\n", msg.c_str());
+  }
+}
 
 // What a round ended, for EngineStats (completions, and failures to decode, are counted by the
 // DecodeQueue instead).

@@ -47,15 +47,6 @@ std::string FileSafe(const std::string& s) {
   return out;
 }
 
-// One engine notice, through EngineOptions::log when set.
-void Notice(const EngineOptions& o, const std::string& msg) {
-  if (o.log) {
-    o.log(msg);
-  } else {
-    std::fprintf(stderr, "imagegen: %s\n", msg.c_str());
-  }
-}
-
 }  // namespace
 
 ModelScheduler::ModelScheduler(const ImageModel& model, int64_t slots, const EngineOptions& opts,
