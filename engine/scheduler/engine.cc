@@ -143,6 +143,9 @@ struct Engine::Impl {
   Status LoadMar(const std::string& name, const LoadOptions& lo);
   // EngineOptions::warmup, after the models are loaded.
   Status WarmUp();
+  // One warm-up load: a closed loop of n clients of `method` on model `mi`, for 2n images.
+  // `next` numbers the warm-up's requests across loads.
+  Status WarmUpLoad(size_t mi, const std::string& method, int64_t n, int64_t& next);
   void Run();
 };
 
@@ -343,7 +346,6 @@ Status Engine::Impl::WarmUp() {
   for (size_t mi = 0; mi < models.size() && failed.ok(); ++mi) {
     if (!models[mi].gpt) continue;  // continuous-token models capture no graphs
     const ModelInfo& info = infos[mi];
-    const GptConfig& c = models[mi].gpt->gpt->config();
     std::vector<int64_t> counts;  // at most half the slots (a CFG request takes two), no repeats
     for (int64_t n : opts.warmup_concurrency) {
       n = std::max<int64_t>(1, std::min(n, info.kv_slots / 2));
@@ -353,49 +355,9 @@ Status Engine::Impl::WarmUp() {
       if (std::find(info.methods.begin(), info.methods.end(), method) == info.methods.end()) {
         continue;  // e.g. sd without a draft model
       }
-      for (int64_t n : counts) {
-        // A closed loop of n clients for 2n images, the first n arriving one a step: requests
-        // at every age side by side, as a load has them (n started together would meet only
-        // the shapes of requests in lockstep).
-        const int64_t total = 2 * n;
-        auto observer = std::make_shared<WarmupObserver>();
-        FamilyScheduler& sched = *schedulers[mi];
-        int64_t submitted = 0;
-        Outcomes out;
-        while (failed.ok() && (submitted < total || !sched.idle())) {
-          if (submitted < total && sched.queued() + sched.active() < n) {
-            GenerateParams p;
-            p.model = info.name;
-            p.policy = *PolicyFromPreset(method);
-            if (c.prompted()) {
-              p.prompt_token_ids = {0};
-            } else {
-              p.class_id = submitted % std::max<int64_t>(c.num_classes, 1);
-            }
-            p.seed = static_cast<uint64_t>(submitted);
-            size_t m = 0;
-            StatusOr<std::unique_ptr<Job>> job = Resolve(std::move(p), &m);
-            if (!job.ok()) {
-              failed = job.status();
-              break;
-            }
-            (*job)->id = (*job)->group = -(++next);  // never a client's id
-            (*job)->submitted = Clock::now();
-            (*job)->observer = observer;
-            sched.Enqueue(std::move(*job));
-            ++submitted;
-          }
-          sched.Tick({}, Clock::now(), out);
-        }
-        if (failed.ok()) failed = observer->Wait(submitted, std::chrono::seconds(600));
-        if (!failed.ok()) {
-          failed =
-              Status(failed.code(), "warm-up of model '" + info.name + "' with " + method + " at " +
-                                        std::to_string(n) + " at a time: " + failed.message());
-          sched.EndAll(failed, out);
-          break;
-        }
-        images += total;
+      for (size_t k = 0; k < counts.size() && failed.ok(); ++k) {
+        failed = WarmUpLoad(mi, method, counts[k], next);
+        images += failed.ok() ? 2 * counts[k] : 0;
       }
       if (!failed.ok()) break;
     }
@@ -412,6 +374,51 @@ Status Engine::Impl::WarmUp() {
       << " steps, " << gate->captures << " CUDA graphs captured";
   Notice(opts, msg.str());
   return OkStatus();
+}
+
+// A closed loop of n clients for 2n images, the first n arriving one a step: requests at every
+// age side by side, as a load has them (n started together would meet only the shapes of
+// requests in lockstep).
+Status Engine::Impl::WarmUpLoad(size_t mi, const std::string& method, int64_t n, int64_t& next) {
+  const ModelInfo& info = infos[mi];
+  const GptConfig& c = models[mi].gpt->gpt->config();
+  const int64_t total = 2 * n;
+  auto observer = std::make_shared<WarmupObserver>();
+  FamilyScheduler& sched = *schedulers[mi];
+  int64_t submitted = 0;
+  Outcomes out;
+  Status failed;
+  while (submitted < total || !sched.idle()) {
+    if (submitted < total && sched.queued() + sched.active() < n) {
+      GenerateParams p;
+      p.model = info.name;
+      p.policy = *PolicyFromPreset(method);
+      if (c.prompted()) {
+        p.prompt_token_ids = {0};
+      } else {
+        p.class_id = submitted % std::max<int64_t>(c.num_classes, 1);
+      }
+      p.seed = static_cast<uint64_t>(submitted);
+      size_t m = 0;
+      StatusOr<std::unique_ptr<Job>> job = Resolve(std::move(p), &m);
+      if (!job.ok()) {
+        failed = job.status();
+        break;
+      }
+      (*job)->id = (*job)->group = -(++next);  // never a client's id
+      (*job)->submitted = Clock::now();
+      (*job)->observer = observer;
+      sched.Enqueue(std::move(*job));
+      ++submitted;
+    }
+    sched.Tick({}, Clock::now(), out);
+  }
+  if (failed.ok()) failed = observer->Wait(submitted, std::chrono::seconds(600));
+  if (failed.ok()) return OkStatus();
+  failed = Status(failed.code(), "warm-up of model '" + info.name + "' with " + method + " at " +
+                                     std::to_string(n) + " at a time: " + failed.message());
+  sched.EndAll(failed, out);
+  return failed;
 }
 
 // A continuous-token model: no KV cache, so a slot is a forward row (max_slots of them).
