@@ -6,7 +6,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <tuple>
+#include <utility>
 
 #include "engine/model/transfer.h"
 
@@ -26,7 +26,7 @@ class ForwardGraphs {
     at::cuda::CUDAGraph graph;
     at::Tensor upload, tokens, out;  // static input buffers and the captured output
   };
-  using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, bool>;
+  using Key = std::pair<StaticShape, bool>;  // the bucket, and whether tokens come on the device
   std::map<Key, std::unique_ptr<Entry>> entries;
   at::cuda::MempoolId_t pool{0, 0};
 #endif
@@ -83,7 +83,7 @@ StatusOr<at::Tensor> RunForwardGraph(const Gpt& gpt, KvCache& cache, const Stati
   ForwardGraphs& g = *cache.graphs;
   const at::Device dev = cache.k.at(0).device();
   const bool with_tokens = device_tokens.defined();
-  const ForwardGraphs::Key key{shape.tokens, shape.rows, shape.width, shape.pairs, with_tokens};
+  const ForwardGraphs::Key key{shape, with_tokens};
   auto it = g.entries.find(key);
   if (it != g.entries.end()) {
     ForwardGraphs::Entry& e = *it->second;

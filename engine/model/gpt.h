@@ -14,6 +14,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "engine/model/weights.h"
@@ -153,6 +154,9 @@ struct StaticShape {
   }
   bool operator==(const StaticShape& o) const {
     return tokens == o.tokens && rows == o.rows && width == o.width && pairs == o.pairs;
+  }
+  bool operator<(const StaticShape& o) const {  // an order, for sets and maps of buckets
+    return std::tie(tokens, rows, width, pairs) < std::tie(o.tokens, o.rows, o.width, o.pairs);
   }
   // Length of the int64 upload: ids, positions, cache indices and query indices per token,
   // slot, cache length, token count and own-mask flag per row, then the mask pairs.

@@ -616,9 +616,7 @@ double ModelScheduler::ReplayedSeconds(StepSample& sample, const std::vector<int
   double t = StepCostModel::Linear(f[0], f[1], f[2]).Predict(sample.tokens, sample.requests) +
              opts_.simulated_tree_cost * static_cast<double>(trees);
   if (opts_.simulated_capture_cost > 0) {
-    const StaticShape s = StaticShape::Of(sample.tokens, rows, widest, trees);
-    const std::array<int64_t, 4> bucket = {s.tokens, s.rows, s.width, s.pairs};
-    if (replayed_buckets_.insert(bucket).second) {
+    if (replayed_buckets_.insert(StaticShape::Of(sample.tokens, rows, widest, trees)).second) {
       t *= opts_.simulated_capture_cost;
       sample.graph_captures += 1;
     }

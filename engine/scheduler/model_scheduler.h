@@ -2,7 +2,6 @@
 // budget, the step, and the events each step produces. The engine thread owns it (not thread-safe).
 #pragma once
 
-#include <array>
 #include <memory>
 #include <random>
 #include <set>
@@ -93,8 +92,8 @@ class ModelScheduler : public FamilyScheduler {
   StepCostModel cost_;
   std::mt19937_64 noise_rng_{1};  // EngineOptions::simulated_step_noise
   CommitModel commits_;
-  int64_t planned_steps_ = 0;                          // goodput steps with more than one request
-  std::set<std::array<int64_t, 4>> replayed_buckets_;  // simulated_capture_cost
+  int64_t planned_steps_ = 0;               // goodput steps with more than one request
+  std::set<StaticShape> replayed_buckets_;  // simulated_capture_cost
   bool explored_ = false;  // the last plan was an exploring one (GoodputOptions::explore)
 };
 
