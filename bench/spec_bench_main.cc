@@ -24,6 +24,7 @@
 #include <nlohmann/json.hpp>
 
 #include "bench/common.h"
+#include "bench/kernel_profile.h"
 #include "bench/op_profile.h"
 #include "engine/decoding/speculative.h"
 #include "engine/model/classifier.h"
@@ -48,8 +49,10 @@ struct Row {
   int64_t images = 0;
   double nfe = 0, compression = 0, acceptance = 0, accepted_per_step = 0, draft_forwards = 0;
   double seconds = 0, images_per_s = 0, latency_ratio = 0, accuracy = 0, fd = 0, entropy = 0;
-  StepTiming timing;            // with --split: the target forward vs the rest of each step
-  StepTiming launches;          // with --split: the same split of device launches (one batch)
+  StepTiming timing;      // with --split: the target forward vs the rest of each step
+  StepTiming launches;    // with --split: the same split of device launches (one batch)
+  KernelSummary kernels;  // with --kernel-profile: per step, on a run of its own
+  int64_t kernel_steps = 0;
   std::map<int, int64_t> hist;  // committed tokens per step -> steps
 };
 
@@ -118,6 +121,7 @@ int main(int argc, char** argv) {
            {"sd-windows", "4,8,16"},
            {"methods", "all"},
            {"split", "1"},
+           {"kernel-profile", "0"},
            {"fused-verify", "1"},
            {"cuda-graphs", "0"},
            {"noise-row", "1"},
@@ -127,6 +131,7 @@ int main(int argc, char** argv) {
            {"dtype", "auto"}},
           "usage: imagegen-spec-bench [--per-class N] [--batch B] [--windows 16,32,64] "
           "[--methods all|sjd,scd-mc,...] [--model M --draft D|'' --prompts F] [--split 0|1] "
+          "[--kernel-profile BATCHES] "
           "[--fused-verify 1|0|both|all] [--cuda-graphs 0|1] [--noise-row 1|0] [--out-dir DIR] "
           "[--device cpu|cuda|cuda:N]");
   const LoadOptions opts = LoadOptionsFromFlags(f);
@@ -293,6 +298,26 @@ int main(int argc, char** argv) {
       LaunchCount count;
       OrDie(GenerateSpeculative(*model.gpt, draft.get(), chunk, counted));
     }
+    if (f.Int("kernel-profile") > 0) {
+      // Where a step's device time goes (bench/kernel_profile.h), on a run of its own without
+      // the split's syncs: the first --kernel-profile batches again, per step.
+      SpecOptions profiled = so;
+      profiled.timing = nullptr;
+      const size_t n = std::min(all.size(), static_cast<size_t>(batch * f.Int("kernel-profile")));
+      SynchronizeDevice(opts.device);
+      KernelProfile prof(opts.device);
+      int64_t steps = 0;
+      for (size_t b = 0; b < n; b += batch) {
+        std::vector<ImageRequest> chunk(all.begin() + b, all.begin() + std::min(n, b + batch));
+        auto res = OrDie(GenerateSpeculative(*model.gpt, draft.get(), chunk, profiled));
+        int64_t most = 0;  // the batch steps together until its last image is done
+        for (const auto& r : res) most = std::max(most, r.stats.nfe);
+        steps += most;
+      }
+      SynchronizeDevice(opts.device);
+      row.kernel_steps = steps;
+      row.kernels = prof.Stop(steps);
+    }
     row.images = static_cast<int64_t>(all.size());
     row.nfe = static_cast<double>(nfe) / row.images;
     row.compression = gc.block_size / row.nfe;
@@ -371,6 +396,25 @@ int main(int argc, char** argv) {
   }
   csv.close();
   hist.close();
+  if (f.Int("kernel-profile") > 0) {
+    std::printf(
+        "kernel profile (--kernel-profile %lld: that many batches again, profiled, without the "
+        "split's syncs), per step; busy = the union of the device's kernels and copies, span = "
+        "first start to last end, so busy / span is how busy the device was:\n",
+        static_cast<long long>(f.Int("kernel-profile")));
+    std::ofstream kcsv(out + "/kernels.csv");
+    kcsv << "method,window,steps,kernels_per_step,kernel_us,busy_us,span_us,gemm_us,attention_us,"
+            "norm_us,memory_us,other_us\n";
+    for (const Row& r : rows) {
+      const KernelSummary& k = r.kernels;
+      PrintKernelSummary(k, 8,
+                         (r.cfg.label + " " + std::to_string(r.cfg.policy.window) + " ").c_str());
+      kcsv << r.cfg.label << "," << r.cfg.policy.window << "," << r.kernel_steps << "," << k.kernels
+           << "," << k.kernel_us << "," << k.busy_us << "," << k.span_us << "," << k.Us("gemm")
+           << "," << k.Us("attention") << "," << k.Us("norm") << "," << k.Us("memory") << ","
+           << k.Us("other") << "\n";
+    }
+  }
 
   // Acceptance maps of one image (class 7, the first seed) for three methods.
   for (const auto& [preset, L] :

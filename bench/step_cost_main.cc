@@ -5,7 +5,9 @@
 // with CFG), it times the forward (median of --reps, the device synchronised around each) and
 // reports milliseconds, tokens/s, and the time relative to one token for one request. With
 // --hbm-gbps it also gives the weight-read limit of a step (weights / bandwidth) and the ratio
-// of the 1-request, 1-token step to it.
+// of the 1-request, 1-token step to it. With --kernel-profile N it also runs N more forwards of
+// each cell under LibTorch's profiler and prints where their device time went, kernel by kernel
+// (bench/kernel_profile.h; on the CPU, ATen op by op).
 //
 //   imagegen-step-cost --device cuda --shapes bundled,gpt-b,gpt-l,gpt-xl --dtypes bf16,fp32
 //       --hbm-gbps 3350 --csv step_cost.csv   (one line)
@@ -17,6 +19,7 @@
 #include <fstream>
 
 #include "bench/common.h"  // flags, OrDie (header-only: no libpng needed)
+#include "bench/kernel_profile.h"
 #include "bench/op_profile.h"
 #include "engine/model/device.h"
 #include "engine/model/gpt.h"
@@ -68,19 +71,24 @@ int main(int argc, char** argv) {
            {"batch-invariant", "1"},
            {"forwards", "eager"},
            {"hbm-gbps", "0"},
+           {"kernel-profile", "0"},
+           {"kernel-top", "12"},
            {"csv", ""}},
           "usage: imagegen-step-cost [--shapes bundled,gpt-b,gpt-l,gpt-xl,tiny] [--dtypes "
           "bf16,fp32] [--device cuda] [--requests 1,2,..] [--tokens 1,2,..] [--forwards "
-          "eager,static,graphs,static-ref,graphs-ref] [--csv FILE]");
+          "eager,static,graphs,static-ref,graphs-ref] [--kernel-profile N] [--csv FILE]");
   std::ofstream csv;
   if (!f.Str("csv").empty()) {
     csv.open(f.Str("csv"));
     if (!csv) f.Fail("cannot write --csv " + f.Str("csv"));
     csv << "shape,dtype,device,params_bytes,requests,rows,tokens_per_step,tokens_per_request,"
            "committed_prefix,median_ms,tokens_per_s,ratio_to_one_token,weight_read_ms,forward,"
-           "launches\n";
+           "launches,kernels,kernel_us,busy_us,span_us,gemm_us,attention_us,norm_us,memory_us,"
+           "other_us\n";
   }
   const double gbps = std::stod(f.Str("hbm-gbps"));
+  const int64_t profile_reps = f.Int("kernel-profile");
+  if (profile_reps < 0) f.Fail("--kernel-profile must be >= 0");
   const bool invariant = f.Int("batch-invariant") != 0;
   // eager: the ragged forward (batch-invariant unless --batch-invariant 0); static: the
   // static-shape forward; graphs: the static forward through CUDA graphs (one capture per
@@ -162,6 +170,16 @@ int main(int argc, char** argv) {
               OrDie(gpt->Forward(step, cache, at::Tensor(), fo));
               launches = count.launches();
             }
+            KernelSummary ks;  // --kernel-profile: N forwards more, profiled
+            if (profile_reps > 0) {
+              SynchronizeDevice(lo->device);
+              KernelProfile prof(lo->device);
+              for (int64_t i = 0; i < profile_reps; ++i) {
+                OrDie(gpt->Forward(step, cache, at::Tensor(), fo));
+              }
+              SynchronizeDevice(lo->device);
+              ks = prof.Stop(profile_reps);
+            }
             std::sort(ms.begin(), ms.end());
             const double med = ms[ms.size() / 2];
             if (r == 1 && t == 1) one_token_ms = med;
@@ -170,11 +188,23 @@ int main(int argc, char** argv) {
                         static_cast<long long>(r), static_cast<long long>(rows),
                         static_cast<long long>(t), static_cast<long long>(n), med, t / (med / 1e3),
                         ratio, static_cast<long long>(launches));
+            if (profile_reps > 0) {
+              PrintKernelSummary(ks, static_cast<size_t>(std::max<int64_t>(0, f.Int("kernel-top"))),
+                                 "    ");
+            }
             if (csv) {
               csv << shape << "," << dtype << "," << f.Str("device") << "," << gpt->weight_bytes()
                   << "," << r << "," << rows << "," << t << "," << n << "," << prefix << "," << med
                   << "," << t / (med / 1e3) << "," << ratio << "," << weight_ms << "," << fw << ","
-                  << launches << std::endl;
+                  << launches;
+              if (profile_reps > 0) {
+                csv << "," << ks.kernels << "," << ks.kernel_us << "," << ks.busy_us << ","
+                    << ks.span_us << "," << ks.Us("gemm") << "," << ks.Us("attention") << ","
+                    << ks.Us("norm") << "," << ks.Us("memory") << "," << ks.Us("other");
+              } else {
+                csv << ",,,,,,,,,";
+              }
+              csv << std::endl;
             }
             std::fflush(stdout);  // a run stopped at a time limit keeps the rows it printed
           }

@@ -22,6 +22,11 @@
 #             (16 +- 8), eager against CUDA graphs, cut drafts dropped and kept (issue 15: the
 #             controller's sjd-pac at 8 clients committed 1.51 tokens a step at 19 nodes with
 #             graphs, 2.6 on the CPU at 15; NFE is exact, no timing)
+#   profile   where the device time goes, kernel by kernel (bench/kernel_profile.h, CUPTI
+#             through LibTorch's profiler): the graphed forward of GPT-B and the bundled model
+#             (imagegen-step-cost --kernel-profile; fused and reference layer, 1 and 16
+#             requests), then whole batch-1 steps of ar, scd-mc and sjd-pac with graphs
+#             (imagegen-spec-bench --kernel-profile: the device's busy share of a step)
 # GRAPHS_STEPS="kernels:30 load:200" picks and sizes the steps; GRAPHS_DEVICE=cpu tries the
 # script without a GPU.
 set -uo pipefail
@@ -99,6 +104,19 @@ step_fused() {
   cat "$out/fused_step.log"
   return $rc
 }
+step_profile() {
+  "$b/imagegen-step-cost" --device "$dev" --shapes gpt-b,bundled --dtypes bf16 --requests 1,16 \
+    --tokens 1,16 --reps 5 --forwards graphs,graphs-ref --kernel-profile 5 --kernel-top 30 \
+    --csv "$out/kernel_step.csv" > "$out/kernel_step.log" 2>&1
+  local rc=$?
+  grep -E '^(gpt-b|bundled)|kernels:' "$out/kernel_step.log"
+  "$b/imagegen-spec-bench" --device "$dev" --dtype bf16 --cuda-graphs 1 --per-class 1 \
+    --methods scd-mc,sjd-pac --windows 32 --split 0 --kernel-profile 2 --noise-row 0 \
+    --python "$PY" --out-dir "$out/kernel_spec" > "$out/kernel_spec.log" 2>&1
+  [[ $? -eq 0 ]] || rc=1
+  grep -A100 '^kernel profile' "$out/kernel_spec.log" | grep -E 'kernels:'
+  return $rc
+}
 step_split() {
   "$b/imagegen-spec-bench" --device "$dev" --dtype bf16 --cuda-graphs 1 --per-class 1 \
     --methods scd-mc,sjd-pac --windows 32 --split 1 --fused-verify both --noise-row 0 \
@@ -110,5 +128,5 @@ step_split() {
 
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
 export out b dev PY
-carried_steps "${GRAPHS_STEPS:-kernels:30 tests:75 fused:30 churn:40 load:215 split:60}" graphs \
+carried_steps "${GRAPHS_STEPS:-kernels:30 tests:75 fused:30 profile:45 churn:40 load:215 split:60}" graphs \
   "$out/steps.log" "$out" "$dest/graphs.tgz"

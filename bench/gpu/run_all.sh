@@ -180,7 +180,8 @@ phase_step() {
   local b="$bench_bin"
   if [[ $scale == quick ]]; then
     "$b/imagegen-step-cost" --device "$device" --shapes bundled,tiny --requests 1,4 \
-      --tokens 1,4,16,64 --reps 3 --csv "$out/step_cost.csv" > "$out/step_cost.log" 2>&1
+      --tokens 1,4,16,64 --reps 3 --kernel-profile 2 --kernel-top 3 --csv "$out/step_cost.csv" \
+      > "$out/step_cost.log" 2>&1
   elif [[ $scale == lease ]]; then
     # CUDA graphs with the fused layer (the CUDA default) and with the reference layer, side
     # by side for each shape, in bf16 (the eager forward and fp32: docs/results-gpu.md, 2026-11-27;
