@@ -16,6 +16,7 @@
 #include <absl/strings/str_format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <csignal>
@@ -292,7 +293,30 @@ int main(int argc, char** argv) {
                                       std::to_string(daemon->metrics_port()) + http + "\n");
   }
 
-  if (Status st = daemon->Load(&Engine::Start); !st.ok()) {
+  // Until the engine is ready nothing is in flight, so SIGTERM or SIGINT while the models load
+  // (the start-up warm-up included, which can take minutes for large models) exits at once
+  // with status 0, rather than once loading is done; SIGHUP then only says that the key file
+  // was read when the port opened. A thread of its own polls for them, 10 times a second, and
+  // hands the signals back to main below once loading ends.
+  std::atomic<bool> loading{true};
+  std::thread while_loading([&signals, &loading] {
+    const timespec tick{0, 100'000'000};
+    while (loading.load()) {
+      const int s = sigtimedwait(&signals, nullptr, &tick);
+      if (s == SIGHUP) {
+        Log("SIGHUP while loading: the keys are the ones read at start");
+      } else if (s == SIGTERM || s == SIGINT) {
+        Log(std::string("received ") + (s == SIGTERM ? "SIGTERM" : "SIGINT") +
+            " while loading the models: exiting, nothing was in flight");
+        std::fflush(stderr);
+        std::_Exit(0);
+      }
+    }
+  });
+  const Status loaded = daemon->Load(&Engine::Start);
+  loading = false;
+  while_loading.join();
+  if (Status st = loaded; !st.ok()) {
     if (st.field() == "--default-method") {
       Log(st.message());
       return 2;

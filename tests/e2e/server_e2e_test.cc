@@ -946,6 +946,24 @@ TEST(E2eTest, SigtermDrainsInFlightStreamsThenExitsZero) {
   EXPECT_NE(d.proc().Log().find("images decoded on their own thread"), std::string::npos);
 }
 
+// SIGTERM while the models load (here a start-up warm-up of 4 methods at 5 loads, about a
+// minute on the 2-core CPU): nothing is in flight, so the daemon exits at once with status 0
+// instead of warming up, turning ready and draining. Power: without the handler the log has
+// "ready:" and no "while loading" line.
+TEST(E2eTest, SigtermWhileLoadingExitsAtOnceWithoutBecomingReady) {
+  Daemon d("sigterm_loading", {"--warmup=1", "--warmup_methods=ar,sjd,scd-mc,sjd-pac",
+                               "--warmup_concurrency=1,2,4,8,16"});
+  // The port is open and the models load: NOT_SERVING (UNKNOWN if the call itself failed).
+  EXPECT_NE(d.Health(kService), HealthCheckResponse::SERVING);
+  d.proc().Signal(SIGTERM);
+  EXPECT_EQ(d.proc().Wait(seconds(120)), 0) << d.proc().Log();
+  const std::string log = d.proc().Log();
+  EXPECT_NE(log.find("received SIGTERM while loading the models: exiting"), std::string::npos)
+      << log;
+  EXPECT_EQ(log.find("ready:"), std::string::npos) << log;
+  EXPECT_EQ(log.find("warm-up:"), std::string::npos) << log;  // it never finished
+}
+
 // The daemon's log (server/request_log.h), here as JSON lines: every generation call, from
 // either front, is one `request` line that names it by the id the response carries back
 // (x-request-id: the client's when it sends a valid one, else the server's), with its outcome
