@@ -13,6 +13,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <string>
 #include <thread>
 #include <vector>
@@ -151,6 +152,38 @@ TEST_F(StaticForwardTest, MatchesTheRaggedForwardStepByStep) {
       EXPECT_LT((ragged.v[l] - fixed.v[l].narrow(0, 0, 6)).abs().max().item<float>(), 2e-5);
     }
     EXPECT_GT(ragged.k[0].abs().max().item<float>(), 0.1);
+  }
+}
+
+// The static forward hands attention an additive bias built once per forward (rows padded to 16
+// elements) instead of the boolean mask SDPA converts in every layer: the same logits and cache
+// entries, bit for bit, step after step, in fp32 and bf16 (and on a CUDA device when there is
+// one). A bias with the mask inverted fails it by 7-8 (tried by hand); -1e4 for -inf does not,
+// as the softmax rounds both to zero.
+TEST_F(StaticForwardTest, TheAdditiveBiasGivesTheBooleanMasksLogitsBitForBit) {
+  for (const auto& [device, dtype] : FusedCases()) {
+    SCOPED_TRACE(device.str() + (dtype == at::kFloat ? " fp32" : " bf16"));
+    std::unique_ptr<Gpt> gpt = LoadFused(true, dtype, device);
+    ASSERT_NE(gpt, nullptr);
+    KvCache bias = gpt->NewCache(6, 0, true), boolean = gpt->NewCache(6, 0, true);
+    int64_t step = 0;
+    for (const auto& batch : Steps()) {
+      SCOPED_TRACE("step " + std::to_string(step++));
+      ASSERT_FALSE(StaticBoolMask());
+      auto a = gpt->Forward(batch, bias, at::Tensor(), ForwardOptions{false, true});
+      ::setenv("IMAGEGEN_SDPA_BOOL_MASK", "1", 1);
+      ASSERT_TRUE(StaticBoolMask());
+      auto b = gpt->Forward(batch, boolean, at::Tensor(), ForwardOptions{false, true});
+      ::unsetenv("IMAGEGEN_SDPA_BOOL_MASK");
+      ASSERT_TRUE(a.ok()) << a.status().ToString();
+      ASSERT_TRUE(b.ok()) << b.status().ToString();
+      EXPECT_GT(a->abs().max().item<float>(), 0.1);
+      EXPECT_EQ((*a - *b).abs().max().item<float>(), 0.0f);
+    }
+    for (size_t l = 0; l < bias.k.size(); ++l) {
+      EXPECT_TRUE(at::equal(bias.k[l], boolean.k[l]));
+      EXPECT_TRUE(at::equal(bias.v[l], boolean.v[l]));
+    }
   }
 }
 

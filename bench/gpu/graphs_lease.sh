@@ -26,7 +26,8 @@
 #             through LibTorch's profiler): the graphed forward of GPT-B and the bundled model
 #             (imagegen-step-cost --kernel-profile; fused and reference layer, 1 and 16
 #             requests), then whole batch-1 steps of ar, scd-mc and sjd-pac with graphs
-#             (imagegen-spec-bench --kernel-profile: the device's busy share of a step)
+#             (imagegen-spec-bench --kernel-profile: the device's busy share of a step); the
+#             forward again with IMAGEGEN_SDPA_BOOL_MASK=1 (the attention bias's A/B)
 # GRAPHS_STEPS="kernels:30 load:200" picks and sizes the steps; GRAPHS_DEVICE=cpu tries the
 # script without a GPU.
 set -uo pipefail
@@ -110,6 +111,12 @@ step_profile() {
     --csv "$out/kernel_step.csv" > "$out/kernel_step.log" 2>&1
   local rc=$?
   grep -E '^(gpt-b|bundled)|kernels:' "$out/kernel_step.log"
+  # The A/B of the static forward's attention bias: SDPA given the boolean mask, as before.
+  IMAGEGEN_SDPA_BOOL_MASK=1 "$b/imagegen-step-cost" --device "$dev" --shapes gpt-b,bundled \
+    --dtypes bf16 --requests 1,16 --tokens 1,16 --reps 5 --forwards graphs --kernel-profile 5 \
+    --kernel-top 30 --csv "$out/kernel_step_boolmask.csv" > "$out/kernel_step_boolmask.log" 2>&1
+  [[ $? -eq 0 ]] || rc=1
+  grep -E '^(gpt-b|bundled)|kernels:' "$out/kernel_step_boolmask.log"
   "$b/imagegen-spec-bench" --device "$dev" --dtype bf16 --cuda-graphs 1 --per-class 1 \
     --methods scd-mc,sjd-pac --windows 32 --split 0 --kernel-profile 2 --noise-row 0 \
     --python "$PY" --out-dir "$out/kernel_spec" > "$out/kernel_spec.log" 2>&1

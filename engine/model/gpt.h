@@ -163,6 +163,12 @@ struct StaticShape {
   int64_t upload_size() const { return 4 * tokens + 4 * rows + pairs; }
 };
 
+// IMAGEGEN_SDPA_BOOL_MASK=1 in the environment: the static forward gives attention its boolean
+// mask, which SDPA turns into an additive bias in every layer, instead of that bias built once
+// (Gpt::StaticForward). The same values either way; for the A/B of the kernels it saves
+// (bench/gpu/graphs_lease.sh's profile step).
+bool StaticBoolMask();
+
 class Gpt {
  public:
   static StatusOr<std::unique_ptr<Gpt>> Load(const std::string& dir, const LoadOptions& opts);
