@@ -820,10 +820,13 @@ at::Tensor Gpt::StaticForward(const at::Tensor& upload, const at::Tensor& device
                 .masked_fill_(allow.logical_not(), -std::numeric_limits<double>::infinity());
   }
 
+  // The queries laid out [R, W] (one dummy row more, for padding tokens), zeroed once for all
+  // layers: each layer writes the same rows, so the others stay zero.
+  at::Tensor qbuf = at::zeros({R * W + 1, H, hd}, embed_.options());
   Attend attend = [&](size_t l, const at::Tensor& q) -> at::Tensor {
     at::Tensor keys = cache.k[l].index_select(0, slots).transpose(1, 2);  // [R, H, K, hd]
     at::Tensor vals = cache.v[l].index_select(0, slots).transpose(1, 2);
-    at::Tensor qp = at::zeros({R * W + 1, H, hd}, q.options()).index_copy_(0, qin, q);
+    at::Tensor qp = qbuf.index_copy_(0, qin, q);
     qp = qp.narrow(0, 0, R * W).view({R, W, H, hd}).transpose(1, 2);
     at::Tensor o = at::scaled_dot_product_attention(qp, keys, vals, allow);
     return o.transpose(1, 2).reshape({R * W, D}).index_select(0, qout);
