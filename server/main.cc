@@ -295,16 +295,16 @@ int main(int argc, char** argv) {
 
   // Until the engine is ready nothing is in flight, so SIGTERM or SIGINT while the models load
   // (the start-up warm-up included, which can take minutes for large models) exits at once
-  // with status 0, rather than once loading is done; SIGHUP then only says that the key file
-  // was read when the port opened. A thread of its own polls for them, 10 times a second, and
-  // hands the signals back to main below once loading ends.
-  std::atomic<bool> loading{true};
-  std::thread while_loading([&signals, &loading] {
+  // with status 0, rather than once loading is done; a SIGHUP then is kept for the key-file
+  // watcher below. A thread of its own polls for them, 10 times a second, and hands the
+  // signals back to main once loading ends.
+  std::atomic<bool> loading{true}, hup_while_loading{false};
+  std::thread while_loading([&signals, &loading, &hup_while_loading] {
     const timespec tick{0, 100'000'000};
     while (loading.load()) {
       const int s = sigtimedwait(&signals, nullptr, &tick);
       if (s == SIGHUP) {
-        Log("SIGHUP while loading: the keys are the ones read at start");
+        hup_while_loading = true;
       } else if (s == SIGTERM || s == SIGINT) {
         Log(std::string("received ") + (s == SIGTERM ? "SIGTERM" : "SIGINT") +
             " while loading the models: exiting, nothing was in flight");
@@ -375,6 +375,15 @@ int main(int argc, char** argv) {
       watch.done = true;
       watch.cv.notify_all();
     });
+  }
+  if (hup_while_loading.load()) {  // as if it came now
+    if (daemon->auth()) {
+      std::lock_guard<std::mutex> l(watch.mu);
+      watch.hup = true;
+      watch.cv.notify_all();
+    } else {
+      Log("SIGHUP: no --token-file to read again");
+    }
   }
   // Waits for SIGTERM or SIGINT; SIGHUP wakes the watcher.
   int sig = 0;

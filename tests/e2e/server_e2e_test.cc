@@ -964,6 +964,40 @@ TEST(E2eTest, SigtermWhileLoadingExitsAtOnceWithoutBecomingReady) {
   EXPECT_EQ(log.find("warm-up:"), std::string::npos) << log;  // it never finished
 }
 
+// SIGHUP while the models load (a short warm-up here) is not lost: the key file it asks to read
+// again is read once the daemon is ready. Power: a loader that swallows the signal leaves the
+// old key working and never logs the reload.
+TEST(E2eTest, SighupWhileLoadingReadsTheKeyFileOnceReady) {
+  const std::string dir = TempDir("sighup_loading_keys");
+  const std::string keys = dir + "/keys";
+  ASSERT_TRUE(WriteFileAtomically(keys, "tok-old\n").ok());
+  Daemon d("sighup_loading", {"--token-file", keys, "--token-file-poll-seconds", "0", "--warmup=1",
+                              "--warmup_methods=ar,sjd", "--warmup_concurrency=1,2"});
+  ASSERT_TRUE(WriteFileAtomically(keys, "tok-new name=new\n").ok());
+  EXPECT_NE(d.Health(kService), HealthCheckResponse::SERVING);  // still loading
+  d.proc().Signal(SIGHUP);
+  d.WaitReady();
+  bool reloaded = false;
+  for (int i = 0; i < 2400 && !reloaded; ++i) {
+    reloaded = d.proc().Log().find("SIGHUP: --token-file read again: 1 keys") != std::string::npos;
+    if (!reloaded) std::this_thread::sleep_for(milliseconds(50));
+  }
+  ASSERT_TRUE(reloaded) << d.proc().Log();
+  auto call = [&](const std::string& token) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + seconds(60));
+    ctx.AddMetadata("authorization", "Bearer " + token);
+    v1::GenerateResponse resp;
+    return d.Stub()->Generate(&ctx, Request("bag", 5, "ar"), &resp).error_code();
+  };
+  EXPECT_EQ(call("tok-old"), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(call("tok-new"), grpc::StatusCode::OK);
+  const std::string log = d.proc().Log();
+  EXPECT_NE(log.find("warm-up:"), std::string::npos) << log;
+  EXPECT_LT(log.find("warm-up:"), log.find("SIGHUP: --token-file read again")) << log;
+  RemoveTree(dir);
+}
+
 // The daemon's log (server/request_log.h), here as JSON lines: every generation call, from
 // either front, is one `request` line that names it by the id the response carries back
 // (x-request-id: the client's when it sends a valid one, else the server's), with its outcome
