@@ -110,18 +110,18 @@ step_profile() {
     --tokens 1,16 --reps 5 --forwards graphs,graphs-ref --kernel-profile 5 --kernel-top 30 \
     --csv "$out/kernel_step.csv" > "$out/kernel_step.log" 2>&1
   local rc=$?
-  grep -E '^(gpt-b|bundled)|kernels:' "$out/kernel_step.log"
+  grep -E '^(gpt-b|bundled)|kernels:|CPU ops' "$out/kernel_step.log"
   # The A/B of the static forward's attention bias: SDPA given the boolean mask, as before.
   IMAGEGEN_SDPA_BOOL_MASK=1 "$b/imagegen-step-cost" --device "$dev" --shapes gpt-b,bundled \
     --dtypes bf16 --requests 1,16 --tokens 1,16 --reps 5 --forwards graphs --kernel-profile 5 \
     --kernel-top 30 --csv "$out/kernel_step_boolmask.csv" > "$out/kernel_step_boolmask.log" 2>&1
   [[ $? -eq 0 ]] || rc=1
-  grep -E '^(gpt-b|bundled)|kernels:' "$out/kernel_step_boolmask.log"
+  grep -E '^(gpt-b|bundled)|kernels:|CPU ops' "$out/kernel_step_boolmask.log"
   "$b/imagegen-spec-bench" --device "$dev" --dtype bf16 --cuda-graphs 1 --per-class 1 \
     --methods scd-mc,sjd-pac --windows 32 --split 0 --kernel-profile 2 --noise-row 0 \
     --python "$PY" --out-dir "$out/kernel_spec" > "$out/kernel_spec.log" 2>&1
   [[ $? -eq 0 ]] || rc=1
-  grep -A100 '^kernel profile' "$out/kernel_spec.log" | grep -E 'kernels:'
+  grep -A100 '^kernel profile' "$out/kernel_spec.log" | grep -E 'kernels:|CPU ops'
   return $rc
 }
 step_split() {
@@ -135,5 +135,5 @@ step_split() {
 
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
 export out b dev PY
-carried_steps "${GRAPHS_STEPS:-kernels:30 tests:75 fused:30 profile:45 churn:40 load:215 split:60}" graphs \
+carried_steps "${GRAPHS_STEPS:-kernels:30 tests:75 fused:30 profile:90 churn:40 load:215 split:60}" graphs \
   "$out/steps.log" "$out" "$dest/graphs.tgz"
