@@ -12,6 +12,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <kineto/ActivityType.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 
 #include <algorithm>
@@ -194,9 +195,16 @@ class KernelProfile {
     std::unique_ptr<torch::autograd::profiler::ProfilerResult> r =
         torch::autograd::profiler::disableProfiler();
     std::vector<KernelInterval> iv;
+    using libkineto::ActivityType;
     for (const auto& e : r->events()) {
       const bool on_device = e.deviceType() != c10::DeviceType::CPU;
       if (on_device != device_ || e.endNs() <= e.startNs()) continue;
+      // On a device: kernels, copies and fills only (not annotations, syncs or events).
+      const auto type = static_cast<ActivityType>(e.activityType());
+      if (device_ && type != ActivityType::CONCURRENT_KERNEL && type != ActivityType::GPU_MEMCPY &&
+          type != ActivityType::GPU_MEMSET) {
+        continue;
+      }
       // On the CPU: ATen ops only (not the profiler's own or user scopes).
       if (!device_ && e.name().rfind("aten::", 0) != 0) continue;
       iv.push_back({e.name(), e.startThreadId(), e.startNs(), e.endNs()});
