@@ -22,6 +22,7 @@
 #include <map>
 #include <memory>
 #include <set>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -95,6 +96,16 @@ struct KernelSummary {
                   Us("attention"), Count("attention"), Us("norm"), Count("norm"), Us("memory"),
                   Count("memory"), Us("other"), Count("other"));
     return buf;
+  }
+  // CSV columns, the same in every bench that writes them: header, then a row's fields.
+  static const char* CsvHeader() {
+    return "kernels,kernel_us,busy_us,span_us,gemm_us,attention_us,norm_us,memory_us,other_us";
+  }
+  std::string CsvFields() const {
+    std::ostringstream o;
+    o << kernels << "," << kernel_us << "," << busy_us << "," << span_us << "," << Us("gemm") << ","
+      << Us("attention") << "," << Us("norm") << "," << Us("memory") << "," << Us("other");
+    return o.str();
   }
   double Us(const std::string& c) const {
     auto it = class_us.find(c);

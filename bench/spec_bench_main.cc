@@ -403,16 +403,13 @@ int main(int argc, char** argv) {
         "first start to last end, so busy / span is how busy the device was:\n",
         static_cast<long long>(f.Int("kernel-profile")));
     std::ofstream kcsv(out + "/kernels.csv");
-    kcsv << "method,window,steps,kernels_per_step,kernel_us,busy_us,span_us,gemm_us,attention_us,"
-            "norm_us,memory_us,other_us\n";
+    kcsv << "method,window,steps," << KernelSummary::CsvHeader() << "\n";  // per step
     for (const Row& r : rows) {
       const KernelSummary& k = r.kernels;
       PrintKernelSummary(k, 8,
                          (r.cfg.label + " " + std::to_string(r.cfg.policy.window) + " ").c_str());
-      kcsv << r.cfg.label << "," << r.cfg.policy.window << "," << r.kernel_steps << "," << k.kernels
-           << "," << k.kernel_us << "," << k.busy_us << "," << k.span_us << "," << k.Us("gemm")
-           << "," << k.Us("attention") << "," << k.Us("norm") << "," << k.Us("memory") << ","
-           << k.Us("other") << "\n";
+      kcsv << r.cfg.label << "," << r.cfg.policy.window << "," << r.kernel_steps << ","
+           << k.CsvFields() << "\n";
     }
   }
 

@@ -83,8 +83,8 @@ int main(int argc, char** argv) {
     if (!csv) f.Fail("cannot write --csv " + f.Str("csv"));
     csv << "shape,dtype,device,params_bytes,requests,rows,tokens_per_step,tokens_per_request,"
            "committed_prefix,median_ms,tokens_per_s,ratio_to_one_token,weight_read_ms,forward,"
-           "launches,kernels,kernel_us,busy_us,span_us,gemm_us,attention_us,norm_us,memory_us,"
-           "other_us\n";
+           "launches,"
+        << KernelSummary::CsvHeader() << "\n";
   }
   const double gbps = std::stod(f.Str("hbm-gbps"));
   const int64_t profile_reps = f.Int("kernel-profile");
@@ -197,14 +197,7 @@ int main(int argc, char** argv) {
                   << "," << r << "," << rows << "," << t << "," << n << "," << prefix << "," << med
                   << "," << t / (med / 1e3) << "," << ratio << "," << weight_ms << "," << fw << ","
                   << launches;
-              if (profile_reps > 0) {
-                csv << "," << ks.kernels << "," << ks.kernel_us << "," << ks.busy_us << ","
-                    << ks.span_us << "," << ks.Us("gemm") << "," << ks.Us("attention") << ","
-                    << ks.Us("norm") << "," << ks.Us("memory") << "," << ks.Us("other");
-              } else {
-                csv << ",,,,,,,,,";
-              }
-              csv << std::endl;
+              csv << "," << (profile_reps > 0 ? ks.CsvFields() : ",,,,,,,,") << std::endl;
             }
             std::fflush(stdout);  // a run stopped at a time limit keeps the rows it printed
           }
