@@ -295,8 +295,8 @@ int main(int argc, char** argv) {
 
   // Until the engine is ready nothing is in flight, so SIGTERM or SIGINT while the models load
   // (the start-up warm-up included, which can take minutes for large models) exits at once
-  // with status 0, rather than once loading is done; a SIGHUP then is kept for the key-file
-  // watcher below. A thread of its own polls for them, 10 times a second, and hands the
+  // with status 0, rather than once loading is done; a SIGHUP then is raised again for the
+  // signal loop below. A thread of its own polls for them, 10 times a second, and hands the
   // signals back to main once loading ends.
   std::atomic<bool> loading{true}, hup_while_loading{false};
   std::thread while_loading([&signals, &loading, &hup_while_loading] {
@@ -316,6 +316,8 @@ int main(int argc, char** argv) {
   const Status loaded = daemon->Load(&Engine::Start);
   loading = false;
   while_loading.join();
+  // A SIGHUP that came while loading: pending again (signals are blocked), for the loop below.
+  if (hup_while_loading.load()) raise(SIGHUP);
   if (Status st = loaded; !st.ok()) {
     if (st.field() == "--default-method") {
       Log(st.message());
@@ -375,15 +377,6 @@ int main(int argc, char** argv) {
       watch.done = true;
       watch.cv.notify_all();
     });
-  }
-  if (hup_while_loading.load()) {  // as if it came now
-    if (daemon->auth()) {
-      std::lock_guard<std::mutex> l(watch.mu);
-      watch.hup = true;
-      watch.cv.notify_all();
-    } else {
-      Log("SIGHUP: no --token-file to read again");
-    }
   }
   // Waits for SIGTERM or SIGINT; SIGHUP wakes the watcher.
   int sig = 0;
