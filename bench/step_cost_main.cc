@@ -76,7 +76,8 @@ int main(int argc, char** argv) {
            {"csv", ""}},
           "usage: imagegen-step-cost [--shapes bundled,gpt-b,gpt-l,gpt-xl,tiny] [--dtypes "
           "bf16,fp32] [--device cuda] [--requests 1,2,..] [--tokens 1,2,..] [--forwards "
-          "eager,static,graphs,static-ref,graphs-ref] [--kernel-profile N] [--csv FILE]");
+          "eager,static,graphs,static-ref,graphs-ref,static-rope,graphs-rope] [--kernel-profile N] "
+          "[--csv FILE]");
   std::ofstream csv;
   if (!f.Str("csv").empty()) {
     csv.open(f.Str("csv"));
@@ -94,26 +95,35 @@ int main(int argc, char** argv) {
   // static-shape forward; graphs: the static forward through CUDA graphs (one capture per
   // bucket in the warm-up repetitions, replays after). Both with the fused layer
   // (LoadOptions::fused_static_forward, forced on here, on the CPU too); static-ref and
-  // graphs-ref: the same with the reference layer (a second copy of the model).
-  bool any_ref = false;
+  // graphs-ref: the same with the reference layer (a second copy of the model); static-rope and
+  // graphs-rope: the fused layer with the rotary scatter (LoadOptions::rope_scatter, a third).
+  bool any_ref = false, any_rope = false;
   for (const std::string& fw :
-       f.Choices("forwards", {"eager", "static", "graphs", "static-ref", "graphs-ref"})) {
+       f.Choices("forwards", {"eager", "static", "graphs", "static-ref", "graphs-ref",
+                              "static-rope", "graphs-rope"})) {
     any_ref |= fw == "static-ref" || fw == "graphs-ref";
+    any_rope |= fw == "static-rope" || fw == "graphs-rope";
   }
   for (const std::string& dtype : f.List("dtypes")) {
     auto lo = ParseDeviceAndDtype(f.Str("device"), dtype);
     if (!lo.ok()) f.Fail(lo.status().message());
     for (const std::string& shape : f.List("shapes")) {
-      auto load = [&](bool fused) {
+      auto load = [&](bool fused, bool rope) {
         LoadOptions o = *lo;
         o.fused_static_forward = fused;
+        o.rope_scatter = rope;
         if (shape == "bundled") return OrDie(Gpt::Load(f.Str("models-dir") + "/fmnist-gpt", o));
         GptConfig c;
         if (!Shape(shape, f.Int("grid"), &c)) f.Fail("unknown shape " + shape);
         return Gpt::Random(c, o, 7);  // the same weights for both layers
       };
-      std::unique_ptr<Gpt> fused_gpt = load(true);
-      std::unique_ptr<Gpt> ref_gpt = any_ref ? load(false) : nullptr;
+      std::unique_ptr<Gpt> fused_gpt = load(true, false);
+      std::unique_ptr<Gpt> ref_gpt = any_ref ? load(false, false) : nullptr;
+      std::unique_ptr<Gpt> rope_gpt = any_rope ? load(true, true) : nullptr;
+      if (rope_gpt != nullptr && !rope_gpt->rope_scatter()) {
+        f.Fail("--forwards *-rope: no rotary scatter for " + shape + " in " + dtype +
+               " here (a Janus-layout model, another dtype, or no kernel in this build)");
+      }
       const Gpt* gpt = fused_gpt.get();
       const GptConfig& cfg = gpt->config();
       const double weight_ms = gbps > 0 ? gpt->weight_bytes() / (gbps * 1e9) * 1e3 : 0;
@@ -127,8 +137,9 @@ int main(int argc, char** argv) {
                   "median ms", "tokens/s", "x 1 tok", "launches");
       for (const std::string& fw : f.List("forwards")) {
         const bool ref = fw == "static-ref" || fw == "graphs-ref";
-        gpt = ref ? ref_gpt.get() : fused_gpt.get();
-        const ForwardOptions fo{invariant, fw != "eager", fw == "graphs" || fw == "graphs-ref"};
+        const bool rope = fw == "static-rope" || fw == "graphs-rope";
+        gpt = ref ? ref_gpt.get() : rope ? rope_gpt.get() : fused_gpt.get();
+        const ForwardOptions fo{invariant, fw != "eager", fw.rfind("graphs", 0) == 0};
         if (f.List("forwards").size() > 1) std::printf("forward: %s\n", fw.c_str());
         double one_token_ms = 0;
         for (int64_t r : f.Ints("requests")) {

@@ -5,10 +5,15 @@
 
 #include <ATen/ATen.h>
 
+#include <string>
+#include <tuple>
+#include <vector>
+
 #include "engine/decoding/philox.h"
 #include "kernels/philox_uniform.h"
 #include "tests/chain_verify_cases.h"
 #include "tests/guided_probs_cases.h"
+#include "tests/rope_scatter_cases.h"
 
 namespace imagegen {
 namespace {
@@ -100,6 +105,41 @@ TEST(KernelsTest, GuidedProbsOnGpuMatchTheHost) {
     const double bitwise = (out.cpu() == host).to(at::kDouble).mean().item<double>();
     std::printf("V %lld: %.4f of the probabilities equal the host's bit for bit\n",
                 static_cast<long long>(V), bitwise);
+  }
+}
+
+// The static forward's rotary scatter: the kernel writes what the host path writes, bit for bit
+// (both without fused multiply-adds), and within an ulp of the eager path on the device. Its own
+// suite, outside KernelsTest: bench/gpu's scripts decide IMAGEGEN_FUSED_KERNELS from KernelsTest
+// alone, since this kernel is opt-in (LoadOptions::rope_scatter) and newer than the others.
+TEST(RopeScatterKernelTest, IsTheHostPathBitForBit) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    for (const auto& [T, H, hd] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{
+             {5, 3, 8}, {37, 12, 64}, {4096, 16, 128}}) {
+      SCOPED_TRACE(std::string(dtype == at::kFloat ? "fp32" : "bf16") + " T " + std::to_string(T));
+      const rope_test::RopeCase c = rope_test::RandomRopeCase(T, H, hd, dtype, 23 + T);
+      const rope_test::RopeOut host = rope_test::HostScatter(c);
+      const rope_test::RopeCase d = c.To(at::kCUDA);
+      rope_test::RopeOut dev = rope_test::ZeroOut(d);
+      ASSERT_EQ(kernels::LaunchRopeScatter(rope_test::RopeArgs(d, dev), nullptr), 0);
+      torch::cuda::synchronize();
+      EXPECT_TRUE(at::equal(dev.k.cpu(), host.k));
+      EXPECT_TRUE(at::equal(dev.v.cpu(), host.v));
+      EXPECT_TRUE(at::equal(dev.q.cpu(), host.q));
+      // ATen's complex multiply on the device may fuse a multiply and add: within an ulp of the
+      // pair's norm (RotatedMismatches), and the share of elements equal bit for bit printed.
+      const rope_test::RopeOut eager = rope_test::EagerScatter(d);
+      EXPECT_EQ(rope_test::RotatedMismatches(c, 0, dev.q, eager.q, 1.0), 0);
+      EXPECT_EQ(rope_test::RotatedMismatches(c, 1, dev.k, eager.k, 1.0), 0);
+      EXPECT_TRUE(at::equal(dev.v, eager.v));
+      std::printf(
+          "%s T %lld: queries %.6f, keys %.6f of the elements ATen's on the device bit for "
+          "bit\n",
+          dtype == at::kFloat ? "fp32" : "bf16", static_cast<long long>(T),
+          rope_test::BitEqualFraction(c, 0, dev.q, eager.q),
+          rope_test::BitEqualFraction(c, 1, dev.k, eager.k));
+    }
   }
 }
 

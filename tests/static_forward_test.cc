@@ -22,6 +22,7 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
+#include "engine/decoding/fused_kernels.h"
 #include "engine/model/cuda_graphs.h"
 #include "engine/model/cuda_stream.h"
 #include "engine/model/gpt.h"
@@ -183,6 +184,51 @@ TEST_F(StaticForwardTest, TheAdditiveBiasGivesTheBooleanMasksLogitsBitForBit) {
     for (size_t l = 0; l < bias.k.size(); ++l) {
       EXPECT_TRUE(at::equal(bias.k[l], boolean.k[l]));
       EXPECT_TRUE(at::equal(bias.v[l], boolean.v[l]));
+    }
+  }
+}
+
+// The rotary scatter (LoadOptions::rope_scatter: the rotary embedding and the new queries',
+// keys' and values' writes in one kernel, on the CPU its host path) gives the fused layer's
+// logits and cache entries, step after step, in fp32 and bf16 (and on a CUDA device when there
+// is one): within rounding, as its complex multiply may round as ATen's does or not (a bf16
+// rounding of a key moves the logits by about a percent of their range); without the scatter
+// nothing changes. A rotation the wrong way fails it (tried by hand: the sine negated in
+// RopeScatterUnit).
+TEST_F(StaticForwardTest, TheRopeScatterGivesTheFusedLayersLogits) {
+  for (const auto& [device, dtype] : FusedCases()) {
+    SCOPED_TRACE(device.str() + (dtype == at::kFloat ? " fp32" : " bf16"));
+    LoadOptions o = FusedOptions(true, dtype, device);
+    o.rope_scatter = false;
+    std::unique_ptr<Gpt> fused = Load(o);
+    o.rope_scatter = true;
+    std::unique_ptr<Gpt> scatter = Load(o);
+    ASSERT_NE(fused, nullptr);
+    ASSERT_NE(scatter, nullptr);
+    EXPECT_FALSE(fused->rope_scatter());
+    if (device.is_cuda() && !RopeScatterKernelBuilt()) {
+      EXPECT_FALSE(scatter->rope_scatter());  // no kernel in this build: the fused layer as is
+      continue;
+    }
+    ASSERT_TRUE(scatter->rope_scatter());
+    const double tol = dtype == at::kFloat ? 2e-5 : 0.03;
+    KvCache a_cache = fused->NewCache(6, 0, true), b_cache = scatter->NewCache(6, 0, true);
+    int64_t step = 0;
+    for (const auto& batch : Steps()) {
+      SCOPED_TRACE("step " + std::to_string(step++));
+      auto a = fused->Forward(batch, a_cache, at::Tensor(), ForwardOptions{false, true});
+      auto b = scatter->Forward(batch, b_cache, at::Tensor(), ForwardOptions{false, true});
+      ASSERT_TRUE(a.ok()) << a.status().ToString();
+      ASSERT_TRUE(b.ok()) << b.status().ToString();
+      const float range = a->abs().max().item<float>();
+      EXPECT_GT(range, 0.1);
+      EXPECT_LE((*a - *b).abs().max().item<float>(), tol * range);
+    }
+    // Every slot's entries, the scratch slot's (padding) included.
+    for (size_t l = 0; l < a_cache.k.size(); ++l) {
+      const float kr = a_cache.k[l].abs().max().item<float>();
+      EXPECT_LE((a_cache.k[l] - b_cache.k[l]).abs().max().item<float>(), tol * kr) << l;
+      EXPECT_LE((a_cache.v[l] - b_cache.v[l]).abs().max().item<float>(), tol * kr) << l;
     }
   }
 }

@@ -17,15 +17,16 @@
 #   split     imagegen-spec-bench --split 1 with CUDA graphs: the forward against the rest of
 #             a step, with the fused verification and without
 #   fused     imagegen-step-cost: the static forward's fused layer against the reference one,
-#             through CUDA graphs (bundled and GPT-B in bf16)
+#             then (a process of its own) against the fused layer with the rotary scatter
+#             (LoadOptions::rope_scatter), through CUDA graphs (bundled and GPT-B in bf16)
 #   churn     imagegen-window-churn: sjd-pac and scd-mc with windows held at 16 and moving
 #             (16 +- 8), eager against CUDA graphs, cut drafts dropped and kept (issue 15: the
 #             controller's sjd-pac at 8 clients committed 1.51 tokens a step at 19 nodes with
 #             graphs, 2.6 on the CPU at 15; NFE is exact, no timing)
 #   profile   where the device time goes, kernel by kernel (bench/kernel_profile.h, CUPTI
 #             through LibTorch's profiler): the graphed forward of GPT-B and the bundled model
-#             (imagegen-step-cost --kernel-profile; fused and reference layer, 1 and 16
-#             requests), then whole batch-1 steps of ar, scd-mc and sjd-pac with graphs
+#             (imagegen-step-cost --kernel-profile; fused and reference layer and the rotary
+#             scatter, 1 and 16 requests), then whole batch-1 steps of ar, scd-mc and sjd-pac with graphs
 #             (imagegen-spec-bench --kernel-profile: the device's busy share of a step); the
 #             forward again with IMAGEGEN_SDPA_BOOL_MASK=1 (the attention bias's A/B)
 # GRAPHS_STEPS="kernels:30 load:200" picks and sizes the steps; GRAPHS_DEVICE=cpu tries the
@@ -41,9 +42,14 @@ carried_setup "$work" || exit 1
 dev=${GRAPHS_DEVICE:-cuda}
 
 step_kernels() {
-  "$b/kernels_tests" > "$out/kernels_tests.log" 2>&1
+  # KernelsTest alone decides the fallback (IMAGEGEN_FUSED_KERNELS=0); the rotary scatter's
+  # kernel is opt-in (LoadOptions::rope_scatter) and reported on its own.
+  "$b/kernels_tests" --gtest_filter='KernelsTest.*' > "$out/kernels_tests.log" 2>&1
   local rc=$?
   grep -E '^\[  (PASSED|FAILED) |FAILED TEST|bit for bit' "$out/kernels_tests.log"
+  "$b/kernels_tests" --gtest_filter='RopeScatterKernelTest.*' > "$out/rope_kernel_tests.log" 2>&1 \
+    || echo "rope scatter kernel: FAILED (its timings in the fused and profile steps stand alone)"
+  grep -E '^\[  (PASSED|FAILED) |FAILED TEST' "$out/rope_kernel_tests.log"
   return $rc
 }
 step_tests() {
@@ -103,6 +109,12 @@ step_fused() {
     --csv "$out/fused_step.csv" > "$out/fused_step.log" 2>&1
   local rc=$?
   cat "$out/fused_step.log"
+  # The rotary scatter (LoadOptions::rope_scatter, opt-in, its kernel new) beside the fused
+  # layer, in a process of its own: a fault there costs only this A/B.
+  "$b/imagegen-step-cost" --device "$dev" --shapes bundled,gpt-b --dtypes bf16 --requests 1,16 \
+    --tokens 1,16,256 --reps 5 --forwards graphs,graphs-rope --hbm-gbps "$gbps" \
+    --csv "$out/rope_step.csv" > "$out/rope_step.log" 2>&1 || rc=1
+  cat "$out/rope_step.log"
   return $rc
 }
 step_profile() {
@@ -111,6 +123,11 @@ step_profile() {
     --csv "$out/kernel_step.csv" > "$out/kernel_step.log" 2>&1
   local rc=$?
   grep -E '^(gpt-b|bundled)|kernels:|CPU ops' "$out/kernel_step.log"
+  # The rotary scatter's forward, kernel by kernel (a process of its own, as in step_fused).
+  "$b/imagegen-step-cost" --device "$dev" --shapes gpt-b,bundled --dtypes bf16 --requests 1,16 \
+    --tokens 1,16 --reps 5 --forwards graphs-rope --kernel-profile 5 --kernel-top 30 \
+    --csv "$out/kernel_step_rope.csv" > "$out/kernel_step_rope.log" 2>&1 || rc=1
+  grep -E '^(gpt-b|bundled)|kernels:|CPU ops' "$out/kernel_step_rope.log"
   # The A/B of the static forward's attention bias: SDPA given the boolean mask, as before.
   IMAGEGEN_SDPA_BOOL_MASK=1 "$b/imagegen-step-cost" --device "$dev" --shapes gpt-b,bundled \
     --dtypes bf16 --requests 1,16 --tokens 1,16 --reps 5 --forwards graphs --kernel-profile 5 \
@@ -135,5 +152,5 @@ step_split() {
 
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
 export out b dev PY
-carried_steps "${GRAPHS_STEPS:-kernels:30 tests:75 fused:30 profile:90 churn:40 load:215 split:60}" graphs \
+carried_steps "${GRAPHS_STEPS:-kernels:30 tests:75 fused:40 profile:100 churn:40 load:215 split:60}" graphs \
   "$out/steps.log" "$out" "$dest/graphs.tgz"

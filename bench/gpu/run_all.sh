@@ -164,7 +164,12 @@ phase_kernels() {
     echo "kernels: none to run (device $device)" | tee "$out/kernels_tests.log"
     return 0
   fi
-  "$tests_bin/kernels_tests" 2>&1 | tee "$out/kernels_tests.log" | tail -3
+  # KernelsTest alone decides (the rotary scatter's kernel is opt-in: reported on its own).
+  "$tests_bin/kernels_tests" --gtest_filter='RopeScatterKernelTest.*' > "$out/rope_kernel_tests.log" \
+    2>&1 || echo "rope scatter kernel: FAILED (LoadOptions::rope_scatter is off by default)"
+  tail -n 3 "$out/rope_kernel_tests.log"
+  "$tests_bin/kernels_tests" --gtest_filter='KernelsTest.*' 2>&1 | tee "$out/kernels_tests.log" \
+    | tail -3
 }
 
 gbps() {  # HBM bandwidth of the GPU, for the weight-read limit
@@ -180,7 +185,8 @@ phase_step() {
   local b="$bench_bin"
   if [[ $scale == quick ]]; then
     "$b/imagegen-step-cost" --device "$device" --shapes bundled,tiny --requests 1,4 \
-      --tokens 1,4,16,64 --reps 3 --kernel-profile 2 --kernel-top 3 --csv "$out/step_cost.csv" \
+      --tokens 1,4,16,64 --reps 3 --forwards eager,static-rope --kernel-profile 2 --kernel-top 3 \
+      --csv "$out/step_cost.csv" \
       > "$out/step_cost.log" 2>&1
   elif [[ $scale == lease ]]; then
     # CUDA graphs with the fused layer (the CUDA default) and with the reference layer, side
@@ -190,6 +196,12 @@ phase_step() {
       --dtypes bf16 --requests 1,4,16,64 --tokens 1,4,16,64,256,1024,4096 --reps 5 \
       --forwards graphs,graphs-ref --hbm-gbps "$(gbps)" --csv "$out/step_cost.csv" \
       > "$out/step_cost.log" 2>&1
+    # The rotary scatter (opt-in, its kernel new) beside the fused layer, in a process of its
+    # own: a fault there costs only this A/B.
+    "$b/imagegen-step-cost" --device "$device" --shapes bundled,gpt-b,gpt-l,gpt-xl \
+      --dtypes bf16 --requests 1,16 --tokens 1,16,256 --reps 5 --forwards graphs,graphs-rope \
+      --hbm-gbps "$(gbps)" --csv "$out/step_cost_rope.csv" > "$out/step_cost_rope.log" 2>&1 \
+      || echo "rope scatter A/B: FAILED (step_cost_rope.log)"
   else
     "$b/imagegen-step-cost" --device "$device" --shapes bundled,gpt-b,gpt-l,gpt-xl \
       --dtypes bf16,fp32 --forwards eager,static,graphs,graphs-ref --hbm-gbps "$(gbps)" \

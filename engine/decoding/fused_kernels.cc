@@ -21,10 +21,16 @@ int LaunchChainVerifyKernel(const kernels::ChainVerifyArgs& args, void* stream) 
 int LaunchGuidedProbsKernel(const kernels::GuidedProbsArgs& args, void* stream) {
   return kernels::LaunchGuidedProbs(args, stream);
 }
+bool RopeScatterKernelBuilt() { return true; }
+int LaunchRopeScatterKernel(const kernels::RopeScatterArgs& args, void* stream) {
+  return kernels::LaunchRopeScatter(args, stream);
+}
 #else
 bool FusedKernelsOn() { return false; }
 int LaunchChainVerifyKernel(const kernels::ChainVerifyArgs&, void*) { return -1; }
 int LaunchGuidedProbsKernel(const kernels::GuidedProbsArgs&, void*) { return -1; }
+bool RopeScatterKernelBuilt() { return false; }
+int LaunchRopeScatterKernel(const kernels::RopeScatterArgs&, void*) { return -1; }
 #endif
 
 }  // namespace imagegen

@@ -1,9 +1,11 @@
 // Whether the fused kernels (kernels/chain_verify.h, kernels/guided_probs.h) run on CUDA, and
-// their launches. Internal to engine/decoding.
+// their launches; and the static forward's rotary scatter (kernels/rope_scatter.h, its own
+// switch: LoadOptions::rope_scatter). Internal to the engine.
 #pragma once
 
 #include "kernels/chain_verify.h"
 #include "kernels/guided_probs.h"
+#include "kernels/rope_scatter.h"
 
 namespace imagegen {
 
@@ -18,5 +20,9 @@ bool FusedKernelsOn();
 int LaunchChainVerifyKernel(const kernels::ChainVerifyArgs& args, void* stream);
 // kernels::LaunchGuidedProbs where the kernel is built; -1 where it is not.
 int LaunchGuidedProbsKernel(const kernels::GuidedProbsArgs& args, void* stream);
+// Whether this build has the rotary scatter's kernel; kernels::LaunchRopeScatter where it does,
+// -1 where it does not.
+bool RopeScatterKernelBuilt();
+int LaunchRopeScatterKernel(const kernels::RopeScatterArgs& args, void* stream);
 
 }  // namespace imagegen

@@ -10,8 +10,10 @@
 // The complete Json type: ReadModelConfig returns one by value (json.h only declares it).
 #include <nlohmann/json.hpp>
 
+#include "engine/decoding/fused_kernels.h"
 #include "engine/decoding/sampling_params.h"
 #include "engine/model/cuda_graphs.h"
+#include "engine/model/cuda_stream.h"
 #include "engine/model/device.h"
 #include "engine/model/transfer.h"
 
@@ -398,6 +400,11 @@ std::unique_ptr<Gpt> Gpt::Random(const GptConfig& cfg, const LoadOptions& opts, 
 
 void Gpt::FuseMlpWeights() {
   fused_static_ = opts_.fused_static_forward.value_or(opts_.device.is_cuda());
+  const char* env = std::getenv("IMAGEGEN_ROPE_SCATTER");
+  const at::ScalarType dt = embed_.scalar_type();
+  rope_scatter_ = opts_.rope_scatter.value_or(env != nullptr && std::string(env) == "1") &&
+                  fused_static_ && !cfg_.prompted() && (dt == at::kFloat || dt == at::kBFloat16) &&
+                  (opts_.device.is_cpu() || (opts_.device.is_cuda() && RopeScatterKernelBuilt()));
   if (!fused_static_) return;
   const int64_t h = cfg_.ffn_hidden();
   for (Layer& L : layers_) {
@@ -688,7 +695,8 @@ at::Tensor Gpt::ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache,
 }
 
 at::Tensor Gpt::Decode(at::Tensor x, const at::Tensor& rope, const at::Tensor& dst, KvCache& cache,
-                       bool invariant, const Attend& attend, bool fused) const {
+                       bool invariant, const Attend& attend, bool fused,
+                       const Scatter& scatter) const {
   const int64_t T = x.size(0), H = cfg_.n_head, hd = cfg_.head_dim(), D = cfg_.dim;
   for (size_t l = 0; l < layers_.size(); ++l) {
     const Layer& L = layers_[l];
@@ -698,11 +706,17 @@ at::Tensor Gpt::Decode(at::Tensor x, const at::Tensor& rope, const at::Tensor& d
       // residual adds go into it in place, as the output GEMMs' beta = 1.
       const int64_t h = L.w1.size(0);
       at::Tensor qkv = at::linear(at::rms_norm(x, {D}, L.attention_norm, cfg_.norm_eps), L.wqkv);
-      at::Tensor qk2 = qkv.narrow(-1, 0, 2 * D).view({T, 2 * H, hd});
-      at::Tensor qk = cfg_.prompted() ? ApplyRopeHalf(qk2, rope) : ApplyRopeComplex(qk2, rope);
-      cache.k[l].view({-1, H, hd}).index_copy_(0, dst, qk.narrow(1, H, H));
-      cache.v[l].view({-1, H, hd}).index_copy_(0, dst, qkv.narrow(-1, 2 * D, D).view({T, H, hd}));
-      x.addmm_(attend(l, qk.narrow(1, 0, H)), L.wo.t());
+      at::Tensor q;  // undefined where scatter has written the queries for attend
+      if (scatter) {
+        scatter(l, qkv);
+      } else {
+        at::Tensor qk2 = qkv.narrow(-1, 0, 2 * D).view({T, 2 * H, hd});
+        at::Tensor qk = cfg_.prompted() ? ApplyRopeHalf(qk2, rope) : ApplyRopeComplex(qk2, rope);
+        cache.k[l].view({-1, H, hd}).index_copy_(0, dst, qk.narrow(1, H, H));
+        cache.v[l].view({-1, H, hd}).index_copy_(0, dst, qkv.narrow(-1, 2 * D, D).view({T, H, hd}));
+        q = qk.narrow(1, 0, H);
+      }
+      x.addmm_(attend(l, q), L.wo.t());
       at::Tensor gu = at::linear(at::rms_norm(x, {D}, L.ffn_norm, cfg_.norm_eps), L.w13);
       x.addmm_(at::silu(gu.narrow(-1, 0, h)) * gu.narrow(-1, h, h), L.w2.t());
       continue;
@@ -826,13 +840,47 @@ at::Tensor Gpt::StaticForward(const at::Tensor& upload, const at::Tensor& device
   Attend attend = [&](size_t l, const at::Tensor& q) -> at::Tensor {
     at::Tensor keys = cache.k[l].index_select(0, slots).transpose(1, 2);  // [R, H, K, hd]
     at::Tensor vals = cache.v[l].index_select(0, slots).transpose(1, 2);
-    at::Tensor qp = qbuf.index_copy_(0, qin, q);
+    at::Tensor qp = q.defined() ? qbuf.index_copy_(0, qin, q) : qbuf;
     qp = qp.narrow(0, 0, R * W).view({R, W, H, hd}).transpose(1, 2);
     at::Tensor o = at::scaled_dot_product_attention(qp, keys, vals, allow);
     return o.transpose(1, 2).reshape({R * W, D}).index_select(0, qout);
   };
-  return Decode(embed_.index_select(0, ids), rope_.index_select(0, pos), dst, cache,
-                /*invariant=*/false, attend, fused_static_);
+  at::Tensor rope = rope_.index_select(0, pos);  // [T, hd / 2, 2] float32, contiguous
+  Scatter scatter;
+  if (rope_scatter_) {
+    // The rotary embedding and the queries', keys' and values' index_copy_ in one kernel (on
+    // the CPU its host path): qkv [T, 3D] rows, the cache [slots * capacity, H, hd] and the
+    // query buffer [R * W + 1, H, hd] contiguous. Padding tokens write the scratch slot and the
+    // dummy query row, as the index_copy_ do.
+    scatter = [&](size_t l, const at::Tensor& qkv) {
+      TORCH_CHECK(qkv.stride(1) == 1 && cache.k[l].is_contiguous() && cache.v[l].is_contiguous() &&
+                      qkv.scalar_type() == qbuf.scalar_type() &&
+                      qkv.scalar_type() == cache.k[l].scalar_type(),
+                  "rope scatter: unexpected layout");
+      kernels::RopeScatterArgs a;
+      a.qkv = qkv.data_ptr();
+      a.row_stride = qkv.stride(0);
+      a.table = rope.data_ptr<float>();
+      a.dst = dst.data_ptr<int64_t>();
+      a.qin = qin.data_ptr<int64_t>();
+      a.k_cache = cache.k[l].data_ptr();
+      a.v_cache = cache.v[l].data_ptr();
+      a.queries = qbuf.data_ptr();
+      a.tokens = T;
+      a.heads = H;
+      a.head_dim = hd;
+      a.dtype = qkv.scalar_type() == at::kBFloat16 ? kernels::RopeDtype::kBFloat16
+                                                   : kernels::RopeDtype::kFloat32;
+      if (qkv.is_cuda()) {
+        const int err = LaunchRopeScatterKernel(a, CurrentCudaStream(qkv.device()));
+        TORCH_CHECK(err == 0, "rope scatter kernel launch failed: CUDA error ", err);
+      } else {
+        kernels::RopeScatterOnHost(a);
+      }
+    };
+  }
+  return Decode(embed_.index_select(0, ids), rope, dst, cache, /*invariant=*/false, attend,
+                fused_static_, scatter);
 }
 
 void CopyCachePrefix(KvCache& cache, int64_t from_slot, int64_t to_slot, int64_t len) {

@@ -187,6 +187,9 @@ class Gpt {
   const LoadOptions& options() const { return opts_; }
   // Whether the static-shape forward runs the fused layer (LoadOptions::fused_static_forward).
   bool fused_static() const { return fused_static_; }
+  // Whether the fused layer's rotary embedding and writes run as one kernel
+  // (LoadOptions::rope_scatter).
+  bool rope_scatter() const { return rope_scatter_; }
 
   // A cache with `slots` slots of seq_len() + extra entries each, zero-filled. Throws
   // c10::Error if the device is out of memory (callers size it from a memory budget).
@@ -235,9 +238,15 @@ class Gpt {
   // new keys and values to the cache at flat indices dst (slot * capacity + entry), then
   // attends through attend(layer, q) -> [T, D], which reads the keys and values from the cache.
   using Attend = std::function<at::Tensor(size_t, const at::Tensor&)>;
-  // `fused`: each layer through the fused kernels (LoadOptions::fused_static_forward).
+  // The fused layer's rotary embedding and writes in one kernel (LoadOptions::rope_scatter):
+  // scatter(layer, qkv) writes the rotated queries where attend reads them, and the keys and
+  // values to the cache; attend then gets an undefined q.
+  using Scatter = std::function<void(size_t, const at::Tensor&)>;
+  // `fused`: each layer through the fused kernels (LoadOptions::fused_static_forward), with
+  // `scatter` where it is set.
   at::Tensor Decode(at::Tensor x, const at::Tensor& rope, const at::Tensor& dst, KvCache& cache,
-                    bool invariant, const Attend& attend, bool fused = false) const;
+                    bool invariant, const Attend& attend, bool fused = false,
+                    const Scatter& scatter = nullptr) const;
   Status Validate(const std::vector<BatchRow>& batch, const KvCache& cache,
                   bool check_tokens) const;
   at::Tensor RopeTable() const;  // float32 on CPU
@@ -248,6 +257,7 @@ class Gpt {
   GptConfig cfg_;
   LoadOptions opts_;
   bool fused_static_ = false;
+  bool rope_scatter_ = false;
   // [vocab + condition_ids, dim]: image-token rows then condition rows (class labels, or text
   // tokens). Janus's image rows are gen_aligner(gen_embed(id)), computed once at load.
   at::Tensor embed_;

@@ -33,6 +33,13 @@ struct LoadOptions {
   // reference layer's within rounding. Unset: on CUDA devices only (the CPU's eager forward,
   // which the golden grids and LlamaGen parity pin, never runs it either way).
   std::optional<bool> fused_static_forward;
+  // With the fused layer, for LlamaGen-layout models in fp32 or bf16: the rotary embedding and
+  // the writes of each layer's new queries, keys and values in one kernel
+  // (kernels/rope_scatter.h; the same arithmetic on the CPU's host path) instead of six
+  // launches. The same values as the fused layer's, within a rounding of the complex multiply.
+  // Unset: on where the environment has IMAGEGEN_ROPE_SCATTER=1, off otherwise (the kernel has
+  // not yet run on a GPU: bench/gpu/graphs_lease.sh measures it).
+  std::optional<bool> rope_scatter;
 };
 
 // Reads and parses <dir>/config.json.
