@@ -26,8 +26,9 @@
 #   profile   where the device time goes, kernel by kernel (bench/kernel_profile.h, CUPTI
 #             through LibTorch's profiler): the graphed forward of GPT-B and the bundled model
 #             (imagegen-step-cost --kernel-profile; fused and reference layer and the rotary
-#             scatter, 1 and 16 requests), then whole batch-1 steps of ar, scd-mc and sjd-pac with graphs
-#             (imagegen-spec-bench --kernel-profile: the device's busy share of a step); the
+#             scatter, 1 and 16 requests), then whole batch-1 steps of ar, scd-mc and sjd-pac
+#             with graphs (imagegen-spec-bench --kernel-profile: the device's busy share of a
+#             step); the
 #             forward again with IMAGEGEN_SDPA_BOOL_MASK=1 (the attention bias's A/B)
 # GRAPHS_STEPS="kernels:30 load:200" picks and sizes the steps; GRAPHS_DEVICE=cpu tries the
 # script without a GPU.
