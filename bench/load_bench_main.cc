@@ -446,6 +446,7 @@ int main(int argc, char** argv) {
            {"warmup-concurrency", ""},
            {"trace-dir", ""},
            {"commit-warmup-steps", "0"},
+           {"commit-learn-growth", "0"},
            {"repeat", "1"},
            {"out-dir", "load-bench"}},
           "usage: imagegen-load-bench [--methods LIST (preset or preset@window)] "
@@ -473,6 +474,7 @@ int main(int argc, char** argv) {
   base.max_slowdown = f.Num("max-slowdown");
   base.window_stickiness = f.Num("window-stickiness");      // EngineOptions::window_stickiness
   base.commit_warmup_steps = f.Int("commit-warmup-steps");  // EngineOptions: 0 counts every step
+  base.commit_learn_growth = f.Int("commit-learn-growth") != 0;  // EngineOptions (0: held only)
   // --fixed-step-cost BASE,PER_TOKEN,PER_REQUEST (seconds): the goodput controller plans with
   // this step cost instead of a calibration (EngineOptions::fixed_step_cost), e.g. a GPU's on
   // the CPU, to see the windows it would choose there.

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <functional>
 #include <future>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <thread>
@@ -704,6 +705,66 @@ TEST(EngineTest, GoodputShrinksWindowsUnderLoadAndKeepsALoneRequestWhole) {
   ASSERT_TRUE(ar->Wait());
   ASSERT_TRUE(ar->result.has_value());
   EXPECT_EQ(ar->result->stats.mean_window_change, 0.0);
+}
+
+// A step that widens a request's window commits what its refined drafts allow, so neither the
+// method's commit table nor the request's factor learns from it (EngineOptions::
+// commit_learn_growth): in the trace a request's factor moves only after a step that held or
+// narrowed its window. With the option on, growth steps move it too (the test's power).
+TEST(EngineTest, GoodputLearnsCommitsOnlyFromStepsThatHoldTheWindow) {
+  struct Moves {
+    int64_t after_growth = 0, after_growth_steps = 0, after_held = 0, after_held_steps = 0;
+  };
+  auto run = [](bool learn_growth) {
+    EngineOptions o = BundledOptions();
+    o.fixed_step_cost = {10e-3, 2e-5, 1e-4};  // as above: windows shrink under load
+    o.trace_steps = true;
+    o.commit_learn_growth = learn_growth;
+    StepLog log;
+    auto engine = StartOrDie(o, &log);
+    std::vector<std::shared_ptr<Recorder>> rec;
+    for (int i = 0; i < 8; ++i) {
+      rec.push_back(std::make_shared<Recorder>());
+      EXPECT_TRUE(engine->Submit(Params("scd-mc", i % 10, 140 + i), rec.back()).ok());
+    }
+    for (auto& r : rec) EXPECT_TRUE(r->Wait());
+    WaitIdle(*engine);
+    Moves m;
+    struct Last {
+      int64_t window = 0, previous = 0;
+      double factor = 0;
+    };
+    std::map<int64_t, Last> last;  // per request: its last traced step
+    std::lock_guard<std::mutex> l(log.mu);
+    for (const StepSample& s : log.samples) {
+      for (const StepSample::RequestTrace& t : s.trace) {
+        auto it = last.find(t.id);
+        if (it != last.end()) {
+          // The step before this one: did it widen the window (or was it the first)?
+          const bool grew = it->second.previous == 0 || it->second.window > it->second.previous;
+          const bool moved = t.factor != it->second.factor;
+          (grew ? m.after_growth_steps : m.after_held_steps) += 1;
+          (grew ? m.after_growth : m.after_held) += moved ? 1 : 0;
+        }
+        Last& n = last[t.id];
+        n.previous = it != last.end() ? it->second.window : 0;
+        n.window = t.window;
+        n.factor = t.factor;
+      }
+    }
+    return m;
+  };
+  const Moves held = run(false), every = run(true);
+  std::printf(
+      "factor moved after growth steps: %lld of %lld (learn growth: %lld of %lld); after "
+      "held steps %lld of %lld\n",
+      static_cast<long long>(held.after_growth), static_cast<long long>(held.after_growth_steps),
+      static_cast<long long>(every.after_growth), static_cast<long long>(every.after_growth_steps),
+      static_cast<long long>(held.after_held), static_cast<long long>(held.after_held_steps));
+  EXPECT_GT(held.after_growth_steps, 8);  // the first steps and the windows that grew
+  EXPECT_EQ(held.after_growth, 0);
+  EXPECT_GT(held.after_held, 0);
+  EXPECT_GT(every.after_growth, 0);
 }
 
 // The calibration is measured once and kept in cache_dir, keyed by model, device and dtype: a

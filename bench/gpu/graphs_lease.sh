@@ -13,7 +13,9 @@
 #             among them), and the exact distributions through the fused kernels
 #   load      imagegen-load-bench at 1, 4 and 8 clients with --cuda-graphs 1 (4 clients crashed
 #             before the capture stream of its own), the goodput controller with its cost model
-#             frozen (--refine-step-cost 0), then at 1 and 8 clients without graphs
+#             frozen (--refine-step-cost 0), with hysteresis, with the commit models
+#             learning from widened windows too (--commit-learn-growth 1), then at 1 and 8
+#             clients without graphs
 #   split     imagegen-spec-bench --split 1 with CUDA graphs: the forward against the rest of
 #             a step, with the fused verification and without
 #   fused     imagegen-step-cost: the static forward's fused layer against the reference one,
@@ -84,6 +86,13 @@ step_load() {
     --methods scd-mc,sjd-pac --concurrency 8 --seconds 3 --seconds-per-client 0 \
     --modes goodput --mixed-concurrency '' --out-dir "$out/load-sticky" 2>&1 \
     | tee "$out/load_sticky.log" || rc=1
+  # The commit models learning from every step, windows widened included (the behaviour
+  # before 2026-11-28; --commit-learn-growth, off by default): against the goodput cells above.
+  echo "-- load bench, --cuda-graphs 1 --commit-learn-growth 1"
+  "$b/imagegen-load-bench" --device "$dev" --dtype bf16 --cuda-graphs 1 --commit-learn-growth 1 \
+    --methods scd-mc,sjd-pac --concurrency 8 --seconds 3 --seconds-per-client 0 \
+    --modes goodput --mixed-concurrency '' --out-dir "$out/load-growth" 2>&1 \
+    | tee "$out/load_growth.log" || rc=1
   echo "-- load bench, --cuda-graphs 0"
   "$b/imagegen-load-bench" --device "$dev" --dtype bf16 --cuda-graphs 0 \
     --methods ar,scd-mc --concurrency 1,8 --seconds 3 --seconds-per-client 0 \

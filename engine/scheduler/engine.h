@@ -80,6 +80,15 @@ struct EngineOptions {
   // (RequestCommits: a Jacobi request's first steps commit about one token whatever its
   // window). 0 (default): every step counts.
   int64_t commit_warmup_steps = 0;
+  // Whether the commit table (CommitModel) and each request's commit factor learn from a step
+  // whose window is wider than the request's previous step's (its first step among them). A
+  // Jacobi window's drafts beyond its previous width have not been refined yet, so such a step
+  // commits about what the previous width would (load bench traces: 1.002 tokens a step for
+  // windows grown from 1 to 2-4 at 64 clients, against 1.27-1.30 for the same windows held),
+  // while the planner values a window at what it commits held. Counted, those steps (the
+  // exploring step's above all) teach the table that wide windows commit nothing.
+  // false (default): only steps that hold or narrow the window are learned from.
+  bool commit_learn_growth = false;
   // Where the step-cost calibration is kept (one JSON file per model, device and dtype, reused
   // at the next start); empty: not kept (calibrated at every start).
   std::string cache_dir;

@@ -28,7 +28,9 @@ namespace imagegen {
 // So the commits themselves are learned per window: a table over n = 1, 2, 4, ..., 256
 // (interpolated in log2 n), each step adding its commits to the two neighbouring knots, from a
 // prior per preset measured on the bundled model with whole windows of 2..64 nodes
-// (imagegen-spec-bench; docs/results-serving.md lists it).
+// (imagegen-spec-bench; docs/results-serving.md lists it). The scheduler feeds it only steps
+// that held or narrowed a request's window (EngineOptions::commit_learn_growth): a widened
+// window's new drafts are unrefined, and the table is of windows held.
 class CommitModel {
  public:
   static constexpr int kKnots = 9;  // n = 1, 2, 4, ..., 256

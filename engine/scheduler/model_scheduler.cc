@@ -485,7 +485,11 @@ void ModelScheduler::Step(Outcomes& out) {
     events[i] = Event(j, windows[i]);
     const auto committed = static_cast<int64_t>(events[i].positions.size());
     if (opts_.trace_steps) sample.trace[traced[i]].committed = committed;
-    if (j.request.policy.draft != DraftSource::kNone) {
+    // A step that widened the window (or the request's first) commits what its refined
+    // drafts allow, not what the window held would: not learned from unless asked
+    // (EngineOptions::commit_learn_growth).
+    const bool refined = j.steps > 0 && windows[i] <= j.last_window;
+    if (j.request.policy.draft != DraftSource::kNone && (refined || opts_.commit_learn_growth)) {
       // The request against its method's expectation (without its own factor; not in its
       // warm-up), then the method's table.
       j.commits.Observe(j.steps, committed, commits_.Expected(j.request.policy.preset, windows[i]),
