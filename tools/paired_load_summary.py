@@ -1,0 +1,58 @@
+#!/usr/bin/env python3
+"""Summary of bench/paired_load.sh: each cell's images/s over the reference cell's, per round.
+
+    paired_load_summary.py PAIRED_CSV REFERENCE_CELL [REFERENCE_CELL...]   (a cell: METHOD/MODE)
+
+For every cell (method, mode) at every concurrency: the median images/s over the rounds and
+their spread ((max - min) / median: what one unpaired cell is worth), then the ratio to the
+reference cell of the same round: its median, its range, a 90% bootstrap interval of the median
+(10,000 resamples of the rounds, fixed seed) and the rounds in which the cell was ahead. One
+table per reference cell.
+"""
+import csv
+import random
+import statistics
+import sys
+from collections import defaultdict
+
+
+def main():
+    if len(sys.argv) < 3:
+        sys.exit(__doc__)
+    path = sys.argv[1]
+    rate = defaultdict(dict)  # (c, cell) -> round -> images/s
+    with open(path) as f:
+        for row in csv.DictReader(f):
+            cell = row.get("cell") or f"{row['method']}/{row['mode']}"
+            key, r = (int(row["concurrency"]), cell), int(row["round"])
+            rate[key][r] = float(row["images_per_s"])
+    for reference in sys.argv[2:]:
+        table(rate, reference)
+
+
+def table(rate, reference):
+    rng = random.Random(15)
+    width = max(22, max(len(cell) for _, cell in rate))
+    print(f"{'c':>3} {'cell':<{width}} {'rounds':>6} {'img/s':>7} {'spread':>7} "
+          f"{'/ ' + reference:>18} {'range':>12} {'90% interval':>14} {'ahead':>6}")
+    for (c, cell) in sorted(rate, key=lambda k: (k[0], k[1] != reference, k[1])):
+        runs = rate[(c, cell)]
+        ref = rate.get((c, reference), {})
+        values = list(runs.values())
+        med = statistics.median(values)
+        spread = (max(values) - min(values)) / med if med > 0 else float("nan")
+        line = f"{c:>3} {cell:<{width}} {len(values):>6} {med:>7.2f} {100 * spread:>6.0f}%"
+        ratios = [runs[r] / ref[r] for r in runs if r in ref and ref[r] > 0]
+        if cell != reference and ratios:
+            boot = sorted(statistics.median(rng.choices(ratios, k=len(ratios)))
+                          for _ in range(10000))
+            ahead = sum(x > 1 for x in ratios)
+            line += (f" {statistics.median(ratios):>18.2f} "
+                     f"{min(ratios):>5.2f}-{max(ratios):<6.2f} "
+                     f"{boot[500]:>6.2f}-{boot[9499]:<7.2f} {ahead:>3}/{len(ratios)}")
+        print(line)
+    print()
+
+
+if __name__ == "__main__":
+    main()
