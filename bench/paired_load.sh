@@ -4,9 +4,9 @@
 # that a drift of the machine over minutes falls on every cell alike. A sweep that runs each
 # method's cells minutes apart compares cells the machine ran at different speeds (on the
 # 2-core VM the same decode once took 3.2 ms in one method's cells and 6.5 ms in the next's:
-# docs/results-serving.md). Each round gives every cell's images/s over the reference cell's
-# (the first one listed) of the same round; tools/paired_load_summary.py prints the median
-# ratio per cell, its spread, a bootstrap interval and how many rounds were above 1.
+# docs/results-serving.md). Each round gives every cell's images/s over each other cell's of
+# the same round; tools/paired_load_summary.py prints, with each listed cell as the reference
+# in turn, the median ratio per cell, its range, a bootstrap interval and the rounds above 1.
 #
 #   bench/paired_load.sh BUILD_DIR OUT ROUNDS CLIENTS CELL... [-- BENCH_FLAG...]
 #   CELL: METHOD/MODE[/FLAG=VALUE...]: the load bench's --methods and --modes, and flags of
@@ -17,7 +17,7 @@
 # results.csv rows with the cell, the round and the position in it) and OUT/summary.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ $# -ge 5 ] || { sed -n 2,16p "$0"; exit 2; }
+[ $# -ge 5 ] || { sed -n 2,17p "$0"; exit 2; }
 BUILD=$1 OUT=$2 ROUNDS=$3 C=$4
 shift 4
 cells=()
