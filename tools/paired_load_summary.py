@@ -6,9 +6,9 @@
 A cell is named as bench/paired_load.sh lists it (METHOD/MODE[/FLAG=VALUE...], its CSV's `cell`
 column; METHOD/MODE for a CSV without one). For every cell at every concurrency: the median
 images/s over the rounds and their spread ((max - min) / median: what one unpaired cell is
-worth), then the ratio to the reference cell of the same round: its median, its range, a 90% bootstrap interval of the median
-(10,000 resamples of the rounds, fixed seed) and the rounds in which the cell was ahead. One
-table per reference cell.
+worth), then the ratio to the reference cell of the same round: its median, its range, a 90%
+bootstrap interval of the median (10,000 resamples of the rounds, fixed seed) and the rounds in
+which the cell was ahead. One table per reference cell.
 """
 import csv
 import random
