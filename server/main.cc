@@ -66,6 +66,9 @@ ABSL_FLAG(double, window_stickiness, 0,
           "goodput hysteresis: the previous step's windows are kept while their expected "
           "goodput is within this fraction of the best plan's, e.g. 0.05 (0: re-plan every "
           "step)");
+ABSL_FLAG(bool, lone_request_full_window, true,
+          "goodput: a request alone gets its whole window, so that what a seed draws alone does "
+          "not depend on the step-cost calibration; false plans it at its fastest window");
 ABSL_FLAG(int64_t, max_tokens_per_step, -1,
           "forward tokens per engine step (CFG rows count). With --window-policy=budget the "
           "budget (-1: 256 on the CPU, 2048 on CUDA); with goodput a memory ceiling (-1: 4096); "
@@ -239,6 +242,7 @@ int main(int argc, char** argv) {
   eo.window_policy = absl::GetFlag(FLAGS_window_policy);
   eo.max_slowdown = absl::GetFlag(FLAGS_max_slowdown);
   eo.window_stickiness = absl::GetFlag(FLAGS_window_stickiness);
+  eo.lone_request_full_window = absl::GetFlag(FLAGS_lone_request_full_window);
   eo.cache_dir = absl::GetFlag(FLAGS_cache_dir);
   if (eo.cache_dir == "none") {
     eo.cache_dir.clear();

@@ -248,8 +248,21 @@ TEST(GoodputTest, FlatCostFeedsWholeWindowsAndSteepCostShrinksThem) {
   const double full = 16 * e.back() / cpu.Predict(16 * 32 * 2, 16);
   EXPECT_GT(p.expected / p.seconds, 1.2 * full);
   EXPECT_GT(p.expected / p.seconds, 1.2 * 16 / p.ar_seconds);
-  // Alone, a request keeps its whole window however steep the cost.
+  // Alone, a request keeps its whole window however steep the cost...
   EXPECT_EQ(PlanGoodput({reqs[0]}, cpu, {}).windows, std::vector<int64_t>{32});
+  // ...unless it is planned as any other (lone_request_full_window off): then it gets the
+  // fastest window, here 6-7 nodes at about twice the whole window's rate; on a flat cost,
+  // still the whole window.
+  GoodputOptions planned;
+  planned.lone_request_full_window = false;
+  const GoodputPlan lone = PlanGoodput({reqs[0]}, cpu, planned);
+  EXPECT_GT(lone.windows[0], 1);
+  EXPECT_LT(lone.windows[0], 32);
+  EXPECT_GE(lone.expected / lone.seconds,
+            BruteForceBest({reqs[0]}, cpu, planned.max_slowdown) * (1 - 1e-9));
+  EXPECT_GT(lone.expected / lone.seconds, 1.5 * e.back() / cpu.Predict(64, 1));
+  EXPECT_EQ(PlanGoodput({reqs[0]}, StepCostModel::Linear(1e-3, 0, 0), planned).windows,
+            std::vector<int64_t>{32});
   // Exploring: a plan with at least twice the forward rows, still above all-AR's goodput here.
   GoodputOptions explore;
   explore.explore = true;

@@ -705,6 +705,20 @@ TEST(EngineTest, GoodputShrinksWindowsUnderLoadAndKeepsALoneRequestWhole) {
   ASSERT_TRUE(ar->Wait());
   ASSERT_TRUE(ar->result.has_value());
   EXPECT_EQ(ar->result->stats.mean_window_change, 0.0);
+  whole.reset();
+  // Planned as any other (lone_request_full_window off), the same request alone gets the
+  // window a steep cost makes fastest (2 ms + 0.1 ms per row: about 8 nodes, by the prior's
+  // commits), narrower than its whole window and wider than AR's.
+  o.fixed_step_cost = {2e-3, 1e-4, 1e-4};
+  o.lone_request_full_window = false;
+  o.trace_steps = false;
+  auto planned = StartOrDie(o);
+  const RequestResult p = alone(*planned);
+  EXPECT_EQ(p.tokens.size(), f.tokens.size());
+  EXPECT_GT(p.stats.mean_window, 2.0);
+  EXPECT_LT(p.stats.mean_window, 0.75 * f.stats.mean_window);
+  std::printf("alone: mean window %.1f planned, %.1f whole\n", p.stats.mean_window,
+              f.stats.mean_window);
 }
 
 // A step that widens a request's window commits what its refined drafts allow, so neither the

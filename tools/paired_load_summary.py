@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
 """Summary of bench/paired_load.sh: each cell's images/s over the reference cell's, per round.
 
-    paired_load_summary.py PAIRED_CSV REFERENCE_CELL [REFERENCE_CELL...]
+    paired_load_summary.py [--p50] PAIRED_CSV REFERENCE_CELL [REFERENCE_CELL...]
 
 A cell is named as bench/paired_load.sh lists it (METHOD/MODE[/FLAG=VALUE...], its CSV's `cell`
 column; METHOD/MODE for a CSV without one). For every cell at every concurrency: the median
 images/s over the rounds and their spread ((max - min) / median: what one unpaired cell is
 worth), then the ratio to the reference cell of the same round: its median, its range, a 90%
 bootstrap interval of the median (10,000 resamples of the rounds, fixed seed) and the rounds in
-which the cell was ahead. One table per reference cell.
+which the cell was ahead. One table per reference cell. --p50: the same of the median latency
+instead, the ratio being the reference's p50 over the cell's (above 1: the cell is faster).
 """
 import csv
 import random
@@ -18,22 +19,28 @@ from collections import defaultdict
 
 
 def main():
-    if len(sys.argv) < 3:
+    args = sys.argv[1:]
+    p50 = bool(args) and args[0] == "--p50"
+    if p50:
+        args = args[1:]
+    if len(args) < 2:
         sys.exit(__doc__)
-    path = sys.argv[1]
+    path = args[0]
     rate = defaultdict(dict)  # (c, cell) -> round -> images/s
     with open(path) as f:
         for row in csv.DictReader(f):
             cell = row.get("cell") or f"{row['method']}/{row['mode']}"
             key, r = (int(row["concurrency"]), cell), int(row["round"])
-            rate[key][r] = float(row["images_per_s"])
-    for reference in sys.argv[2:]:
-        table(rate, reference)
+            # A latency's inverse, so that the ratio reads as the rate's: above 1, the cell ahead.
+            rate[key][r] = 1 / float(row["p50_s"]) if p50 else float(row["images_per_s"])
+    for reference in args[1:]:
+        table(rate, reference, p50)
 
 
-def table(rate, reference):
+def table(rate, reference, p50=False):
     width = max(22, max(len(cell) for _, cell in rate))
-    print(f"{'c':>3} {'cell':<{width}} {'rounds':>6} {'img/s':>7} {'spread':>7} "
+    unit = "1/p50" if p50 else "img/s"
+    print(f"{'c':>3} {'cell':<{width}} {'rounds':>6} {unit:>7} {'spread':>7} "
           f"{'/ ' + reference:>18} {'range':>12} {'90% interval':>14} {'ahead':>6}")
     for (c, cell) in sorted(rate, key=lambda k: (k[0], k[1] != reference, k[1])):
         runs = rate[(c, cell)]

@@ -59,8 +59,8 @@ struct EngineOptions {
   //   calibrated at start-up (cached in cache_dir) and refined by every step, and acceptance
   //   per draft depth learned online. Fairness bound: no request's expected time per token
   //   exceeds (1 + max_slowdown) times what it would be if every request fed one token. A
-  //   request alone gets its whole window. max_tokens_per_step is then a ceiling on a step's
-  //   forward rows (memory): -1 means 4096, 0 none.
+  //   request alone gets its whole window (lone_request_full_window). max_tokens_per_step is
+  //   then a ceiling on a step's forward rows (memory): -1 means 4096, 0 none.
   // - "budget": the fixed token budget max_tokens_per_step (window_budget.h).
   // - "full": every request feeds its whole window (budget 0).
   std::string window_policy = "goodput";
@@ -76,6 +76,10 @@ struct EngineOptions {
   // the cost and commit models put their goodput within this fraction of the best plan's. In
   // [0, 1]; 0 (the default): every step re-plans from scratch.
   double window_stickiness = 0;
+  // Goodput: a request alone gets its whole window (GoodputOptions::lone_request_full_window),
+  // so that what a seed draws alone does not depend on a calibration. false: it is planned as
+  // any other, at the window the cost model makes fastest.
+  bool lone_request_full_window = true;
   // The first steps of a request that its own commit factor does not learn from
   // (RequestCommits: a Jacobi request's first steps commit about one token whatever its
   // window). 0 (default): every step counts.

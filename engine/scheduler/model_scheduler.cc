@@ -232,6 +232,7 @@ std::vector<int64_t> ModelScheduler::ChooseWindows(const std::vector<size_t>& id
   go.max_slowdown = opts_.max_slowdown;
   go.max_tokens = opts_.max_tokens_per_step;
   go.stickiness = opts_.window_stickiness;
+  go.lone_request_full_window = opts_.lone_request_full_window;
   // One planned step in 16 explores a plan twice as wide (GoodputOptions::explore).
   go.explore = reqs.size() > 1 && ++planned_steps_ % 16 == 0;
   explored_ = go.explore;
