@@ -427,6 +427,7 @@ int main(int argc, char** argv) {
            {"max-slowdown", "0.25"},
            {"window-stickiness", "0"},
            {"lone-full-window", "1"},
+           {"explore-every", "16"},
            {"fixed-step-cost", ""},
            {"refine-step-cost", "1"},
            {"simulated-step-noise", "0"},
@@ -475,6 +476,7 @@ int main(int argc, char** argv) {
   base.max_slowdown = f.Num("max-slowdown");
   base.window_stickiness = f.Num("window-stickiness");  // EngineOptions::window_stickiness
   base.lone_request_full_window = f.Int("lone-full-window") != 0;  // EngineOptions
+  base.explore_every = f.Int("explore-every");  // EngineOptions::explore_every (0: never)
   base.commit_warmup_steps = f.Int("commit-warmup-steps");  // EngineOptions: 0 counts every step
   base.commit_learn_growth = f.Int("commit-learn-growth") != 0;  // EngineOptions (0: held only)
   // --fixed-step-cost BASE,PER_TOKEN,PER_REQUEST (seconds): the goodput controller plans with

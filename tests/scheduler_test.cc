@@ -719,6 +719,26 @@ TEST(EngineTest, GoodputShrinksWindowsUnderLoadAndKeepsALoneRequestWhole) {
   EXPECT_LT(p.stats.mean_window, 0.75 * f.stats.mean_window);
   std::printf("alone: mean window %.1f planned, %.1f whole\n", p.stats.mean_window,
               f.stats.mean_window);
+  planned.reset();
+  // explore_every = 0: no exploring step, where the default explored one in 16 above.
+  o.explore_every = 0;
+  o.trace_steps = true;
+  StepLog quiet;
+  auto never = StartOrDie(o, &quiet);
+  std::vector<std::shared_ptr<Recorder>> two = {std::make_shared<Recorder>(),
+                                                std::make_shared<Recorder>()};
+  for (size_t i = 0; i < two.size(); ++i) {
+    ASSERT_TRUE(never->Submit(Params("scd-mc", 3, 90 + i), two[i]).ok());
+  }
+  for (auto& r : two) ASSERT_TRUE(r->Wait());
+  WaitIdle(*never);
+  std::lock_guard<std::mutex> l(quiet.mu);
+  int64_t shared = 0;
+  for (const StepSample& s : quiet.samples) {
+    EXPECT_FALSE(s.explore);
+    shared += s.requests > 1 ? 1 : 0;
+  }
+  EXPECT_GE(shared, 16);  // enough planned steps of two for the default to have explored
 }
 
 // A step that widens a request's window commits what its refined drafts allow, so neither the
@@ -982,6 +1002,7 @@ TEST(EngineTest, BadEngineOptionsAreRejected) {
       {"window_policy", [](EngineOptions& e) { e.window_policy = "fastest"; }},
       {"max_slowdown", [](EngineOptions& e) { e.max_slowdown = -0.5; }},
       {"window_stickiness", [](EngineOptions& e) { e.window_stickiness = 1.5; }},
+      {"explore_every", [](EngineOptions& e) { e.explore_every = -1; }},
       {"simulated_step_noise", [](EngineOptions& e) { e.simulated_step_noise = -1; }},
       {"fixed_step_cost", [](EngineOptions& e) { e.fixed_step_cost = {1.0}; }},
       {"simulated_capture_cost", [](EngineOptions& e) { e.simulated_capture_cost = -1; }},

@@ -178,6 +178,7 @@ StatusOr<std::unique_ptr<Engine>> Engine::Start(const EngineOptions& options,
     return InvalidArgument("max_slowdown: must be in [0, 100]");
   }
   if (o.commit_warmup_steps < 0) return InvalidArgument("commit_warmup_steps: must be >= 0");
+  if (o.explore_every < 0) return InvalidArgument("explore_every: must be >= 0");
   if (!(o.window_stickiness >= 0 && o.window_stickiness <= 1)) {
     return InvalidArgument("window_stickiness: must be in [0, 1]");
   }

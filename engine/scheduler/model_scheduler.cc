@@ -233,8 +233,9 @@ std::vector<int64_t> ModelScheduler::ChooseWindows(const std::vector<size_t>& id
   go.max_tokens = opts_.max_tokens_per_step;
   go.stickiness = opts_.window_stickiness;
   go.lone_request_full_window = opts_.lone_request_full_window;
-  // One planned step in 16 explores a plan twice as wide (GoodputOptions::explore).
-  go.explore = reqs.size() > 1 && ++planned_steps_ % 16 == 0;
+  // One planned step in explore_every (16) explores a plan twice as wide.
+  go.explore =
+      reqs.size() > 1 && opts_.explore_every > 0 && ++planned_steps_ % opts_.explore_every == 0;
   explored_ = go.explore;
   plan = PlanGoodput(reqs, cost_, go);
   for (size_t i = 0; i < reqs.size(); ++i) {
