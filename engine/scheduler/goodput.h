@@ -96,8 +96,8 @@ struct GoodputOptions {
   int64_t max_tokens = 0;  // forward rows per step, a memory ceiling; 0: none
   // A request alone gets its whole window: what it draws for a seed then does not depend on a
   // calibration measured on a noisy machine. false: it is planned as any other, at the window
-  // the cost model makes fastest (on the 2-core CPU 4-12 nodes for scd-mc and sjd-pac, whose
-  // whole windows are 30 and 52: docs/results-serving.md, "One request alone").
+  // the cost model makes fastest (on the 2-core CPU 7-18 nodes for scd-mc and 4-8 for sjd-pac,
+  // whose whole windows are 30 and 52: docs/results-serving.md, "One request alone, planned").
   bool lone_request_full_window = true;
   // Exploration: take the best plan among those with at least twice the chosen plan's
   // forward rows (when one keeps the fairness bound), so that the step-cost model measures
