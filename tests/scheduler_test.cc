@@ -719,8 +719,13 @@ TEST(EngineTest, GoodputShrinksWindowsUnderLoadAndKeepsALoneRequestWhole) {
   EXPECT_LT(p.stats.mean_window, 0.75 * f.stats.mean_window);
   std::printf("alone: mean window %.1f planned, %.1f whole\n", p.stats.mean_window,
               f.stats.mean_window);
-  planned.reset();
-  // explore_every = 0: no exploring step, where the default explored one in 16 above.
+}
+
+// explore_every = 0: no planned step explores, where the default explores one in 16
+// (GoodputShrinksWindowsUnderLoadAndKeepsALoneRequestWhole counts them).
+TEST(EngineTest, GoodputNeverExploresWithExploreEveryZero) {
+  EngineOptions o = BundledOptions();
+  o.fixed_step_cost = {2e-3, 1e-4, 1e-4};  // steep: the two requests' windows are planned
   o.explore_every = 0;
   o.trace_steps = true;
   StepLog quiet;

@@ -26,7 +26,7 @@ def main():
     if len(args) < 2:
         sys.exit(__doc__)
     path = args[0]
-    rate = defaultdict(dict)  # (c, cell) -> round -> images/s
+    rate = defaultdict(dict)  # (c, cell) -> round -> images/s (--p50: 1 / p50)
     with open(path) as f:
         for row in csv.DictReader(f):
             cell = row.get("cell") or f"{row['method']}/{row['mode']}"
