@@ -120,7 +120,7 @@ StatusOr<std::unique_ptr<Daemon>> Daemon::Listen(const DaemonOptions& options) {
   return d;
 }
 
-Status Daemon::Load(const EngineStarter& starter) {
+Status Daemon::Load(const EngineStarter& starter, const std::function<void()>& before_serving) {
   if (engine_ != nullptr || stopped_) return FailedPrecondition("Load: called twice or after Stop");
   auto started = starter(options_.engine, &metrics_);
   if (!started.ok()) return started.status();
@@ -137,6 +137,7 @@ Status Daemon::Load(const EngineStarter& starter) {
     return FieldError("--default-method",
                       "'" + options_.default_method + "' is not served by the first model");
   }
+  if (before_serving) before_serving();
   engine_ = std::move(engine);
   RETURN_IF_ERROR(service_.SetEngine(engine_.get()));
   metrics_.SetEngine(engine_.get());

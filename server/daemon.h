@@ -79,8 +79,10 @@ class Daemon {
 
   // Starts the engine with `starter` (blocking while the models load), checks that it serves
   // the default method (else INVALID_ARGUMENT with field() "--default-method"), and turns the
-  // service SERVING. Call once, after Listen.
-  Status Load(const EngineStarter& starter);
+  // service SERVING. `before_serving`, when given, runs once the engine is up and checked, before
+  // any call can reach it (the daemon's main switches its signal handling there: until then a
+  // SIGTERM exits at once, since nothing can be in flight). Call once, after Listen.
+  Status Load(const EngineStarter& starter, const std::function<void()>& before_serving = nullptr);
 
   // The engine's running line for the log: models, device, token budget, default method.
   std::string Describe() const;

@@ -301,15 +301,26 @@ int main(int argc, char** argv) {
   // (the start-up warm-up included, which can take minutes for large models) exits at once
   // with status 0, rather than once loading is done; a SIGHUP then is raised again for the
   // signal loop below. A thread of its own polls for them, 10 times a second, and hands the
-  // signals back to main once loading ends.
+  // signals back to main once loading ends. Whether a signal came before any call could reach
+  // the engine is decided under `ready_mu`: Load's before_serving sets `ready` before the
+  // service takes calls, and a SIGTERM after that (the watcher may still be in its last poll) is
+  // raised again for the drain below, not taken for one that came while loading.
+  std::mutex ready_mu;
+  bool ready = false;
   std::atomic<bool> loading{true}, hup_while_loading{false};
-  std::thread while_loading([&signals, &loading, &hup_while_loading] {
+  std::atomic<int> stop_after_loading{0};
+  std::thread while_loading([&] {
     const timespec tick{0, 100'000'000};
     while (loading.load()) {
       const int s = sigtimedwait(&signals, nullptr, &tick);
       if (s == SIGHUP) {
         hup_while_loading = true;
       } else if (s == SIGTERM || s == SIGINT) {
+        std::lock_guard<std::mutex> l(ready_mu);
+        if (ready) {
+          stop_after_loading = s;
+          continue;
+        }
         Log(std::string("received ") + (s == SIGTERM ? "SIGTERM" : "SIGINT") +
             " while loading the models: exiting, nothing was in flight");
         std::fflush(stderr);
@@ -317,11 +328,16 @@ int main(int argc, char** argv) {
       }
     }
   });
-  const Status loaded = daemon->Load(&Engine::Start);
+  const Status loaded = daemon->Load(&Engine::Start, [&] {
+    std::lock_guard<std::mutex> l(ready_mu);
+    ready = true;
+  });
   loading = false;
   while_loading.join();
-  // A SIGHUP that came while loading: pending again (signals are blocked), for the loop below.
+  // A SIGHUP that came while loading, or a SIGTERM or SIGINT that came once calls could reach
+  // the engine: pending again (signals are blocked), for the loop below.
   if (hup_while_loading.load()) raise(SIGHUP);
+  if (const int s = stop_after_loading.load(); s != 0) raise(s);
   if (Status st = loaded; !st.ok()) {
     if (st.field() == "--default-method") {
       Log(st.message());

@@ -118,7 +118,20 @@ TEST(ServerStartupTest, AliveAtOnceNotReadyWhileTheModelsLoadThenServing) {
     return Engine::Start(eo, listener);
   };
   Status loaded = Internal("Load has not returned");
-  std::thread loader([&] { loaded = d->Load(starter); });
+  // Load's before_serving runs once the engine is up but before any call can reach it (the
+  // daemon's main decides there whether a SIGTERM came while loading): still NOT_SERVING, and a
+  // call is still refused.
+  std::atomic<int> ready_calls{0};
+  HealthCheckResponse::ServingStatus health_before_serving = HealthCheckResponse::SERVING;
+  grpc::StatusCode generate_before_serving = grpc::StatusCode::OK;
+  auto before_serving = [&] {
+    ++ready_calls;
+    Client early(d->port());
+    health_before_serving = early.Health(kService);
+    v1::GenerateResponse r;
+    generate_before_serving = early.Generate("ar", &r).error_code();
+  };
+  std::thread loader([&] { loaded = d->Load(starter, before_serving); });
   // Whatever happens below, let the loader finish before `release` and `d` go away.
   struct Joiner {
     Gate& gate;
@@ -147,6 +160,9 @@ TEST(ServerStartupTest, AliveAtOnceNotReadyWhileTheModelsLoadThenServing) {
       WaitUntil([&] { return c.Health(kService) == HealthCheckResponse::SERVING; }, seconds(300)));
   loader.join();
   ASSERT_TRUE(loaded.ok()) << loaded.ToString();
+  EXPECT_EQ(ready_calls.load(), 1);
+  EXPECT_EQ(health_before_serving, HealthCheckResponse::NOT_SERVING);
+  EXPECT_EQ(generate_before_serving, grpc::StatusCode::UNAVAILABLE);
   EXPECT_EQ(c.Health(""), HealthCheckResponse::SERVING);
   EXPECT_NE(d->Describe().find("fmnist-gpt"), std::string::npos) << d->Describe();
 

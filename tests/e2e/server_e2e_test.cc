@@ -964,6 +964,34 @@ TEST(E2eTest, SigtermWhileLoadingExitsAtOnceWithoutBecomingReady) {
   EXPECT_EQ(log.find("warm-up:"), std::string::npos) << log;  // it never finished
 }
 
+// SIGTERM as soon as the daemon is ready, with a stream in flight, is a drain: the stream ends
+// with its image and the daemon exits 0 once it has. The thread that watches for signals while
+// the models load must not take it for one that came before (it once did for up to 0.1 s after
+// the service turned SERVING, cutting the stream). Power: with that window the log says
+// "while loading" and the stream ends without its final message.
+TEST(E2eTest, SigtermRightAfterReadyDrainsTheStreamInFlight) {
+  Daemon d("sigterm_ready", {"--grace-seconds", "60"});
+  // Polled without pauses, so that the signal comes within milliseconds of SERVING.
+  const auto give_up = std::chrono::steady_clock::now() + seconds(300);
+  while (d.Health(kService) != HealthCheckResponse::SERVING) {
+    ASSERT_LT(std::chrono::steady_clock::now(), give_up) << d.proc().Log();
+  }
+  auto stub = d.Stub();
+  grpc::ClientContext ctx;
+  auto r = stub->GenerateStream(&ctx, Request("shirt", 1, "ar"));
+  v1::GenerateStreamResponse msg;
+  ASSERT_TRUE(r->Read(&msg));
+  d.proc().Signal(SIGTERM);
+  bool final = false;
+  while (r->Read(&msg)) final |= msg.has_final();
+  EXPECT_TRUE(final);
+  EXPECT_TRUE(r->Finish().ok());
+  EXPECT_EQ(d.proc().Wait(seconds(60)), 0) << d.proc().Log();
+  const std::string log = d.proc().Log();
+  EXPECT_EQ(log.find("while loading"), std::string::npos) << log;
+  EXPECT_NE(log.find("stopped: 1 images"), std::string::npos) << log;
+}
+
 // SIGHUP while the models load (a short warm-up here) is not lost: the key file it asks to read
 // again is read once the daemon is ready. Power: a loader that swallows the signal leaves the
 // old key working and never logs the reload.
