@@ -435,6 +435,7 @@ int main(int argc, char** argv) {
            {"simulated-capture-cost", "0"},
            {"refine-on-captures", "1"},
            {"step-cost-max-ratio", "2"},
+           {"step-cost-spot-check", "3"},
            {"keep-cut-drafts", "1"},
            {"cache-dir", ""},
            {"batch-invariant", "1"},
@@ -492,6 +493,7 @@ int main(int argc, char** argv) {
   base.simulated_capture_cost = f.Num("simulated-capture-cost");  // EngineOptions, a factor
   base.refine_on_captures = f.Int("refine-on-captures") != 0;     // EngineOptions
   base.step_cost_max_ratio = f.Num("step-cost-max-ratio");        // EngineOptions, 0: unbounded
+  base.step_cost_spot_check = f.Num("step-cost-spot-check");      // EngineOptions, 0: off
   base.keep_cut_drafts = f.Int("keep-cut-drafts") != 0;           // EngineOptions::keep_cut_drafts
   // The goodput cells share one calibration (measured by the warm-up below).
   base.cache_dir = f.Str("cache-dir").empty() ? out + "/cache" : f.Str("cache-dir");

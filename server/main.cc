@@ -69,6 +69,10 @@ ABSL_FLAG(double, window_stickiness, 0,
 ABSL_FLAG(bool, lone_request_full_window, true,
           "goodput: a request alone gets its whole window, so that what a seed draws alone does "
           "not depend on the step-cost calibration; false plans it at its fastest window");
+ABSL_FLAG(double, step_cost_spot_check, 3,
+          "goodput: a cached step-cost calibration is measured again when one request's steps "
+          "at start run more than this factor faster than it predicts (or slower, three checks "
+          "running); 0: a cached calibration is used as it is");
 ABSL_FLAG(int64_t, max_tokens_per_step, -1,
           "forward tokens per engine step (CFG rows count). With --window-policy=budget the "
           "budget (-1: 256 on the CPU, 2048 on CUDA); with goodput a memory ceiling (-1: 4096); "
@@ -243,6 +247,7 @@ int main(int argc, char** argv) {
   eo.max_slowdown = absl::GetFlag(FLAGS_max_slowdown);
   eo.window_stickiness = absl::GetFlag(FLAGS_window_stickiness);
   eo.lone_request_full_window = absl::GetFlag(FLAGS_lone_request_full_window);
+  eo.step_cost_spot_check = absl::GetFlag(FLAGS_step_cost_spot_check);
   eo.cache_dir = absl::GetFlag(FLAGS_cache_dir);
   if (eo.cache_dir == "none") {
     eo.cache_dir.clear();

@@ -117,6 +117,20 @@ DecodingPolicy Preset(const std::string& name, int64_t window = 0) {
   return *p;
 }
 
+TEST(StepCostTest, SpotCheckReplacesACalibrationOnlyWhenEveryShapeIsFarOff) {
+  EXPECT_EQ(JudgeSpotCheck({}), SpotCheck::kConsistent);
+  EXPECT_EQ(JudgeSpotCheck({1.0, 1.1}), SpotCheck::kConsistent);
+  EXPECT_EQ(JudgeSpotCheck({0.4, 2.9}), SpotCheck::kConsistent);  // within 3x either way
+  EXPECT_EQ(JudgeSpotCheck({0.2, 0.3}), SpotCheck::kFaster);
+  EXPECT_EQ(JudgeSpotCheck({4.0, 10.0}), SpotCheck::kSlower);
+  // One shape off and the other not (a stall during one of them): kept.
+  EXPECT_EQ(JudgeSpotCheck({0.2, 1.0}), SpotCheck::kConsistent);
+  EXPECT_EQ(JudgeSpotCheck({5.0, 1.0}), SpotCheck::kConsistent);
+  EXPECT_EQ(JudgeSpotCheck({0.2, 5.0}), SpotCheck::kConsistent);
+  EXPECT_EQ(JudgeSpotCheck({0.45}, 2), SpotCheck::kFaster);
+  EXPECT_EQ(JudgeSpotCheck({0.55}, 2), SpotCheck::kConsistent);
+}
+
 TEST(GoodputTest, CommitsPerWindowStartAtThePriorAndLearnPerMethodAndRequest) {
   CommitModel m;
   EXPECT_DOUBLE_EQ(m.Expected("scd-mc", 1), 1);

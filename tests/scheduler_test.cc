@@ -814,6 +814,9 @@ TEST(EngineTest, StepCostCalibrationIsCachedAndAForeignOrSmallerOneReplaced) {
   const std::string dir = testing::TempDir("step_cost_cache");
   EngineOptions o = BundledOptions();
   o.cache_dir = dir + "/cache";
+  // Whether a restart keeps the file must not depend on this machine's load between two starts:
+  // the spot check is off here, and on below with times far off.
+  o.step_cost_spot_check = 0;
   // The engine's notices go to EngineOptions::log (the daemon's --log-format), not stderr.
   std::vector<std::string> notices;
   o.log = [&notices](const std::string& m) { notices.push_back(m); };
@@ -842,6 +845,43 @@ TEST(EngineTest, StepCostCalibrationIsCachedAndAForeignOrSmallerOneReplaced) {
   ASSERT_TRUE(again.ok());
   EXPECT_NE(again->find("fmnist-gpt (dim 192"), std::string::npos);
   EXPECT_EQ(again->find("other-gpt!"), std::string::npos);
+  // A calibration whose times are far off this device's (timed during a stall, or on another
+  // device) fails the spot check at start and is measured again: every sample's time 10^4x
+  // too slow, then 10^4x too fast (a loaded machine's steps vary by tens of times, not
+  // thousands). With the check off, the same files are kept.
+  EngineOptions checked = o;
+  checked.step_cost_spot_check = 3;
+  auto scaled = [&](double factor) {
+    auto j = nlohmann::json::parse(*ReadFile(file));
+    for (auto& smp : j["samples"]) smp[2] = smp[2].get<double>() * factor;
+    return j.dump();
+  };
+  auto median_seconds = [&] {
+    const auto j = nlohmann::json::parse(*ReadFile(file));
+    std::vector<double> t;
+    for (const auto& smp : j["samples"]) t.push_back(smp[2].get<double>());
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
+  };
+  const double measured = median_seconds();
+  for (const auto& [factor, word] : {std::pair<double, std::string>{1e4, "faster"},
+                                     std::pair<double, std::string>{1e-4, "slower"}}) {
+    SCOPED_TRACE(word);
+    testing::WriteText(file, scaled(factor));
+    const std::string off = *ReadFile(file);
+    notices.clear();
+    StartOrDie(o).reset();
+    EXPECT_TRUE(notices.empty()) << notices[0];
+    EXPECT_EQ(*ReadFile(file), off);
+    StartOrDie(checked).reset();
+    ASSERT_EQ(notices.size(), 1u);
+    EXPECT_EQ(notices[0].rfind("recalibrating the step cost: ", 0), 0u) << notices[0];
+    EXPECT_NE(notices[0].find("ran more than 3x " + word), std::string::npos) << notices[0];
+    EXPECT_NE(notices[0].find("measured"), std::string::npos) << notices[0];
+    // Measured again: within 100x of the first calibration, not the scaled file's 10^4x.
+    EXPECT_LT(median_seconds(), measured * 100);
+    EXPECT_GT(median_seconds(), measured / 100);
+  }
   // A calibration an engine with two slots wrote (one request at a time) is measured again by
   // an engine that can run many; the small engine takes the larger one as it is.
   auto max_requests = [&] {
@@ -1013,6 +1053,7 @@ TEST(EngineTest, BadEngineOptionsAreRejected) {
       {"simulated_capture_cost", [](EngineOptions& e) { e.simulated_capture_cost = -1; }},
       {"simulated_tree_cost", [](EngineOptions& e) { e.simulated_tree_cost = 2; }},
       {"step_cost_max_ratio", [](EngineOptions& e) { e.step_cost_max_ratio = 0.5; }},
+      {"step_cost_spot_check", [](EngineOptions& e) { e.step_cost_spot_check = 1.2; }},
       {"commit_warmup_steps", [](EngineOptions& e) { e.commit_warmup_steps = -1; }},
       {"warmup", [](EngineOptions& e) { e.warmup = 2; }},
       {"warmup_methods",

@@ -6,6 +6,7 @@
 #include <c10/core/Device.h>
 
 #include <memory>
+#include <string>
 
 namespace imagegen {
 
@@ -28,5 +29,11 @@ class OwnStream {
 // imagegen's own kernels (kernels/) where LibTorch's work goes; null on the CPU and in builds
 // without LibTorch's CUDA libraries.
 void* CurrentCudaStream(const c10::Device& device);
+
+// What model of processor `device` is, for keys of measurements that do not carry over to
+// another one (the step-cost calibration): a CUDA device's name ("NVIDIA H200"), or the host
+// CPU's model name from /proc/cpuinfo for the CPU; empty when unknown (a CUDA device in a build
+// without LibTorch's CUDA libraries, a host without /proc).
+std::string DeviceModelName(const c10::Device& device);
 
 }  // namespace imagegen

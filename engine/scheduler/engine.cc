@@ -192,6 +192,10 @@ StatusOr<std::unique_ptr<Engine>> Engine::Start(const EngineOptions& options,
         (o.step_cost_max_ratio >= 1 && o.step_cost_max_ratio <= 1000))) {
     return InvalidArgument("step_cost_max_ratio: must be 0 (unbounded) or in [1, 1000]");
   }
+  if (!(o.step_cost_spot_check == 0 ||
+        (o.step_cost_spot_check >= 1.5 && o.step_cost_spot_check <= 1000))) {
+    return InvalidArgument("step_cost_spot_check: must be 0 (off) or in [1.5, 1000]");
+  }
   if (!(o.simulated_tree_cost >= 0 && o.simulated_tree_cost <= 1)) {
     return InvalidArgument("simulated_tree_cost: must be in [0, 1] seconds");
   }

@@ -126,6 +126,10 @@ struct EngineOptions {
   // replays (docs/results-serving.md, "Graph captures in the refinement").
   bool refine_on_captures = true;
   double step_cost_max_ratio = 2;
+  // A cached calibration is spot-checked at start (ModelScheduler::SpotCheckCalibration): when
+  // one request's steps run more than this factor faster than it predicts, or slower in three
+  // checks running, it is measured again. 0: off (a cached calibration is used as it is).
+  double step_cost_spot_check = 3;
   // The calibrated step cost refined online from every step's measured time (false: the
   // calibration alone, e.g. to see what the refinement does on a device whose step times
   // jitter).

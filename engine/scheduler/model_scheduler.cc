@@ -10,8 +10,10 @@
 #include <cstdlib>
 #include <exception>
 #include <filesystem>
+#include <limits>
 #include <sstream>
 
+#include "engine/model/cuda_stream.h"
 #include "engine/util/read_file.h"
 
 namespace imagegen {
@@ -80,11 +82,14 @@ Status ModelScheduler::Calibrate(const LoadOptions& load) {
   const GptConfig& c = model_.gpt->config();
   const std::string device = load.device.str();
   const std::string dtype = c10::toString(load.dtype);
+  // The processor's model too: a cache directory shared by unlike nodes (a volume, an image
+  // built on one machine) must not hand one device's costs to another.
+  const std::string processor = DeviceModelName(load.device);
   std::ostringstream key;
   key << model_.name << " (dim " << c.dim << ", layers " << c.n_layer << ", vocab " << c.vocab_size
       << ", tokens " << c.block_size << ", weights " << model_.gpt->weight_bytes() << " B"
-      << (model_.draft ? ", draft " + c.draft_model : std::string()) << ") on " << device << " "
-      << dtype
+      << (model_.draft ? ", draft " + c.draft_model : std::string()) << ") on " << device
+      << (processor.empty() ? std::string() : " (" + processor + ")") << " " << dtype
       << (load.device.is_cpu() ? ", " + std::to_string(at::get_num_threads()) + " threads"
                                : std::string())
       << (opts_.cuda_graphs > 0   ? ", CUDA graphs"
@@ -109,6 +114,7 @@ Status ModelScheduler::Calibrate(const LoadOptions& load) {
             path + ": calibrated for at most " + std::to_string(cost_.CalibratedRequests()) +
             " concurrent request(s); this engine can measure " + std::to_string(can_measure));
       }
+      if (st.ok() && opts_.step_cost_spot_check > 0) st = SpotCheckCalibration(probe, path);
       if (st.ok()) return OkStatus();
       Notice(opts_, "recalibrating the step cost: " + st.ToString());
     }
@@ -194,6 +200,60 @@ std::vector<StepCostSample> ModelScheduler::MeasureStepCost(ImageRequest req) {
     if (Seconds(start, Clock::now()) > 20) break;
   }
   return samples;
+}
+
+// One request's steps at windows of 1 and 16 nodes, the first of each untimed and then the
+// fastest of three (load and stalls only make a step slower), against what the cached
+// calibration predicts for them. A calibration that predicts every shape more than
+// step_cost_spot_check (3) times too slow is replaced at once: it was timed during a stall of
+// the machine, or on a slower device, and would keep the controller off the wide steps that
+// could correct it. One that predicts every shape that much too fast is replaced when two
+// more checks (fresh requests) agree, since a machine loaded right now also looks like that.
+Status ModelScheduler::SpotCheckCalibration(ImageRequest req, const std::string& path) {
+  const int64_t rows = req.sampling.uses_cfg() ? 2 : 1;
+  std::vector<int64_t> widths = {1};
+  if (req.policy.window >= 16) widths.push_back(16);
+  constexpr int kAttempts = 3;
+  for (int attempt = 0; attempt < kAttempts; ++attempt) {
+    req.seed = static_cast<uint64_t>(attempt);
+    StatusOr<int64_t> h = batch_.Add(req);
+    if (!h.ok()) return OkStatus();  // nothing to check with: keep the cache
+    std::vector<double> ratios;
+    std::ostringstream detail;
+    detail.precision(3);
+    for (int64_t w : widths) {
+      double best = std::numeric_limits<double>::infinity();
+      int64_t tokens = 0;
+      for (int rep = 0; rep < 4 && !batch_.done(*h); ++rep) {
+        const int64_t g = std::max<int64_t>(1, std::min(w, batch_.WantedNodes(*h)));
+        const auto t0 = Clock::now();
+        if (!batch_.Step({{*h, g}}).ok()) break;
+        if (rep == 0) continue;
+        const double t = Seconds(t0, Clock::now());
+        if (t < best) {
+          best = t;
+          tokens = g * rows;
+        }
+      }
+      if (tokens == 0) continue;
+      const double predicted = cost_.Predict(tokens, 1);
+      ratios.push_back(best / predicted);
+      detail << (ratios.size() > 1 ? "; " : "") << tokens << " rows: measured " << best * 1e3
+             << " ms, cached " << predicted * 1e3 << " ms";
+    }
+    batch_.Remove(*h);
+    const double factor = opts_.step_cost_spot_check;
+    const SpotCheck verdict = JudgeSpotCheck(ratios, factor);
+    if (verdict == SpotCheck::kConsistent) return OkStatus();
+    if (verdict == SpotCheck::kFaster || attempt + 1 == kAttempts) {
+      std::ostringstream times;
+      times << factor;
+      return FailedPrecondition(path + ": one request's steps ran more than " + times.str() + "x " +
+                                (verdict == SpotCheck::kFaster ? "faster" : "slower") +
+                                " than the cached calibration predicts (" + detail.str() + ")");
+    }
+  }
+  return OkStatus();
 }
 
 std::vector<int64_t> ModelScheduler::PrefillChunks(const std::vector<size_t>& idx) const {

@@ -54,6 +54,9 @@ class ModelScheduler : public FamilyScheduler {
   ImageRequest CalibrationRequest() const;
   std::vector<int64_t> CalibrationSizes(const ImageRequest& req) const;
   std::vector<StepCostSample> MeasureStepCost(ImageRequest req);
+  // Whether the cached calibration (read from `path`) still describes this device: a few
+  // one-request steps timed against its prediction (FAILED_PRECONDITION, naming both, when not).
+  Status SpotCheckCalibration(ImageRequest req, const std::string& path);
   // This step's windows for the decoding requests active_[idx[i]] (demand[i]); `expected`
   // gets each one's expected commits (goodput) and `plan` the predicted step time and
   // expected total.

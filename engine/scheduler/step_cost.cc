@@ -47,6 +47,16 @@ bool Solve(std::vector<double> a, std::vector<double> b, int64_t n, std::vector<
 
 }  // namespace
 
+SpotCheck JudgeSpotCheck(const std::vector<double>& ratios, double factor) {
+  if (ratios.empty()) return SpotCheck::kConsistent;
+  bool faster = true, slower = true;
+  for (double r : ratios) {
+    faster &= r * factor < 1;
+    slower &= r > factor;
+  }
+  return faster ? SpotCheck::kFaster : slower ? SpotCheck::kSlower : SpotCheck::kConsistent;
+}
+
 StepCostModel::StepCostModel(int64_t max_tokens) {
   int64_t t = 1;
   knots_.push_back(t);

@@ -21,6 +21,15 @@
 
 namespace imagegen {
 
+// A cached calibration checked against the device at start: `ratios` are measured / predicted
+// times of a few shapes, each the fastest of a few steps. kFaster when every shape ran more
+// than `factor` times faster than the calibration predicts (it was timed during a stall of the
+// machine, or on a slower device), kSlower when every one ran more than `factor` times slower
+// (a faster device's calibration, or a machine loaded right now: the caller checks again
+// before it believes that). No ratios: kConsistent.
+enum class SpotCheck { kConsistent, kFaster, kSlower };
+SpotCheck JudgeSpotCheck(const std::vector<double>& ratios, double factor = 3);
+
 struct StepCostSample {
   int64_t tokens = 0;    // target-forward rows of the step
   int64_t requests = 0;  // requests in the step
