@@ -71,8 +71,8 @@ ABSL_FLAG(bool, lone_request_full_window, true,
           "not depend on the step-cost calibration; false plans it at its fastest window");
 ABSL_FLAG(double, step_cost_spot_check, 3,
           "goodput: a cached step-cost calibration is measured again when one request's steps "
-          "at start run more than this factor faster than it predicts (or slower, three checks "
-          "running); 0: a cached calibration is used as it is");
+          "at start run more than this factor faster than it predicts (slower: kept, with a "
+          "notice); 0: a cached calibration is used as it is");
 ABSL_FLAG(int64_t, max_tokens_per_step, -1,
           "forward tokens per engine step (CFG rows count). With --window-policy=budget the "
           "budget (-1: 256 on the CPU, 2048 on CUDA); with goodput a memory ceiling (-1: 4096); "

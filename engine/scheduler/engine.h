@@ -127,8 +127,8 @@ struct EngineOptions {
   bool refine_on_captures = true;
   double step_cost_max_ratio = 2;
   // A cached calibration is spot-checked at start (ModelScheduler::SpotCheckCalibration): when
-  // one request's steps run more than this factor faster than it predicts, or slower in three
-  // checks running, it is measured again. 0: off (a cached calibration is used as it is).
+  // one request's steps run more than this factor faster than it predicts, it is measured
+  // again (more than this factor slower: kept, with a notice). 0: off (used as it is).
   double step_cost_spot_check = 3;
   // The calibrated step cost refined online from every step's measured time (false: the
   // calibration alone, e.g. to see what the refinement does on a device whose step times

@@ -55,7 +55,8 @@ class ModelScheduler : public FamilyScheduler {
   std::vector<int64_t> CalibrationSizes(const ImageRequest& req) const;
   std::vector<StepCostSample> MeasureStepCost(ImageRequest req);
   // Whether the cached calibration (read from `path`) still describes this device: a few
-  // one-request steps timed against its prediction (FAILED_PRECONDITION, naming both, when not).
+  // one-request steps timed against its prediction (FAILED_PRECONDITION, naming both, when it
+  // predicts them far too slow).
   Status SpotCheckCalibration(ImageRequest req, const std::string& path);
   // This step's windows for the decoding requests active_[idx[i]] (demand[i]); `expected`
   // gets each one's expected commits (goodput) and `plan` the predicted step time and

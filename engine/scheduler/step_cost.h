@@ -25,8 +25,7 @@ namespace imagegen {
 // times of a few shapes, each the fastest of a few steps. kFaster when every shape ran more
 // than `factor` times faster than the calibration predicts (it was timed during a stall of the
 // machine, or on a slower device), kSlower when every one ran more than `factor` times slower
-// (a faster device's calibration, or a machine loaded right now: the caller checks again
-// before it believes that). No ratios: kConsistent.
+// (a machine loaded right now, or a slowed device). No ratios: kConsistent.
 enum class SpotCheck { kConsistent, kFaster, kSlower };
 SpotCheck JudgeSpotCheck(const std::vector<double>& ratios, double factor = 3);
 

@@ -95,8 +95,9 @@ class Daemon {
     return st.ok() ? resp.status() : HealthCheckResponse::UNKNOWN;
   }
   // Until the models are loaded ("imagegen.v1.ImageGeneration" SERVING).
+  // Up to 300 s: a loaded machine's start (a warm-up, a calibration) takes tens of seconds.
   void WaitReady() const {
-    for (int i = 0; i < 600; ++i) {
+    for (int i = 0; i < 6000; ++i) {
       if (Health(kService) == HealthCheckResponse::SERVING) return;
       std::this_thread::sleep_for(milliseconds(50));
     }
