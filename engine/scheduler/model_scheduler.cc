@@ -153,11 +153,31 @@ std::vector<int64_t> ModelScheduler::CalibrationSizes(const ImageRequest& req) c
   return sizes;
 }
 
+// One shape timed: each request granted min(w, the nodes it still wants), at least one; one
+// untimed step, then up to three timed ones (fewer when a request finishes or a step fails).
+std::vector<ModelScheduler::TimedStep> ModelScheduler::TimeShape(
+    const std::vector<int64_t>& handles, int64_t w) {
+  std::vector<TimedStep> out;
+  for (int rep = 0; rep < 4; ++rep) {
+    std::vector<WindowGrant> grants;
+    int64_t rows = 0;
+    for (int64_t h : handles) {
+      if (batch_.done(h)) return out;
+      const int64_t g = std::max<int64_t>(1, std::min(w, batch_.WantedNodes(h)));
+      grants.push_back({h, g});
+      rows += g * batch_.RowsPerNode(h);
+    }
+    const auto t0 = Clock::now();
+    if (!batch_.Step(grants).ok()) return out;
+    if (rep > 0) out.push_back({rows, Seconds(t0, Clock::now())});
+  }
+  return out;
+}
+
 // Real steps of Jacobi requests (sjd) with windows of 1, 4, 16 and 64 nodes, for 1, 4, 16 and
 // 32 requests at a time (as the KV slots allow; at most 4,096 forward rows): up to 16 shapes,
-// the first step of each untimed, then the median of three timed (a noisy machine's outliers
-// would otherwise pull the fit). Stops early past 20 seconds (a slow device then leans on
-// online refinement).
+// each the median of three timed steps (a noisy machine's outliers would otherwise pull the
+// fit). Stops early past 20 seconds (a slow device then leans on online refinement).
 std::vector<StepCostSample> ModelScheduler::MeasureStepCost(ImageRequest req) {
   const int64_t wmax = req.policy.window;
   const int64_t rows = req.sampling.uses_cfg() ? 2 : 1;
@@ -172,27 +192,11 @@ std::vector<StepCostSample> ModelScheduler::MeasureStepCost(ImageRequest req) {
     }
     for (int64_t w : {1, 4, 16, 64}) {
       if ((w > wmax && w != 1) || R * w * rows > 4096) break;
-      std::vector<double> times;
-      int64_t shape_tokens = 0;
-      for (int rep = 0; rep < 4; ++rep) {
-        std::vector<WindowGrant> grants;
-        int64_t tokens = 0;
-        bool done = false;
-        for (int64_t h : handles) {
-          done |= batch_.done(h);
-          const int64_t g = std::max<int64_t>(1, std::min(w, batch_.WantedNodes(h)));
-          grants.push_back({h, g});
-          tokens += g * rows;
-        }
-        if (done) break;
-        const auto t0 = Clock::now();
-        if (!batch_.Step(grants).ok()) break;
-        if (rep > 0) times.push_back(Seconds(t0, Clock::now()));
-        shape_tokens = tokens;
-      }
-      if (times.size() == 3) {
-        std::sort(times.begin(), times.end());
-        samples.push_back({shape_tokens, static_cast<int64_t>(handles.size()), times[1]});
+      std::vector<TimedStep> steps = TimeShape(handles, w);
+      if (steps.size() == 3) {
+        std::sort(steps.begin(), steps.end(),
+                  [](const TimedStep& a, const TimedStep& b) { return a.seconds < b.seconds; });
+        samples.push_back({steps[1].rows, static_cast<int64_t>(handles.size()), steps[1].seconds});
       }
       if (Seconds(start, Clock::now()) > 20) break;
     }
@@ -212,7 +216,6 @@ std::vector<StepCostSample> ModelScheduler::MeasureStepCost(ImageRequest req) {
 // refinement corrects a model that predicts too fast, since the controller then plans the
 // steps it is wrong about.
 Status ModelScheduler::SpotCheckCalibration(ImageRequest req, const std::string& path) {
-  const int64_t rows = req.sampling.uses_cfg() ? 2 : 1;
   std::vector<int64_t> widths = {1};
   if (req.policy.window >= 16) widths.push_back(16);
   req.seed = 0;
@@ -222,24 +225,15 @@ Status ModelScheduler::SpotCheckCalibration(ImageRequest req, const std::string&
   std::ostringstream detail;
   detail.precision(3);
   for (int64_t w : widths) {
-    double best = std::numeric_limits<double>::infinity();
-    int64_t tokens = 0;
-    for (int rep = 0; rep < 4 && !batch_.done(*h); ++rep) {
-      const int64_t g = std::max<int64_t>(1, std::min(w, batch_.WantedNodes(*h)));
-      const auto t0 = Clock::now();
-      if (!batch_.Step({{*h, g}}).ok()) break;
-      if (rep == 0) continue;
-      const double t = Seconds(t0, Clock::now());
-      if (t < best) {
-        best = t;
-        tokens = g * rows;
-      }
-    }
-    if (tokens == 0) continue;
-    const double predicted = cost_.Predict(tokens, 1);
-    ratios.push_back(best / predicted);
-    detail << (ratios.size() > 1 ? "; " : "") << tokens << " rows: measured " << best * 1e3
-           << " ms, cached " << predicted * 1e3 << " ms";
+    const std::vector<TimedStep> steps = TimeShape({*h}, w);
+    if (steps.empty()) continue;
+    const TimedStep best = *std::min_element(
+        steps.begin(), steps.end(),
+        [](const TimedStep& a, const TimedStep& b) { return a.seconds < b.seconds; });
+    const double predicted = cost_.Predict(best.rows, 1);
+    ratios.push_back(best.seconds / predicted);
+    detail << (ratios.size() > 1 ? "; " : "") << best.rows << " rows: measured "
+           << best.seconds * 1e3 << " ms, cached " << predicted * 1e3 << " ms";
   }
   batch_.Remove(*h);
   const double factor = opts_.step_cost_spot_check;
@@ -251,12 +245,10 @@ Status ModelScheduler::SpotCheckCalibration(ImageRequest req, const std::string&
                                 "x faster than the cached calibration predicts (" + detail.str() +
                                 ")");
     case SpotCheck::kSlower:
-      Notice(opts_,
-             "the step-cost calibration " + path +
-                 " is kept, though one request's steps ran "
-                 "more than " +
-                 times.str() + "x slower than it predicts (" + detail.str() +
-                 "): a loaded machine, or a slowed device; the online refinement corrects it");
+      Notice(opts_, "the step-cost calibration " + path + " is kept, though one request's steps " +
+                        "ran more than " + times.str() + "x slower than it predicts (" +
+                        detail.str() + "): a loaded machine, or a slowed device; " +
+                        "the online refinement corrects it");
       return OkStatus();
     case SpotCheck::kConsistent:
       break;

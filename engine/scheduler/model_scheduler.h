@@ -54,6 +54,14 @@ class ModelScheduler : public FamilyScheduler {
   ImageRequest CalibrationRequest() const;
   std::vector<int64_t> CalibrationSizes(const ImageRequest& req) const;
   std::vector<StepCostSample> MeasureStepCost(ImageRequest req);
+  // A shape's timed steps (see TimeShape): the forward rows granted and the seconds taken.
+  struct TimedStep {
+    int64_t rows;
+    double seconds;
+  };
+  // Steps of the requests `handles` at windows of at most `w` nodes: one untimed, then up to
+  // three timed (fewer when one of them finishes).
+  std::vector<TimedStep> TimeShape(const std::vector<int64_t>& handles, int64_t w);
   // Whether the cached calibration (read from `path`) still describes this device: a few
   // one-request steps timed against its prediction (FAILED_PRECONDITION, naming both, when it
   // predicts them far too slow).
