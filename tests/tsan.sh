@@ -6,8 +6,8 @@
 # encoder pool, metrics server, drain and shutdown (the server and end-to-end tests: the daemon,
 # CLI and Python client with streams, cancels, deadlines, a full queue, stalled readers, TLS,
 # SIGTERM drain). CI runs the short form (--short: the engine's threads only); `--soak` adds the
-# soak (tests/soak/soak.py: clients that stream, cancel, time out, read slowly, stop
-# reading, get SIGKILLed) against the TSan daemon. Any report from any of these processes fails
+# soak (tests/soak/soak.py: gRPC and HTTP clients that stream, cancel, time out, read slowly,
+# stop reading, hang up, get SIGKILLed) against the TSan daemon. Any report from any of these processes fails
 # the script.
 #
 # TSan sees a lock only if the code taking it is instrumented. Debian's gRPC and Abseil are not
