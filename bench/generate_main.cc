@@ -34,7 +34,8 @@ int main(int argc, char** argv) {
            {"window", "0"},
            {"draft", "fmnist-draft"}},
           "usage: imagegen-generate --class NAME|ID [--seed N] [--cfg S] [--top-k K] "
-          "[--count N] [--method ar|sjd|scd-mc|scd-gs|sjd-pac|pac-gumbel|gsd|cool-sjd|sd|cool-sd] "
+          "[--count N] [--method "
+          "ar|sjd|scd-mc|scd-gs|sjd-pac|pac-gumbel|gsd|cool-sjd|sd|cool-sd|ar-gm|scd-gm] "
           "[--window L] --out FILE.png");
   const LoadOptions opts = LoadOptionsFromFlags(f);
   ImageModel model = OrDie(LoadImageModel(f.Str("models-dir"), f.Str("model"), opts));

@@ -178,8 +178,10 @@ int main(int argc, char** argv) {
     return;
   };
   add("ar", 1, "");
+  if (want("ar-gm")) add("ar-gm", 1, "");  // the match rule's AR (scd-gm draws its images)
   for (int64_t L : f.Ints("windows")) {
-    for (const char* m : {"sjd", "scd-mc", "scd-gs", "sjd-pac", "pac-gumbel", "gsd", "cool-sjd"}) {
+    for (const char* m :
+         {"sjd", "scd-mc", "scd-gs", "scd-gm", "sjd-pac", "pac-gumbel", "gsd", "cool-sjd"}) {
       if (want(m)) add(m, L, "");
     }
   }

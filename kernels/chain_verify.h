@@ -84,6 +84,10 @@ struct ChainVerifyArgs {
   const int64_t* gumbel = nullptr;    // [nodes]
   const int64_t* seed = nullptr;      // [nodes] the request's seed (its bits)
   const int64_t* position = nullptr;  // [nodes] the position the node's output predicts
+  // Optional match rule (ar-gm, scd-gm): where match[n] != 0 (gumbel[n] != 0 too) the node's
+  // token is its first Gumbel draft g* = argmax p(v) / (-log u_v): residual = kept = g*, and
+  // child k is accepted iff x_k == g*. No pass over q or the residuals is made.
+  const int64_t* match = nullptr;  // [nodes]
 };
 
 // Purpose::kGumbel of engine/decoding/philox.h (the engine checks that they agree).
@@ -321,14 +325,18 @@ IMAGEGEN_HD double ChainGroupRatio(double num, double den) {
 // The children's acceptances (sibling k against p_k and q_k; GSD's first child against its
 // cluster ratio `grouped` where that is >= 0), the residual draw and the kept token: writes
 // them and returns the kept token.
+// Under the match rule (`matched`: the node's token, else -1) child k is accepted iff it is
+// that token, which is also the residual.
 IMAGEGEN_HD int64_t ChainFinish(const ChainVerifyArgs& a, int64_t n, const ChainNode& nd,
-                                double grouped, int64_t residual) {
+                                double grouped, int64_t residual, int64_t matched = -1) {
   int first = -1;
   double* row = a.packed != nullptr ? a.packed + n * a.packed_cols : nullptr;
   for (int k = 0; k < nd.kids; ++k) {
     bool acc = false;
     const int64_t x = nd.x[k];
-    if (x >= 0) {
+    if (matched >= 0) {
+      acc = x >= 0 && x == matched;
+    } else if (x >= 0) {
       const double px = ChainPAt(nd, k, x);
       const double qx = ChainQAt(nd, k, x);
       const double num = (k == 0 ? nd.w : 1.0) * px;
@@ -449,9 +457,15 @@ IMAGEGEN_HD void ChainGumbelDrafts(const ChainVerifyArgs& a, int64_t n, const Ch
 // residual mass or any child, from the level's p); the fresh draft from p; the extras from p
 // without the ids drawn so far (the kept token under maximal coupling, else the fresh draft,
 // first); for a Gumbel-coupled node instead its D best Gumbel keys.
+// A match node: its Gumbel drafts first, then its verdicts from the first of them.
 template <class Block>
 IMAGEGEN_HD void ChainVerifyNodeWith(const ChainVerifyArgs& a, int64_t n, ChainNode& nd,
                                      double grouped, Block& b) {
+  if (a.match != nullptr && a.match[n] != 0) {
+    ChainGumbelDrafts(a, n, nd, b);
+    if (b.Leader()) ChainFinish(a, n, nd, -1.0, a.fresh[n], a.fresh[n]);
+    return;
+  }
   int last = -1;
   for (int k = 0; k < nd.kids; ++k) {
     if (nd.x[k] < 0) continue;

@@ -279,6 +279,9 @@ grpc::Status ToParams(const v1::GenerateRequest& req, const std::string& default
       case v1::ACCEPTANCE_RELAXED:
         p.acceptance = Acceptance::kRelaxed;
         break;
+      case v1::ACCEPTANCE_MATCH:
+        p.acceptance = Acceptance::kMatch;
+        break;
       default:
         return BadField("policy.acceptance", "unknown value " + std::to_string(q.acceptance()));
     }

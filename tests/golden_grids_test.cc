@@ -27,6 +27,10 @@ namespace {
 constexpr uint64_t kSeeds[] = {1, 2, 3};
 constexpr int64_t kClassOfSeed[] = {7, 0, 3};  // sneaker, t-shirt, dress
 constexpr int64_t kBudget = 96;                // binds: 30 requests want ~800 rows
+// The presets the recorded sets hold. The later ar-gm and scd-gm are checked against each
+// other instead (MatchRuleTest below, SpecMatchRuleTest on the toy).
+const char* const kGoldenPresets[] = {"ar",         "sjd", "scd-mc",   "scd-gs", "sjd-pac",
+                                      "pac-gumbel", "gsd", "cool-sjd", "sd",     "cool-sd"};
 
 std::string GoldenDir() { return std::string(IMAGEGEN_TEST_MODELS_DIR) + "/../tests/golden"; }
 
@@ -54,7 +58,7 @@ struct Case {
 std::vector<Case> Cases(const ImageModel& m) {
   std::vector<Case> out;
   const GptConfig& c = m.gpt->config();
-  for (const std::string& preset : PresetNames()) {
+  for (const std::string preset : kGoldenPresets) {
     for (size_t i = 0; i < 3; ++i) {
       ImageRequest r;
       r.class_id = kClassOfSeed[i];
@@ -160,6 +164,47 @@ TEST(GoldenGridsTest, EveryPresetDrawsTheRecordedGridsAloneAndCoBatched) {
   }
   std::printf("%zu golden grids, %lld differ from the closest recorded set, %s\n", lines.size(),
               static_cast<long long>(best_differ), best_path.c_str());
+}
+
+// The match rule on the bundled model: scd-gm draws the grid ar-gm draws for the same seed,
+// with its whole window, with windows of 4 and 12, and co-batched with every recorded preset
+// under a binding token budget (windows cut to what the budget leaves each step). With the
+// batch-invariant forward a position's distribution does not depend on the window it was
+// computed in, so the grids are equal token for token.
+TEST(MatchRuleTest, ScdGmDrawsArGmsGridsAtEveryWindowAloneAndCoBatched) {
+  auto m = LoadImageModel(DefaultModelsDir(), "fmnist-gpt", {}, /*with_draft=*/true);
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  std::vector<Case> cs = Cases(*m);
+  const size_t recorded = cs.size();
+  const GptConfig& c = m->gpt->config();
+  std::vector<std::vector<int32_t>> ar;
+  SpecOptions o;
+  o.batch_invariant = true;
+  for (uint64_t seed = 1; seed <= 4; ++seed) {
+    ImageRequest r;
+    r.class_id = static_cast<int64_t>(seed * 3 % 10);
+    r.seed = seed;
+    r.sampling = {c.default_cfg_scale, c.default_temperature, c.default_top_k, c.default_top_p};
+    r.policy = *PolicyFromPreset("ar-gm");
+    auto a = GenerateSpeculative(*m->gpt, nullptr, {r}, o);
+    ASSERT_TRUE(a.ok()) << a.status().ToString();
+    ar.push_back((*a)[0].tokens);
+    int64_t nfe_whole = 0;
+    for (const int64_t window : {0, 4, 12}) {
+      r.policy = *PolicyFromPreset("scd-gm", window);
+      auto g = GenerateSpeculative(*m->gpt, nullptr, {r}, o);
+      ASSERT_TRUE(g.ok()) << g.status().ToString();
+      EXPECT_EQ((*g)[0].tokens, ar.back()) << "seed " << seed << ", window " << window;
+      if (window == 0) nfe_whole = (*g)[0].stats.nfe;
+    }
+    EXPECT_LT(nfe_whole, 196 / 2) << "seed " << seed;  // it did speculate
+    cs.push_back({"scd-gm", seed, r});
+    cs.back().req.policy = *PolicyFromPreset("scd-gm");
+  }
+  const auto budgeted = CoBatched(*m, cs, kBudget);
+  for (size_t i = recorded; i < cs.size(); ++i) {
+    EXPECT_EQ(budgeted[i], ar[i - recorded]) << "co-batched, seed " << cs[i].seed;
+  }
 }
 
 }  // namespace

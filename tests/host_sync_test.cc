@@ -181,7 +181,7 @@ std::string PresetTestName(const ::testing::TestParamInfo<const char*>& info) {
 
 INSTANTIATE_TEST_SUITE_P(Presets, HostSyncTest,
                          ::testing::Values("ar", "sjd", "scd-mc", "scd-gs", "sjd-pac", "pac-gumbel",
-                                           "gsd", "cool-sd", "sd"),
+                                           "gsd", "cool-sd", "sd", "ar-gm", "scd-gm"),
                          PresetTestName);
 
 // Issue 14: the sampling and verification work of a step is launched for all windows at once,
@@ -209,7 +209,8 @@ TEST_P(LaunchesTest, NonForwardLaunchesPerStepDoNotGrowWithTheRequests) {
 }
 
 INSTANTIATE_TEST_SUITE_P(ChainPresets, LaunchesTest,
-                         ::testing::Values("ar", "sjd", "scd-mc", "scd-gs", "gsd", "cool-sd", "sd"),
+                         ::testing::Values("ar", "sjd", "scd-mc", "scd-gs", "gsd", "cool-sd", "sd",
+                                           "ar-gm", "scd-gm"),
                          PresetTestName);
 
 // A step with no drafts (AR, or every window held to one token) has nothing to verify and

@@ -746,6 +746,61 @@ TEST(EngineTest, GoodputNeverExploresWithExploreEveryZero) {
   EXPECT_GE(shared, 16);  // enough planned steps of two for the default to have explored
 }
 
+// The match rule (scd-gm) makes a seed's image independent of its windows, so the controller
+// plans a lone scd-gm request as any other (GoodputRequest::window_invariant) with
+// lone_request_full_window on (the default): on a steep cost its windows shrink well below the
+// whole window, and the image is still the one ar-gm draws for the seed, as it is under load
+// beside other requests whose windows move every step. The same lone plan for scd-gs (the
+// exact rule) keeps its whole window (the power: without the exemption nothing shrinks).
+TEST(EngineTest, GoodputPlansALoneMatchRequestAndItStillDrawsTheArGmImage) {
+  auto run = [](Engine& e, const std::string& method, int64_t cls, uint64_t seed) {
+    auto r = std::make_shared<Recorder>();
+    EXPECT_TRUE(e.Submit(Params(method, cls, seed), r).ok());
+    return r;
+  };
+  auto result = [](const std::shared_ptr<Recorder>& r) {
+    EXPECT_TRUE(r->Wait());
+    EXPECT_TRUE(r->result.has_value());
+    return r->result.value_or(RequestResult{});
+  };
+  EngineOptions o = BundledOptions();
+  o.fixed_step_cost = {2e-3, 1e-4, 1e-4};  // steep: a few nodes are fastest
+  auto steep = StartOrDie(o);
+  const RequestResult ar = result(run(*steep, "ar-gm", 3, 77));
+  const RequestResult gm = result(run(*steep, "scd-gm", 3, 77));
+  const RequestResult gs = result(run(*steep, "scd-gs", 3, 77));
+  ASSERT_EQ(ar.tokens.size(), 196u);
+  EXPECT_EQ(gm.tokens, ar.tokens);
+  EXPECT_LT(gm.stats.counters.nfe, 196 * 4 / 5);  // it did speculate
+  EXPECT_GT(gm.stats.mean_window, 2.0);
+  EXPECT_LT(gm.stats.mean_window, 0.5 * gs.stats.mean_window);  // planned, not whole
+  std::printf("alone: scd-gm mean window %.1f (%lld steps), scd-gs %.1f (whole)\n",
+              gm.stats.mean_window, static_cast<long long>(gm.stats.counters.nfe),
+              gs.stats.mean_window);
+  steep.reset();
+  // Under load, on a gentler cost (windows of 12-16 for 16 scd-mc requests): eight scd-gm
+  // requests beside ar-gm and scd-mc ones, their windows moving from step to step.
+  o.fixed_step_cost = {10e-3, 2e-5, 1e-4};
+  auto gentle = StartOrDie(o);
+  std::vector<std::shared_ptr<Recorder>> load, ref;
+  for (int i = 0; i < 12; ++i) {
+    const std::string method = i < 8 ? "scd-gm" : (i % 2 ? "ar-gm" : "scd-mc");
+    load.push_back(run(*gentle, method, i % 10, 300 + i));
+  }
+  std::vector<RequestResult> under;
+  for (auto& r : load) under.push_back(result(r));
+  for (int i = 0; i < 8; ++i) ref.push_back(run(*gentle, "ar-gm", i % 10, 300 + i));
+  double window = 0, change = 0;
+  for (int i = 0; i < 8; ++i) {
+    EXPECT_EQ(under[i].tokens, result(ref[i]).tokens) << "seed " << 300 + i;
+    window += under[i].stats.mean_window / 8;
+    change += under[i].stats.mean_window_change / 8;
+  }
+  std::printf("under load: scd-gm mean window %.1f, mean change per step %.2f\n", window, change);
+  EXPECT_GT(window, 2.0);
+  EXPECT_GT(change, 0.5);  // the windows moved
+}
+
 // A step that widens a request's window commits what its refined drafts allow, so neither the
 // method's commit table nor the request's factor learns from it (EngineOptions::
 // commit_learn_growth): in the trace a request's factor moves only after a step that held or

@@ -101,6 +101,15 @@ DecodingPolicy Preset(const std::string& name, int64_t window) {
   return *p;
 }
 
+// The match rule on a proactive tree: Gumbel top-2 candidates, kept iff one is the token.
+DecodingPolicy MatchTree() {
+  DecodingPolicy p = Preset("pac-gumbel", 9);
+  p.tree_branches = 2;
+  p.acceptance = Acceptance::kMatch;
+  p.preset = "custom";
+  return p;
+}
+
 struct LosslessCase {
   const char* name;
   DecodingPolicy policy;
@@ -127,6 +136,9 @@ std::vector<LosslessCase> LosslessCases() {
   pg.tree_branches = 2;
   c.push_back({"pac_gumbel_K2_D3_L9", pg});
   c.push_back({"sd_L4", Preset("sd", 4)});
+  c.push_back({"ar_gm", Preset("ar-gm", 1)});
+  c.push_back({"scd_gm_L6", Preset("scd-gm", 6)});
+  c.push_back({"scd_gm_K2_D3_L9", MatchTree()});
   return c;
 }
 
@@ -203,6 +215,29 @@ TEST(SpeculativePowerTest, BrokenVariantsFail) {
   EXPECT_LT(m.p_value, 1e-3);
 }
 
+// Gumbel noise shared by every position (a key without the position): each token's draw then
+// depends on the tokens before it.
+class SharedGumbelNoise : public VerifyRules {
+ public:
+  uint32_t GumbelPosition(uint32_t) const override { return 0; }
+};
+
+// Power for the match rule: the same test rejects ar-gm and scd-gm with the noise shared by
+// positions.
+TEST(SpeculativePowerTest, MatchRuleWithNoiseSharedByPositionsFails) {
+  const auto exact = JointAr();
+  const SharedGumbelNoise shared;
+  SpecOptions o;
+  o.rules = &shared;
+  for (const auto& [name, window] :
+       std::vector<std::pair<const char*, int64_t>>{{"ar-gm", 1}, {"scd-gm", 6}}) {
+    const auto chi = testing::ChiSquareTest(Sample(Preset(name, window), o).counts, exact);
+    std::printf("%s with one Gumbel noise for all positions: chi2 %.1f df %d p %.3g\n", name,
+                chi.statistic, chi.df, chi.p_value);
+    EXPECT_LT(chi.p_value, 1e-6) << name;
+  }
+}
+
 // LlamaGen's cfg_interval: guidance stops after image token cfg_interval + 1, in AR and in the
 // speculative methods alike (the verifier's p follows the position's scale); the same samples
 // do not fit the always-guided distribution (power).
@@ -265,6 +300,83 @@ std::vector<int64_t> AddToyRequests(SpecBatch& batch, const DecodingPolicy& poli
     handles.push_back(*h);
   }
   return handles;
+}
+
+// Toy grids of `policy` for Sample's seeds 0..n-1 of class `cls`, in one batch; `moving`: every
+// request is granted a window drawn anew each step from [1, 9] (a fixed sequence).
+std::vector<std::vector<int32_t>> ToyGrids(const DecodingPolicy& policy, int64_t cls, int64_t n,
+                                           bool moving, const SpecOptions& opts = {}) {
+  const Toy& toy = TheToy();
+  SpecBatch batch(*toy.target, toy.draft.get(), 2 * n, opts);
+  const std::vector<int64_t> handles = AddToyRequests(batch, policy, cls, 0, n);
+  uint64_t lcg = 4242;
+  while (batch.active() > 0) {
+    std::vector<WindowGrant> grants;
+    for (int64_t h : handles) {
+      if (batch.done(h) || !moving) continue;
+      lcg = lcg * 6364136223846793005ULL + 1442695040888963407ULL;
+      grants.push_back({h, 1 + static_cast<int64_t>((lcg >> 33) % 9)});
+    }
+    if (Status s = batch.Step(grants); !s.ok()) throw std::runtime_error(s.ToString());
+  }
+  std::vector<std::vector<int32_t>> out;
+  for (int64_t h : handles) out.push_back(batch.Take(h).tokens);
+  return out;
+}
+
+// The match rule's promise: a seed draws ar-gm's grid at every window (2..9), on a tree, with
+// windows that move every step, beside other requests, and with the fused verification off
+// (the eager path). scd-gs, the same drafts under the exact rule, draws other grids (power).
+TEST(SpecMatchRuleTest, EveryWindowTreeAndBatchDrawsTheArGmGrid) {
+  constexpr int64_t kSeeds = 200;
+  SpecOptions eager;
+  eager.fused_verify = false;
+  for (int64_t cls = 0; cls < kClasses; ++cls) {
+    const auto ar = ToyGrids(Preset("ar-gm", 1), cls, kSeeds, false);
+    std::vector<std::pair<std::string, std::vector<std::vector<int32_t>>>> runs;
+    for (int64_t w = 2; w <= 9; ++w) {
+      runs.emplace_back("scd-gm L" + std::to_string(w),
+                        ToyGrids(Preset("scd-gm", w), cls, kSeeds, false));
+    }
+    runs.emplace_back("scd-gm tree", ToyGrids(MatchTree(), cls, kSeeds, false));
+    runs.emplace_back("scd-gm moving", ToyGrids(Preset("scd-gm", 9), cls, kSeeds, true));
+    runs.emplace_back("tree moving", ToyGrids(MatchTree(), cls, kSeeds, true));
+    runs.emplace_back("scd-gm eager", ToyGrids(Preset("scd-gm", 6), cls, kSeeds, false, eager));
+    runs.emplace_back("ar-gm eager", ToyGrids(Preset("ar-gm", 1), cls, kSeeds, false, eager));
+    runs.emplace_back("tree eager", ToyGrids(MatchTree(), cls, kSeeds, true, eager));
+    for (const auto& [name, grids] : runs) {
+      int64_t differ = 0;
+      for (int64_t i = 0; i < kSeeds; ++i) differ += grids[i] != ar[i] ? 1 : 0;
+      EXPECT_EQ(differ, 0) << name << ", class " << cls;
+    }
+    const auto gs = ToyGrids(Preset("scd-gs", 6), cls, kSeeds, false);
+    int64_t differ = 0;
+    for (int64_t i = 0; i < kSeeds; ++i) differ += gs[i] != ar[i] ? 1 : 0;
+    std::printf("class %lld: %zu runs equal ar-gm's %lld grids; scd-gs differs in %lld\n",
+                static_cast<long long>(cls), runs.size(), static_cast<long long>(kSeeds),
+                static_cast<long long>(differ));
+    EXPECT_GT(differ, kSeeds / 4);
+  }
+  // Co-batched: ar-gm, scd-gm and scd-mc requests in one batch, grids as alone.
+  std::vector<ImageRequest> mixed;
+  for (int64_t i = 0; i < 48; ++i) {
+    ImageRequest r;
+    r.class_id = i % kClasses;
+    r.seed = static_cast<uint64_t>(r.class_id * 1000003 + i / kClasses);
+    r.sampling = TheToy().sampling;
+    r.policy = i % 3 == 0 ? Preset("scd-mc", 6) : i % 3 == 1 ? Preset("scd-gm", 6) : MatchTree();
+    mixed.push_back(r);
+  }
+  auto all = GenerateSpeculative(*TheToy().target, TheToy().draft.get(), mixed);
+  ASSERT_TRUE(all.ok()) << all.status().ToString();
+  std::vector<std::vector<std::vector<int32_t>>> ar;
+  for (int64_t cls = 0; cls < kClasses; ++cls) {
+    ar.push_back(ToyGrids(Preset("ar-gm", 1), cls, 48 / kClasses, false));
+  }
+  for (size_t i = 0; i < mixed.size(); ++i) {
+    if (i % 3 == 0) continue;
+    EXPECT_EQ((*all)[i].tokens, ar[mixed[i].class_id][i / kClasses]) << "request " << i;
+  }
 }
 
 // Preemption by recomputation (SpecBatch::Suspend / Resume): after every step, about a quarter
@@ -687,6 +799,11 @@ TEST(SpeculativeValidationTest, BadPoliciesNameTheField) {
   s = ValidateImageRequest(r, *toy.target, nullptr);
   ASSERT_FALSE(s.ok());
   EXPECT_NE(s.message().find("tree_depth"), std::string::npos);
+  r.policy = Preset("scd-gm", 4);
+  r.policy.coupling = Coupling::kMaximal;  // the match rule needs Gumbel drafts
+  s = ValidateImageRequest(r, *toy.target, nullptr);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("coupling"), std::string::npos);
   EXPECT_FALSE(PolicyFromPreset("nope").ok());
   r.policy = Preset("sjd", 4);
   EXPECT_TRUE(ValidateImageRequest(r, *toy.target, nullptr).ok());

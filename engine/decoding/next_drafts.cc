@@ -31,9 +31,10 @@ DrawInputs BuildDrawInputs(const StepContext& ctx) {
       in.maximal[a] = coupling == Coupling::kMaximal ? 1 : 0;
       if (coupling == Coupling::kGumbel) {
         in.gumbel_nodes.push_back(a);
+        const uint32_t g = ctx.rules.GumbelPosition(t);
         for (int64_t v = 0; v < V; ++v) {
           in.gumbel_u.push_back(
-              Uniform(s->r.seed, t, 0, Purpose::kGumbel, static_cast<uint32_t>(v)));
+              Uniform(s->r.seed, g, 0, Purpose::kGumbel, static_cast<uint32_t>(v)));
         }
       } else {
         for (int64_t k = 0; k < K; ++k) {

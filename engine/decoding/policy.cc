@@ -6,8 +6,9 @@
 namespace imagegen {
 
 const std::vector<std::string>& PresetNames() {
-  static const std::vector<std::string> names = {
-      "ar", "sjd", "scd-mc", "scd-gs", "sjd-pac", "pac-gumbel", "gsd", "cool-sjd", "sd", "cool-sd"};
+  static const std::vector<std::string> names = {"ar",      "sjd",        "scd-mc", "scd-gs",
+                                                 "sjd-pac", "pac-gumbel", "gsd",    "cool-sjd",
+                                                 "sd",      "cool-sd",    "ar-gm",  "scd-gm"};
   return names;
 }
 
@@ -39,6 +40,15 @@ StatusOr<DecodingPolicy> PolicyFromPreset(const std::string& name, int64_t windo
   } else if (name == "scd-gs") {  // seed 001 Alg. 6
     p.draft = DraftSource::kJacobi;
     p.coupling = Coupling::kGumbel;
+    p.window = 32;
+  } else if (name == "ar-gm") {  // every token argmax(log p + g): the match rule's reference
+    p.coupling = Coupling::kGumbel;
+    p.acceptance = Acceptance::kMatch;
+    p.window = 1;
+  } else if (name == "scd-gm") {  // not in any paper: seed 001's Gumbel drafts, match rule
+    p.draft = DraftSource::kJacobi;
+    p.coupling = Coupling::kGumbel;
+    p.acceptance = Acceptance::kMatch;
     p.window = 32;
   } else if (name == "sjd-pac") {  // seed 002 Alg. 1: AC + PD, K=4, D=3, L=64, uniform q
     p.draft = DraftSource::kJacobi;
@@ -103,8 +113,8 @@ Status ValidatePolicy(const DecodingPolicy& p, int64_t max_window, bool has_draf
     if (p.draft != DraftSource::kJacobi) {
       return FieldError("tree_branches", "proactive trees need Jacobi drafts");
     }
-    if (p.acceptance != Acceptance::kExact) {
-      return FieldError("tree_branches", "trees are verified with the exact rule only");
+    if (p.acceptance != Acceptance::kExact && p.acceptance != Acceptance::kMatch) {
+      return FieldError("tree_branches", "trees are verified with the exact or match rule only");
     }
     int64_t nodes = 1, level = 1;
     for (int64_t d = 1; d < p.tree_depth; ++d) nodes += (level *= p.tree_branches);
@@ -112,6 +122,16 @@ Status ValidatePolicy(const DecodingPolicy& p, int64_t max_window, bool has_draf
       return FieldError("tree_depth", "a tree of " + std::to_string(nodes) +
                                           " nodes does not fit the window of " +
                                           std::to_string(p.window));
+    }
+  }
+  if (p.acceptance == Acceptance::kMatch) {
+    if (p.coupling != Coupling::kGumbel) {
+      return FieldError("coupling",
+                        "the match rule keeps a draft iff it is the Gumbel-max of p: "
+                        "it needs gumbel coupling");
+    }
+    if (p.draft == DraftSource::kDraftModel) {
+      return FieldError("acceptance", "the match rule takes Jacobi drafts or none (ar-gm)");
     }
   }
   if (p.draft == DraftSource::kDraftModel && p.coupling != Coupling::kIndependent) {
@@ -203,7 +223,7 @@ std::string DescribePolicy(const DecodingPolicy& p) {
   }
   static const char* kDraft[] = {"none", "jacobi", "draft_model"};
   static const char* kCoupling[] = {"independent", "maximal", "gumbel"};
-  static const char* kAcc[] = {"exact", "grouped", "relaxed"};
+  static const char* kAcc[] = {"exact", "grouped", "relaxed", "match"};
   s << p.preset << " (draft=" << kDraft[static_cast<int>(p.draft)]
     << " coupling=" << kCoupling[static_cast<int>(p.coupling)] << " L=" << p.window;
   if (p.has_tree()) s << " tree=" << p.tree_branches << "x" << p.tree_depth;

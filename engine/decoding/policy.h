@@ -10,7 +10,11 @@
 //   tree           off, or K candidates per level for tree_depth - 1 levels after the first
 //                  rejection (SJD-PAC proactive drafting; depth counts the root, as the
 //                  authors' code does), then a chain; all within the window of L nodes
-//   acceptance     exact min(1, p/q) (lossless), grouped (GSD), relaxed (COOL-SD)
+//   acceptance     exact min(1, p/q) (lossless), grouped (GSD), relaxed (COOL-SD), match
+//                  (lossless, with Gumbel coupling or no drafts: every committed token is
+//                  argmax(log p + g) of its position, and a draft is kept iff it is that token;
+//                  so a seed draws the same image at any window, plan or batch: the image
+//                  ar-gm draws, the Gumbel-max trick's AR sample)
 //   window         L: tokens fed per step, root included
 #pragma once
 
@@ -24,7 +28,7 @@ namespace imagegen {
 
 enum class DraftSource { kNone, kJacobi, kDraftModel };
 enum class Coupling { kIndependent, kMaximal, kGumbel };
-enum class Acceptance { kExact, kGrouped, kRelaxed };
+enum class Acceptance { kExact, kGrouped, kRelaxed, kMatch };
 
 // Continuous-token models (MAR; seed 000): `mar` draws with the target alone, `cspd` drafts
 // `window` tokens with the draft model and verifies them with one target forward.
@@ -63,7 +67,12 @@ struct DecodingPolicy {
   bool continuous = false;  // a continuous-token method (mar, cspd)
   ContinuousPolicy cont;
 
-  bool lossless() const { return acceptance == Acceptance::kExact; }
+  bool lossless() const {
+    return acceptance == Acceptance::kExact || acceptance == Acceptance::kMatch;
+  }
+  // What it draws for a seed does not depend on its windows (the match rule): the goodput
+  // controller may plan it alone too (GoodputRequest::window_invariant).
+  bool window_invariant() const { return acceptance == Acceptance::kMatch; }
   bool has_tree() const { return tree_branches > 1 && tree_depth > 1; }
 };
 
@@ -72,8 +81,10 @@ const std::vector<std::string>& PresetNames();
 // Names of the presets for continuous-token models: mar, cspd.
 const std::vector<std::string>& ContinuousPresetNames();
 
-// ar, sjd, scd-mc, scd-gs, sjd-pac, gsd, cool-sd, sd, and the combinations pac-gumbel
-// (proactive tree with Gumbel-coupled redraws) and cool-sjd (COOL-SD on Jacobi drafts).
+// ar, sjd, scd-mc, scd-gs, sjd-pac, gsd, cool-sd, sd, the combinations pac-gumbel
+// (proactive tree with Gumbel-coupled redraws) and cool-sjd (COOL-SD on Jacobi drafts), and the
+// match rule's ar-gm (AR by the Gumbel-max trick) and scd-gm (Gumbel-coupled Jacobi drafts kept
+// iff they are the token ar-gm draws: the same image, in fewer steps).
 // `window` <= 0 keeps the preset's default L.
 StatusOr<DecodingPolicy> PolicyFromPreset(const std::string& name, int64_t window = 0);
 

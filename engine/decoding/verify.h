@@ -9,6 +9,8 @@
 
 #include <ATen/Tensor.h>
 
+#include <cstdint>
+
 namespace imagegen {
 
 // p, q [..., V] probabilities; drafts [...] ids -> w p(x) / q(x) as float64 [...], not
@@ -55,6 +57,11 @@ class VerifyRules {
   // (lossless). false would keep the q it was drawn from (the Lumina/Janus SCD-MC code,
   // algorithms.md 3a: not lossless).
   virtual bool KeptDraftFollowsP() const { return true; }
+  // The position whose Gumbel noise a node predicting position t draws with (Gumbel coupling,
+  // the match rule): t itself. Noise shared by positions (a key without the position) would
+  // make each token's draw depend on the tokens before it, which the match rule's exactness
+  // rests on not happening.
+  virtual uint32_t GumbelPosition(uint32_t t) const { return t; }
 };
 
 // The exact rules; shared, immutable.

@@ -3,7 +3,9 @@
 // p^(1) = P_a, sibling k is accepted with probability min(1, w p^(k)(c_k) / q^(k)(c_k)), where
 // q^(k) is q with c_1..c_{k-1} removed and renormalised, and p^(k+1) is the residual of p^(k)
 // and q^(k). The first node with no accepted child commits a token from its final residual
-// (or, at a leaf, the bonus from P_a). All nodes of all requests at once, on the device.
+// (or, at a leaf, the bonus from P_a). Under the match rule (ar-gm, scd-gm) a node's token is
+// instead g* = argmax(log P_a + g), with the Gumbel keys of its next drafts, and a child is
+// accepted iff it is g*. All nodes of all requests at once, on the device.
 #include <ATen/ATen.h>
 
 #include <ATen/Parallel.h>
@@ -35,6 +37,7 @@ struct VerifyInputs {
   // [A] where a node is Gumbel-coupled: the flag, its request's seed and the position its
   // output predicts (GumbelDraws' keys).
   std::vector<int64_t> gumbel, seed, position;
+  std::vector<int64_t> match;  // [A] where a request takes the match rule: 1 at its nodes
   std::vector<int64_t> grouped, group_size;
   std::vector<double> group_delta, group_dist;
 };
@@ -55,6 +58,10 @@ VerifyInputs BuildInputs(const StepContext& ctx) {
     in.seed.assign(A, 0);
     in.position.assign(A, 0);
   }
+  if (std::any_of(ctx.live.begin(), ctx.live.end(),
+                  [](const Sequence* s) { return s->r.policy.acceptance == Acceptance::kMatch; })) {
+    in.match.assign(A, 0);
+  }
   for (const Sequence* s : ctx.live) {
     const DecodingPolicy& p = s->r.policy;
     for (size_t i = 0; i < s->nodes.size(); ++i) {
@@ -71,8 +78,9 @@ VerifyInputs BuildInputs(const StepContext& ctx) {
       if (p.coupling == Coupling::kGumbel) {
         in.gumbel[a] = 1;
         in.seed[a] = static_cast<int64_t>(s->r.seed);
-        in.position[a] = t;
+        in.position[a] = ctx.rules.GumbelPosition(t);
       }
+      if (p.acceptance == Acceptance::kMatch) in.match[a] = 1;
       if (nd.kids.empty()) continue;
       in.qrow[a] = s->q_off + col;
       for (size_t k = 0; k < nd.kids.size(); ++k) {
@@ -218,6 +226,7 @@ Verdicts FusedChainVerify(const StepContext& ctx, const VerifyInputs& in) {
     longs.Add(in.seed, &a.seed);
     longs.Add(in.position, &a.position);
   }
+  if (!in.match.empty()) longs.Add(in.match, &a.match);
   if (grouped) {
     longs.Add(group, &a.group);
     doubles.Add(gdelta, &a.group_delta);
@@ -239,6 +248,33 @@ Verdicts FusedChainVerify(const StepContext& ctx, const VerifyInputs& in) {
   return v;
 }
 
+// The match rule on the eager path, over the verdicts of the exact rule: for every match node
+// g* (GumbelTopK's first, from the keys DrawNextDrafts' GumbelDraws uses), residual = kept =
+// g*, and child k accepted iff it is g*. `kids` [A, K]: the children's tokens (-1: none).
+void ApplyMatch(const StepContext& ctx, const VerifyInputs& in, const at::Tensor& kids,
+                Verdicts& v) {
+  const at::Device dev = ctx.dev();
+  const int64_t V = ctx.cfg().vocab_size;
+  std::vector<int64_t> nodes;
+  std::vector<double> u;
+  for (size_t a = 0; a < in.match.size(); ++a) {
+    if (in.match[a] == 0) continue;
+    nodes.push_back(static_cast<int64_t>(a));
+    for (int64_t t = 0; t < V; ++t) {
+      u.push_back(Uniform(static_cast<uint64_t>(in.seed[a]), static_cast<uint32_t>(in.position[a]),
+                          0, Purpose::kGumbel, static_cast<uint32_t>(t)));
+    }
+  }
+  const at::Tensor mi = UploadLongs(nodes, dev);
+  const auto M = static_cast<int64_t>(nodes.size());
+  const at::Tensor g =
+      GumbelTopK(ctx.p.index_select(0, mi), UploadDoubles(u, dev).view({M, V}), 1).first;  // [M]
+  const at::Tensor acc = kids.index_select(0, mi) == g.unsqueeze(1);  // -1 never matches
+  v.accepted = v.accepted.index_copy(0, mi, acc);
+  v.residual = v.residual.index_copy(0, mi, g);
+  v.kept = v.kept.index_copy(0, mi, g);
+}
+
 }  // namespace
 
 Verdicts VerifyWindows(const StepContext& ctx) {
@@ -254,6 +290,9 @@ Verdicts VerifyWindows(const StepContext& ctx) {
     v.accepted = at::zeros({A, K}, at::TensorOptions().dtype(at::kBool).device(dev));
     v.residual = SampleInverseCdf(ctx.p, UploadDoubles(in.ures, dev));
     v.kept = v.residual;
+    if (!in.match.empty()) {
+      ApplyMatch(ctx, in, at::full({A, K}, -1, v.residual.options()), v);
+    }
     return v;
   }
   // Two uploads: [children | q rows] and [acceptance uniforms | COOL weights | residual uniforms].
@@ -301,11 +340,12 @@ Verdicts VerifyWindows(const StepContext& ctx) {
   if (K == 1) {                             // chains
     v.accepted = acc_cols[0].unsqueeze(1);  // [A, 1]
     v.kept = at::where(acc_cols[0], kids.select(1, 0), v.residual);
-    return v;
+  } else {
+    v.accepted = at::stack(acc_cols, 1);  // [A, K]
+    at::Tensor first = v.accepted.to(at::kByte).argmax(1, true);
+    v.kept = at::where(v.accepted.any(1), kids.gather(1, first).squeeze(1), v.residual);
   }
-  v.accepted = at::stack(acc_cols, 1);  // [A, K]
-  at::Tensor first = v.accepted.to(at::kByte).argmax(1, true);
-  v.kept = at::where(v.accepted.any(1), kids.gather(1, first).squeeze(1), v.residual);
+  if (!in.match.empty()) ApplyMatch(ctx, in, kids, v);
   return v;
 }
 

@@ -87,6 +87,11 @@ struct GoodputRequest {
   int64_t rows = 1;              // forward rows per node (2 with CFG)
   std::vector<double> expected;  // as ExpectedCommits: size = the wanted window (>= 1)
   int64_t previous = 0;          // the window it was planned last step; 0: none (new)
+  // What it draws for a seed does not depend on its windows (the match rule,
+  // DecodingPolicy::window_invariant): alone, it is planned as any other request even with
+  // GoodputOptions::lone_request_full_window, since that rule only keeps a seed's image
+  // reproducible.
+  bool window_invariant = false;
 };
 
 struct GoodputOptions {
@@ -98,6 +103,7 @@ struct GoodputOptions {
   // calibration measured on a noisy machine. false: it is planned as any other, at the window
   // the cost model makes fastest (on the 2-core CPU 7-18 nodes for scd-mc and 4-8 for sjd-pac,
   // whose whole windows are 30 and 52: docs/results-serving.md, "One request alone, planned").
+  // A window-invariant request (GoodputRequest::window_invariant) is planned all the same.
   bool lone_request_full_window = true;
   // Exploration: take the best plan among those with at least twice the chosen plan's
   // forward rows (when one keeps the fairness bound), so that the step-cost model measures

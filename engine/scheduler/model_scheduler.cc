@@ -286,7 +286,7 @@ std::vector<int64_t> ModelScheduler::ChooseWindows(const std::vector<size_t>& id
     const int64_t wanted = std::max<int64_t>(demand[i].wanted, 1);
     reqs.push_back({demand[i].rows,
                     ExpectedCommits(commits_, j.request.policy, wanted, j.commits.Factor()),
-                    j.planned_window});
+                    j.planned_window, j.request.policy.window_invariant()});
   }
   GoodputOptions go;
   go.max_slowdown = opts_.max_slowdown;
