@@ -99,9 +99,9 @@ TEST(StepCostTest, CacheFileRoundTripsAndRefusesOtherKeysAndGarbage) {
   EXPECT_NE(other.message().find("m on cuda:0"), std::string::npos);
   for (const std::string& bad :
        {std::string("{"), std::string("{\"format\": \"x\"}"),
-        std::string("{\"format\": \"imagegen-step-cost\", \"version\": 2, \"key\": \"m on cpu\", "
+        std::string("{\"format\": \"imagegen-step-cost\", \"version\": 3, \"key\": \"m on cpu\", "
                     "\"samples\": [[1, 1, -1]]}"),
-        std::string("{\"format\": \"imagegen-step-cost\", \"version\": 2, \"key\": \"m on cpu\", "
+        std::string("{\"format\": \"imagegen-step-cost\", \"version\": 3, \"key\": \"m on cpu\", "
                     "\"samples\": [[1.5, 1, 1]]}")}) {
     Status st = c.Deserialize(bad, "m on cpu", "f.json");
     EXPECT_EQ(st.code(), Code::kDataLoss) << bad;

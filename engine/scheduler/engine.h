@@ -81,9 +81,10 @@ struct EngineOptions {
   // any other, at the window the cost model makes fastest.
   bool lone_request_full_window = true;
   // Goodput exploration (GoodputOptions::explore): one planned step in this many (with two or
-  // more requests) takes a plan with at least twice the forward rows, so that the step-cost
-  // model measures the wider steps it would otherwise only extrapolate to (and sees a device
-  // that became faster for them). 0: never.
+  // more requests, or one that is planned alone: lone_request_full_window off, or a
+  // window-invariant method) takes a plan with at least twice the forward rows, so that the
+  // step-cost model measures the wider steps it would otherwise only extrapolate to (and sees a
+  // device that became faster for them). 0: never.
   int64_t explore_every = 16;
   // The first steps of a request that its own commit factor does not learn from
   // (RequestCommits: a Jacobi request's first steps commit about one token whatever its

@@ -175,9 +175,14 @@ std::vector<ModelScheduler::TimedStep> ModelScheduler::TimeShape(
 }
 
 // Real steps of Jacobi requests (sjd) with windows of 1, 4, 16 and 64 nodes, for 1, 4, 16 and
-// 32 requests at a time (as the KV slots allow; at most 4,096 forward rows): up to 16 shapes,
-// each the median of three timed steps (a noisy machine's outliers would otherwise pull the
-// fit). Stops early past 20 seconds (a slow device then leans on online refinement).
+// 32 requests at a time (as the KV slots allow; at most 4,096 forward rows), and for one request
+// also 2, 8 and 32 nodes: up to 19 shapes, each the median of three timed steps (a noisy
+// machine's outliers would otherwise pull the fit). Stops early past 20 seconds (a slow device
+// then leans on online refinement). One request's shapes are every knot of the model up to 64
+// nodes because a request alone is planned on them (lone_request_full_window off, or a
+// window-invariant method): between knots 4x apart the fit had to guess, and on a 2-core CPU
+// it put 29 nodes (58 rows) at 8.2 ms where they took 6.2, so the planner chose 10 nodes, which
+// were slower (docs/results-serving.md, "The match rule alone").
 std::vector<StepCostSample> ModelScheduler::MeasureStepCost(ImageRequest req) {
   const int64_t wmax = req.policy.window;
   const int64_t rows = req.sampling.uses_cfg() ? 2 : 1;
@@ -190,7 +195,9 @@ std::vector<StepCostSample> ModelScheduler::MeasureStepCost(ImageRequest req) {
       StatusOr<int64_t> h = batch_.Add(req);
       if (h.ok()) handles.push_back(*h);
     }
-    for (int64_t w : {1, 4, 16, 64}) {
+    const std::vector<int64_t> widths =
+        R == 1 ? std::vector<int64_t>{1, 2, 4, 8, 16, 32, 64} : std::vector<int64_t>{1, 4, 16, 64};
+    for (int64_t w : widths) {
       if ((w > wmax && w != 1) || R * w * rows > 4096) break;
       std::vector<TimedStep> steps = TimeShape(handles, w);
       if (steps.size() == 3) {
@@ -293,9 +300,11 @@ std::vector<int64_t> ModelScheduler::ChooseWindows(const std::vector<size_t>& id
   go.max_tokens = opts_.max_tokens_per_step;
   go.stickiness = opts_.window_stickiness;
   go.lone_request_full_window = opts_.lone_request_full_window;
-  // One planned step in explore_every (16) explores a plan twice as wide.
-  go.explore =
-      reqs.size() > 1 && opts_.explore_every > 0 && ++planned_steps_ % opts_.explore_every == 0;
+  // One planned step in explore_every (16) explores a plan twice as wide; a request alone
+  // only where it is planned (not given its whole window), so that the cost model also sees
+  // the wider steps a lone request would otherwise never take.
+  const bool planned = reqs.size() > 1 || !go.lone_request_full_window || reqs[0].window_invariant;
+  go.explore = planned && opts_.explore_every > 0 && ++planned_steps_ % opts_.explore_every == 0;
   explored_ = go.explore;
   plan = PlanGoodput(reqs, cost_, go);
   for (size_t i = 0; i < reqs.size(); ++i) {

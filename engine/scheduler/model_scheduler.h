@@ -104,7 +104,7 @@ class ModelScheduler : public FamilyScheduler {
   StepCostModel cost_;
   std::mt19937_64 noise_rng_{1};  // EngineOptions::simulated_step_noise
   CommitModel commits_;
-  int64_t planned_steps_ = 0;               // goodput steps with more than one request
+  int64_t planned_steps_ = 0;               // goodput steps whose windows were planned
   std::set<StaticShape> replayed_buckets_;  // simulated_capture_cost
   bool explored_ = false;  // the last plan was an exploring one (GoodputOptions::explore)
 };

@@ -10,7 +10,8 @@ namespace imagegen {
 namespace {
 
 constexpr char kFormat[] = "imagegen-step-cost";
-constexpr int64_t kVersion = 2;  // 2: median of three, up to 32 requests
+// 2: median of three, up to 32 requests; 3: one request at every knot up to 64 nodes.
+constexpr int64_t kVersion = 3;
 
 bool Valid(const StepCostSample& s) {
   return s.tokens >= 1 && s.requests >= 1 && std::isfinite(s.seconds) && s.seconds > 0;
