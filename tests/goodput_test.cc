@@ -277,6 +277,10 @@ TEST(GoodputTest, FlatCostFeedsWholeWindowsAndSteepCostShrinksThem) {
   EXPECT_GT(lone.expected / lone.seconds, 1.5 * e.back() / cpu.Predict(64, 1));
   EXPECT_EQ(PlanGoodput({reqs[0]}, StepCostModel::Linear(1e-3, 0, 0), planned).windows,
             std::vector<int64_t>{32});
+  // ...or its image does not depend on the window (the match rule): planned with the rule on.
+  GoodputRequest invariant = reqs[0];
+  invariant.window_invariant = true;
+  EXPECT_EQ(PlanGoodput({invariant}, cpu, {}).windows, lone.windows);
   // Exploring: a plan with at least twice the forward rows, still above all-AR's goodput here.
   GoodputOptions explore;
   explore.explore = true;

@@ -174,8 +174,11 @@ std::string Requests(const std::string& method, const std::string& outcome) {
 TEST(E2eTest, UnaryAndStreamGiveThePngOfTheClassAndTheStreamReassemblesTheGrid) {
   // No preview budget: under a sanitizer on a loaded machine a preview can cost more than the
   // 5% share earns in a whole request, and this test counts previews (the budget has its own
-  // test, EngineTest.PreviewsTakeNoMoreThanTheirShareOfTheEngine).
-  Daemon d("unary_stream", {"--preview-share", "0"});
+  // test, EngineTest.PreviewsTakeNoMoreThanTheirShareOfTheEngine). Whole windows: a lone
+  // scd-gm request would otherwise be planned on this machine's calibration, which on a loaded
+  // machine may find one node a step fastest (once here: 196 forwards); its planned windows
+  // are EngineTest.GoodputPlansALoneMatchRequestAndItStillDrawsTheArGmImage's, on a fixed cost.
+  Daemon d("unary_stream", {"--preview-share", "0", "--window-policy", "full"});
   d.WaitReady();
   EXPECT_EQ(d.Health(""), HealthCheckResponse::SERVING);
   auto stub = d.Stub();
@@ -243,6 +246,29 @@ TEST(E2eTest, UnaryAndStreamGiveThePngOfTheClassAndTheStreamReassemblesTheGrid) 
   EXPECT_EQ(models.models(0).classes(7).name(), "sneaker");
   EXPECT_EQ(models.default_method(), "scd-mc");
   EXPECT_EQ(models.models(0).draft_model(), "fmnist-draft");
+  // The match rule through the daemon: scd-gm (by preset, and as a policy of its parts at
+  // another window) draws the very image ar-gm draws for the seed, in fewer forwards.
+  std::vector<v1::GenerateResponse> same;
+  for (int i = 0; i < 3; ++i) {
+    v1::GenerateRequest req = Request("sneaker", 33, i == 0 ? "ar-gm" : "scd-gm");
+    if (i == 2) {
+      req.set_method("scd-gs");
+      req.set_window(12);
+      req.mutable_policy()->set_acceptance(v1::ACCEPTANCE_MATCH);
+    }
+    req.mutable_output()->set_include_tokens(true);
+    grpc::ClientContext ctx;
+    same.emplace_back();
+    ASSERT_TRUE(stub->Generate(&ctx, req, &same.back()).ok()) << i;
+  }
+  for (int i = 1; i < 3; ++i) {
+    EXPECT_EQ(std::vector<int>(same[i].tokens().begin(), same[i].tokens().end()),
+              std::vector<int>(same[0].tokens().begin(), same[0].tokens().end()))
+        << i;
+    EXPECT_EQ(same[i].image_png(), same[0].image_png()) << i;
+    EXPECT_LT(same[i].stats().nfe(), 196) << i << ": mean window " << same[i].stats().mean_window();
+  }
+  EXPECT_EQ(same[0].stats().nfe(), 196);
 }
 
 // Health once ready; reflection lists and describes the services, as grpcurl and grpc_cli
@@ -490,6 +516,11 @@ TEST(E2eTest, EachInvalidFieldIsNamedInBadRequest) {
        [](v1::GenerateRequest& r) {
          r.set_method("sd");
          r.mutable_policy()->set_coupling(v1::COUPLING_GUMBEL);
+       }},
+      {"policy.coupling",  // the match rule keeps Gumbel-max drafts only
+       [](v1::GenerateRequest& r) {
+         r.set_method("scd-gm");
+         r.mutable_policy()->set_coupling(v1::COUPLING_MAXIMAL);
        }},
       {"preview_every", [](v1::GenerateRequest& r) { r.set_preview_every(-3); }},
       {"output.scale", [](v1::GenerateRequest& r) { r.mutable_output()->set_scale(99); }},
