@@ -88,7 +88,23 @@ function modelChanged() {
     $('class').replaceChildren(...info.classes.map((c) => new Option(c, c)));
   }
   $('cfg').value = info.sampling_defaults.cfg_scale;
-  $('race').textContent = 'Race against ' + info.methods[0];
+  methodChanged();
+}
+
+// The method a race runs beside the chosen one: the model's baseline (its first method), or
+// for a method of the match rule (scd-gm) ar-gm, which draws the same image for the seed
+// (docs/decoding.md, "The match rule").
+function raceMethods() {
+  const methods = currentModel().imagegen.methods;
+  const first = methods[0];
+  let spec = $('method').value;
+  if (spec === first) spec = methods.find((x) => x !== first) || first;
+  const match = spec.endsWith('-gm') && spec !== 'ar-gm' && methods.includes('ar-gm');
+  return [match ? 'ar-gm' : first, spec];
+}
+
+function methodChanged() {
+  if (currentModel()) $('race').textContent = 'Race against ' + raceMethods()[0];
 }
 
 // --- one panel: a request drawn as it streams ----------------------------------------------
@@ -162,6 +178,7 @@ class Panel {
     } else if (ev.type === 'image_generation.completed') {
       const s = ev.imagegen;
       this.stats = s;
+      this.png = ev.b64_json;
       this.node.querySelector('img.image').src = 'data:image/png;base64,' + ev.b64_json;
       this.set('image-caption', 'image');
       this.set('nfe', s.nfe);
@@ -214,7 +231,7 @@ async function* events(response) {
   }
 }
 
-function requestBody(method) {
+function requestBody(method, seed) {
   const m = currentModel();
   const body = {
     model: m.id,
@@ -224,17 +241,16 @@ function requestBody(method) {
     stream_steps: true,
     partial_images: 3,
   };
-  const seed = parseInt($('seed').value, 10);
-  if (Number.isFinite(seed) && seed >= 0) body.seed = seed;
+  if (seed !== undefined) body.seed = seed;
   const cfg = parseFloat($('cfg').value);
   if (Number.isFinite(cfg)) body.cfg_scale = cfg;
   return body;
 }
 
-async function run(panel) {
+async function run(panel, seed) {
   panel.setState('streaming', 'queued');
   const response = await fetch('/v1/images/generations', {
-    method: 'POST', headers: headers(), body: JSON.stringify(requestBody(panel.method)),
+    method: 'POST', headers: headers(), body: JSON.stringify(requestBody(panel.method, seed)),
   });
   if (!response.ok) {
     const message = await apiError(response);
@@ -254,9 +270,14 @@ async function start(methods) {
   $('race-summary').hidden = true;
   const grid = currentModel().imagegen.grid;
   const panels = methods.map((m) => new Panel(m, grid));
+  // The seed field's, else one drawn here: a race's two requests share it.
+  let seed = parseInt($('seed').value, 10);
+  if (!(Number.isFinite(seed) && seed >= 0)) {
+    seed = methods.length > 1 ? Math.floor(Math.random() * 2147483647) : undefined;
+  }
   animate(panels);
   try {
-    await Promise.all(panels.map((p) => run(p).catch((e) => {
+    await Promise.all(panels.map((p) => run(p, seed).catch((e) => {
       p.setState('error', 'error: ' + e.message);
       showError(e.message);
     })));
@@ -289,6 +310,10 @@ function raceSummary(base, spec) {
            ` in ${b}: ${verdict} ` +
            `(${(1000 * spec.stats.generation_seconds).toFixed(0)} ms against ` +
            `${(1000 * base.stats.generation_seconds).toFixed(0)} ms, both in one batch).`);
+  // One seed: the match rule draws the baseline's very image (other methods another one).
+  const same = base.png !== undefined && base.png === spec.png;
+  s.dataset.sameImage = same ? 'true' : 'false';
+  if (same) s.append(' Both drew the same image, pixel for pixel.');
   s.hidden = false;
 }
 
@@ -305,13 +330,10 @@ document.addEventListener('DOMContentLoaded', () => {
     e.preventDefault();
     start([$('method').value]);
   });
+  $('method').addEventListener('change', methodChanged);
   $('race').addEventListener('click', () => {
-    const m = currentModel();
-    if (!m) return;
-    const base = m.imagegen.methods[0];
-    let spec = $('method').value;
-    if (spec === base) spec = m.imagegen.methods.find((x) => x !== base) || base;
-    start([base, spec]);
+    if (!currentModel()) return;
+    start(raceMethods());
   });
   loadModels().catch((e) => showError('Cannot reach the server: ' + e.message));
 });

@@ -200,6 +200,33 @@ def main():
         for p in panels:
             if int(p.find_element(By.CSS_SELECTOR, ".nfe").text) != int(p.get_attribute("data-nfe")):
                 fail("a race panel shows another NFE than the server's")
+        same = summary.get_attribute("data-same-image")
+        if args.method != "ar-gm" and same != "false":
+            fail("%s and %s drew the same image (%s)" % (methods[0], methods[1], same))
+
+        # The match rule: scd-gm races ar-gm, on one seed, and draws its very image.
+        if "scd-gm" in info["methods"] and "ar-gm" in info["methods"]:
+            Select(driver.find_element(By.ID, "method")).select_by_value("scd-gm")
+            race = driver.find_element(By.ID, "race")
+            if race.text != "Race against ar-gm":
+                fail("the race button says %r for scd-gm" % race.text)
+            race.click()
+            panels = wait_done(driver, 2, args.timeout)
+            WebDriverWait(driver, 30).until(
+                lambda d: d.find_element(By.ID, "race-summary").is_displayed())
+            summary = driver.find_element(By.ID, "race-summary")
+            methods = [p.get_attribute("data-method") for p in panels]
+            base_nfe = int(summary.get_attribute("data-baseline-nfe"))
+            spec_nfe = int(summary.get_attribute("data-speculative-nfe"))
+            print("race: %s %d forwards, %s %d forwards: %s" % (methods[0], base_nfe, methods[1],
+                                                              spec_nfe, summary.text))
+            if methods != ["ar-gm", "scd-gm"]:
+                fail("the match rule's race ran %s" % methods)
+            if summary.get_attribute("data-same-image") != "true" or \
+                    "same image" not in summary.text:
+                fail("scd-gm did not draw ar-gm's image: %s" % summary.text)
+            if not 0 < spec_nfe < base_nfe == grid * grid:
+                fail("scd-gm took %d forwards, ar-gm %d" % (spec_nfe, base_nfe))
 
         # Everything the page loaded came from the daemon.
         foreign = driver.execute_script(

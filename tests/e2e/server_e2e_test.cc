@@ -1762,8 +1762,9 @@ TEST(E2eTest, OpenAiSdkDrawsStreamsAndRaisesItsErrors) {
 // The playground page (GET / on the HTTP port) in Debian's headless Chromium, driven by
 // Selenium (tests/e2e/playground_check.py): it loads with no console errors and nothing from
 // another origin, a generation completes with every cell of the grid decided, the grid
-// animates (at least three distinct intermediate frames), and the race view reports ar's NFE
-// (one per token) and the speculative method's (fewer). Full windows: the goodput controller
+// animates (at least three distinct intermediate frames), the race view reports ar's NFE
+// (one per token) and the speculative method's (fewer), and scd-gm's race against ar-gm draws
+// the same PNG (sjd's against ar another). Full windows: the goodput controller
 // would shrink sjd's window towards ar's on a loaded machine.
 TEST(E2eTest, PlaygroundAnimatesAndRacesInChromium) {
   const std::string script = std::string(IMAGEGEN_SOURCE_DIR) + "/tests/e2e/playground_check.py";
