@@ -10,6 +10,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <utility>
 
 #include "engine/decoding/philox.h"
 #include "engine/decoding/sampling.h"
@@ -34,6 +35,9 @@ struct ChainCase {
   // Gumbel coupling (AddGumbel): the flag, the request's seed and the predicted position.
   at::Tensor gumbel, seed, position;  // int64 [A]
   bool gumbel_on = false;
+  // The match rule (AddMatch) on some Gumbel nodes: the node's token is its first Gumbel draft.
+  at::Tensor match;  // int64 [A]
+  bool match_on = false;
 };
 
 inline ChainCase RandomChainCase(int64_t A, int64_t V, bool weighted, uint64_t seed) {
@@ -88,6 +92,7 @@ inline ChainCase RandomChainCase(int64_t A, int64_t V, bool weighted, uint64_t s
   c.gumbel = at::zeros({A}, at::kLong);
   c.seed = at::zeros({A}, at::kLong);
   c.position = at::zeros({A}, at::kLong);
+  c.match = at::zeros({A}, at::kLong);
   return c;
 }
 
@@ -101,6 +106,42 @@ inline void AddGumbel(ChainCase& c, uint64_t seed) {
   c.gumbel = (at::arange(A) % 3 == 1).to(at::kLong);
   c.seed = at::randint(1, int64_t{1} << 40, {A}, g, at::TensorOptions().dtype(at::kLong));
   c.position = at::randint(1, 1000, {A}, g, at::TensorOptions().dtype(at::kLong));
+}
+
+// The first Gumbel draft g* = argmax p(v) / (-log u_v) of the Gumbel nodes `gi`, the keys
+// GumbelDraws uses, and the next D - 1 (undefined for D = 1).
+inline std::pair<at::Tensor, at::Tensor> EagerGumbelDraws(const ChainCase& c, const at::Tensor& gi,
+                                                          int64_t D) {
+  const int64_t V = c.p.size(1), Ag = gi.size(0);
+  at::Tensor gu = at::empty({Ag, V}, at::kDouble);
+  double* u = gu.data_ptr<double>();
+  for (int64_t i = 0; i < Ag; ++i) {
+    const int64_t a = gi[i].item<int64_t>();
+    const auto seed = static_cast<uint64_t>(c.seed[a].item<int64_t>());
+    const auto pos = static_cast<uint32_t>(c.position[a].item<int64_t>());
+    for (int64_t t = 0; t < V; ++t) {
+      u[i * V + t] = Uniform(seed, pos, 0, Purpose::kGumbel, static_cast<uint32_t>(t));
+    }
+  }
+  return GumbelTopK(c.p.index_select(0, gi), gu, D);
+}
+
+// The match rule (ar-gm, scd-gm) on every other Gumbel node of `c` (after AddGumbel): its
+// token is g*, a child is accepted iff it is g*. At every other such node with children the
+// last child is set to g*, so that acceptances (of a later sibling, in trees) occur.
+inline void AddMatch(ChainCase& c) {
+  TORCH_CHECK(c.gumbel_on, "AddMatch: after AddGumbel");
+  const int64_t A = c.p.size(0), K = c.kids;
+  c.match_on = true;
+  c.match = ((c.gumbel > 0) & (at::arange(A) % 2 == 0)).to(at::kLong);
+  const at::Tensor mi = c.match.nonzero().squeeze(1);
+  const at::Tensor g = EagerGumbelDraws(c, mi, 1).first;
+  at::Tensor kid = c.kid.reshape({A, K});
+  for (int64_t i = 0; i < mi.size(0); i += 2) {
+    const int64_t a = mi[i].item<int64_t>();
+    const int64_t last = kid[a][K - 1].item<int64_t>();
+    if (last >= 0) c.tokens[last] = g[i].item<int64_t>();
+  }
 }
 
 // GSD on `c` (unweighted: the engine never mixes the two rules on one node): most nodes
@@ -245,20 +286,18 @@ inline ChainVerdicts EagerChainVerify(const ChainCase& c) {
   }
   if (c.gumbel_on) {  // GumbelDraws: the top D of p / (-log u), u keyed by seed and position
     const at::Tensor gi = c.gumbel.nonzero().squeeze(1);
-    const int64_t Ag = gi.size(0);
-    at::Tensor gu = at::empty({Ag, V}, at::kDouble);
-    double* u = gu.data_ptr<double>();
-    for (int64_t i = 0; i < Ag; ++i) {
-      const int64_t a = gi[i].item<int64_t>();
-      const auto seed = static_cast<uint64_t>(c.seed[a].item<int64_t>());
-      const auto pos = static_cast<uint32_t>(c.position[a].item<int64_t>());
-      for (int64_t t = 0; t < V; ++t) {
-        u[i * V + t] = Uniform(seed, pos, 0, Purpose::kGumbel, static_cast<uint32_t>(t));
-      }
-    }
-    auto [first, rest] = GumbelTopK(c.p.index_select(0, gi), gu, D);
+    auto [first, rest] = EagerGumbelDraws(c, gi, D);
     v.fresh = v.fresh.index_copy(0, gi, first);
     if (D > 1) v.extra = v.extra.index_copy(0, gi, rest);
+  }
+  if (c.match_on) {  // verify_windows.cc's ApplyMatch: g* is the node's first Gumbel draft
+    const at::Tensor mi = c.match.nonzero().squeeze(1);
+    const at::Tensor g = v.fresh.index_select(0, mi);
+    const at::Tensor acc = kids.index_select(0, mi) == g.unsqueeze(1);
+    v.accepted = v.accepted.reshape({A, K}).index_copy(0, mi, acc);
+    if (K == 1) v.accepted = v.accepted.squeeze(1);
+    v.residual = v.residual.index_copy(0, mi, g);
+    v.kept = v.kept.index_copy(0, mi, g);
   }
   return v;
 }
@@ -285,6 +324,7 @@ inline kernels::ChainVerifyArgs FusedArgs(const ChainCase& c, ChainVerdicts& out
     a.seed = c.seed.data_ptr<int64_t>();
     a.position = c.position.data_ptr<int64_t>();
   }
+  if (c.match_on) a.match = c.match.data_ptr<int64_t>();
   if (c.grouped) {
     a.group = c.group.data_ptr<int64_t>();
     a.group_delta = c.gdelta.data_ptr<double>();
@@ -331,7 +371,7 @@ inline ChainCase ChainCaseOn(const ChainCase& c, const at::Device& d) {
   ChainCase o = c;
   for (at::Tensor* t :
        {&o.p, &o.q, &o.qrow, &o.kid, &o.tokens, &o.w, &o.uacc, &o.ures, &o.ufresh, &o.maximal,
-        &o.group, &o.gdelta, &o.gdist, &o.embed, &o.gumbel, &o.seed, &o.position}) {
+        &o.group, &o.gdelta, &o.gdist, &o.embed, &o.gumbel, &o.seed, &o.position, &o.match}) {
     *t = t->to(d).contiguous();
   }
   return o;

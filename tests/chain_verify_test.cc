@@ -14,14 +14,23 @@ using chain_test::ChainVerdicts;
 
 TEST(ChainVerifyTest, FusedDecidesAndDrawsAsTheEagerVerification) {
   int64_t nodes = 0, accepted = 0, no_draft = 0, empty_residual = 0;
+  int64_t match_nodes = 0, match_accepted = 0, match_differ = 0;
   for (const bool weighted : {false, true}) {
     for (const int64_t V : {7, 512, 1000, 16384}) {  // fewer ids than chunks, ragged chunks
       ChainCase c = chain_test::RandomChainCase(330, V, weighted, 11 + V);
       if (weighted) chain_test::AddGumbel(c, 13 + V);  // and scd-gs's Gumbel drafts
+      if (weighted) chain_test::AddMatch(c);           // and the match rule on some of them
       const ChainVerdicts eager = chain_test::EagerChainVerify(c);
       const ChainVerdicts fused = chain_test::HostChainVerify(c);
       EXPECT_EQ(chain_test::Mismatches(eager, fused), 0) << "V " << V << " weighted " << weighted;
       EXPECT_EQ(chain_test::PackedMismatches(c, fused), 0) << "V " << V;  // the readback rows
+      if (c.match_on) {  // power: the same nodes under the exact rule decide otherwise
+        ChainCase exact = c;
+        exact.match_on = false;
+        match_differ += chain_test::Mismatches(eager, chain_test::HostChainVerify(exact));
+        match_nodes += c.match.sum().item<int64_t>();
+        match_accepted += (eager.accepted & (c.match > 0)).sum().item<int64_t>();
+      }
       nodes += 330;
       accepted += eager.accepted.sum().item<int64_t>();
       no_draft += (c.kid < 0).sum().item<int64_t>();
@@ -34,6 +43,11 @@ TEST(ChainVerifyTest, FusedDecidesAndDrawsAsTheEagerVerification) {
               static_cast<long long>(no_draft), static_cast<long long>(empty_residual));
   EXPECT_GT(accepted, nodes / 10);
   EXPECT_LT(accepted, nodes * 9 / 10);
+  std::printf("match rule: %lld nodes, %lld accepted; %lld differ under the exact rule\n",
+              static_cast<long long>(match_nodes), static_cast<long long>(match_accepted),
+              static_cast<long long>(match_differ));
+  EXPECT_GT(match_accepted, match_nodes / 8);
+  EXPECT_GT(match_differ, match_nodes / 4);
 }
 
 // Trees: siblings verified in turn against the residual of the ones before (q without them),
@@ -48,6 +62,7 @@ TEST(ChainVerifyTest, FusedTreesDecideAndDrawAsTheEagerVerification) {
         chain_test::ChainCase c = chain_test::RandomTreeCase(200, V, K, D, weighted, 41 + V + K);
         if (!weighted && K == 4) chain_test::AddGroups(c, 43 + V);
         if (!weighted && K == 2) chain_test::AddGumbel(c, 45 + V);
+        if (!weighted && K == 2 && D == 3) chain_test::AddMatch(c);
         const chain_test::ChainVerdicts eager = chain_test::EagerChainVerify(c);
         const chain_test::ChainVerdicts fused = chain_test::HostChainVerify(c);
         EXPECT_EQ(chain_test::Mismatches(eager, fused), 0)

@@ -60,6 +60,7 @@ TEST(KernelsTest, ChainVerifyOnGpuIsBitIdenticalToTheHost) {
                                                 weighted, 41 + V);
       if (mode == 2 || mode == 3) chain_test::AddGroups(c, 29 + V);
       if ((mode == 1 || mode == 4) && V >= 8) chain_test::AddGumbel(c, 31 + V);
+      if (mode == 1 && V >= 8) chain_test::AddMatch(c);  // and the match rule on some
       const chain_test::ChainVerdicts host = chain_test::HostChainVerify(c);
       const chain_test::ChainCase d = chain_test::ChainCaseOn(c, at::kCUDA);
       chain_test::ChainVerdicts dev;
