@@ -207,5 +207,45 @@ TEST(MatchRuleTest, ScdGmDrawsArGmsGridsAtEveryWindowAloneAndCoBatched) {
   }
 }
 
+// The same on the bundled text-to-image model, whose prompt is prefilled before the image:
+// prefilled in one chunk or in chunks of 3 inside the image steps, alone and beside three other
+// prompts' requests, scd-gm draws ar-gm's grid.
+TEST(MatchRuleTest, ScdGmDrawsArGmsGridsAfterAPromptPrefilledInChunks) {
+  auto m = LoadImageModel(DefaultModelsDir(), "fmnist-t2i", {}, /*with_draft=*/false);
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  const GptConfig& c = m->gpt->config();
+  // class_prompts.json's "a t-shirt" and "a small dark bag"-like ids of the bundled tokenizer.
+  const std::vector<std::vector<int64_t>> prompts = {
+      {0, 3, 33, 264, 283, 20, 326, 206, 206, 4, 33, 5}, {0, 3, 33, 264, 283, 20, 206, 4, 33, 5}};
+  auto request = [&](const std::string& preset, size_t prompt, uint64_t seed) {
+    ImageRequest r;
+    r.prompt = prompts[prompt];
+    r.seed = seed;
+    r.sampling = {c.default_cfg_scale, c.default_temperature, c.default_top_k, c.default_top_p};
+    r.policy = *PolicyFromPreset(preset);
+    return r;
+  };
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    SpecOptions one;
+    one.batch_invariant = true;
+    auto ar = GenerateSpeculative(*m->gpt, nullptr, {request("ar-gm", i, 5 + i)}, one);
+    ASSERT_TRUE(ar.ok()) << ar.status().ToString();
+    SpecOptions chunked = one;
+    chunked.prefill_chunk = 3;
+    std::vector<ImageRequest> batch = {request("scd-gm", i, 5 + i), request("scd-mc", 1 - i, 9),
+                                       request("ar", i, 10), request("scd-gm", 1 - i, 11)};
+    for (const SpecOptions& o : {one, chunked}) {
+      auto alone = GenerateSpeculative(*m->gpt, nullptr, {batch[0]}, o);
+      auto together = GenerateSpeculative(*m->gpt, nullptr, batch, o);
+      ASSERT_TRUE(alone.ok() && together.ok());
+      EXPECT_EQ((*alone)[0].tokens, (*ar)[0].tokens)
+          << "prompt " << i << ", chunk " << o.prefill_chunk;
+      EXPECT_EQ((*together)[0].tokens, (*ar)[0].tokens)
+          << "prompt " << i << ", chunk " << o.prefill_chunk;
+      EXPECT_LT((*alone)[0].stats.nfe, static_cast<int64_t>((*ar)[0].tokens.size()));
+    }
+  }
+}
+
 }  // namespace
 }  // namespace imagegen

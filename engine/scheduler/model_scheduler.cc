@@ -303,7 +303,9 @@ std::vector<int64_t> ModelScheduler::ChooseWindows(const std::vector<size_t>& id
   // One planned step in explore_every (16) explores a plan twice as wide; a request alone
   // only where it is planned (not given its whole window), so that the cost model also sees
   // the wider steps a lone request would otherwise never take.
-  const bool planned = reqs.size() > 1 || !go.lone_request_full_window || reqs[0].window_invariant;
+  const bool planned =
+      reqs.size() > 1 ||
+      (reqs.size() == 1 && (!go.lone_request_full_window || reqs[0].window_invariant));
   go.explore = planned && opts_.explore_every > 0 && ++planned_steps_ % opts_.explore_every == 0;
   explored_ = go.explore;
   plan = PlanGoodput(reqs, cost_, go);
