@@ -470,6 +470,89 @@ TEST(SpecBatchPreemptionTest, SuspendedAndResumedRequestsKeepTheExactDistributio
   EXPECT_LT(chi.p_value, 1e-6);
 }
 
+// Toy grids of `policy` for Sample's seeds 0..n-1 of class `cls` in one batch, preempted as
+// SampleWithPreemption preempts (a quarter suspended after each step, three in four of those
+// resumed before the next, into slots another request held). Adds the suspensions.
+std::vector<std::vector<int32_t>> ToyGridsWithPreemption(const DecodingPolicy& policy, int64_t cls,
+                                                         int64_t n, const SpecOptions& opts,
+                                                         int64_t* suspensions) {
+  const Toy& toy = TheToy();
+  SpecBatch batch(*toy.target, toy.draft.get(), 2 * n, opts);
+  const std::vector<int64_t> handles = AddToyRequests(batch, policy, cls, 0, n);
+  uint64_t lcg = 777;
+  auto coin = [&lcg] {
+    lcg = lcg * 6364136223846793005ULL + 1442695040888963407ULL;
+    return (lcg >> 33) % 4 == 0;
+  };
+  std::vector<int64_t> paused;
+  while (batch.active() > 0 || !paused.empty()) {
+    std::vector<int64_t> still;
+    for (int64_t h : paused) {
+      if (coin()) {
+        still.push_back(h);
+      } else if (Status s = batch.Resume(h); !s.ok()) {
+        throw std::runtime_error(s.ToString());
+      }
+    }
+    paused = still;
+    if (Status s = batch.Step(); !s.ok()) throw std::runtime_error(s.ToString());
+    for (int64_t h : handles) {
+      if (!batch.done(h) && std::find(paused.begin(), paused.end(), h) == paused.end() && coin()) {
+        batch.Suspend(h);
+        paused.push_back(h);
+        *suspensions += 1;
+      }
+    }
+  }
+  std::vector<std::vector<int32_t>> out;
+  for (int64_t h : handles) out.push_back(batch.Take(h).tokens);
+  return out;
+}
+
+// The match rule after preemption by recomputation: a seed suspended mid-image and resumed in
+// other slots (its class and committed tokens prefilled again, at once or 2 positions a step)
+// still draws ar-gm's grid, on chains and trees. A resumed request starts from fresh drafts
+// (its old ones are dropped), but its committed tokens are a function of the noise at their
+// positions alone, so other drafts cannot move them. Power: resuming without recomputing the KV
+// entries (the slots hold another request's) draws other grids.
+TEST(SpecMatchRuleTest, PreemptedAndResumedRequestsDrawTheArGmGrid) {
+  constexpr int64_t kSeeds = 64;
+  SpecOptions whole, chunked, broken;
+  whole.batch_invariant = chunked.batch_invariant = broken.batch_invariant = true;
+  chunked.prefill_chunk = 2;
+  broken.testing_resume_without_recompute = true;
+  struct Case {
+    std::string name;
+    DecodingPolicy policy;
+    const SpecOptions* opts;
+  };
+  const std::vector<Case> cases = {{"scd-gm L6", Preset("scd-gm", 6), &whole},
+                                   {"scd-gm L9 chunked", Preset("scd-gm", 9), &chunked},
+                                   {"tree", MatchTree(), &whole},
+                                   {"ar-gm chunked", Preset("ar-gm", 1), &chunked}};
+  int64_t broken_differ = 0, broken_suspensions = 0;
+  for (int64_t cls = 0; cls < kClasses; ++cls) {
+    const auto ar = ToyGrids(Preset("ar-gm", 1), cls, kSeeds, false);
+    for (const Case& c : cases) {
+      int64_t suspensions = 0;
+      const auto grids = ToyGridsWithPreemption(c.policy, cls, kSeeds, *c.opts, &suspensions);
+      int64_t differ = 0;
+      for (int64_t i = 0; i < kSeeds; ++i) differ += grids[i] != ar[i] ? 1 : 0;
+      EXPECT_EQ(differ, 0) << c.name << ", class " << cls;
+      EXPECT_GT(suspensions, kSeeds / 2) << c.name << ", class " << cls;
+    }
+    const auto bad =
+        ToyGridsWithPreemption(Preset("scd-gm", 6), cls, kSeeds, broken, &broken_suspensions);
+    for (int64_t i = 0; i < kSeeds; ++i) broken_differ += bad[i] != ar[i] ? 1 : 0;
+  }
+  std::printf(
+      "resumed without recomputing the KV: %lld of %lld grids differ from ar-gm's "
+      "(%lld suspensions)\n",
+      static_cast<long long>(broken_differ), static_cast<long long>(kSeeds * kClasses),
+      static_cast<long long>(broken_suspensions));
+  EXPECT_GT(broken_differ, kSeeds * kClasses / 4);
+}
+
 // Like Sample, in SpecBatches whose every request is granted a window drawn anew each step
 // (uniform in 1 .. its policy's window, a fixed pseudo-random sequence), as the goodput
 // controller may grant them: windows cut short and grown again. Adds the cut drafts fed again.
