@@ -20,6 +20,7 @@
 #include "engine/decoding/speculative.h"
 #include "engine/model/image_model.h"
 #include "engine/scheduler/window_budget.h"
+#include "tests/test_paths.h"
 
 namespace imagegen {
 namespace {
@@ -32,7 +33,9 @@ constexpr int64_t kBudget = 96;                // binds: 30 requests want ~800 r
 const char* const kGoldenPresets[] = {"ar",         "sjd", "scd-mc",   "scd-gs", "sjd-pac",
                                       "pac-gumbel", "gsd", "cool-sjd", "sd",     "cool-sd"};
 
-std::string GoldenDir() { return std::string(IMAGEGEN_TEST_MODELS_DIR) + "/../tests/golden"; }
+std::string GoldenDir() {
+  return std::string(imagegen::testing::TestModelsDir()) + "/../tests/golden";
+}
 
 // spec_grids.txt first, then the other machines' sets in name order.
 std::vector<std::string> GoldenPaths() {

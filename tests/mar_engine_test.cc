@@ -20,6 +20,7 @@
 #include "engine/model/mar_model.h"
 #include "engine/scheduler/engine.h"
 #include "tests/engine_client.h"
+#include "tests/test_paths.h"
 
 namespace imagegen {
 namespace {
@@ -42,7 +43,7 @@ std::string ModelsDir() {
       fs::create_symlink(fs::absolute(fs::path(RefDir()) / m), d / m);
     }
     for (const char* m : {"fmnist-gpt", "fmnist-vq", "fmnist-draft"}) {
-      fs::create_symlink(fs::path(IMAGEGEN_TEST_MODELS_DIR) / m, d / m);
+      fs::create_symlink(fs::path(imagegen::testing::TestModelsDir()) / m, d / m);
     }
     // mar-self: the same weights, naming itself as its draft.
     fs::create_directories(d / "mar-self");

@@ -23,6 +23,7 @@
 #include "tests/engine_client.h"
 #include "tests/temp_dir.h"
 #include "tests/test_util.h"
+#include "tests/test_paths.h"
 
 namespace imagegen {
 namespace {
@@ -53,7 +54,7 @@ TEST(WindowBudgetTest, WindowsShrinkEvenlyAndTheOldestGetTheRemainder) {
 
 EngineOptions BundledOptions() {
   EngineOptions o;
-  o.models_dir = IMAGEGEN_TEST_MODELS_DIR;
+  o.models_dir = imagegen::testing::TestModelsDir();
   // CUDA under bench/gpu/run_all.sh (IMAGEGEN_TEST_DEVICE), which runs some of these tests.
   if (testing::TestLoadOptions().device.is_cuda()) o.device = "cuda";
   // One step-cost calibration for all the tests' engines (goodput window control).
@@ -309,7 +310,7 @@ TEST(EngineTest, CudaGraphsScratchSlotIsCountedInTheKvBudget) {
 
 // The forward itself: one row's logits alone and inside a ragged batch of other rows.
 TEST(EngineTest, BatchInvariantForwardGivesBitIdenticalLogits) {
-  auto m = LoadImageModel(IMAGEGEN_TEST_MODELS_DIR, "fmnist-gpt", {});
+  auto m = LoadImageModel(imagegen::testing::TestModelsDir(), "fmnist-gpt", {});
   ASSERT_TRUE(m.ok());
   std::vector<BatchRow> rows;
   for (int i = 0; i < 12; ++i) {
@@ -574,7 +575,7 @@ TEST(EngineTest, PreviewsSpreadOverTheImageComeAtTheirFractions) {
 // once looked an id up as a name first, and drew class 2 for class_id 7.)
 TEST(EngineTest, ClassIdIsAnIdEvenWhenClassNamesAreNumbers) {
   namespace fs = std::filesystem;
-  const std::string bundled = IMAGEGEN_TEST_MODELS_DIR;
+  const std::string bundled = imagegen::testing::TestModelsDir();
   const std::string dir = testing::TempDir("numeric_names");
   for (const char* m : {"fmnist-vq", "fmnist-draft"}) {
     fs::create_directory_symlink(fs::absolute(bundled + "/" + m), dir + "/" + m);

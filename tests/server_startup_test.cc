@@ -17,6 +17,7 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "imagegen/v1/imagegen.grpc.pb.h"
 #include "server/daemon.h"
+#include "tests/test_paths.h"
 
 namespace imagegen::testing {
 namespace {
@@ -62,7 +63,7 @@ server::DaemonOptions Options() {
   server::DaemonOptions o;
   o.listen = "127.0.0.1:0";
   o.metrics_listen = "127.0.0.1:0";
-  o.engine.models_dir = IMAGEGEN_TEST_MODELS_DIR;
+  o.engine.models_dir = imagegen::testing::TestModelsDir();
   o.engine.max_slots = 4;
   return o;
 }

@@ -16,6 +16,7 @@
 #include "engine/model/gpt.h"
 #include "engine/model/safetensors.h"
 #include "tests/temp_dir.h"
+#include "tests/test_paths.h"
 
 namespace imagegen::testing {
 
@@ -135,7 +136,7 @@ inline std::string WriteTinyJanus(const std::string& dir, const TinyJanusSpec& s
 // A VQ tokenizer for `vocab` codes on a grid x grid token grid: the bundled fmnist-vq decoder
 // (fully convolutional, so any grid works) with its first `vocab` codebook rows.
 inline void WriteTinyVq(const std::string& dir, int64_t vocab, int64_t grid) {
-  const std::string src = std::string(IMAGEGEN_TEST_MODELS_DIR) + "/fmnist-vq";
+  const std::string src = std::string(imagegen::testing::TestModelsDir()) + "/fmnist-vq";
   auto f = SafetensorsFile::Open(src + "/model.safetensors");
   if (!f.ok()) throw std::runtime_error(f.status().ToString());
   std::map<std::string, at::Tensor> t;

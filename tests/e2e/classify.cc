@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "engine/model/classifier.h"
+#include "tests/test_paths.h"
 
 namespace imagegen::testing {
 
@@ -54,7 +55,7 @@ int ClassifyPng(const std::string& png, std::string* error) {
   std::vector<uint8_t> px = Grey28(png, error);
   if (px.empty()) return -1;
   static auto clf =
-      Classifier::Load(std::string(IMAGEGEN_TEST_MODELS_DIR) + "/fmnist-classifier", {});
+      Classifier::Load(std::string(imagegen::testing::TestModelsDir()) + "/fmnist-classifier", {});
   if (!clf.ok()) {
     *error = clf.status().ToString();
     return -1;
