@@ -24,6 +24,7 @@
 #include <memory>
 #include <random>
 
+#include "bench/bench_paths.h"
 #include "bench/common.h"
 #include "engine/model/classifier.h"
 #include "engine/scheduler/engine.h"
@@ -134,7 +135,7 @@ DecodingPolicy Authors(DecodingPolicy p) {
 
 int main(int argc, char** argv) {
   Flags f(argc, argv,
-          {{"models", IMAGEGEN_SOURCE_DIR "/models"},
+          {{"models", std::string(BenchSourceDir()) + "/models"},
            {"model", "fmnist-mar"},
            {"classifier", "fmnist-classifier"},
            {"batches", "1,8"},

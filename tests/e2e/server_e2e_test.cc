@@ -25,9 +25,11 @@
 #include "imagegen/v1/imagegen.grpc.pb.h"
 #include "engine/util/read_file.h"
 #include "tests/e2e/classify.h"
+#include "tests/e2e/e2e_paths.h"
 #include "tests/e2e/process.h"
 #include "tests/http_client.h"
 #include "tests/temp_dir.h"
+#include "tests/test_paths.h"
 
 namespace imagegen::testing {
 namespace {
@@ -49,8 +51,8 @@ class Daemon {
                   bool default_models = false)
       : dir_(TempDir(name)) {
     std::vector<std::string> argv = {
-        IMAGEGEN_SERVER_BINARY, "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
-        "--port-file", dir_ + "/ports", "--models-dir", IMAGEGEN_TEST_MODELS_DIR,
+        ServerBinary(), "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", "--port-file",
+        dir_ + "/ports", "--models-dir", TestModelsDir(),
         // One step-cost calibration shared by the tests' daemons (and the engine tests).
         "--cache-dir", SharedStepCostCache()};
     if (!default_models) argv.insert(argv.end(), {"--models", "fmnist-gpt"});
@@ -941,9 +943,9 @@ TEST(E2eTest, SigtermDrainsInFlightStreamsThenExitsZero) {
   EXPECT_EQ(d.Health(kService), HealthCheckResponse::SERVING);
   // The CLI's health command (the image's HEALTHCHECK): exit 0 while serving, 1 once draining.
   std::string out;
-  EXPECT_EQ(RunCommand({IMAGEGEN_CLI_BINARY, "health", "--target", d.target()}, &out,
-                       d.dir() + "/health1.log"),
-            0)
+  EXPECT_EQ(
+      RunCommand({CliBinary(), "health", "--target", d.target()}, &out, d.dir() + "/health1.log"),
+      0)
       << out;
   EXPECT_NE(out.find("SERVING"), std::string::npos) << out;
   d.proc().Signal(SIGTERM);
@@ -958,9 +960,9 @@ TEST(E2eTest, SigtermDrainsInFlightStreamsThenExitsZero) {
   EXPECT_EQ(HttpGet(d.http_port(), "/health"),
             std::make_pair(503, std::string(R"({"status":"draining"})")));
   EXPECT_EQ(HttpGet(d.http_port(), "/health/live").first, 200);  // alive while it drains
-  EXPECT_EQ(RunCommand({IMAGEGEN_CLI_BINARY, "health", "--target", d.target()}, &out,
-                       d.dir() + "/health2.log"),
-            1)
+  EXPECT_EQ(
+      RunCommand({CliBinary(), "health", "--target", d.target()}, &out, d.dir() + "/health2.log"),
+      1)
       << out;
   EXPECT_NE(out.find("NOT_SERVING"), std::string::npos) << out;
   grpc::ClientContext c;
@@ -1238,7 +1240,7 @@ TEST(E2eTest, PrometheusScrapesAcceptanceRateAndNfe) {
     EXPECT_NE(text.find(series), std::string::npos) << series;
   }
 
-  std::string config = Slurp(std::string(IMAGEGEN_SOURCE_DIR) + "/deploy/prometheus.yml");
+  std::string config = Slurp(std::string(SourceDir()) + "/deploy/prometheus.yml");
   config = std::regex_replace(config, std::regex("imagegen:9464"),
                               "127.0.0.1:" + std::to_string(d.metrics_port()));
   config = std::regex_replace(config, std::regex("scrape_interval: \\w+"), "scrape_interval: 1s");
@@ -1290,11 +1292,11 @@ TEST(E2eTest, PrometheusScrapesAcceptanceRateAndNfe) {
 TEST(E2eTest, HelpListsTheFlags) {
   const std::string dir = TempDir("help");
   std::string out;
-  RunCommand({IMAGEGEN_SERVER_BINARY, "--help"}, &out, dir + "/server.log");
+  RunCommand({ServerBinary(), "--help"}, &out, dir + "/server.log");
   for (const char* flag : {"--listen", "--metrics_listen", "--max_queue", "--grace_seconds"}) {
     EXPECT_NE(out.find(flag), std::string::npos) << flag << " in\n" << out;
   }
-  RunCommand({IMAGEGEN_CLI_BINARY, "--help"}, &out, dir + "/cli.log");
+  RunCommand({CliBinary(), "--help"}, &out, dir + "/cli.log");
   for (const char* flag : {"--target", "--method", "--preview_every", "--token_file"}) {
     EXPECT_NE(out.find(flag), std::string::npos) << flag << " in\n" << out;
   }
@@ -1305,14 +1307,12 @@ TEST(E2eTest, CliAndPythonClientsWork) {
   d.WaitReady();
   const std::string dir = d.dir();
   std::string out;
-  ASSERT_EQ(
-      RunCommand({IMAGEGEN_CLI_BINARY, "models", "--target", d.target()}, &out, dir + "/cli1.log"),
-      0)
+  ASSERT_EQ(RunCommand({CliBinary(), "models", "--target", d.target()}, &out, dir + "/cli1.log"), 0)
       << out;
   EXPECT_NE(out.find("sneaker"), std::string::npos);
   EXPECT_NE(out.find("scd-mc (default)"), std::string::npos);
-  ASSERT_EQ(RunCommand({IMAGEGEN_CLI_BINARY, "generate", "--target", d.target(), "--class",
-                        "sneaker", "--seed", "21", "--out", dir + "/sneaker.png"},
+  ASSERT_EQ(RunCommand({CliBinary(), "generate", "--target", d.target(), "--class", "sneaker",
+                        "--seed", "21", "--out", dir + "/sneaker.png"},
                        &out, dir + "/cli2.log"),
             0)
       << out;
@@ -1321,8 +1321,8 @@ TEST(E2eTest, CliAndPythonClientsWork) {
   const std::regex server_id("request id req_[0-9a-f]{32}\n");
   EXPECT_TRUE(std::regex_search(out, server_id)) << out;  // the id the server's log names
   ASSERT_EQ(
-      RunCommand({IMAGEGEN_CLI_BINARY, "generate", "--target", d.target(), "--class", "bag",
-                  "--stream", "--preview-every", "10", "--preview-dir", dir + "/frames", "--out",
+      RunCommand({CliBinary(), "generate", "--target", d.target(), "--class", "bag", "--stream",
+                  "--preview-every", "10", "--preview-dir", dir + "/frames", "--out",
                   dir + "/bag.png", "--method", "ar", "--request-id", "cli-stream-1"},
                  &out, dir + "/cli3.log"),
       0)
@@ -1331,13 +1331,13 @@ TEST(E2eTest, CliAndPythonClientsWork) {
   EXPECT_NE(out.find("request id cli-stream-1\n"), std::string::npos) << out;
   // Previews come when due (the budget is off for this daemon): some did.
   EXPECT_FALSE(std::filesystem::is_empty(dir + "/frames"));
-  EXPECT_EQ(RunCommand({IMAGEGEN_CLI_BINARY, "generate", "--target", d.target(), "--class", "bag",
+  EXPECT_EQ(RunCommand({CliBinary(), "generate", "--target", d.target(), "--class", "bag",
                         "--top-p", "0", "--out", dir + "/x.png"},
                        &out, dir + "/cli4.log"),
             1);
   EXPECT_NE(out.find("field top_p"), std::string::npos) << out;
   EXPECT_FALSE(std::regex_search(out, server_id)) << out;  // errors carry no id
-  ASSERT_EQ(RunCommand({IMAGEGEN_CLI_BINARY, "load", "--target", d.target(), "--concurrency", "2",
+  ASSERT_EQ(RunCommand({CliBinary(), "load", "--target", d.target(), "--concurrency", "2",
                         "--duration", "2", "--method", "sjd"},
                        &out, dir + "/cli5.log"),
             0)
@@ -1347,12 +1347,12 @@ TEST(E2eTest, CliAndPythonClientsWork) {
   EXPECT_NE(out.find("controller: expected"), std::string::npos) << out;
   EXPECT_NE(out.find("step time predicted"), std::string::npos) << out;
 
-  ASSERT_EQ(RunCommand({"/usr/bin/python3",
-                        std::string(IMAGEGEN_SOURCE_DIR) + "/client/python/example_client.py",
-                        "--target", d.target(), "--class-name", "trouser", "--seed", "21", "--out",
-                        dir + "/trouser.png"},
-                       &out, dir + "/py.log", {"PYTHONPATH=" + std::string(IMAGEGEN_PYTHON_STUBS)}),
-            0)
+  ASSERT_EQ(
+      RunCommand({"/usr/bin/python3", std::string(SourceDir()) + "/client/python/example_client.py",
+                  "--target", d.target(), "--class-name", "trouser", "--seed", "21", "--out",
+                  dir + "/trouser.png"},
+                 &out, dir + "/py.log", {"PYTHONPATH=" + std::string(PythonStubs())}),
+      0)
       << out;
   EXPECT_TRUE(std::regex_search(out, server_id)) << out;
   EXPECT_EQ(ClassifyPng(Slurp(dir + "/trouser.png"), &err), 1) << err;
@@ -1372,7 +1372,7 @@ TEST(E2eTest, TextPromptsAreTokenizedAsTheTokenizersPackageDoes) {
         std::filesystem::canonical(std::string(t2i) + "/" + m), models + "/" + m);
   }
   for (const std::string m : {"fmnist-gpt", "fmnist-draft"}) {
-    std::filesystem::create_directory_symlink(std::string(IMAGEGEN_TEST_MODELS_DIR) + "/" + m,
+    std::filesystem::create_directory_symlink(std::string(TestModelsDir()) + "/" + m,
                                               models + "/" + m);
   }
   const nlohmann::json expected =
@@ -1497,18 +1497,17 @@ TEST(E2eTest, TextPromptsAreTokenizedAsTheTokenizersPackageDoes) {
 
   const std::string dir = d.dir();
   std::string out;
-  ASSERT_EQ(RunCommand(
-                {IMAGEGEN_CLI_BINARY, "generate", "--target", d.target(), "--model", "toy-t2i",
-                 "--prompt", prompt, "--seed", "11", "--method", "sjd", "--out", dir + "/boot.png"},
-                &out, dir + "/cli.log"),
-            0)
+  ASSERT_EQ(
+      RunCommand({CliBinary(), "generate", "--target", d.target(), "--model", "toy-t2i", "--prompt",
+                  prompt, "--seed", "11", "--method", "sjd", "--out", dir + "/boot.png"},
+                 &out, dir + "/cli.log"),
+      0)
       << out;
   EXPECT_NE(out.find("prompt of " + std::to_string(ids.size()) + " tokens"), std::string::npos)
       << out;
   EXPECT_EQ(Slurp(dir + "/boot.png"), by_text.image_png());
-  ASSERT_EQ(
-      RunCommand({IMAGEGEN_CLI_BINARY, "models", "--target", d.target()}, &out, dir + "/cli2.log"),
-      0);
+  ASSERT_EQ(RunCommand({CliBinary(), "models", "--target", d.target()}, &out, dir + "/cli2.log"),
+            0);
   EXPECT_NE(out.find("text-to-image: prompts of at most 64 tokens"), std::string::npos) << out;
   EXPECT_TRUE(d.CallsBalanced());
 }
@@ -1696,20 +1695,20 @@ TEST(E2eTest, NImagesShareOnePrefillAndANegativePromptSteersAwayFromWhatItNames)
 
   const std::string dir = d.dir();
   std::string out;
-  ASSERT_EQ(RunCommand({IMAGEGEN_CLI_BINARY, "generate", "--target", d.target(), "--model",
-                        "fmnist-t2i", "--prompt", "a bag", "--negative-prompt", "a dark bag", "--n",
-                        "2", "--stream", "--seed", "3", "--out", dir + "/bag.png"},
+  ASSERT_EQ(RunCommand({CliBinary(), "generate", "--target", d.target(), "--model", "fmnist-t2i",
+                        "--prompt", "a bag", "--negative-prompt", "a dark bag", "--n", "2",
+                        "--stream", "--seed", "3", "--out", dir + "/bag.png"},
                        &out, dir + "/cli.log"),
             0)
       << out;
   EXPECT_TRUE(std::filesystem::exists(dir + "/bag_0.png")) << out;
   EXPECT_TRUE(std::filesystem::exists(dir + "/bag_1.png")) << out;
-  ASSERT_EQ(RunCommand({"/usr/bin/python3",
-                        std::string(IMAGEGEN_SOURCE_DIR) + "/client/python/example_client.py",
-                        "--target", d.target(), "--model", "fmnist-t2i", "--prompt", "a sandal",
-                        "--n", "2", "--seed", "40", "--out", dir + "/sandal.png"},
-                       &out, dir + "/py.log", {"PYTHONPATH=" + std::string(IMAGEGEN_PYTHON_STUBS)}),
-            0)
+  ASSERT_EQ(
+      RunCommand({"/usr/bin/python3", std::string(SourceDir()) + "/client/python/example_client.py",
+                  "--target", d.target(), "--model", "fmnist-t2i", "--prompt", "a sandal", "--n",
+                  "2", "--seed", "40", "--out", dir + "/sandal.png"},
+                 &out, dir + "/py.log", {"PYTHONPATH=" + std::string(PythonStubs())}),
+      0)
       << out;
   EXPECT_TRUE(std::filesystem::exists(dir + "/sandal_1.png")) << out;
   EXPECT_TRUE(d.CallsBalanced());
@@ -1725,7 +1724,7 @@ TEST(E2eTest, NImagesShareOnePrefillAndANegativePromptSteersAwayFromWhatItNames)
 TEST(E2eTest, OpenAiSdkDrawsStreamsAndRaisesItsErrors) {
   const std::string token = TempDir("http_token") + "/token";
   { std::ofstream(token) << "s3cret\n"; }
-  const std::string script = std::string(IMAGEGEN_SOURCE_DIR) + "/tests/e2e/openai_sdk_check.py";
+  const std::string script = std::string(SourceDir()) + "/tests/e2e/openai_sdk_check.py";
   {
     Daemon d("http_api",
              {"--http-listen", "127.0.0.1:0", "--preview-share", "0", "--token-file", token},
@@ -1733,7 +1732,7 @@ TEST(E2eTest, OpenAiSdkDrawsStreamsAndRaisesItsErrors) {
     d.WaitReady();
     ASSERT_GT(d.http_port(), 0);
     std::string out;
-    EXPECT_EQ(RunCommand({IMAGEGEN_VENV_PYTHON, script, "--base-url",
+    EXPECT_EQ(RunCommand({VenvPython(), script, "--base-url",
                           "http://127.0.0.1:" + std::to_string(d.http_port()) + "/v1", "--api-key",
                           "s3cret", "--mode", "api"},
                          &out, d.dir() + "/sdk.log"),
@@ -1748,7 +1747,7 @@ TEST(E2eTest, OpenAiSdkDrawsStreamsAndRaisesItsErrors) {
                           "2", "--max-queue", "1"});
   d.WaitReady();
   std::string out;
-  EXPECT_EQ(RunCommand({IMAGEGEN_VENV_PYTHON, script, "--base-url",
+  EXPECT_EQ(RunCommand({VenvPython(), script, "--base-url",
                         "http://127.0.0.1:" + std::to_string(d.http_port()) + "/v1", "--mode",
                         "ratelimit"},
                        &out, d.dir() + "/sdk.log"),
@@ -1767,7 +1766,7 @@ TEST(E2eTest, OpenAiSdkDrawsStreamsAndRaisesItsErrors) {
 // the same PNG (sjd's against ar another). Full windows: the goodput controller
 // would shrink sjd's window towards ar's on a loaded machine.
 TEST(E2eTest, PlaygroundAnimatesAndRacesInChromium) {
-  const std::string script = std::string(IMAGEGEN_SOURCE_DIR) + "/tests/e2e/playground_check.py";
+  const std::string script = std::string(SourceDir()) + "/tests/e2e/playground_check.py";
   const std::string token = TempDir("playground_key") + "/token";
   { std::ofstream(token) << "s3cret\n"; }
   // Then a daemon with a token: the page asks for the key first (no call fails on the way, so
@@ -1780,7 +1779,7 @@ TEST(E2eTest, PlaygroundAnimatesAndRacesInChromium) {
     Daemon d(with_token ? "playground_token" : "playground", flags);
     d.WaitReady();
     ASSERT_GT(d.http_port(), 0);
-    std::vector<std::string> argv = {IMAGEGEN_VENV_PYTHON, script, "--base-url",
+    std::vector<std::string> argv = {VenvPython(), script, "--base-url",
                                      "http://127.0.0.1:" + std::to_string(d.http_port())};
     if (with_token) {
       argv.insert(argv.end(), {"--api-key", "s3cret"});
@@ -1795,16 +1794,12 @@ TEST(E2eTest, PlaygroundAnimatesAndRacesInChromium) {
       // The continuous-token family: cspd against its baseline mar, whose iterations decide
       // several tokens each, so the race says cspd took more forwards (the paper's rule
       // accepts almost no draft: docs/continuous.md).
-      std::vector<std::string> mar = {IMAGEGEN_VENV_PYTHON,
-                                      script,
-                                      "--base-url",
-                                      "http://127.0.0.1:" + std::to_string(d.http_port()),
-                                      "--model",
-                                      "fmnist-mar",
-                                      "--method",
-                                      "cspd",
-                                      "--klass",
-                                      "trouser"};
+      std::vector<std::string> mar = {
+          VenvPython(), script,
+          "--base-url", "http://127.0.0.1:" + std::to_string(d.http_port()),
+          "--model",    "fmnist-mar",
+          "--method",   "cspd",
+          "--klass",    "trouser"};
       EXPECT_EQ(RunCommand(mar, &out, d.dir() + "/chromium_mar.log", {}, std::chrono::seconds(900)),
                 0)
           << out;
@@ -1837,15 +1832,14 @@ TEST(E2eTest, MarAndGptServedSideBySideAndCspdStreams) {
 
   const std::string dir = d.dir();
   std::string out;
-  ASSERT_EQ(
-      RunCommand({IMAGEGEN_CLI_BINARY, "generate", "--target", d.target(), "--model", "fmnist-mar",
-                  "--class", "trouser", "--seed", "5", "--method", "cspd", "--window", "4",
-                  // The target draws 90% alone (CPU time: the e2e run covers the
-                  // drafting, verification and streaming of the last windows).
-                  "--prefill", "0.9", "--stream", "--preview-every", "10", "--preview-dir",
-                  dir + "/frames", "--out", dir + "/trouser.png"},
-                 &out, dir + "/cli.log"),
-      0)
+  ASSERT_EQ(RunCommand({CliBinary(), "generate", "--target", d.target(), "--model", "fmnist-mar",
+                        "--class", "trouser", "--seed", "5", "--method", "cspd", "--window", "4",
+                        // The target draws 90% alone (CPU time: the e2e run covers the
+                        // drafting, verification and streaming of the last windows).
+                        "--prefill", "0.9", "--stream", "--preview-every", "10", "--preview-dir",
+                        dir + "/frames", "--out", dir + "/trouser.png"},
+                       &out, dir + "/cli.log"),
+            0)
       << out;
   EXPECT_NE(out.find("method cspd"), std::string::npos) << out;
   EXPECT_NE(out.find("49/49"), std::string::npos) << out;

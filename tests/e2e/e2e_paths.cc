@@ -1,0 +1,11 @@
+#include "tests/e2e/e2e_paths.h"
+
+namespace imagegen::testing {
+
+const char* ServerBinary() { return IMAGEGEN_SERVER_BINARY; }
+const char* CliBinary() { return IMAGEGEN_CLI_BINARY; }
+const char* SourceDir() { return IMAGEGEN_SOURCE_DIR; }
+const char* PythonStubs() { return IMAGEGEN_PYTHON_STUBS; }
+const char* VenvPython() { return IMAGEGEN_VENV_PYTHON; }
+
+}  // namespace imagegen::testing
