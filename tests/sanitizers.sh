@@ -70,10 +70,9 @@ export UBSAN_OPTIONS="log_path=$logs/ubsan:halt_on_error=1:print_stacktrace=1:su
 #   EngineTest.CudaGraphs* two engines over the same requests, to compare their images (the
 #                          static forward's own tests, StaticForwardTest, run here)
 #   MatchRuleTest.*AtEveryWindow*  the bundled model's scd-gm grids at three windows against
-#                          ar-gm's, alone and co-batched (55 s under ASan, the longest test of
-#                          its shard); the match rule's paths run here in ChainVerifyTest's
-#                          match nodes, MatchRuleTest's chunked-prompt case and
-#                          EngineTest.GoodputPlansALoneMatchRequest...
+#                          ar-gm's, alone and co-batched (55 s under ASan); the match rule's
+#                          paths run here in ChainVerifyTest's match nodes, MatchRuleTest's
+#                          chunked-prompt case and EngineTest.GoodputPlansALoneMatchRequest...
 ENGINE_FILTER='-*Spec*:EngineTest.CudaGraphs*:*EngineExactTest.*:*EngineStormTest.*:*GoldenGrids*:*CspdRuleTest.*:*PromptTest.CoBatched*:*PromptTest.NegativePrompts*:MatchRuleTest.*AtEveryWindow*'
 
 status=0
