@@ -379,47 +379,53 @@ TEST(SpecMatchRuleTest, EveryWindowTreeAndBatchDrawsTheArGmGrid) {
   }
 }
 
-// Preemption by recomputation (SpecBatch::Suspend / Resume): after every step, about a quarter
-// of the running requests are suspended (their KV slots freed); before the next, three in four
-// of the suspended ones are resumed, in the order they were suspended, so that each comes back
-// in slots another request held, and prefills its class and committed tokens again (in chunks
-// of SpecOptions::prefill_chunk, 0: all at once) while the others go on.
-// Returns the same statistics as Sample, and the suspensions.
+// Preemption by recomputation (SpecBatch::Suspend / Resume). Steps `batch` until its requests
+// `handles` are done, preempting them: after every step, each running request is suspended one time
+// in four (its KV slots freed); before the next, each suspended one is resumed three times in four,
+// in the order suspended, so that it comes back in slots another request held. The coin is a fixed
+// pseudo-random sequence kept in `lcg`. Adds the suspensions.
+void StepWithPreemption(SpecBatch& batch, const std::vector<int64_t>& handles, uint64_t& lcg,
+                        int64_t* suspensions) {
+  auto coin = [&lcg] {
+    lcg = lcg * 6364136223846793005ULL + 1442695040888963407ULL;
+    return (lcg >> 33) % 4 == 0;
+  };
+  std::vector<int64_t> paused;
+  while (batch.active() > 0 || !paused.empty()) {
+    std::vector<int64_t> still;  // one in four stays away another step
+    for (int64_t h : paused) {
+      if (coin()) {
+        still.push_back(h);
+      } else if (Status s = batch.Resume(h); !s.ok()) {
+        throw std::runtime_error(s.ToString());
+      }
+    }
+    paused = still;
+    if (Status s = batch.Step(); !s.ok()) throw std::runtime_error(s.ToString());
+    for (int64_t h : handles) {
+      if (!batch.done(h) && std::find(paused.begin(), paused.end(), h) == paused.end() && coin()) {
+        batch.Suspend(h);
+        paused.push_back(h);
+        *suspensions += 1;
+      }
+    }
+  }
+}
+
+// Sample's statistics, with every batch's requests preempted by StepWithPreemption: a resumed
+// request prefills its class and committed tokens again (in chunks of
+// SpecOptions::prefill_chunk, 0: all at once) while the others go on. Adds the suspensions.
 RunStats SampleWithPreemption(const DecodingPolicy& policy, const SpecOptions& opts,
                               int64_t per_class, int64_t* suspensions) {
   const Toy& toy = TheToy();
   RunStats st;
   uint64_t lcg = 12345;
-  auto coin = [&lcg] {  // a fixed pseudo-random sequence: true one time in four
-    lcg = lcg * 6364136223846793005ULL + 1442695040888963407ULL;
-    return (lcg >> 33) % 4 == 0;
-  };
   for (int64_t cls = 0; cls < kClasses; ++cls) {
     for (int64_t first = 0; first < per_class; first += kChunk) {
       const int64_t count = std::min(kChunk, per_class - first);
       SpecBatch batch(*toy.target, toy.draft.get(), 2 * count, opts);
       const std::vector<int64_t> handles = AddToyRequests(batch, policy, cls, first, count);
-      std::vector<int64_t> paused;
-      while (batch.active() > 0 || !paused.empty()) {
-        std::vector<int64_t> still;  // one in four stays away another step
-        for (int64_t h : paused) {
-          if (coin()) {
-            still.push_back(h);
-          } else if (Status s = batch.Resume(h); !s.ok()) {
-            throw std::runtime_error(s.ToString());
-          }
-        }
-        paused = still;
-        if (Status s = batch.Step(); !s.ok()) throw std::runtime_error(s.ToString());
-        for (int64_t h : handles) {
-          if (!batch.done(h) && std::find(paused.begin(), paused.end(), h) == paused.end() &&
-              coin()) {
-            batch.Suspend(h);
-            paused.push_back(h);
-            *suspensions += 1;
-          }
-        }
-      }
+      StepWithPreemption(batch, handles, lcg, suspensions);
       for (int64_t h : handles) st.Add(cls, batch.Take(h));
       if (batch.free_slots() != 2 * count) throw std::runtime_error("slots leaked");
     }
@@ -470,9 +476,8 @@ TEST(SpecBatchPreemptionTest, SuspendedAndResumedRequestsKeepTheExactDistributio
   EXPECT_LT(chi.p_value, 1e-6);
 }
 
-// Toy grids of `policy` for Sample's seeds 0..n-1 of class `cls` in one batch, preempted as
-// SampleWithPreemption preempts (a quarter suspended after each step, three in four of those
-// resumed before the next, into slots another request held). Adds the suspensions.
+// Toy grids of `policy` for Sample's seeds 0..n-1 of class `cls` in one batch, preempted by
+// StepWithPreemption. Adds the suspensions.
 std::vector<std::vector<int32_t>> ToyGridsWithPreemption(const DecodingPolicy& policy, int64_t cls,
                                                          int64_t n, const SpecOptions& opts,
                                                          int64_t* suspensions) {
@@ -480,30 +485,7 @@ std::vector<std::vector<int32_t>> ToyGridsWithPreemption(const DecodingPolicy& p
   SpecBatch batch(*toy.target, toy.draft.get(), 2 * n, opts);
   const std::vector<int64_t> handles = AddToyRequests(batch, policy, cls, 0, n);
   uint64_t lcg = 777;
-  auto coin = [&lcg] {
-    lcg = lcg * 6364136223846793005ULL + 1442695040888963407ULL;
-    return (lcg >> 33) % 4 == 0;
-  };
-  std::vector<int64_t> paused;
-  while (batch.active() > 0 || !paused.empty()) {
-    std::vector<int64_t> still;
-    for (int64_t h : paused) {
-      if (coin()) {
-        still.push_back(h);
-      } else if (Status s = batch.Resume(h); !s.ok()) {
-        throw std::runtime_error(s.ToString());
-      }
-    }
-    paused = still;
-    if (Status s = batch.Step(); !s.ok()) throw std::runtime_error(s.ToString());
-    for (int64_t h : handles) {
-      if (!batch.done(h) && std::find(paused.begin(), paused.end(), h) == paused.end() && coin()) {
-        batch.Suspend(h);
-        paused.push_back(h);
-        *suspensions += 1;
-      }
-    }
-  }
+  StepWithPreemption(batch, handles, lcg, suspensions);
   std::vector<std::vector<int32_t>> out;
   for (int64_t h : handles) out.push_back(batch.Take(h).tokens);
   return out;
