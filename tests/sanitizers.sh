@@ -77,6 +77,7 @@ export UBSAN_OPTIONS="log_path=$logs/ubsan:halt_on_error=1:print_stacktrace=1:su
 ENGINE_FILTER='-*Spec*:EngineTest.CudaGraphs*:*EngineExactTest.*:*EngineStormTest.*:*GoldenGrids*:*CspdRuleTest.*:*PromptTest.CoBatched*:*PromptTest.NegativePrompts*:MatchRuleTest.*AtEveryWindow*'
 
 status=0
+lsan_planted_leak_control "$build" "$supp/lsan.supp" || status=1
 echo "== sanitizers: engine unit tests (filter $ENGINE_FILTER)"
 sharded_engine_tests "$build/tests" "$ENGINE_FILTER" "$build/engine_tests" || status=1
 echo "== sanitizers: server start-up, end-to-end tests and fuzz replays"
