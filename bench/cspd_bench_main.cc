@@ -24,7 +24,7 @@
 #include <memory>
 #include <random>
 
-#include "bench/bench_paths.h"
+#include "tests/build_paths.h"
 #include "bench/common.h"
 #include "engine/model/classifier.h"
 #include "engine/scheduler/engine.h"
@@ -135,7 +135,7 @@ DecodingPolicy Authors(DecodingPolicy p) {
 
 int main(int argc, char** argv) {
   Flags f(argc, argv,
-          {{"models", std::string(BenchSourceDir()) + "/models"},
+          {{"models", std::string(testing::SourceDir()) + "/models"},
            {"model", "fmnist-mar"},
            {"classifier", "fmnist-classifier"},
            {"batches", "1,8"},

@@ -26,7 +26,7 @@
 #include <mutex>
 #include <thread>
 
-#include "bench/bench_paths.h"
+#include "tests/build_paths.h"
 #include "bench/flags.h"
 #include "bench/op_profile.h"
 #include "engine/model/image_model.h"
@@ -648,8 +648,8 @@ int main(int argc, char** argv) {
       }
     }
   }
-  const std::string plot = std::string("'") + BenchDefaultPython() + "' '" + BenchSourceDir() +
-                           "/tools/plot_load_bench.py' '" + out + "'";
+  const std::string plot = std::string("'") + testing::ConfiguredPython() + "' '" +
+                           testing::SourceDir() + "/tools/plot_load_bench.py' '" + out + "'";
   if (std::system(plot.c_str()) != 0)
     std::fprintf(stderr, "warning: plotting failed: %s\n", plot.c_str());
   return 0;

@@ -23,7 +23,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "bench/bench_paths.h"
+#include "tests/build_paths.h"
 #include "bench/common.h"
 #include "bench/kernel_profile.h"
 #include "bench/op_profile.h"
@@ -127,7 +127,7 @@ int main(int argc, char** argv) {
            {"cuda-graphs", "0"},
            {"noise-row", "1"},
            {"out-dir", "spec-bench"},
-           {"python", BenchDefaultPython()},
+           {"python", testing::ConfiguredPython()},
            {"device", "cpu"},
            {"dtype", "auto"}},
           "usage: imagegen-spec-bench [--per-class N] [--batch B] [--windows 16,32,64] "
@@ -433,7 +433,7 @@ int main(int argc, char** argv) {
         path.c_str(), static_cast<long long>(res[0].stats.nfe));
   }
   const std::string plot =
-      f.Str("python") + " '" + BenchSourceDir() + "/tools/plot_spec_bench.py' '" + out + "'";
+      f.Str("python") + " '" + testing::SourceDir() + "/tools/plot_spec_bench.py' '" + out + "'";
   if (std::system(plot.c_str()) != 0) {
     std::printf("plots not written (needs matplotlib): %s\n", plot.c_str());
   }

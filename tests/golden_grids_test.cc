@@ -20,7 +20,7 @@
 #include "engine/decoding/speculative.h"
 #include "engine/model/image_model.h"
 #include "engine/scheduler/window_budget.h"
-#include "tests/test_paths.h"
+#include "tests/build_paths.h"
 
 namespace imagegen {
 namespace {

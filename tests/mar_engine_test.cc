@@ -20,7 +20,7 @@
 #include "engine/model/mar_model.h"
 #include "engine/scheduler/engine.h"
 #include "tests/engine_client.h"
-#include "tests/test_paths.h"
+#include "tests/build_paths.h"
 
 namespace imagegen {
 namespace {

@@ -23,7 +23,7 @@
 #include "tests/engine_client.h"
 #include "tests/temp_dir.h"
 #include "tests/test_util.h"
-#include "tests/test_paths.h"
+#include "tests/build_paths.h"
 
 namespace imagegen {
 namespace {

@@ -17,7 +17,7 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "imagegen/v1/imagegen.grpc.pb.h"
 #include "server/daemon.h"
-#include "tests/test_paths.h"
+#include "tests/build_paths.h"
 
 namespace imagegen::testing {
 namespace {

@@ -16,7 +16,7 @@
 #include "engine/model/gpt.h"
 #include "engine/model/safetensors.h"
 #include "tests/temp_dir.h"
-#include "tests/test_paths.h"
+#include "tests/build_paths.h"
 
 namespace imagegen::testing {
 

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "engine/model/classifier.h"
-#include "tests/test_paths.h"
+#include "tests/build_paths.h"
 
 namespace imagegen::testing {
 

@@ -4,8 +4,6 @@ namespace imagegen::testing {
 
 const char* ServerBinary() { return IMAGEGEN_SERVER_BINARY; }
 const char* CliBinary() { return IMAGEGEN_CLI_BINARY; }
-const char* SourceDir() { return IMAGEGEN_SOURCE_DIR; }
 const char* PythonStubs() { return IMAGEGEN_PYTHON_STUBS; }
-const char* VenvPython() { return IMAGEGEN_VENV_PYTHON; }
 
 }  // namespace imagegen::testing

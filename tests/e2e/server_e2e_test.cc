@@ -29,7 +29,7 @@
 #include "tests/e2e/process.h"
 #include "tests/http_client.h"
 #include "tests/temp_dir.h"
-#include "tests/test_paths.h"
+#include "tests/build_paths.h"
 
 namespace imagegen::testing {
 namespace {
@@ -1732,7 +1732,7 @@ TEST(E2eTest, OpenAiSdkDrawsStreamsAndRaisesItsErrors) {
     d.WaitReady();
     ASSERT_GT(d.http_port(), 0);
     std::string out;
-    EXPECT_EQ(RunCommand({VenvPython(), script, "--base-url",
+    EXPECT_EQ(RunCommand({ConfiguredPython(), script, "--base-url",
                           "http://127.0.0.1:" + std::to_string(d.http_port()) + "/v1", "--api-key",
                           "s3cret", "--mode", "api"},
                          &out, d.dir() + "/sdk.log"),
@@ -1747,7 +1747,7 @@ TEST(E2eTest, OpenAiSdkDrawsStreamsAndRaisesItsErrors) {
                           "2", "--max-queue", "1"});
   d.WaitReady();
   std::string out;
-  EXPECT_EQ(RunCommand({VenvPython(), script, "--base-url",
+  EXPECT_EQ(RunCommand({ConfiguredPython(), script, "--base-url",
                         "http://127.0.0.1:" + std::to_string(d.http_port()) + "/v1", "--mode",
                         "ratelimit"},
                        &out, d.dir() + "/sdk.log"),
@@ -1779,7 +1779,7 @@ TEST(E2eTest, PlaygroundAnimatesAndRacesInChromium) {
     Daemon d(with_token ? "playground_token" : "playground", flags);
     d.WaitReady();
     ASSERT_GT(d.http_port(), 0);
-    std::vector<std::string> argv = {VenvPython(), script, "--base-url",
+    std::vector<std::string> argv = {ConfiguredPython(), script, "--base-url",
                                      "http://127.0.0.1:" + std::to_string(d.http_port())};
     if (with_token) {
       argv.insert(argv.end(), {"--api-key", "s3cret"});
@@ -1795,11 +1795,11 @@ TEST(E2eTest, PlaygroundAnimatesAndRacesInChromium) {
       // several tokens each, so the race says cspd took more forwards (the paper's rule
       // accepts almost no draft: docs/continuous.md).
       std::vector<std::string> mar = {
-          VenvPython(), script,
-          "--base-url", "http://127.0.0.1:" + std::to_string(d.http_port()),
-          "--model",    "fmnist-mar",
-          "--method",   "cspd",
-          "--klass",    "trouser"};
+          ConfiguredPython(), script,
+          "--base-url",       "http://127.0.0.1:" + std::to_string(d.http_port()),
+          "--model",          "fmnist-mar",
+          "--method",         "cspd",
+          "--klass",          "trouser"};
       EXPECT_EQ(RunCommand(mar, &out, d.dir() + "/chromium_mar.log", {}, std::chrono::seconds(900)),
                 0)
           << out;
