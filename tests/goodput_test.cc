@@ -173,6 +173,59 @@ TEST(GoodputTest, CommitsPerWindowStartAtThePriorAndLearnPerMethodAndRequest) {
   EXPECT_EQ(ExpectedCommits(m, Preset("ar"), 1, 3.0), std::vector<double>{1.0});
 }
 
+// A custom policy (parts set by hand) is planned from the preset nearest its parts and learns in
+// a table of its own composition: not sjd's prior for all of them, nor one table they share.
+TEST(GoodputTest, CustomPoliciesStartAtTheNearestPresetsPriorInATableOfTheirOwn) {
+  auto custom = [](const std::string& from, const std::function<void(DecodingPolicy&)>& edit) {
+    DecodingPolicy p = Preset(from, 16);
+    edit(p);
+    p.preset = "custom";
+    return p;
+  };
+  // sd with a wider tree-less window is still sd's; scd-mc's parts with a 2x3 tree nearest
+  // sjd-pac's (draft, acceptance, coupling and tree agree; sjd-pac's q0 is uniform); the match
+  // rule without Gumbel coupling still the match rule's scd-gm; gsd with another group gsd.
+  const DecodingPolicy sd_like =
+      custom("sd", [](DecodingPolicy& p) { p.coupling = Coupling::kMaximal; });
+  const DecodingPolicy tree = custom("scd-mc", [](DecodingPolicy& p) {
+    p.tree_branches = 2;
+    p.tree_depth = 3;
+  });
+  const DecodingPolicy match =
+      custom("scd-gm", [](DecodingPolicy& p) { p.uniform_init_q = !p.uniform_init_q; });
+  const DecodingPolicy grouped = custom("gsd", [](DecodingPolicy& p) { p.gsd_group = 6; });
+  EXPECT_EQ(CommitModel::NearestPreset(sd_like), "sd");
+  EXPECT_EQ(CommitModel::NearestPreset(tree), "sjd-pac");
+  EXPECT_EQ(CommitModel::NearestPreset(match), "scd-gm");
+  EXPECT_EQ(CommitModel::NearestPreset(grouped), "gsd");
+  // A preset's own parts are nearest itself.
+  for (const std::string& name : PresetNames()) {
+    if (name == "ar" || name == "ar-gm") continue;
+    EXPECT_EQ(CommitModel::NearestPreset(Preset(name)), name);
+    EXPECT_EQ(CommitModel::Key(Preset(name)), name);
+  }
+  CommitModel m;
+  const std::string key = CommitModel::Key(sd_like);
+  EXPECT_EQ(key.rfind("custom:sd (", 0), 0u) << key;
+  for (int64_t n : {2, 8, 32}) {
+    EXPECT_DOUBLE_EQ(m.Expected(key, n), CommitModel::Prior("sd", n)) << n;
+    EXPECT_DOUBLE_EQ(ExpectedCommits(m, sd_like, n, 1.0).back(), CommitModel::Prior("sd", n));
+  }
+  // The old rule, sjd's prior for every custom policy, is far from sd's at 8 nodes.
+  EXPECT_GT(CommitModel::Prior("sd", 8) - CommitModel::Prior("sjd", 8), 0.8);
+  // The window is not part of the key (the table is per window); every other part is.
+  DecodingPolicy wider = sd_like;
+  wider.window = 48;
+  EXPECT_EQ(CommitModel::Key(wider), key);
+  EXPECT_NE(CommitModel::Key(grouped),
+            CommitModel::Key(custom("gsd", [](DecodingPolicy& p) { p.gsd_group = 7; })));
+  // Learning one composition moves neither the other custom ones nor its nearest preset.
+  for (int i = 0; i < 3000; ++i) m.Observe(key, 16, 9);
+  EXPECT_NEAR(m.Expected(key, 16), 9.0, 0.2);
+  EXPECT_DOUBLE_EQ(m.Expected("sd", 16), CommitModel::Prior("sd", 16));
+  EXPECT_DOUBLE_EQ(m.Expected(CommitModel::Key(tree), 16), CommitModel::Prior("sjd-pac", 16));
+}
+
 // Expected commits of a chain whose drafts each survive with probability p.
 std::vector<double> Geometric(int64_t n, double p) {
   std::vector<double> e = {1};

@@ -17,7 +17,7 @@
 # the script: reports are written to $BUILD/sanitizer-logs and printed at the end.
 #
 # Usage: tests/sanitizers.sh            (from anywhere; about 10 min on 2 cores with a warm ccache:
-#                                        tests 490 s on 2026-12-01, docs/engine.md "CI's time")
+#                                        tests 623 s in CI on 2026-12-02, docs/engine.md "CI's time")
 # Environment: ASAN_OPTIONS_EXTRA / UBSAN_OPTIONS_EXTRA are appended to the options below
 # (e.g. ASAN_OPTIONS_EXTRA=protect_shadow_gap=0 on a host where the CUDA driver is used).
 set -euo pipefail

@@ -33,8 +33,10 @@ const std::vector<double>& PriorTable(const std::string& method) {
       {"pac-gumbel", {1, 1.26, 1.60, 1.99, 2.26, 2.83, 3.61}},
       {"sd", {1, 1.67, 2.42, 2.89, 3.10, 3.10, 3.10}},
       {"cool-sd", {1, 1.70, 2.52, 3.31, 4.06, 4.06, 4.06}}};
-  auto it = kPrior.find(method);
-  if (it == kPrior.end()) it = kPrior.find("sjd");  // custom policies: the plainest
+  // A custom policy's key names its nearest preset ("custom:scd-mc (...)").
+  const bool custom = method.rfind("custom:", 0) == 0;
+  auto it = kPrior.find(custom ? method.substr(7, method.find(' ') - 7) : method);
+  if (it == kPrior.end()) it = kPrior.find("sjd");  // anything else: the plainest
   return it->second;
 }
 
@@ -48,6 +50,38 @@ double PriorAt(const std::vector<double>& c, int64_t nodes) {
 
 double CommitModel::Prior(const std::string& method, int64_t nodes) {
   return PriorAt(PriorTable(method), nodes);
+}
+
+std::string CommitModel::NearestPreset(const DecodingPolicy& policy) {
+  static const std::vector<DecodingPolicy> kPresets = [] {
+    std::vector<DecodingPolicy> v;
+    for (const std::string& name : PresetNames()) {
+      StatusOr<DecodingPolicy> p = PolicyFromPreset(name);
+      if (p.ok() && p->draft != DraftSource::kNone) v.push_back(*p);
+    }
+    return v;
+  }();
+  const DecodingPolicy* best = nullptr;
+  int best_score = -1;
+  for (const DecodingPolicy& p : kPresets) {  // the first of the best, in PresetNames' order
+    const int score = 16 * (p.draft == policy.draft) + 8 * (p.acceptance == policy.acceptance) +
+                      4 * (p.coupling == policy.coupling) +
+                      2 * (p.has_tree() == policy.has_tree()) +
+                      (p.uniform_init_q == policy.uniform_init_q);
+    if (score > best_score) {
+      best = &p;
+      best_score = score;
+    }
+  }
+  return best == nullptr ? "sjd" : best->preset;
+}
+
+std::string CommitModel::Key(const DecodingPolicy& policy) {
+  if (policy.preset != "custom") return policy.preset;
+  DecodingPolicy parts = policy;
+  parts.preset = "custom:" + NearestPreset(policy);
+  parts.window = 0;  // the table is per window already
+  return DescribePolicy(parts);
 }
 
 std::array<double, CommitModel::kKnots> CommitModel::Knots(const std::string& method) const {
@@ -109,7 +143,7 @@ double RequestCommits::Factor() const {
 std::vector<double> ExpectedCommits(const CommitModel& model, const DecodingPolicy& policy,
                                     int64_t wanted, double factor) {
   if (policy.draft == DraftSource::kNone) return {1.0};
-  const auto knots = model.Knots(policy.preset);  // once, not once per window
+  const auto knots = model.Knots(CommitModel::Key(policy));  // once, not once per window
   std::vector<double> out;
   for (int64_t n = 1; n <= std::max<int64_t>(wanted, 1); ++n) {
     const double e = 1 + factor * (CommitModel::Interpolate(knots, n) - 1);

@@ -43,7 +43,17 @@ class CommitModel {
   // One step of one request of `method` that was granted `nodes` and committed `committed`.
   void Observe(const std::string& method, int64_t nodes, int64_t committed);
   // The bundled model's step compression at a sustained window of n nodes (1 for n = 1).
+  // `method` is a preset's name or a Key.
   static double Prior(const std::string& method, int64_t nodes);
+  // The table a policy's steps are learned in: its preset's name, or, for a custom policy (parts
+  // set by hand: preset "custom"), a table of its own composition, "custom:<nearest preset>
+  // (<its parts but the window>)", whose prior is that nearest preset's. Custom compositions
+  // no longer share one table with sjd's prior: an sd-like policy commits 3 tokens a step
+  // where an sjd-like one commits 2.
+  static std::string Key(const DecodingPolicy& policy);
+  // The drafting preset whose parts are nearest a policy's: the same draft source first, then
+  // acceptance rule, coupling, tree or none, and initial q (in that order of weight).
+  static std::string NearestPreset(const DecodingPolicy& policy);
 
   double prior_weight = 30;  // pseudo-steps of the prior per knot
   double decay = 0.999;      // weight of the past at each step of the method
@@ -78,8 +88,8 @@ struct RequestCommits {
   double Factor() const;
 };
 
-// expected[n - 1] for n = 1..wanted: 1 + factor * (model.Expected(method, n) - 1); {1} for
-// methods that do not draft.
+// expected[n - 1] for n = 1..wanted: 1 + factor * (model.Expected(CommitModel::Key(policy), n)
+// - 1); {1} for methods that do not draft.
 std::vector<double> ExpectedCommits(const CommitModel& model, const DecodingPolicy& policy,
                                     int64_t wanted, double factor);
 

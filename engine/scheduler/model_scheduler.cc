@@ -565,9 +565,10 @@ void ModelScheduler::Step(Outcomes& out) {
     if (j.request.policy.draft != DraftSource::kNone && (refined || opts_.commit_learn_growth)) {
       // The request against its method's expectation (without its own factor; not in its
       // warm-up), then the method's table.
-      j.commits.Observe(j.steps, committed, commits_.Expected(j.request.policy.preset, windows[i]),
+      const std::string key = CommitModel::Key(j.request.policy);
+      j.commits.Observe(j.steps, committed, commits_.Expected(key, windows[i]),
                         opts_.commit_warmup_steps);
-      commits_.Observe(j.request.policy.preset, windows[i], committed);
+      commits_.Observe(key, windows[i], committed);
     }
     if (j.steps > 0) j.window_change_sum += std::abs(windows[i] - j.last_window);
     j.last_window = windows[i];

@@ -92,7 +92,7 @@ CC
   c++ -fsanitize=address -O1 -g -o "$1/planted_leak" "$1/planted_leak.cc" -pthread
   local log=$1/planted_leak.log
   ASAN_OPTIONS=detect_leaks=1 LSAN_OPTIONS="suppressions=$2:print_suppressions=0" \
-    "$1/planted_leak" > "$log" 2>&1 && true
+    "$1/planted_leak" > "$log" 2>&1 || true  # exits 1: the planted leak
   if ! grep -q "Direct leak of 77 byte" "$log" || ! grep -q "in main .*planted_leak.cc" "$log"; then
     echo "lsan: the planted leak was not reported under $2"
     cat "$log"
