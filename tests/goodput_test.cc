@@ -182,9 +182,9 @@ TEST(GoodputTest, CustomPoliciesStartAtTheNearestPresetsPriorInATableOfTheirOwn)
     p.preset = "custom";
     return p;
   };
-  // sd with a wider tree-less window is still sd's; scd-mc's parts with a 2x3 tree nearest
-  // sjd-pac's (draft, acceptance, coupling and tree agree; sjd-pac's q0 is uniform); the match
-  // rule without Gumbel coupling still the match rule's scd-gm; gsd with another group gsd.
+  // sd with maximal coupling is still sd's; scd-mc's parts with a 2x3 tree nearest sjd-pac's
+  // (draft, acceptance, coupling and tree agree; sjd-pac's q0 is uniform); the match rule with
+  // the other initial q still scd-gm's; gsd with another group gsd's.
   const DecodingPolicy sd_like =
       custom("sd", [](DecodingPolicy& p) { p.coupling = Coupling::kMaximal; });
   const DecodingPolicy tree = custom("scd-mc", [](DecodingPolicy& p) {
