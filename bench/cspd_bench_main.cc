@@ -135,7 +135,7 @@ DecodingPolicy Authors(DecodingPolicy p) {
 
 int main(int argc, char** argv) {
   Flags f(argc, argv,
-          {{"models", std::string(testing::SourceDir()) + "/models"},
+          {{"models", testing::TestModelsDir()},
            {"model", "fmnist-mar"},
            {"classifier", "fmnist-classifier"},
            {"batches", "1,8"},
