@@ -70,7 +70,7 @@ CC
 
 # The control that the LSan suppressions (file $2) hide only what they name: compiled in folder $1
 # with the builds' compiler, a program leaks one block of its own while its detached threads set
-# a thread-specific key numbered above 32 and main calls exit() (the glibc report lsan.supp
+# a thread-specific key numbered 32 or more and main calls exit() (the glibc report lsan.supp
 # suppresses; tests/sanitizers/lsan.supp says why). Under the suppressions the planted leak must
 # be reported, from main, and nothing from pthread_setspecific. Returns 1 when it was not so.
 lsan_planted_leak_control() {
