@@ -19,6 +19,7 @@
 #include "engine/util/json.h"
 #include "engine/util/read_file.h"
 #include "engine/scheduler/decode_queue.h"
+#include "engine/scheduler/goodput.h"
 #include "engine/scheduler/window_budget.h"
 #include "tests/engine_client.h"
 #include "tests/temp_dir.h"
@@ -720,6 +721,57 @@ TEST(EngineTest, GoodputShrinksWindowsUnderLoadAndKeepsALoneRequestWhole) {
   EXPECT_LT(p.stats.mean_window, 0.75 * f.stats.mean_window);
   std::printf("alone: mean window %.1f planned, %.1f whole\n", p.stats.mean_window,
               f.stats.mean_window);
+}
+
+// A custom policy (parts set by hand) is planned from its nearest preset's prior and learns in
+// a table of its own (CommitModel::Key, kept on the request from its admission): through the
+// engine, not only the model's bookkeeping (GoodputTest.CustomPolicies...).
+TEST(EngineTest, GoodputPlansACustomPolicyFromItsOwnTable) {
+  EngineOptions o = BundledOptions();
+  o.trace_steps = true;
+  StepLog log;
+  auto engine = StartOrDie(o, &log);
+  GenerateParams custom = Params("scd-mc", 4, 31);
+  custom.policy.preset = "custom";  // scd-mc's parts, set by hand
+  ASSERT_EQ(CommitModel::NearestPreset(custom.policy), "scd-mc");
+  // What the controller expected of each request's first step at its wanted window.
+  auto first_step = [&](const GenerateParams& p) {
+    {
+      std::lock_guard<std::mutex> l(log.mu);
+      log.samples.clear();
+    }
+    auto r = std::make_shared<Recorder>();
+    EXPECT_TRUE(engine->Submit(p, r).ok());
+    EXPECT_TRUE(r->Wait());
+    WaitIdle(*engine);
+    std::lock_guard<std::mutex> l(log.mu);
+    EXPECT_FALSE(log.samples.empty());
+    StepSample::RequestTrace t;
+    if (!log.samples.empty() && !log.samples.front().trace.empty()) {
+      t = log.samples.front().trace.front();
+    }
+    return t;
+  };
+  const StepSample::RequestTrace a = first_step(custom);
+  ASSERT_GE(a.wanted, 16);
+  EXPECT_EQ(a.method, "custom");
+  EXPECT_DOUBLE_EQ(a.factor, 1.0);
+  // scd-mc's prior (3.6 tokens at 32 nodes), not sjd's (2.4), which every custom policy got
+  // before its table had a key, and which an unset key would give.
+  EXPECT_DOUBLE_EQ(a.expected_wanted, CommitModel::Prior("scd-mc", a.wanted));
+  EXPECT_GT(a.expected_wanted, CommitModel::Prior("sjd", a.wanted) + 0.5);
+  // The second custom request starts from what the first taught its table; the preset's table
+  // learned nothing from either.
+  const StepSample::RequestTrace b = first_step(custom);
+  EXPECT_EQ(b.wanted, a.wanted);
+  EXPECT_NE(b.expected_wanted, a.expected_wanted);
+  const StepSample::RequestTrace c = first_step(Params("scd-mc", 4, 31));
+  EXPECT_EQ(c.method, "scd-mc");
+  EXPECT_EQ(c.wanted, a.wanted);
+  EXPECT_DOUBLE_EQ(c.expected_wanted, CommitModel::Prior("scd-mc", c.wanted));
+  std::printf("first step's expected commits at %lld nodes: custom %.3f then %.3f; scd-mc %.3f\n",
+              static_cast<long long>(a.wanted), a.expected_wanted, b.expected_wanted,
+              c.expected_wanted);
 }
 
 // explore_every = 0: no planned step explores, where the default explores one in 16

@@ -141,9 +141,9 @@ double RequestCommits::Factor() const {
 }
 
 std::vector<double> ExpectedCommits(const CommitModel& model, const DecodingPolicy& policy,
-                                    int64_t wanted, double factor) {
+                                    const std::string& key, int64_t wanted, double factor) {
   if (policy.draft == DraftSource::kNone) return {1.0};
-  const auto knots = model.Knots(CommitModel::Key(policy));  // once, not once per window
+  const auto knots = model.Knots(key);  // once, not once per window
   std::vector<double> out;
   for (int64_t n = 1; n <= std::max<int64_t>(wanted, 1); ++n) {
     const double e = 1 + factor * (CommitModel::Interpolate(knots, n) - 1);

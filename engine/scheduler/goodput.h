@@ -88,10 +88,15 @@ struct RequestCommits {
   double Factor() const;
 };
 
-// expected[n - 1] for n = 1..wanted: 1 + factor * (model.Expected(CommitModel::Key(policy), n)
-// - 1); {1} for methods that do not draft.
+// expected[n - 1] for n = 1..wanted: 1 + factor * (model.Expected(key, n) - 1), where `key` is
+// CommitModel::Key(policy) (the scheduler keeps it on the request rather than spell a custom
+// policy's key again every step); {1} for methods that do not draft.
 std::vector<double> ExpectedCommits(const CommitModel& model, const DecodingPolicy& policy,
-                                    int64_t wanted, double factor);
+                                    const std::string& key, int64_t wanted, double factor);
+inline std::vector<double> ExpectedCommits(const CommitModel& model, const DecodingPolicy& policy,
+                                           int64_t wanted, double factor) {
+  return ExpectedCommits(model, policy, CommitModel::Key(policy), wanted, factor);
+}
 
 struct GoodputRequest {
   int64_t rows = 1;              // forward rows per node (2 with CFG)

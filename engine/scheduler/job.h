@@ -33,6 +33,7 @@ struct Job {
   int64_t previews_passed = 0;  // GenerateParams::previews: thresholds served
   // Window control: the request's commits against expectation, and sums over its steps.
   RequestCommits commits;
+  std::string commit_key;  // CommitModel::Key(request.policy), set at its first plan
   int64_t steps = 0, window_sum = 0;
   int64_t last_window = 0, window_change_sum = 0;  // |window - the previous step's|, summed
   int64_t planned_window = 0;  // the last window the controller chose without exploring

@@ -291,9 +291,10 @@ std::vector<int64_t> ModelScheduler::ChooseWindows(const std::vector<size_t>& id
   for (size_t i = 0; i < idx.size(); ++i) {
     const Job& j = *active_[idx[i]];
     const int64_t wanted = std::max<int64_t>(demand[i].wanted, 1);
-    reqs.push_back({demand[i].rows,
-                    ExpectedCommits(commits_, j.request.policy, wanted, j.commits.Factor()),
-                    j.planned_window, j.request.policy.window_invariant()});
+    reqs.push_back(
+        {demand[i].rows,
+         ExpectedCommits(commits_, j.request.policy, j.commit_key, wanted, j.commits.Factor()),
+         j.planned_window, j.request.policy.window_invariant()});
   }
   GoodputOptions go;
   go.max_slowdown = opts_.max_slowdown;
@@ -410,6 +411,7 @@ void ModelScheduler::Admit(Outcomes& out) {
     }
     rows += need;
     running.Add(j);
+    if (j.commit_key.empty()) j.commit_key = CommitModel::Key(j.request.policy);
     active_.push_back(waiting_.Take(&j));
   }
 }
@@ -565,7 +567,7 @@ void ModelScheduler::Step(Outcomes& out) {
     if (j.request.policy.draft != DraftSource::kNone && (refined || opts_.commit_learn_growth)) {
       // The request against its method's expectation (without its own factor; not in its
       // warm-up), then the method's table.
-      const std::string key = CommitModel::Key(j.request.policy);
+      const std::string& key = j.commit_key;
       j.commits.Observe(j.steps, committed, commits_.Expected(key, windows[i]),
                         opts_.commit_warmup_steps);
       commits_.Observe(key, windows[i], committed);
@@ -665,7 +667,8 @@ void ModelScheduler::TraceStep(const std::vector<size_t>& dec, const std::vector
     t.rows = demand[i].rows;
     t.factor = j.commits.Factor();
     t.expected = expected[i];
-    t.expected_wanted = ExpectedCommits(commits_, j.request.policy, wanted, t.factor).back();
+    t.expected_wanted =
+        ExpectedCommits(commits_, j.request.policy, j.commit_key, wanted, t.factor).back();
     traced[i] = sample.trace.size();
     sample.trace.push_back(std::move(t));
   }
