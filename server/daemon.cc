@@ -51,6 +51,9 @@ StatusOr<std::unique_ptr<Daemon>> Daemon::Listen(const DaemonOptions& options) {
   if (options.max_images < 1 || options.max_images > 1024) {
     return InvalidArgument("--max-images: must be in [1, 1024]");
   }
+  if (!(options.engine_stall_seconds >= 0)) {
+    return InvalidArgument("--engine-stall-seconds: must be >= 0 (0: off)");
+  }
   if (options.stream_stall_ms < 100) {
     return InvalidArgument("--stream-stall-seconds: must be at least 0.1");
   }
@@ -143,7 +146,40 @@ Status Daemon::Load(const EngineStarter& starter, const std::function<void()>& b
   metrics_.SetEngine(engine_.get());
   server_->GetHealthCheckService()->SetServingStatus(kServiceName, true);
   if (options_.log_stats_seconds > 0) stats_ = std::thread([this] { ReportStats(); });
+  if (options_.engine_stall_seconds > 0) progress_ = std::thread([this] { WatchProgress(); });
   return OkStatus();
+}
+
+void Daemon::WatchProgress() {
+  const double limit = options_.engine_stall_seconds;
+  const auto period = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+      std::chrono::duration<double>(std::clamp(limit / 4, 0.01, 1.0)));
+  grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
+  bool stalled = false;
+  std::unique_lock<std::mutex> l(stats_mu_);
+  while (!stats_cv_.wait_for(l, period, [&] { return stats_stop_; })) {
+    l.unlock();
+    const EngineProgress p = engine_->Progress();
+    char what[160];
+    std::snprintf(what, sizeof what, "the %s thread has not moved for %.1f s", p.thread(),
+                  p.seconds());
+    if (!stalled && p.seconds() > limit) {
+      stalled = true;
+      service_.SetStalled(true);
+      metrics_.OnEngineStall();
+      health->SetServingStatus("", false);
+      health->SetServingStatus(kServiceName, false);
+      log_->Message(std::string("engine stalled: ") + what +
+                    " with work waiting on it; health NOT_SERVING until it moves");
+    } else if (stalled && p.seconds() <= limit) {
+      stalled = false;
+      service_.SetStalled(false);
+      health->SetServingStatus("", true);
+      health->SetServingStatus(kServiceName, true);
+      log_->Message("engine moving again; health SERVING");
+    }
+    l.lock();
+  }
 }
 
 void Daemon::ReportStats() {
@@ -209,14 +245,13 @@ std::string Daemon::Describe() const {
 EngineStats Daemon::Stop(std::chrono::milliseconds grace) {
   if (stopped_ || server_ == nullptr) return final_stats_;
   stopped_ = true;
-  if (stats_.joinable()) {
-    {
-      std::lock_guard<std::mutex> l(stats_mu_);
-      stats_stop_ = true;
-    }
-    stats_cv_.notify_all();
-    stats_.join();
+  {
+    std::lock_guard<std::mutex> l(stats_mu_);
+    stats_stop_ = true;
   }
+  stats_cv_.notify_all();
+  if (stats_.joinable()) stats_.join();
+  if (progress_.joinable()) progress_.join();    // before the drain's NOT_SERVING, not after
   server_->GetHealthCheckService()->Shutdown();  // every service NOT_SERVING from now on
   service_.SetDraining();
   metrics_.SetDraining();

@@ -6,8 +6,10 @@
 // Listen() opens the port with health "" SERVING (alive) and "imagegen.v1.ImageGeneration"
 // NOT_SERVING, and ImageGeneration calls get UNAVAILABLE "models are loading"; Load() starts
 // the engine with the starter it is given (production: Engine::Start) and then turns the
-// service SERVING (ready). Stop() drains: every service NOT_SERVING, new calls UNAVAILABLE,
-// requests in flight get the grace period, then the server closes.
+// service SERVING (ready). While the engine's work waits longer than engine_stall_seconds on one
+// of its threads, both turn NOT_SERVING (a liveness probe restarts the process; traffic goes
+// elsewhere), and SERVING again when it moves. Stop() drains: every service NOT_SERVING, new calls
+// UNAVAILABLE, requests in flight get the grace period, then the server closes.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -44,6 +46,10 @@ struct DaemonOptions {
   int encoder_threads = 2;                 // PNG encoding and response building
   int64_t stream_stall_ms = 30000;         // a stream whose client reads nothing this long ends
   int max_images = 16;                     // GenerateRequest.n at most
+  // A wedged engine (Engine::Progress: its work has waited this long on the engine or decode
+  // thread) turns health "" and the service NOT_SERVING, and HTTP /health/live 503, until it
+  // moves again; 0: off. Longer than any step or decoder call the models can legitimately take.
+  double engine_stall_seconds = 60;
   // The log on stderr (server/request_log.h): a line per generation call, and a stats line per
   // busy model every `log_stats_seconds` (0: none).
   bool log_requests = true;
@@ -96,7 +102,8 @@ class Daemon {
 
  private:
   Daemon(const DaemonOptions& options, TokenAuth auth, TrustedProxies proxies, LogFormat format);
-  void ReportStats();  // the stats thread's loop
+  void ReportStats();    // the stats thread's loop
+  void WatchProgress();  // the stall watch's loop (engine_stall_seconds)
 
   const DaemonOptions options_;
   const TokenAuth auth_;
@@ -116,8 +123,8 @@ class Daemon {
   EngineStats final_stats_;
   std::mutex stats_mu_;
   std::condition_variable stats_cv_;
-  bool stats_stop_ = false;
-  std::thread stats_;
+  bool stats_stop_ = false;  // ends both threads
+  std::thread stats_, progress_;
 };
 
 }  // namespace imagegen::server

@@ -433,6 +433,13 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
     }
     // Health for load balancers and probes that speak HTTP, no token (as gRPC's Health): live
     // while the server answers; ready (and /health) once the models are loaded, until draining.
+    // A stalled engine (the daemon's --engine-stall-seconds) fails both, with what holds it up.
+    if (health && svc_->stalled() && svc_->engine() != nullptr) {
+      const EngineProgress p = svc_->engine()->Progress();
+      return HttpReply(
+          conn_, MHD_HTTP_SERVICE_UNAVAILABLE,
+          json({{"status", "stalled"}, {"thread", p.thread()}, {"seconds", p.seconds()}}).dump());
+    }
     if (path == "/health/live") return HttpReply(conn_, MHD_HTTP_OK, R"({"status":"alive"})");
     if (health) {
       const bool loading = svc_->engine() == nullptr, draining = svc_->draining();

@@ -146,6 +146,11 @@ ABSL_FLAG(int32_t, encoder_threads, 2,
 ABSL_FLAG(double, stream_stall_seconds, 30,
           "a GenerateStream whose client takes no message for this long is ended (ABORTED) and "
           "its request cancelled");
+ABSL_FLAG(double, engine_stall_seconds, 60,
+          "liveness beyond \"the process answers\": when the engine's work has waited this long "
+          "on its engine or decode thread (no step finished, no image decoded), health \"\" "
+          "and the service turn NOT_SERVING (and HTTP /health/live 503) until it moves again; "
+          "0: off");
 ABSL_FLAG(std::string, http_listen, "",
           "OpenAI-compatible HTTP API address (host:port: POST /v1/images/generations, GET "
           "/v1/models, and the playground page at /); empty: off");
@@ -222,6 +227,7 @@ int main(int argc, char** argv) {
   o.encoder_threads = absl::GetFlag(FLAGS_encoder_threads);
   o.stream_stall_ms = static_cast<int64_t>(absl::GetFlag(FLAGS_stream_stall_seconds) * 1000);
   o.max_images = absl::GetFlag(FLAGS_max_images);
+  o.engine_stall_seconds = absl::GetFlag(FLAGS_engine_stall_seconds);
   o.log_requests = absl::GetFlag(FLAGS_log_requests);
   o.log_format = absl::GetFlag(FLAGS_log_format);
   o.log_stats_seconds = absl::GetFlag(FLAGS_log_stats_seconds);

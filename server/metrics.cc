@@ -93,6 +93,22 @@ class EngineGauges : public prometheus::Collectable {
     c.counter.value = static_cast<double>(es.preempted);
     preempted.metric.push_back(c);
     out.push_back(preempted);
+    MetricFamily waiting{"imagegen_engine_stalled_seconds",
+                         "Seconds the engine's work has waited on its thread without it moving "
+                         "(engine: no round finished; decoder: no image decoded); 0 while the "
+                         "thread has no work. Above --engine-stall-seconds health is NOT_SERVING",
+                         MetricType::Gauge,
+                         {}};
+    const EngineProgress p = e->Progress();
+    for (const auto& [thread, seconds] :
+         {std::pair<const char*, double>{"engine", p.engine_seconds},
+          {"decoder", p.decoder_seconds}}) {
+      ClientMetric m;
+      m.label.push_back({"thread", thread});
+      m.gauge.value = seconds;
+      waiting.metric.push_back(m);
+    }
+    out.push_back(waiting);
     return out;
   }
 
@@ -293,6 +309,13 @@ Metrics::Metrics()
                          .Help("Streams ended because their client read nothing for the stall "
                                "limit (--stream-stall-seconds)")
                          .Register(*registry_)
+                         .Add({})),
+      engine_stalls_(BuildCounter()
+                         .Name("imagegen_engine_stalls_total")
+                         .Help("Times the engine's work waited longer than "
+                               "--engine-stall-seconds on its engine or decode thread (health "
+                               "turned NOT_SERVING until it moved again)")
+                         .Register(*registry_)
                          .Add({})) {
   info_.Add({{"version", "0.1.0"}}).Set(1);
 }
@@ -303,6 +326,7 @@ void Metrics::OnCallOpened(bool retry) {
 }
 void Metrics::OnCallClosed() { calls_closed_.Increment(); }
 void Metrics::OnStreamStalled() { stream_stalls_.Increment(); }
+void Metrics::OnEngineStall() { engine_stalls_.Increment(); }
 
 void Metrics::SetEngine(const Engine* engine) {
   {

@@ -122,6 +122,10 @@ class ImageGenerationService final : public ServiceBase {
   // From now on new calls are UNAVAILABLE; calls in flight go on.
   void SetDraining();
   bool draining() const { return draining_.load(); }
+  // The daemon's stall watch (DaemonOptions::engine_stall_seconds): the engine has stopped
+  // moving (HTTP health says so); calls are still taken, as the engine may move again.
+  void SetStalled(bool stalled) { stalled_.store(stalled); }
+  bool stalled() const { return stalled_.load(); }
 
   grpc::ServerUnaryReactor* Generate(grpc::CallbackServerContext* ctx,
                                      const grpc::ByteBuffer* request,
@@ -192,6 +196,7 @@ class ImageGenerationService final : public ServiceBase {
   // read-only after.
   std::map<std::string, std::unique_ptr<Tokenizer>> tokenizers_;
   std::atomic<bool> draining_{false};
+  std::atomic<bool> stalled_{false};
   WorkQueue encoders_;
 
   mutable std::mutex mu_;

@@ -1597,5 +1597,93 @@ TEST(EngineTest, ShutdownDeliversEveryImageStillBeingDecoded) {
   EXPECT_EQ(engine->Stats().completed, 8);
 }
 
+// Holds the engine thread in its first OnStep until released: a wedged engine thread (a hung
+// device, a deadlock), as far as the engine can tell.
+class StepHolder : public Recorder {
+ public:
+  void OnStep(const StepEvent& e) override {
+    {
+      std::unique_lock<std::mutex> l(hmu_);
+      hcv_.wait(l, [&] { return released_; });
+    }
+    Recorder::OnStep(e);
+  }
+  void Release() {
+    std::lock_guard<std::mutex> l(hmu_);
+    released_ = true;
+    hcv_.notify_all();
+  }
+
+ private:
+  std::mutex hmu_;
+  std::condition_variable hcv_;
+  bool released_ = false;
+};
+
+// Polls `done` every 10 ms until it holds or `limit` passes; true if it held.
+bool PollUntil(const std::function<bool()>& done, std::chrono::seconds limit) {
+  const auto end = std::chrono::steady_clock::now() + limit;
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > end) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return true;
+}
+
+// Engine::Progress, which the daemon's liveness reads (--stall-seconds): the seconds a thread's
+// work has waited on it count only while it has work, and name the thread that holds it up.
+TEST(EngineTest, ProgressCountsOnlyWorkThatWaitsAndNamesTheThreadHoldingItUp) {
+  auto engine = StartOrDie(DecodeOptions(1));
+  EngineProgress p = engine->Progress();
+  EXPECT_EQ(p.engine_seconds, 0.0);  // idle
+  EXPECT_EQ(p.decoder_seconds, 0.0);
+  // An engine idle for a while is handed a request: the wait counts from its arrival, not from
+  // the last round's end (a sanity check: the engine thread usually wakes within microseconds,
+  // and its round then restarts the count anyway).
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // idle time not to count
+  auto quick = std::make_shared<Recorder>();
+  ASSERT_TRUE(engine->Submit(Params("ar", 1, 5), quick).ok());
+  EXPECT_LT(engine->Progress().engine_seconds, 1.0);
+  ASSERT_TRUE(quick->Wait());
+  ASSERT_TRUE(
+      PollUntil([&] { return engine->Progress().seconds() == 0.0; }, std::chrono::seconds(120)));
+
+  // The engine thread held inside a step: its request's wait grows, the decoder's does not.
+  auto held = std::make_shared<StepHolder>();
+  ASSERT_TRUE(engine->Submit(Params("ar", 2, 6), held).ok());
+  ASSERT_TRUE(PollUntil([&] { return engine->Progress().engine_seconds > 0.5; },
+                        std::chrono::seconds(120)));
+  p = engine->Progress();
+  EXPECT_STREQ(p.thread(), "engine");
+  EXPECT_EQ(p.decoder_seconds, 0.0);
+  // A second arrival while the thread is held does not restart the count (it is not asleep).
+  auto behind = std::make_shared<Recorder>();
+  ASSERT_TRUE(engine->Submit(Params("ar", 3, 7), behind).ok());
+  EXPECT_GE(engine->Progress().engine_seconds, p.engine_seconds);
+  held->Release();
+  ASSERT_TRUE(held->Wait());
+  ASSERT_TRUE(behind->Wait());
+  EXPECT_TRUE(held->result.has_value());
+  ASSERT_TRUE(
+      PollUntil([&] { return engine->Progress().seconds() == 0.0; }, std::chrono::seconds(120)));
+
+  // The decode thread held in a client's OnComplete: the engine thread has nothing left, the
+  // finished image waits on the decoder.
+  auto decoding = std::make_shared<ThreadRecorder>(/*hold=*/true);
+  ASSERT_TRUE(engine->Submit(Params("ar", 4, 8), decoding).ok());
+  ASSERT_TRUE(decoding->WaitInComplete());
+  ASSERT_TRUE(PollUntil(
+      [&] {
+        const EngineProgress q = engine->Progress();
+        return q.engine_seconds == 0.0 && q.decoder_seconds > 0.5;
+      },
+      std::chrono::seconds(120)));
+  EXPECT_STREQ(engine->Progress().thread(), "decoder");
+  decoding->Release();
+  ASSERT_TRUE(decoding->Wait());
+  EXPECT_TRUE(
+      PollUntil([&] { return engine->Progress().seconds() == 0.0; }, std::chrono::seconds(120)));
+}
+
 }  // namespace
 }  // namespace imagegen

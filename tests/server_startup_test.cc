@@ -18,6 +18,7 @@
 #include "imagegen/v1/imagegen.grpc.pb.h"
 #include "server/daemon.h"
 #include "tests/build_paths.h"
+#include "tests/http_client.h"
 
 namespace imagegen::testing {
 namespace {
@@ -179,6 +180,95 @@ TEST(ServerStartupTest, AliveAtOnceNotReadyWhileTheModelsLoadThenServing) {
 }
 
 // An engine that cannot start leaves the daemon alive but never ready; the error comes back.
+// The engine's listener (the daemon's metrics), held in its OnStep on demand: the engine
+// thread wedged inside a step, as a hung device would leave it.
+class HoldingListener : public EngineListener {
+ public:
+  explicit HoldingListener(EngineListener* inner) : inner_(inner) {}
+  void OnStep(const StepSample& s) override {
+    {
+      std::unique_lock<std::mutex> l(mu_);
+      cv_.wait(l, [&] { return !hold_; });
+    }
+    inner_->OnStep(s);
+  }
+  void Hold(bool hold) {
+    std::lock_guard<std::mutex> l(mu_);
+    hold_ = hold;
+    cv_.notify_all();
+  }
+
+ private:
+  EngineListener* const inner_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool hold_ = false;
+};
+
+// --engine-stall-seconds: a wedged engine turns liveness and readiness NOT_SERVING (gRPC health
+// and HTTP /health/live) while a request waits on it, and SERVING again once it moves; the
+// request then completes.
+TEST(ServerStartupTest, AWedgedEngineFailsLivenessUntilItMovesAgain) {
+  server::DaemonOptions o = Options();
+  o.http_listen = "127.0.0.1:0";
+  o.engine_stall_seconds = 1;
+  auto listening = server::Daemon::Listen(o);
+  ASSERT_TRUE(listening.ok()) << listening.status().ToString();
+  std::unique_ptr<server::Daemon> d = std::move(listening).value();
+  std::unique_ptr<HoldingListener> holder;
+  ASSERT_TRUE(d->Load([&](const EngineOptions& eo, EngineListener* listener) {
+                 holder = std::make_unique<HoldingListener>(listener);
+                 return Engine::Start(eo, holder.get());
+               }).ok());
+  Client c(d->port());
+  auto get = [&](int port, const std::string& path) {
+    return Fetch(port, "GET " + path + " HTTP/1.0\r\n\r\n");
+  };
+  ASSERT_EQ(c.Health(""), HealthCheckResponse::SERVING);
+  ASSERT_EQ(c.Health(kService), HealthCheckResponse::SERVING);
+  // Idle for longer than the limit is not a stall.
+  std::this_thread::sleep_for(milliseconds(1500));
+  EXPECT_EQ(c.Health(""), HealthCheckResponse::SERVING);
+  EXPECT_NE(get(d->http_port(), "/health/live").find(" 200 "), std::string::npos);
+
+  holder->Hold(true);
+  grpc::Status generated = grpc::Status(grpc::StatusCode::UNKNOWN, "not returned");
+  v1::GenerateResponse image;
+  std::thread call([&] { generated = c.Generate("scd-mc", &image); });
+  struct Releaser {  // whatever fails below, the call returns before `c` and `d` go
+    HoldingListener* h;
+    std::thread& t;
+    ~Releaser() {
+      h->Hold(false);
+      if (t.joinable()) t.join();
+    }
+  } releaser{holder.get(), call};
+  ASSERT_TRUE(
+      WaitUntil([&] { return c.Health("") == HealthCheckResponse::NOT_SERVING; }, seconds(120)));
+  EXPECT_EQ(c.Health(kService), HealthCheckResponse::NOT_SERVING);
+  const std::string live = get(d->http_port(), "/health/live");
+  EXPECT_NE(live.find(" 503 "), std::string::npos) << live;
+  EXPECT_NE(live.find(R"("status":"stalled")"), std::string::npos) << live;
+  EXPECT_NE(live.find(R"("thread":"engine")"), std::string::npos) << live;
+  EXPECT_NE(get(d->http_port(), "/health").find(" 503 "), std::string::npos);
+  const std::string metrics = get(d->metrics_port(), "/metrics");
+  EXPECT_NE(metrics.find("imagegen_engine_stalls_total 1"), std::string::npos) << metrics;
+  const std::string gauge = "imagegen_engine_stalled_seconds{thread=\"engine\"} ";
+  const size_t at = metrics.find(gauge);
+  ASSERT_NE(at, std::string::npos) << metrics;
+  EXPECT_GT(std::stod(metrics.substr(at + gauge.size())), 1.0);
+
+  holder->Hold(false);  // it moves again
+  EXPECT_TRUE(
+      WaitUntil([&] { return c.Health("") == HealthCheckResponse::SERVING; }, seconds(120)));
+  EXPECT_EQ(c.Health(kService), HealthCheckResponse::SERVING);
+  call.join();
+  EXPECT_TRUE(generated.ok()) << generated.error_message();
+  EXPECT_EQ(image.tokens_size(), 196);
+  EXPECT_NE(get(d->http_port(), "/health/live").find(" 200 "), std::string::npos);
+  EXPECT_EQ(d->Stop(seconds(30)).completed, 1);
+}
+
 TEST(ServerStartupTest, AFailedStartIsReturnedAndTheServiceStaysNotServing) {
   auto listening = server::Daemon::Listen(Options());
   ASSERT_TRUE(listening.ok()) << listening.status().ToString();

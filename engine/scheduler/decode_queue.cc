@@ -27,6 +27,7 @@ void DecodeQueue::Run(Task task) {
     if (async_ && !stopping_) {
       Entry e;
       e.task = std::move(task);
+      if (tasks_.empty() && running_ == 0) beat_ = Clock::now();
       tasks_.push_back(std::move(e));
       cv_.notify_one();
       return;
@@ -78,6 +79,7 @@ void DecodeQueue::CompleteBatch(const void* key, std::vector<Finished> done, Bat
   {
     std::lock_guard<std::mutex> l(mu_);
     if (async_ && !stopping_) {
+      if (tasks_.empty() && running_ == 0) beat_ = Clock::now();
       for (std::vector<Finished>& part : parts) {
         Entry e;
         e.key = key;
@@ -145,6 +147,12 @@ int64_t DecodeQueue::pending() const {
   return n;
 }
 
+double DecodeQueue::StalledSeconds(Clock::time_point now) const {
+  std::lock_guard<std::mutex> l(mu_);
+  if (running_ == 0 && tasks_.empty()) return 0;
+  return std::max(0.0, std::chrono::duration<double>(now - beat_).count());
+}
+
 void DecodeQueue::Loop(c10::Device device, int64_t cpu_threads) {
   if (cpu_threads > 0) at::set_num_threads(static_cast<int>(cpu_threads));
   OwnStream stream(device);
@@ -166,6 +174,7 @@ void DecodeQueue::Loop(c10::Device device, int64_t cpu_threads) {
     RunEntry(e);
     l.lock();
     running_ -= n;
+    beat_ = Clock::now();
   }
 }
 

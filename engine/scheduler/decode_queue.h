@@ -75,6 +75,9 @@ class DecodeQueue {
   bool async() const { return async_; }
   int64_t max_batch() const { return max_batch_; }
   int64_t pending() const;  // tasks and batched requests queued or running, not yet returned
+  // With tasks pending: the seconds up to `now` since the decode thread last returned from one
+  // (or since the first was queued at an idle thread); 0 with none (Engine::Progress).
+  double StalledSeconds(Clock::time_point now) const;
   // Tasks that returned true / false so far (counted when the task returns, after the
   // observer's OnComplete or OnError); a batched request counts as one task.
   int64_t completed() const { return completed_.load(); }
@@ -107,6 +110,7 @@ class DecodeQueue {
   std::deque<Entry> tasks_;
   int64_t running_ = 0;
   bool stopping_ = false;
+  Clock::time_point beat_ = Clock::now();  // StalledSeconds' origin
   std::atomic<int64_t> completed_{0}, failed_{0}, batch_calls_{0}, batch_images_{0};
   std::thread thread_;
 };

@@ -131,6 +131,10 @@ struct Engine::Impl {
     return stats.models[mi].queued + inbox_per_model[mi] - static_cast<int64_t>(shed[mi].size());
   }
   EngineStats stats;  // counters, and loads as of the last round
+  // Progress (Engine::Progress): the end of the engine thread's last round, or the moment it
+  // was woken or handed work while asleep; and whether it sleeps now.
+  Clock::time_point beat = Clock::now();
+  bool sleeping = false;
   bool draining = false;
   Clock::time_point grace_end = Clock::time_point::max();
   int64_t next_id = 1;
@@ -640,6 +644,8 @@ StatusOr<std::vector<int64_t>> Engine::SubmitGroup(
   impl_->inbox_per_model[mi] += n;
   impl_->inbox_census[mi][cls] += n;
   for (Shed& x : displaced) impl_->shed[mi].push_back(std::move(x));
+  // Work for an idle engine thread: its wait for it starts now, not at its last round's end.
+  if (impl_->sleeping) impl_->beat = now;
   impl_->cv.notify_one();
   return ids;
 }
@@ -664,6 +670,23 @@ EngineStats Engine::Stats() const {
   }
   for (size_t i = 0; i < s.models.size(); ++i) s.models[i].queued = impl_->Queued(i);
   return s;
+}
+
+EngineProgress Engine::Progress() const {
+  EngineProgress p;
+  const auto now = Clock::now();
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    bool busy = !impl_->inbox.empty();
+    for (size_t i = 0; i < impl_->stats.models.size() && !busy; ++i) {
+      busy = impl_->Queued(i) > 0 || impl_->stats.models[i].active > 0;
+    }
+    if (busy) {
+      p.engine_seconds = std::max(0.0, std::chrono::duration<double>(now - impl_->beat).count());
+    }
+  }
+  if (impl_->decoder) p.decoder_seconds = impl_->decoder->StalledSeconds(now);
+  return p;
 }
 
 const std::vector<ModelInfo>& Engine::Models() const { return impl_->infos; }
@@ -739,6 +762,7 @@ void Engine::Impl::Run() {
     Clock::time_point wake = Clock::time_point::max();
     {
       std::lock_guard<std::mutex> lock(mu);
+      beat = Clock::now();
       stats.steps += stepped ? 1 : 0;
       stats.cancelled += out.cancelled;
       stats.expired += out.expired;
@@ -762,11 +786,14 @@ void Engine::Impl::Run() {
     std::unique_lock<std::mutex> lock(mu);
     if (draining) wake = std::min(wake, grace_end);
     auto ready = [&] { return !inbox.empty() || !cancels.empty() || (draining && !draining_now); };
+    sleeping = true;
     if (wake == Clock::time_point::max()) {
       cv.wait(lock, ready);
     } else {
       cv.wait_until(lock, wake, ready);
     }
+    sleeping = false;
+    beat = Clock::now();
   }
 }
 

@@ -255,6 +255,25 @@ struct EngineStats {
   bool draining = false;
 };
 
+// Whether the engine is getting on with its work, for a liveness check that means more than
+// "the process answers" (a wedged GPU, a deadlock or an observer that never returns leaves the
+// process up and every request hung): how long the work each of its threads has has waited
+// without that thread getting anywhere.
+struct EngineProgress {
+  // Requests arrived, waiting or running, and the engine thread has not finished a round
+  // since this many seconds (counted from its last round's end, or from the arrival that woke
+  // it from idle); 0 while it has no work.
+  double engine_seconds = 0;
+  // Finished images waiting for the decode thread (or being decoded), which has not returned
+  // one since this many seconds (or since the first of them arrived at an idle thread); 0
+  // while it has none, and always with inline decoding (the engine thread's then).
+  double decoder_seconds = 0;
+  double seconds() const {
+    return engine_seconds > decoder_seconds ? engine_seconds : decoder_seconds;
+  }
+  const char* thread() const { return engine_seconds >= decoder_seconds ? "engine" : "decoder"; }
+};
+
 class Engine {
  public:
   // Starts the engine thread, which loads the models (each GPT, its VQ tokenizer, and the
@@ -289,6 +308,7 @@ class Engine {
   // (an observer that has just been called may not see its request counted yet); `completed`
   // and `failed` count a finished request once its image is decoded.
   EngineStats Stats() const;
+  EngineProgress Progress() const;  // now, not as of the last round
   const std::vector<ModelInfo>& Models() const;
   int64_t max_tokens_per_step() const;  // the budget in force (after -1 is resolved)
   bool decode_thread() const;           // EngineOptions::decode_thread, -1 resolved
