@@ -22,6 +22,7 @@
 #include "engine/scheduler/goodput.h"
 #include "engine/scheduler/window_budget.h"
 #include "tests/engine_client.h"
+#include "tests/poll.h"
 #include "tests/temp_dir.h"
 #include "tests/test_util.h"
 #include "tests/build_paths.h"
@@ -1620,16 +1621,6 @@ class StepHolder : public Recorder {
   bool released_ = false;
 };
 
-// Polls `done` every 10 ms until it holds or `limit` passes; true if it held.
-bool PollUntil(const std::function<bool()>& done, std::chrono::seconds limit) {
-  const auto end = std::chrono::steady_clock::now() + limit;
-  while (!done()) {
-    if (std::chrono::steady_clock::now() > end) return false;
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  return true;
-}
-
 // Engine::Progress, which the daemon's liveness reads (--stall-seconds): the seconds a thread's
 // work has waited on it count only while it has work, and name the thread that holds it up.
 TEST(EngineTest, ProgressCountsOnlyWorkThatWaitsAndNamesTheThreadHoldingItUp) {
@@ -1645,14 +1636,14 @@ TEST(EngineTest, ProgressCountsOnlyWorkThatWaitsAndNamesTheThreadHoldingItUp) {
   ASSERT_TRUE(engine->Submit(Params("ar", 1, 5), quick).ok());
   EXPECT_LT(engine->Progress().engine_seconds, 1.0);
   ASSERT_TRUE(quick->Wait());
-  ASSERT_TRUE(
-      PollUntil([&] { return engine->Progress().seconds() == 0.0; }, std::chrono::seconds(120)));
+  ASSERT_TRUE(testing::WaitUntil([&] { return engine->Progress().seconds() == 0.0; },
+                                 std::chrono::seconds(120)));
 
   // The engine thread held inside a step: its request's wait grows, the decoder's does not.
   auto held = std::make_shared<StepHolder>();
   ASSERT_TRUE(engine->Submit(Params("ar", 2, 6), held).ok());
-  ASSERT_TRUE(PollUntil([&] { return engine->Progress().engine_seconds > 0.5; },
-                        std::chrono::seconds(120)));
+  ASSERT_TRUE(testing::WaitUntil([&] { return engine->Progress().engine_seconds > 0.5; },
+                                 std::chrono::seconds(120)));
   p = engine->Progress();
   EXPECT_STREQ(p.thread(), "engine");
   EXPECT_EQ(p.decoder_seconds, 0.0);
@@ -1664,15 +1655,15 @@ TEST(EngineTest, ProgressCountsOnlyWorkThatWaitsAndNamesTheThreadHoldingItUp) {
   ASSERT_TRUE(held->Wait());
   ASSERT_TRUE(behind->Wait());
   EXPECT_TRUE(held->result.has_value());
-  ASSERT_TRUE(
-      PollUntil([&] { return engine->Progress().seconds() == 0.0; }, std::chrono::seconds(120)));
+  ASSERT_TRUE(testing::WaitUntil([&] { return engine->Progress().seconds() == 0.0; },
+                                 std::chrono::seconds(120)));
 
   // The decode thread held in a client's OnComplete: the engine thread has nothing left, the
   // finished image waits on the decoder.
   auto decoding = std::make_shared<ThreadRecorder>(/*hold=*/true);
   ASSERT_TRUE(engine->Submit(Params("ar", 4, 8), decoding).ok());
   ASSERT_TRUE(decoding->WaitInComplete());
-  ASSERT_TRUE(PollUntil(
+  ASSERT_TRUE(testing::WaitUntil(
       [&] {
         const EngineProgress q = engine->Progress();
         return q.engine_seconds == 0.0 && q.decoder_seconds > 0.5;
@@ -1681,8 +1672,8 @@ TEST(EngineTest, ProgressCountsOnlyWorkThatWaitsAndNamesTheThreadHoldingItUp) {
   EXPECT_STREQ(engine->Progress().thread(), "decoder");
   decoding->Release();
   ASSERT_TRUE(decoding->Wait());
-  EXPECT_TRUE(
-      PollUntil([&] { return engine->Progress().seconds() == 0.0; }, std::chrono::seconds(120)));
+  EXPECT_TRUE(testing::WaitUntil([&] { return engine->Progress().seconds() == 0.0; },
+                                 std::chrono::seconds(120)));
 }
 
 }  // namespace

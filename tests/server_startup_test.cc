@@ -19,6 +19,7 @@
 #include "server/daemon.h"
 #include "tests/build_paths.h"
 #include "tests/http_client.h"
+#include "tests/poll.h"
 
 namespace imagegen::testing {
 namespace {
@@ -30,16 +31,6 @@ using std::chrono::milliseconds;
 using std::chrono::seconds;
 
 constexpr char kService[] = "imagegen.v1.ImageGeneration";
-
-// Polls `done` every 20 ms until it holds or `limit` passes; true if it held.
-bool WaitUntil(const std::function<bool()>& done, seconds limit) {
-  const auto end = std::chrono::steady_clock::now() + limit;
-  while (!done()) {
-    if (std::chrono::steady_clock::now() > end) return false;
-    std::this_thread::sleep_for(milliseconds(20));
-  }
-  return true;
-}
 
 // A one-way gate: Wait() blocks until Open().
 class Gate {

@@ -27,7 +27,9 @@ Sampled every 5 s: the daemon's RSS, open file descriptors and threads (/proc), 
 use, and the calls opened and closed (imagegen_calls_*_total). Passes when: no unintended
 error; after the load, slots 0 and calls opened == closed within 60 s; RSS at the end at most
 50 MB above RSS after the warm-up (the first fifth of the run); file descriptors and threads at
-the end at most 16 above the warm-up's.
+the end at most 16 above the warm-up's; and no client wedged the engine: the daemon, run with
+--engine-stall-seconds (10 here), never declared a stall (imagegen_engine_stalls_total 0), and
+the longest wait its threads' work saw (imagegen_engine_stalled_seconds, sampled) is printed.
 
 --leak-control adds clients that stop reading and never cancel while the daemon's stall limit
 is off (an hour): their calls stay open, so the check must fail. The script then exits 0 only
@@ -126,7 +128,8 @@ class Soak:
         self.server = subprocess.Popen(
             [args.server, "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
              "--port-file", ports, "--max-slots", str(2 * args.streams + 16), "--max-queue",
-             str(4 * args.streams), "--stream-stall-seconds", stall]
+             str(4 * args.streams), "--stream-stall-seconds", stall,
+             "--engine-stall-seconds", str(args.engine_stall_seconds)]
             + (["--http-listen", "127.0.0.1:0"] if args.http else []),
             stdout=self.log, stderr=subprocess.STDOUT)
         for _ in range(1200):
@@ -156,7 +159,7 @@ class Soak:
         self.lock = threading.Lock()
         self.outcomes = {}  # (scenario, code) -> count
         self.unintended = []
-        self.samples = []  # (t, rss MB, fds, threads, slots, opened, closed)
+        self.samples = []  # (t, rss MB, fds, threads, slots, opened, closed, waited s, stalls)
         self.stop = threading.Event()
         self.held = []  # leak-control calls, kept open to the end
 
@@ -396,7 +399,12 @@ class Soak:
         slots = m.get('imagegen_kv_cache_slots_in_use{model="fmnist-gpt"}', float("nan"))
         opened = m.get("imagegen_calls_opened_total", 0)
         closed = m.get("imagegen_calls_closed_total", 0)
-        self.samples.append((time.time(), rss, fds, threads, slots, opened, closed))
+        # The longest the engine's work has waited on one of its threads, and the stalls.
+        waited = max(m.get('imagegen_engine_stalled_seconds{thread="engine"}', 0),
+                     m.get('imagegen_engine_stalled_seconds{thread="decoder"}', 0))
+        stalls = m.get("imagegen_engine_stalls_total", float("nan"))
+        self.samples.append((time.time(), rss, fds, threads, slots, opened, closed, waited,
+                             stalls))
         return self.samples[-1]
 
     def run(self):
@@ -412,7 +420,8 @@ class Soak:
         while time.time() - t0 < a.seconds:
             s = self.sample()
             print(f"t {s[0] - t0:6.0f} s  rss {s[1]:7.1f} MB  fds {s[2]:4d}  threads {s[3]:4d}  "
-                  f"slots {s[4]:4.0f}  calls open {s[5] - s[6]:4.0f}", flush=True)
+                  f"slots {s[4]:4.0f}  calls open {s[5] - s[6]:4.0f}  engine waited {s[7]:5.2f} s",
+                  flush=True)
             time.sleep(5)
         self.stop.set()
         for t in threads:
@@ -442,6 +451,9 @@ class Soak:
              f"{warm[1]:.1f} -> {last[1]:.1f} MB ({growth:+.1f})"),
             ("file descriptors flat", last[2] <= warm[2] + 16, f"{warm[2]} -> {last[2]}"),
             ("threads flat", last[3] <= warm[3] + 16, f"{warm[3]} -> {last[3]}"),
+            (f"no engine stall (--engine-stall-seconds {a.engine_stall_seconds:g})", last[8] == 0,
+             f"{last[8]:.0f} stalls; longest wait sampled "
+             f"{max(s[7] for s in self.samples):.2f} s"),
         ]
         stalled = sum(n for (kind, _), n in self.outcomes.items() if kind == "stalled")
         stalled_ok = self.outcomes.get(("stalled", "OK"), 0)
@@ -477,6 +489,8 @@ def main():
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--seconds", type=float, default=600)
     ap.add_argument("--stream-stall-seconds", type=float, default=5)
+    ap.add_argument("--engine-stall-seconds", type=float, default=10,
+                    help="the daemon's stall limit; the verdict wants no stall at all")
     ap.add_argument("--leak-control", action="store_true")
     ap.add_argument("--http", action=argparse.BooleanOptionalAction, default=True,
                     help="half the clients' calls through the HTTP API (--http-listen)")
