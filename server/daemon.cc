@@ -54,6 +54,9 @@ StatusOr<std::unique_ptr<Daemon>> Daemon::Listen(const DaemonOptions& options) {
   if (!(options.engine_stall_seconds >= 0)) {
     return InvalidArgument("--engine-stall-seconds: must be >= 0 (0: off)");
   }
+  if (options.engine_failed_steps < 0) {
+    return InvalidArgument("--engine-failed-steps: must be >= 0 (0: off)");
+  }
   if (options.stream_stall_ms < 100) {
     return InvalidArgument("--stream-stall-seconds: must be at least 0.1");
   }
@@ -146,37 +149,49 @@ Status Daemon::Load(const EngineStarter& starter, const std::function<void()>& b
   metrics_.SetEngine(engine_.get());
   server_->GetHealthCheckService()->SetServingStatus(kServiceName, true);
   if (options_.log_stats_seconds > 0) stats_ = std::thread([this] { ReportStats(); });
-  if (options_.engine_stall_seconds > 0) progress_ = std::thread([this] { WatchProgress(); });
+  if (options_.engine_stall_seconds > 0 || options_.engine_failed_steps > 0) {
+    progress_ = std::thread([this] { WatchProgress(); });
+  }
   return OkStatus();
 }
 
 void Daemon::WatchProgress() {
-  const double limit = options_.engine_stall_seconds;
+  const double stall = options_.engine_stall_seconds;
+  const int64_t failures = options_.engine_failed_steps;
+  const double every = stall > 0 ? std::clamp(stall / 4, 0.01, 1.0) : 1.0;
   const auto period = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-      std::chrono::duration<double>(std::clamp(limit / 4, 0.01, 1.0)));
+      std::chrono::duration<double>(every));
   grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
-  bool stalled = false;
+  std::string unhealthy;  // the reason in force; empty: healthy
   std::unique_lock<std::mutex> l(stats_mu_);
   while (!stats_cv_.wait_for(l, period, [&] { return stats_stop_; })) {
     l.unlock();
     const EngineProgress p = engine_->Progress();
-    char what[160];
-    std::snprintf(what, sizeof what, "the %s thread has not moved for %.1f s", p.thread(),
-                  p.seconds());
-    if (!stalled && p.seconds() > limit) {
-      stalled = true;
-      service_.SetStalled(true);
-      metrics_.OnEngineStall();
-      health->SetServingStatus("", false);
-      health->SetServingStatus(kServiceName, false);
-      log_->Message(std::string("engine stalled: ") + what +
-                    " with work waiting on it; health NOT_SERVING until it moves");
-    } else if (stalled && p.seconds() <= limit) {
-      stalled = false;
-      service_.SetStalled(false);
-      health->SetServingStatus("", true);
-      health->SetServingStatus(kServiceName, true);
-      log_->Message("engine moving again; health SERVING");
+    std::string reason;
+    char what[512];
+    if (stall > 0 && p.seconds() > stall) {
+      reason = "stalled";
+      std::snprintf(what, sizeof what,
+                    "the %s thread has not moved for %.1f s with work waiting on it", p.thread(),
+                    p.seconds());
+    } else if (failures > 0 && p.failed_steps >= failures) {
+      reason = "failing";
+      std::snprintf(what, sizeof what, "the last %lld steps of model %s failed (%s)",
+                    static_cast<long long>(p.failed_steps), p.failed_model.c_str(),
+                    p.last_error.substr(0, 300).c_str());
+    }
+    if (reason != unhealthy) {
+      service_.SetUnhealthy(reason);
+      if (!reason.empty()) {
+        metrics_.OnEngineUnhealthy(reason);
+        log_->Message("engine " + reason + ": " + what + "; health NOT_SERVING until it " +
+                      (reason == "stalled" ? "moves" : "steps without failing"));
+      } else {
+        log_->Message("engine healthy again (was " + unhealthy + "); health SERVING");
+      }
+      health->SetServingStatus("", reason.empty());
+      health->SetServingStatus(kServiceName, reason.empty());
+      unhealthy = reason;
     }
     l.lock();
   }

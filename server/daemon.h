@@ -7,8 +7,9 @@
 // NOT_SERVING, and ImageGeneration calls get UNAVAILABLE "models are loading"; Load() starts
 // the engine with the starter it is given (production: Engine::Start) and then turns the
 // service SERVING (ready). While the engine's work waits longer than engine_stall_seconds on one
-// of its threads, both turn NOT_SERVING (a liveness probe restarts the process; traffic goes
-// elsewhere), and SERVING again when it moves. Stop() drains: every service NOT_SERVING, new calls
+// of its threads, or engine_failed_steps of a model's steps have failed in a row, both turn
+// NOT_SERVING (a liveness probe restarts the process; traffic goes elsewhere), and SERVING again
+// when it moves or a step succeeds. Stop() drains: every service NOT_SERVING, new calls
 // UNAVAILABLE, requests in flight get the grace period, then the server closes.
 #pragma once
 
@@ -50,6 +51,10 @@ struct DaemonOptions {
   // thread) turns health "" and the service NOT_SERVING, and HTTP /health/live 503, until it
   // moves again; 0: off. Longer than any step or decoder call the models can legitimately take.
   double engine_stall_seconds = 60;
+  // An engine that moves but fails every step (a sticky device error: Engine::Progress's
+  // failed_steps) turns them NOT_SERVING too once this many steps of one model failed in a
+  // row, until one succeeds; 0: off.
+  int64_t engine_failed_steps = 5;
   // The log on stderr (server/request_log.h): a line per generation call, and a stats line per
   // busy model every `log_stats_seconds` (0: none).
   bool log_requests = true;
@@ -103,7 +108,7 @@ class Daemon {
  private:
   Daemon(const DaemonOptions& options, TokenAuth auth, TrustedProxies proxies, LogFormat format);
   void ReportStats();    // the stats thread's loop
-  void WatchProgress();  // the stall watch's loop (engine_stall_seconds)
+  void WatchProgress();  // the health watch's loop (engine_stall_seconds, engine_failed_steps)
 
   const DaemonOptions options_;
   const TokenAuth auth_;

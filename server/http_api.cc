@@ -433,12 +433,21 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
     }
     // Health for load balancers and probes that speak HTTP, no token (as gRPC's Health): live
     // while the server answers; ready (and /health) once the models are loaded, until draining.
-    // A stalled engine (the daemon's --engine-stall-seconds) fails both, with what holds it up.
-    if (health && svc_->stalled() && svc_->engine() != nullptr) {
+    // An unhealthy engine (the daemon's --engine-stall-seconds, --engine-failed-steps) fails
+    // both, with what is wrong.
+    if (const std::string why = health ? svc_->unhealthy() : "";
+        !why.empty() && svc_->engine() != nullptr) {
       const EngineProgress p = svc_->engine()->Progress();
-      return HttpReply(
-          conn_, MHD_HTTP_SERVICE_UNAVAILABLE,
-          json({{"status", "stalled"}, {"thread", p.thread()}, {"seconds", p.seconds()}}).dump());
+      json body = {{"status", why}};
+      if (why == "stalled") {
+        body["thread"] = p.thread();
+        body["seconds"] = p.seconds();
+      } else {
+        body["model"] = p.failed_model;
+        body["failed_steps"] = p.failed_steps;
+        body["error"] = p.last_error;
+      }
+      return HttpReply(conn_, MHD_HTTP_SERVICE_UNAVAILABLE, body.dump());
     }
     if (path == "/health/live") return HttpReply(conn_, MHD_HTTP_OK, R"({"status":"alive"})");
     if (health) {

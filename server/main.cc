@@ -151,6 +151,10 @@ ABSL_FLAG(double, engine_stall_seconds, 60,
           "on its engine or decode thread (no step finished, no image decoded), health \"\" "
           "and the service turn NOT_SERVING (and HTTP /health/live 503) until it moves again; "
           "0: off");
+ABSL_FLAG(int64_t, engine_failed_steps, 5,
+          "an engine that moves but fails (a sticky device error): once this many steps of one "
+          "model have failed in a row (their requests ended INTERNAL), health turns NOT_SERVING "
+          "as for a stall, until a step succeeds; 0: off");
 ABSL_FLAG(std::string, http_listen, "",
           "OpenAI-compatible HTTP API address (host:port: POST /v1/images/generations, GET "
           "/v1/models, and the playground page at /); empty: off");
@@ -228,6 +232,7 @@ int main(int argc, char** argv) {
   o.stream_stall_ms = static_cast<int64_t>(absl::GetFlag(FLAGS_stream_stall_seconds) * 1000);
   o.max_images = absl::GetFlag(FLAGS_max_images);
   o.engine_stall_seconds = absl::GetFlag(FLAGS_engine_stall_seconds);
+  o.engine_failed_steps = absl::GetFlag(FLAGS_engine_failed_steps);
   o.log_requests = absl::GetFlag(FLAGS_log_requests);
   o.log_format = absl::GetFlag(FLAGS_log_format);
   o.log_stats_seconds = absl::GetFlag(FLAGS_log_stats_seconds);

@@ -109,6 +109,19 @@ class EngineGauges : public prometheus::Collectable {
       waiting.metric.push_back(m);
     }
     out.push_back(waiting);
+    MetricFamily failing{"imagegen_engine_failed_steps_in_a_row",
+                         "Steps of the model that failed (their requests ended INTERNAL) since "
+                         "its last step that did not; at --engine-failed-steps health is "
+                         "NOT_SERVING",
+                         MetricType::Gauge,
+                         {}};
+    for (const ModelLoad& l : es.models) {
+      ClientMetric m;
+      m.label.push_back({"model", l.model});
+      m.gauge.value = static_cast<double>(l.failed_steps_in_a_row);
+      failing.metric.push_back(m);
+    }
+    out.push_back(failing);
     return out;
   }
 
@@ -310,14 +323,15 @@ Metrics::Metrics()
                                "limit (--stream-stall-seconds)")
                          .Register(*registry_)
                          .Add({})),
-      engine_stalls_(BuildCounter()
-                         .Name("imagegen_engine_stalls_total")
-                         .Help("Times the engine's work waited longer than "
-                               "--engine-stall-seconds on its engine or decode thread (health "
-                               "turned NOT_SERVING until it moved again)")
-                         .Register(*registry_)
-                         .Add({})) {
+      engine_unhealthy_(BuildCounter()
+                            .Name("imagegen_engine_unhealthy_total")
+                            .Help("Times health turned NOT_SERVING for the engine, by reason: "
+                                  "stalled (its work waited --engine-stall-seconds on a thread "
+                                  "that did not move), failing (--engine-failed-steps steps of "
+                                  "a model failed in a row)")
+                            .Register(*registry_)) {
   info_.Add({{"version", "0.1.0"}}).Set(1);
+  for (const char* reason : {"stalled", "failing"}) engine_unhealthy_.Add({{"reason", reason}});
 }
 
 void Metrics::OnCallOpened(bool retry) {
@@ -326,7 +340,9 @@ void Metrics::OnCallOpened(bool retry) {
 }
 void Metrics::OnCallClosed() { calls_closed_.Increment(); }
 void Metrics::OnStreamStalled() { stream_stalls_.Increment(); }
-void Metrics::OnEngineStall() { engine_stalls_.Increment(); }
+void Metrics::OnEngineUnhealthy(const std::string& reason) {
+  engine_unhealthy_.Add({{"reason", reason}}).Increment();
+}
 
 void Metrics::SetEngine(const Engine* engine) {
   {

@@ -65,7 +65,8 @@ class Metrics : public EngineListener {
   void OnCallClosed();
   // A stream was ended because its client stopped reading.
   void OnStreamStalled();
-  void OnEngineStall();  // the daemon's stall watch declared the engine stalled
+  // The daemon's health watch declared the engine unhealthy: "stalled" or "failing".
+  void OnEngineUnhealthy(const std::string& reason);
 
   // Mean seconds of a recent image's generation (for RetryInfo), 1 s before any.
   double RecentGenerationSeconds() const;
@@ -122,7 +123,7 @@ class Metrics : public EngineListener {
   prometheus::Counter& calls_closed_;
   prometheus::Counter& call_retries_;
   prometheus::Counter& stream_stalls_;
-  prometheus::Counter& engine_stalls_;
+  prometheus::Family<prometheus::Counter>& engine_unhealthy_;
 
   mutable std::mutex mu_;
   std::map<std::pair<std::string, std::string>, PerMethod> per_method_;

@@ -122,10 +122,17 @@ class ImageGenerationService final : public ServiceBase {
   // From now on new calls are UNAVAILABLE; calls in flight go on.
   void SetDraining();
   bool draining() const { return draining_.load(); }
-  // The daemon's stall watch (DaemonOptions::engine_stall_seconds): the engine has stopped
-  // moving (HTTP health says so); calls are still taken, as the engine may move again.
-  void SetStalled(bool stalled) { stalled_.store(stalled); }
-  bool stalled() const { return stalled_.load(); }
+  // The daemon's health watch (DaemonOptions::engine_stall_seconds, engine_failed_steps): why
+  // the engine is unhealthy ("stalled", "failing"; empty: it is not), which HTTP health says.
+  // Calls are still taken, as the engine may recover.
+  void SetUnhealthy(const std::string& reason) {
+    std::lock_guard<std::mutex> l(unhealthy_mu_);
+    unhealthy_ = reason;
+  }
+  std::string unhealthy() const {
+    std::lock_guard<std::mutex> l(unhealthy_mu_);
+    return unhealthy_;
+  }
 
   grpc::ServerUnaryReactor* Generate(grpc::CallbackServerContext* ctx,
                                      const grpc::ByteBuffer* request,
@@ -196,7 +203,8 @@ class ImageGenerationService final : public ServiceBase {
   // read-only after.
   std::map<std::string, std::unique_ptr<Tokenizer>> tokenizers_;
   std::atomic<bool> draining_{false};
-  std::atomic<bool> stalled_{false};
+  mutable std::mutex unhealthy_mu_;
+  std::string unhealthy_;
   WorkQueue encoders_;
 
   mutable std::mutex mu_;

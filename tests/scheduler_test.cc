@@ -1621,6 +1621,33 @@ class StepHolder : public Recorder {
   bool released_ = false;
 };
 
+// Engine::Progress's failed steps (the daemon's --engine-failed-steps): counted per model in a
+// row, reset by a step that succeeds, with the last failure's message.
+TEST(EngineTest, ProgressCountsStepsThatFailInARowUntilOneSucceeds) {
+  EngineOptions o = BundledOptions();
+  o.fail_steps = std::make_shared<std::atomic<int64_t>>(3);
+  auto engine = StartOrDie(o);
+  for (int i = 0; i < 3; ++i) {
+    auto r = std::make_shared<Recorder>();
+    ASSERT_TRUE(engine->Submit(Params("scd-mc", i, 70 + i), r).ok());
+    ASSERT_TRUE(r->Wait());
+    ASSERT_TRUE(r->error.has_value());
+    EXPECT_EQ(r->error->code(), Code::kInternal);
+    WaitIdle(*engine);
+    const EngineProgress p = engine->Progress();
+    EXPECT_EQ(p.failed_steps, i + 1);
+    EXPECT_EQ(p.failed_model, "fmnist-gpt");
+    EXPECT_NE(p.last_error.find("injected step failure"), std::string::npos) << p.last_error;
+  }
+  auto ok = std::make_shared<Recorder>();
+  ASSERT_TRUE(engine->Submit(Params("scd-mc", 5, 75), ok).ok());
+  ASSERT_TRUE(ok->Wait());
+  EXPECT_TRUE(ok->result.has_value());
+  WaitIdle(*engine);
+  EXPECT_EQ(engine->Progress().failed_steps, 0);
+  EXPECT_EQ(engine->Stats().failed, 3);
+}
+
 // Engine::Progress, which the daemon's liveness reads (--stall-seconds): the seconds a thread's
 // work has waited on it count only while it has work, and name the thread that holds it up.
 TEST(EngineTest, ProgressCountsOnlyWorkThatWaitsAndNamesTheThreadHoldingItUp) {

@@ -243,7 +243,9 @@ TEST(ServerStartupTest, AWedgedEngineFailsLivenessUntilItMovesAgain) {
   EXPECT_NE(live.find(R"("thread":"engine")"), std::string::npos) << live;
   EXPECT_NE(get(d->http_port(), "/health").find(" 503 "), std::string::npos);
   const std::string metrics = get(d->metrics_port(), "/metrics");
-  EXPECT_NE(metrics.find("imagegen_engine_stalls_total 1"), std::string::npos) << metrics;
+  EXPECT_NE(metrics.find("imagegen_engine_unhealthy_total{reason=\"stalled\"} 1"),
+            std::string::npos)
+      << metrics;
   const std::string gauge = "imagegen_engine_stalled_seconds{thread=\"engine\"} ";
   const size_t at = metrics.find(gauge);
   ASSERT_NE(at, std::string::npos) << metrics;
@@ -258,6 +260,60 @@ TEST(ServerStartupTest, AWedgedEngineFailsLivenessUntilItMovesAgain) {
   EXPECT_EQ(image.tokens_size(), 196);
   EXPECT_NE(get(d->http_port(), "/health/live").find(" 200 "), std::string::npos);
   EXPECT_EQ(d->Stop(seconds(30)).completed, 1);
+}
+
+// --engine-failed-steps: an engine that moves but fails every step (a sticky device error, here
+// injected: EngineOptions::fail_steps) turns health NOT_SERVING once that many steps failed in
+// a row, and SERVING again after a step that does not fail.
+TEST(ServerStartupTest, AnEngineWhoseStepsAllFailTurnsNotServingUntilOneSucceeds) {
+  server::DaemonOptions o = Options();
+  o.http_listen = "127.0.0.1:0";
+  o.engine_failed_steps = 2;
+  auto fail = std::make_shared<std::atomic<int64_t>>(0);
+  auto listening = server::Daemon::Listen(o);
+  ASSERT_TRUE(listening.ok()) << listening.status().ToString();
+  std::unique_ptr<server::Daemon> d = std::move(listening).value();
+  ASSERT_TRUE(d->Load([&](const EngineOptions& eo, EngineListener* listener) {
+                 EngineOptions with = eo;
+                 with.fail_steps = fail;
+                 return Engine::Start(with, listener);
+               }).ok());
+  Client c(d->port());
+  auto get = [&](int port, const std::string& path) {
+    return Fetch(port, "GET " + path + " HTTP/1.0\r\n\r\n");
+  };
+  fail->store(2);
+  v1::GenerateResponse r;
+  grpc::Status first = c.Generate("ar", &r);
+  EXPECT_EQ(first.error_code(), grpc::StatusCode::INTERNAL) << first.error_message();
+  EXPECT_NE(first.error_message().find("injected step failure"), std::string::npos)
+      << first.error_message();
+  // One failed step is not yet a failing engine.
+  EXPECT_EQ(c.Health(""), HealthCheckResponse::SERVING);
+  EXPECT_EQ(c.Generate("ar", &r).error_code(), grpc::StatusCode::INTERNAL);
+  ASSERT_TRUE(
+      WaitUntil([&] { return c.Health("") == HealthCheckResponse::NOT_SERVING; }, seconds(120)));
+  EXPECT_EQ(c.Health(kService), HealthCheckResponse::NOT_SERVING);
+  const std::string live = get(d->http_port(), "/health/live");
+  EXPECT_NE(live.find(" 503 "), std::string::npos) << live;
+  EXPECT_NE(live.find(R"("status":"failing")"), std::string::npos) << live;
+  EXPECT_NE(live.find(R"("failed_steps":2)"), std::string::npos) << live;
+  EXPECT_NE(live.find("injected step failure"), std::string::npos) << live;
+  const std::string metrics = get(d->metrics_port(), "/metrics");
+  EXPECT_NE(metrics.find("imagegen_engine_unhealthy_total{reason=\"failing\"} 1"),
+            std::string::npos)
+      << metrics;
+  EXPECT_NE(metrics.find("imagegen_engine_failed_steps_in_a_row{model=\"fmnist-gpt\"} 2"),
+            std::string::npos)
+      << metrics;
+  // Calls are still taken; the next step succeeds and the engine is healthy again.
+  grpc::Status third = c.Generate("ar", &r);
+  EXPECT_TRUE(third.ok()) << third.error_message();
+  EXPECT_TRUE(
+      WaitUntil([&] { return c.Health("") == HealthCheckResponse::SERVING; }, seconds(120)));
+  EXPECT_EQ(c.Health(kService), HealthCheckResponse::SERVING);
+  EXPECT_NE(get(d->http_port(), "/health").find(" 200 "), std::string::npos);
+  d->Stop(seconds(30));
 }
 
 TEST(ServerStartupTest, AFailedStartIsReturnedAndTheServiceStaysNotServing) {
@@ -292,6 +348,15 @@ TEST(ServerStartupTest, BadOptionsAreRefused) {
   o = Options();
   o.tls_client_ca = "/nonexistent/ca.pem";
   EXPECT_EQ(server::Daemon::Listen(o).status().code(), Code::kInvalidArgument);
+  o = Options();
+  o.engine_stall_seconds = -1;
+  Status bad = server::Daemon::Listen(o).status();
+  EXPECT_EQ(bad.code(), Code::kInvalidArgument);
+  EXPECT_NE(bad.message().find("--engine-stall-seconds"), std::string::npos) << bad.ToString();
+  o = Options();
+  o.engine_failed_steps = -1;
+  bad = server::Daemon::Listen(o).status();
+  EXPECT_NE(bad.message().find("--engine-failed-steps"), std::string::npos) << bad.ToString();
   o = Options();
   o.default_method = "no-such-method";
   auto d = server::Daemon::Listen(o);

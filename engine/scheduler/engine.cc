@@ -337,7 +337,7 @@ Status Engine::Impl::Load() {
       }
     }
     infos.push_back(info);
-    stats.models.push_back({name, 0, 0, 0, slots});
+    stats.models.push_back({name, 0, 0, 0, slots, 0, ""});
     models.push_back({name, std::move(model), nullptr});
   }
   inbox_per_model.assign(models.size(), 0);
@@ -460,7 +460,7 @@ Status Engine::Impl::LoadMar(const std::string& name, const LoadOptions& lo) {
   info.token_dim = c.token_dim();
   info.default_num_iter = c.default_num_iter;
   infos.push_back(info);
-  stats.models.push_back({name, 0, 0, 0, slots});
+  stats.models.push_back({name, 0, 0, 0, slots, 0, ""});
   models.push_back({name, nullptr, std::move(model)});
   return OkStatus();
 }
@@ -684,6 +684,13 @@ EngineProgress Engine::Progress() const {
     if (busy) {
       p.engine_seconds = std::max(0.0, std::chrono::duration<double>(now - impl_->beat).count());
     }
+    for (const ModelLoad& l : impl_->stats.models) {
+      if (l.failed_steps_in_a_row > p.failed_steps) {
+        p.failed_steps = l.failed_steps_in_a_row;
+        p.failed_model = l.model;
+        p.last_error = l.last_step_error;
+      }
+    }
   }
   if (impl_->decoder) p.decoder_seconds = impl_->decoder->StalledSeconds(now);
   return p;
@@ -775,6 +782,8 @@ void Engine::Impl::Run() {
         census[i] = schedulers[i]->census();
         l.active = schedulers[i]->active();
         l.slots_used = schedulers[i]->slots_used();
+        l.failed_steps_in_a_row = schedulers[i]->failed_steps_in_a_row();
+        if (l.failed_steps_in_a_row > 0) l.last_step_error = schedulers[i]->last_step_error();
         idle &= schedulers[i]->idle();
         wake = std::min(wake, schedulers[i]->next_deadline());
       }

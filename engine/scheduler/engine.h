@@ -11,6 +11,7 @@
 // LibTorch in this header.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -102,6 +103,10 @@ struct EngineOptions {
   // Where the step-cost calibration is kept (one JSON file per model, device and dtype, reused
   // at the next start); empty: not kept (calibrated at every start).
   std::string cache_dir;
+  // Tests and failure drills: while the counter is positive, each step of every model fails as
+  // a forward that throws would (its requests end INTERNAL), and the counter goes down by one.
+  // Null (the default): never.
+  std::shared_ptr<std::atomic<int64_t>> fail_steps;
   // Instead of the calibration, t = base + per_token * T + per_request * (R - 1) seconds,
   // fixed (tests). Empty: calibrate.
   std::vector<double> fixed_step_cost;
@@ -241,6 +246,10 @@ struct ModelLoad {
   int64_t queued = 0;  // waiting for a slot
   int64_t active = 0;  // holding slots
   int64_t slots_used = 0, slots_total = 0;
+  // Steps that failed (their requests ended INTERNAL) since the model's last step that did not,
+  // and the last failure's message.
+  int64_t failed_steps_in_a_row = 0;
+  std::string last_step_error;
 };
 
 struct EngineStats {
@@ -272,6 +281,11 @@ struct EngineProgress {
     return engine_seconds > decoder_seconds ? engine_seconds : decoder_seconds;
   }
   const char* thread() const { return engine_seconds >= decoder_seconds ? "engine" : "decoder"; }
+  // An engine that moves but gets nothing done (a sticky device error fails every step): the
+  // most steps of one model that failed in a row, as of the last round, its model and the
+  // last failure's message.
+  int64_t failed_steps = 0;
+  std::string failed_model, last_error;
 };
 
 class Engine {

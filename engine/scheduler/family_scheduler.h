@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <string>
 #include <memory>
+#include <stdexcept>
 #include <unordered_set>
 
 #include "engine/scheduler/engine.h"
@@ -36,7 +37,8 @@ struct Outcomes {
 
 class FamilyScheduler {
  public:
-  explicit FamilyScheduler(const EngineOptions& opts) : waiting_(opts.admission == "fair") {}
+  explicit FamilyScheduler(const EngineOptions& opts)
+      : waiting_(opts.admission == "fair"), fail_steps_(opts.fail_steps) {}
   virtual ~FamilyScheduler() = default;
   void Enqueue(std::unique_ptr<Job> job) { waiting_.Push(std::move(job)); }
   // The waiting requests by class (Engine::SubmitGroup weighs an arrival against them).
@@ -60,13 +62,35 @@ class FamilyScheduler {
   virtual int64_t slots_total() const = 0;
   virtual int64_t slots_used() const = 0;
   bool idle() const { return queued() == 0 && active() == 0; }
+  // Steps that failed since the last one that did not (ModelLoad::failed_steps_in_a_row).
+  int64_t failed_steps_in_a_row() const { return failed_in_a_row_; }
+  const std::string& last_step_error() const { return last_error_; }
   // The earliest deadline of any request (max() if none).
   virtual Clock::time_point next_deadline() const = 0;
 
  protected:
   // Frees what a waiting request still holds (a preempted request's suspended state).
   virtual void Discard(Job& job) {}
+  // Inside a step's error handling, before its forward: throws while EngineOptions::fail_steps
+  // is positive.
+  void InjectFailure() {
+    if (fail_steps_ == nullptr) return;
+    int64_t n = fail_steps_->load();
+    while (n > 0 && !fail_steps_->compare_exchange_weak(n, n - 1)) {
+    }
+    if (n > 0) throw std::runtime_error("injected step failure (EngineOptions::fail_steps)");
+  }
+  // A step's outcome, for failed_steps_in_a_row.
+  void CountStep(const Status& st) {
+    failed_in_a_row_ = st.ok() ? 0 : failed_in_a_row_ + 1;
+    if (!st.ok()) last_error_ = st.message();
+  }
   WaitQueue waiting_;
+
+ private:
+  std::shared_ptr<std::atomic<int64_t>> fail_steps_;
+  int64_t failed_in_a_row_ = 0;
+  std::string last_error_;
 };
 
 }  // namespace imagegen

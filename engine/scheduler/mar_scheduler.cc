@@ -494,10 +494,12 @@ void MarScheduler::Step(Outcomes& out) {
   const auto t0 = Clock::now();
   Status st;
   try {
+    InjectFailure();
     st = StepImpl();
   } catch (const std::exception& e) {
     st = Internal(std::string("step failed: ") + e.what());
   }
+  CountStep(st);
   StepSample sample;
   sample.model = model_.name;
   sample.requests = static_cast<int64_t>(active_.size());

@@ -531,10 +531,12 @@ void ModelScheduler::Step(Outcomes& out) {
   Status st;
   const int64_t captures = batch_.graph_captures();
   try {
+    InjectFailure();
     st = batch_.Step(grants);
   } catch (const std::exception& e) {
     st = Internal(std::string("step failed: ") + e.what());
   }
+  CountStep(st);
   if (!st.ok()) {
     // The requests in the batch cannot go on (a failing forward would fail again), so they
     // end with the error and the engine serves the rest.
