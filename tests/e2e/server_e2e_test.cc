@@ -1203,8 +1203,9 @@ TEST(E2eTest, RequestLogNamesEveryCallByTheIdItEchoes) {
   EXPECT_NE(log.find("imagegen-server: stopped: 1 images"), std::string::npos) << log;
 }
 
-// A real Prometheus server scrapes the daemon with deploy/prometheus.yml (target and interval
-// adapted to the test), and its HTTP API gives the acceptance rate and NFE per image.
+// A real Prometheus server scrapes the daemon with deploy/prometheus.yml (target and intervals
+// adapted to the test), and its HTTP API gives the acceptance rate and NFE per image; it loads
+// the alerting rules (deploy/prometheus-rules.yml) and evaluates them without error.
 TEST(E2eTest, PrometheusScrapesAcceptanceRateAndNfe) {
   Daemon d("prometheus");
   d.WaitReady();
@@ -1244,7 +1245,14 @@ TEST(E2eTest, PrometheusScrapesAcceptanceRateAndNfe) {
   config = std::regex_replace(config, std::regex("imagegen:9464"),
                               "127.0.0.1:" + std::to_string(d.metrics_port()));
   config = std::regex_replace(config, std::regex("scrape_interval: \\w+"), "scrape_interval: 1s");
+  config = std::regex_replace(config, std::regex("evaluation_interval: \\w+"),
+                              "evaluation_interval: 1s");
   { std::ofstream(dir + "/prometheus.yml") << config; }
+  // The alerting rules beside it, as prometheus.yml names them.
+  {
+    std::ofstream(dir + "/prometheus-rules.yml")
+        << Slurp(std::string(SourceDir()) + "/deploy/prometheus-rules.yml");
+  }
   const int port = FreePort();
   Process prom({"/usr/bin/prometheus", "--config.file=" + dir + "/prometheus.yml",
                 "--storage.tsdb.path=" + dir + "/tsdb",
@@ -1285,6 +1293,29 @@ TEST(E2eTest, PrometheusScrapesAcceptanceRateAndNfe) {
   EXPECT_LT(per_image["scd-mc"], 150.0);
   std::printf("Prometheus: acceptance rate scd-mc %.3f; NFE per image ar %.0f, scd-mc %.1f\n",
               acc["scd-mc"], per_image["ar"], per_image["scd-mc"]);
+  // The real Prometheus loaded deploy/prometheus-rules.yml and evaluates every rule without an
+  // error against this daemon's series; on a healthy daemon none fires.
+  using nlohmann::json;
+  int rules = 0, evaluated = 0, firing = -1;  // as of the last answer
+  for (int i = 0; i < 600 && evaluated < 5; ++i) {
+    std::this_thread::sleep_for(milliseconds(100));
+    auto [code, body] = HttpGet(port, "/api/v1/rules?type=alert");
+    const json j = json::parse(body, nullptr, /*allow_exceptions=*/false);
+    if (code != 200 || !j.is_object()) continue;
+    rules = evaluated = firing = 0;
+    for (const json& g : j.value(json::json_pointer("/data/groups"), json::array())) {
+      for (const json& r : g.value("rules", json::array())) {
+        rules += 1;
+        evaluated += r.value("health", std::string()) == "ok" ? 1 : 0;
+        firing += r.value("state", std::string()) == "inactive" ? 0 : 1;
+      }
+    }
+  }
+  EXPECT_EQ(rules, 5) << prom.Log();
+  EXPECT_EQ(evaluated, 5) << prom.Log();
+  EXPECT_EQ(firing, 0);
+  std::printf("Prometheus: %d alerting rules loaded, %d evaluated, %d pending or firing\n", rules,
+              evaluated, firing);
 }
 
 // --help lists each program's own flags (it listed none: Abseil looks for a source file named
