@@ -1,9 +1,12 @@
-// Waiting for a condition in tests: poll it with a generous limit, never a fixed sleep (a
-// loaded machine makes any fixed wait too short).
+// Waiting in tests: for a condition, polled with a generous limit, never a fixed sleep (a
+// loaded machine makes any fixed wait too short); and a gate that holds a thread until the test
+// opens it.
 #pragma once
 
 #include <chrono>
+#include <condition_variable>
 #include <functional>
+#include <mutex>
 #include <thread>
 
 namespace imagegen::testing {
@@ -17,5 +20,24 @@ inline bool WaitUntil(const std::function<bool()>& done, std::chrono::seconds li
   }
   return true;
 }
+
+// A one-way gate: Wait() blocks until Open().
+class Gate {
+ public:
+  void Open() {
+    std::lock_guard<std::mutex> l(mu_);
+    open_ = true;
+    cv_.notify_all();
+  }
+  void Wait() {
+    std::unique_lock<std::mutex> l(mu_);
+    cv_.wait(l, [&] { return open_; });
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool open_ = false;
+};
 
 }  // namespace imagegen::testing

@@ -1603,22 +1603,13 @@ TEST(EngineTest, ShutdownDeliversEveryImageStillBeingDecoded) {
 class StepHolder : public Recorder {
  public:
   void OnStep(const StepEvent& e) override {
-    {
-      std::unique_lock<std::mutex> l(hmu_);
-      hcv_.wait(l, [&] { return released_; });
-    }
+    release_.Wait();
     Recorder::OnStep(e);
   }
-  void Release() {
-    std::lock_guard<std::mutex> l(hmu_);
-    released_ = true;
-    hcv_.notify_all();
-  }
+  void Release() { release_.Open(); }
 
  private:
-  std::mutex hmu_;
-  std::condition_variable hcv_;
-  bool released_ = false;
+  testing::Gate release_;
 };
 
 // Engine::Progress's failed steps (the daemon's --engine-failed-steps): counted per model in a
@@ -1648,8 +1639,9 @@ TEST(EngineTest, ProgressCountsStepsThatFailInARowUntilOneSucceeds) {
   EXPECT_EQ(engine->Stats().failed, 3);
 }
 
-// Engine::Progress, which the daemon's liveness reads (--stall-seconds): the seconds a thread's
-// work has waited on it count only while it has work, and name the thread that holds it up.
+// Engine::Progress, which the daemon's liveness reads (--engine-stall-seconds): the seconds a
+// thread's work has waited on it count only while it has work, and name the thread that holds it
+// up.
 TEST(EngineTest, ProgressCountsOnlyWorkThatWaitsAndNamesTheThreadHoldingItUp) {
   auto engine = StartOrDie(DecodeOptions(1));
   EngineProgress p = engine->Progress();

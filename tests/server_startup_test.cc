@@ -32,25 +32,6 @@ using std::chrono::seconds;
 
 constexpr char kService[] = "imagegen.v1.ImageGeneration";
 
-// A one-way gate: Wait() blocks until Open().
-class Gate {
- public:
-  void Open() {
-    std::lock_guard<std::mutex> l(mu_);
-    open_ = true;
-    cv_.notify_all();
-  }
-  void Wait() {
-    std::unique_lock<std::mutex> l(mu_);
-    cv_.wait(l, [&] { return open_; });
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool open_ = false;
-};
-
 server::DaemonOptions Options() {
   server::DaemonOptions o;
   o.listen = "127.0.0.1:0";
@@ -170,7 +151,11 @@ TEST(ServerStartupTest, AliveAtOnceNotReadyWhileTheModelsLoadThenServing) {
   EXPECT_NE(c.Health(""), HealthCheckResponse::SERVING);
 }
 
-// An engine that cannot start leaves the daemon alive but never ready; the error comes back.
+// GET `path` on one of the daemon's HTTP ports; the raw response ("" if none came).
+std::string Get(int port, const std::string& path) {
+  return Fetch(port, "GET " + path + " HTTP/1.0\r\n\r\n");
+}
+
 // The engine's listener (the daemon's metrics), held in its OnStep on demand: the engine
 // thread wedged inside a step, as a hung device would leave it.
 class HoldingListener : public EngineListener {
@@ -212,15 +197,12 @@ TEST(ServerStartupTest, AWedgedEngineFailsLivenessUntilItMovesAgain) {
                  return Engine::Start(eo, holder.get());
                }).ok());
   Client c(d->port());
-  auto get = [&](int port, const std::string& path) {
-    return Fetch(port, "GET " + path + " HTTP/1.0\r\n\r\n");
-  };
   ASSERT_EQ(c.Health(""), HealthCheckResponse::SERVING);
   ASSERT_EQ(c.Health(kService), HealthCheckResponse::SERVING);
   // Idle for longer than the limit is not a stall.
   std::this_thread::sleep_for(milliseconds(1500));
   EXPECT_EQ(c.Health(""), HealthCheckResponse::SERVING);
-  EXPECT_NE(get(d->http_port(), "/health/live").find(" 200 "), std::string::npos);
+  EXPECT_NE(Get(d->http_port(), "/health/live").find(" 200 "), std::string::npos);
 
   holder->Hold(true);
   grpc::Status generated = grpc::Status(grpc::StatusCode::UNKNOWN, "not returned");
@@ -237,12 +219,12 @@ TEST(ServerStartupTest, AWedgedEngineFailsLivenessUntilItMovesAgain) {
   ASSERT_TRUE(
       WaitUntil([&] { return c.Health("") == HealthCheckResponse::NOT_SERVING; }, seconds(120)));
   EXPECT_EQ(c.Health(kService), HealthCheckResponse::NOT_SERVING);
-  const std::string live = get(d->http_port(), "/health/live");
+  const std::string live = Get(d->http_port(), "/health/live");
   EXPECT_NE(live.find(" 503 "), std::string::npos) << live;
   EXPECT_NE(live.find(R"("status":"stalled")"), std::string::npos) << live;
   EXPECT_NE(live.find(R"("thread":"engine")"), std::string::npos) << live;
-  EXPECT_NE(get(d->http_port(), "/health").find(" 503 "), std::string::npos);
-  const std::string metrics = get(d->metrics_port(), "/metrics");
+  EXPECT_NE(Get(d->http_port(), "/health").find(" 503 "), std::string::npos);
+  const std::string metrics = Get(d->metrics_port(), "/metrics");
   EXPECT_NE(metrics.find("imagegen_engine_unhealthy_total{reason=\"stalled\"} 1"),
             std::string::npos)
       << metrics;
@@ -258,7 +240,7 @@ TEST(ServerStartupTest, AWedgedEngineFailsLivenessUntilItMovesAgain) {
   call.join();
   EXPECT_TRUE(generated.ok()) << generated.error_message();
   EXPECT_EQ(image.tokens_size(), 196);
-  EXPECT_NE(get(d->http_port(), "/health/live").find(" 200 "), std::string::npos);
+  EXPECT_NE(Get(d->http_port(), "/health/live").find(" 200 "), std::string::npos);
   EXPECT_EQ(d->Stop(seconds(30)).completed, 1);
 }
 
@@ -279,9 +261,6 @@ TEST(ServerStartupTest, AnEngineWhoseStepsAllFailTurnsNotServingUntilOneSucceeds
                  return Engine::Start(with, listener);
                }).ok());
   Client c(d->port());
-  auto get = [&](int port, const std::string& path) {
-    return Fetch(port, "GET " + path + " HTTP/1.0\r\n\r\n");
-  };
   fail->store(2);
   v1::GenerateResponse r;
   grpc::Status first = c.Generate("ar", &r);
@@ -294,12 +273,12 @@ TEST(ServerStartupTest, AnEngineWhoseStepsAllFailTurnsNotServingUntilOneSucceeds
   ASSERT_TRUE(
       WaitUntil([&] { return c.Health("") == HealthCheckResponse::NOT_SERVING; }, seconds(120)));
   EXPECT_EQ(c.Health(kService), HealthCheckResponse::NOT_SERVING);
-  const std::string live = get(d->http_port(), "/health/live");
+  const std::string live = Get(d->http_port(), "/health/live");
   EXPECT_NE(live.find(" 503 "), std::string::npos) << live;
   EXPECT_NE(live.find(R"("status":"failing")"), std::string::npos) << live;
   EXPECT_NE(live.find(R"("failed_steps":2)"), std::string::npos) << live;
   EXPECT_NE(live.find("injected step failure"), std::string::npos) << live;
-  const std::string metrics = get(d->metrics_port(), "/metrics");
+  const std::string metrics = Get(d->metrics_port(), "/metrics");
   EXPECT_NE(metrics.find("imagegen_engine_unhealthy_total{reason=\"failing\"} 1"),
             std::string::npos)
       << metrics;
@@ -312,10 +291,11 @@ TEST(ServerStartupTest, AnEngineWhoseStepsAllFailTurnsNotServingUntilOneSucceeds
   EXPECT_TRUE(
       WaitUntil([&] { return c.Health("") == HealthCheckResponse::SERVING; }, seconds(120)));
   EXPECT_EQ(c.Health(kService), HealthCheckResponse::SERVING);
-  EXPECT_NE(get(d->http_port(), "/health").find(" 200 "), std::string::npos);
+  EXPECT_NE(Get(d->http_port(), "/health").find(" 200 "), std::string::npos);
   d->Stop(seconds(30));
 }
 
+// An engine that cannot start leaves the daemon alive but never ready; the error comes back.
 TEST(ServerStartupTest, AFailedStartIsReturnedAndTheServiceStaysNotServing) {
   auto listening = server::Daemon::Listen(Options());
   ASSERT_TRUE(listening.ok()) << listening.status().ToString();
