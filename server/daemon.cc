@@ -1,12 +1,15 @@
 #include "server/daemon.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
+#include <functional>
 #include <map>
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
 
+#include "engine/decoding/policy.h"
 #include "engine/util/read_file.h"
 
 namespace imagegen::server {
@@ -20,6 +23,36 @@ StatusOr<std::string> ReadFile(const std::string& flag, const std::string& path)
   if (!data.ok()) return InvalidArgument(flag + ": " + data.status().message());
   return data;
 }
+
+// The failing check's probe (DaemonOptions::engine_probe_seconds). It reports once how it
+// went: "ok" from its first step, before the engine publishes that the model's failed steps
+// in a row are 0 again (so the "ok" is counted before health can turn SERVING), "failed" when
+// it ended INTERNAL before a step (its step failed), "not_run" when it ended otherwise before a
+// step (shut down, displaced). It cancels its request after that first step, and says when the
+// request has left the engine.
+class ProbeObserver : public RequestObserver {
+ public:
+  using Outcome = std::function<void(const std::string& outcome, const Status& status)>;
+  ProbeObserver(Engine* engine, Outcome outcome, std::function<void()> left)
+      : engine_(engine), outcome_(std::move(outcome)), left_(std::move(left)) {}
+  void OnStep(const StepEvent& e) override {
+    if (stepped_.exchange(true)) return;
+    outcome_("ok", OkStatus());
+    engine_->Cancel(e.request_id);  // the engine thread holds no lock of the engine's here
+  }
+  void OnComplete(RequestResult) override { Left(OkStatus()); }
+  void OnError(const Status& s) override { Left(s); }
+
+ private:
+  void Left(const Status& s) {
+    if (!stepped_) outcome_(s.code() == Code::kInternal ? "failed" : "not_run", s);
+    left_();
+  }
+  Engine* const engine_;
+  const Outcome outcome_;
+  const std::function<void()> left_;
+  std::atomic<bool> stepped_{false};
+};
 
 }  // namespace
 
@@ -56,6 +89,9 @@ StatusOr<std::unique_ptr<Daemon>> Daemon::Listen(const DaemonOptions& options) {
   }
   if (options.engine_failed_steps < 0) {
     return InvalidArgument("--engine-failed-steps: must be >= 0 (0: off)");
+  }
+  if (!(options.engine_probe_seconds >= 0)) {
+    return InvalidArgument("--engine-probe-seconds: must be >= 0 (0: off)");
   }
   if (options.stream_stall_ms < 100) {
     return InvalidArgument("--stream-stall-seconds: must be at least 0.1");
@@ -161,12 +197,16 @@ void Daemon::WatchProgress() {
   const double every = stall > 0 ? std::clamp(stall / 4, 0.01, 1.0) : 1.0;
   const auto period = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
       std::chrono::duration<double>(every));
+  const auto probe_every = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+      std::chrono::duration<double>(options_.engine_probe_seconds));
   grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
-  std::string unhealthy;  // the reason in force; empty: healthy
+  std::string unhealthy;                             // the reason in force; empty: healthy
+  std::chrono::steady_clock::time_point last_probe;  // or since failing, when none since
   std::unique_lock<std::mutex> l(stats_mu_);
   while (!stats_cv_.wait_for(l, period, [&] { return stats_stop_; })) {
     l.unlock();
     const EngineProgress p = engine_->Progress();
+    const auto now = std::chrono::steady_clock::now();
     std::string reason;
     char what[512];
     if (stall > 0 && p.seconds() > stall) {
@@ -192,9 +232,52 @@ void Daemon::WatchProgress() {
       health->SetServingStatus("", reason.empty());
       health->SetServingStatus(kServiceName, reason.empty());
       unhealthy = reason;
+      last_probe = now;
+    }
+    // A failing engine out of the endpoints gets no calls whose steps could succeed: it
+    // tries a step of its own now and then.
+    if (reason == "failing" && options_.engine_probe_seconds > 0 && !probing_ &&
+        now - last_probe >= probe_every) {
+      Probe(p.failed_model);
+      last_probe = now;
     }
     l.lock();
   }
+}
+
+bool Daemon::Probe(const std::string& model) {
+  const ModelInfo* info = nullptr;
+  for (const ModelInfo& m : engine_->Models()) {
+    if (m.name == model) info = &m;
+  }
+  if (info == nullptr) return false;
+  GenerateParams p;
+  p.model = model;
+  p.policy = *PolicyFromPreset(info->continuous ? "mar" : "ar");
+  if (info->prompted) {
+    p.prompt_token_ids = {0};
+  } else {
+    p.class_id = 0;
+  }
+  p.seed = 0;
+  p.decode_image = false;
+  p.client = "imagegen-health-probe";
+  auto outcome = [this, model](const std::string& how, const Status& st) {
+    metrics_.OnEngineProbe(model, how);
+    log_->Message("engine probe of model " + model + ": " +
+                  (how == "ok"       ? std::string("its step succeeded")
+                   : how == "failed" ? "its step failed (" + st.message().substr(0, 300) + ")"
+                                     : "not run (" + st.message().substr(0, 300) + ")"));
+  };
+  probing_ = true;
+  StatusOr<int64_t> id = engine_->Submit(
+      std::move(p),
+      std::make_shared<ProbeObserver>(engine_.get(), outcome, [this] { probing_ = false; }));
+  if (!id.ok()) {
+    outcome("not_run", id.status());
+    probing_ = false;
+  }
+  return id.ok();
 }
 
 void Daemon::ReportStats() {

@@ -15,6 +15,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -55,6 +56,12 @@ struct DaemonOptions {
   // failed_steps) turns them NOT_SERVING too once this many steps of one model failed in a
   // row, until one succeeds; 0: off.
   int64_t engine_failed_steps = 5;
+  // While the failing check holds health NOT_SERVING, a probe every this many seconds: one
+  // step of an AR request of the failing model, cancelled once it has stepped, so that an
+  // engine that readiness took out of the endpoints (and that gets no traffic to succeed on)
+  // finds out that its steps succeed again, and a transient run of failures does not end in a
+  // restart. 0: no probes (only real calls' steps turn it back).
+  double engine_probe_seconds = 10;
   // The log on stderr (server/request_log.h): a line per generation call, and a stats line per
   // busy model every `log_stats_seconds` (0: none).
   bool log_requests = true;
@@ -109,11 +116,15 @@ class Daemon {
   Daemon(const DaemonOptions& options, TokenAuth auth, TrustedProxies proxies, LogFormat format);
   void ReportStats();    // the stats thread's loop
   void WatchProgress();  // the health watch's loop (engine_stall_seconds, engine_failed_steps)
+  // Submits the failing check's probe of `model` (engine_probe_seconds); false when none went.
+  bool Probe(const std::string& model);
 
   const DaemonOptions options_;
   const TokenAuth auth_;
   bool tls_ = false;
   std::unique_ptr<RequestLog> log_;  // destroyed last: what is queued is written
+  // A probe is in the engine (Probe; its observer clears it, so it outlives the engine).
+  std::atomic<bool> probing_{false};
   // Destroyed bottom-up, after Stop(): the (stopped) HTTP API and /metrics first (its gauges
   // read the engine), then the engine, the (stopped) gRPC server, the service, and the metrics
   // the engine reported to.

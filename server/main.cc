@@ -155,6 +155,10 @@ ABSL_FLAG(int64_t, engine_failed_steps, 5,
           "an engine that moves but fails (a sticky device error): once this many steps of one "
           "model have failed in a row (their requests ended INTERNAL), health turns NOT_SERVING "
           "as for a stall, until a step succeeds; 0: off");
+ABSL_FLAG(double, engine_probe_seconds, 10,
+          "while --engine-failed-steps holds health NOT_SERVING, a probe every this many "
+          "seconds (one step of an AR request of the failing model, then cancelled), so that a "
+          "replica without traffic turns SERVING again once its steps succeed; 0: off");
 ABSL_FLAG(std::string, http_listen, "",
           "OpenAI-compatible HTTP API address (host:port: POST /v1/images/generations, GET "
           "/v1/models, and the playground page at /); empty: off");
@@ -233,6 +237,7 @@ int main(int argc, char** argv) {
   o.max_images = absl::GetFlag(FLAGS_max_images);
   o.engine_stall_seconds = absl::GetFlag(FLAGS_engine_stall_seconds);
   o.engine_failed_steps = absl::GetFlag(FLAGS_engine_failed_steps);
+  o.engine_probe_seconds = absl::GetFlag(FLAGS_engine_probe_seconds);
   o.log_requests = absl::GetFlag(FLAGS_log_requests);
   o.log_format = absl::GetFlag(FLAGS_log_format);
   o.log_stats_seconds = absl::GetFlag(FLAGS_log_stats_seconds);

@@ -329,7 +329,13 @@ Metrics::Metrics()
                                   "stalled (its work waited --engine-stall-seconds on a thread "
                                   "that did not move), failing (--engine-failed-steps steps of "
                                   "a model failed in a row)")
-                            .Register(*registry_)) {
+                            .Register(*registry_)),
+      engine_probes_(BuildCounter()
+                         .Name("imagegen_engine_probes_total")
+                         .Help("Probes of a failing model (--engine-probe-seconds: one step of "
+                               "an AR request while health is NOT_SERVING for failing steps), "
+                               "by outcome: ok (the step succeeded), failed, not_run")
+                         .Register(*registry_)) {
   info_.Add({{"version", "0.1.0"}}).Set(1);
   for (const char* reason : {"stalled", "failing"}) engine_unhealthy_.Add({{"reason", reason}});
 }
@@ -343,11 +349,19 @@ void Metrics::OnStreamStalled() { stream_stalls_.Increment(); }
 void Metrics::OnEngineUnhealthy(const std::string& reason) {
   engine_unhealthy_.Add({{"reason", reason}}).Increment();
 }
+void Metrics::OnEngineProbe(const std::string& model, const std::string& outcome) {
+  engine_probes_.Add({{"model", ModelLabel(model)}, {"outcome", outcome}}).Increment();
+}
 
 void Metrics::SetEngine(const Engine* engine) {
   {
     std::lock_guard<std::mutex> l(mu_);
     for (const ModelInfo& m : engine->Models()) models_.push_back(m.name);
+  }
+  for (const ModelInfo& m : engine->Models()) {
+    for (const char* outcome : {"ok", "failed"}) {
+      engine_probes_.Add({{"model", m.name}, {"outcome", outcome}});
+    }
   }
   static_cast<EngineGauges*>(gauges_.get())->Set(engine);
 }

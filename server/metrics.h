@@ -67,6 +67,10 @@ class Metrics : public EngineListener {
   void OnStreamStalled();
   // The daemon's health watch declared the engine unhealthy: "stalled" or "failing".
   void OnEngineUnhealthy(const std::string& reason);
+  // A probe of a failing model ended (DaemonOptions::engine_probe_seconds): "ok" (its step
+  // succeeded), "failed" (its step failed) or "not_run" (it ended before a step: queue full,
+  // shutting down).
+  void OnEngineProbe(const std::string& model, const std::string& outcome);
 
   // Mean seconds of a recent image's generation (for RetryInfo), 1 s before any.
   double RecentGenerationSeconds() const;
@@ -124,6 +128,7 @@ class Metrics : public EngineListener {
   prometheus::Counter& call_retries_;
   prometheus::Counter& stream_stalls_;
   prometheus::Family<prometheus::Counter>& engine_unhealthy_;
+  prometheus::Family<prometheus::Counter>& engine_probes_;
 
   mutable std::mutex mu_;
   std::map<std::pair<std::string, std::string>, PerMethod> per_method_;

@@ -251,6 +251,7 @@ TEST(ServerStartupTest, AnEngineWhoseStepsAllFailTurnsNotServingUntilOneSucceeds
   server::DaemonOptions o = Options();
   o.http_listen = "127.0.0.1:0";
   o.engine_failed_steps = 2;
+  o.engine_probe_seconds = 0;  // a call's step turns it back (the next test: a probe's)
   auto fail = std::make_shared<std::atomic<int64_t>>(0);
   auto listening = server::Daemon::Listen(o);
   ASSERT_TRUE(listening.ok()) << listening.status().ToString();
@@ -292,6 +293,61 @@ TEST(ServerStartupTest, AnEngineWhoseStepsAllFailTurnsNotServingUntilOneSucceeds
       WaitUntil([&] { return c.Health("") == HealthCheckResponse::SERVING; }, seconds(120)));
   EXPECT_EQ(c.Health(kService), HealthCheckResponse::SERVING);
   EXPECT_NE(Get(d->http_port(), "/health").find(" 200 "), std::string::npos);
+  d->Stop(seconds(30));
+}
+
+// A failing engine that readiness took out of the endpoints gets no calls: it probes itself
+// (--engine-probe-seconds), each probe one step of an AR request. A probe whose step fails
+// counts as a failed step and leaves it NOT_SERVING; the first whose step succeeds turns it
+// SERVING without any call. Probes are not calls: the request metrics do not count them.
+TEST(ServerStartupTest, AFailingEngineWithoutCallsProbesItselfBackToServing) {
+  server::DaemonOptions o = Options();
+  o.engine_failed_steps = 2;
+  o.engine_probe_seconds = 0.01;  // the watch's own period (1 s) paces them
+  auto fail = std::make_shared<std::atomic<int64_t>>(0);
+  auto listening = server::Daemon::Listen(o);
+  ASSERT_TRUE(listening.ok()) << listening.status().ToString();
+  std::unique_ptr<server::Daemon> d = std::move(listening).value();
+  ASSERT_TRUE(d->Load([&](const EngineOptions& eo, EngineListener* listener) {
+                 EngineOptions with = eo;
+                 with.fail_steps = fail;
+                 return Engine::Start(with, listener);
+               }).ok());
+  Client c(d->port());
+  fail->store(3);  // the two calls' steps and the first probe's
+  v1::GenerateResponse r;
+  EXPECT_EQ(c.Generate("ar", &r).error_code(), grpc::StatusCode::INTERNAL);
+  EXPECT_EQ(c.Generate("ar", &r).error_code(), grpc::StatusCode::INTERNAL);
+  ASSERT_TRUE(
+      WaitUntil([&] { return c.Health("") == HealthCheckResponse::NOT_SERVING; }, seconds(120)));
+  auto metrics = [&] { return Get(d->metrics_port(), "/metrics"); };
+  auto has = [](const std::string& text, const std::string& line) {
+    return text.find(line) != std::string::npos;
+  };
+  // The first probe's step fails: a third failed step in a row, and still NOT_SERVING.
+  ASSERT_TRUE(WaitUntil(
+      [&] {
+        return has(metrics(),
+                   "imagegen_engine_probes_total{model=\"fmnist-gpt\",outcome=\"failed\"} 1");
+      },
+      seconds(120)))
+      << metrics();
+  EXPECT_EQ(fail->load(), 0);
+  // The next one's succeeds, with no call.
+  ASSERT_TRUE(
+      WaitUntil([&] { return c.Health("") == HealthCheckResponse::SERVING; }, seconds(120)));
+  EXPECT_EQ(c.Health(kService), HealthCheckResponse::SERVING);
+  const std::string after = metrics();
+  EXPECT_TRUE(has(after, "imagegen_engine_probes_total{model=\"fmnist-gpt\",outcome=\"ok\"} 1"))
+      << after;
+  EXPECT_TRUE(has(after, "imagegen_engine_probes_total{model=\"fmnist-gpt\",outcome=\"failed\"} 1"))
+      << after;
+  EXPECT_TRUE(has(after, "imagegen_engine_failed_steps_in_a_row{model=\"fmnist-gpt\"} 0")) << after;
+  EXPECT_TRUE(has(after, "imagegen_engine_unhealthy_total{reason=\"failing\"} 1")) << after;
+  EXPECT_TRUE(has(
+      after, "imagegen_requests_total{method=\"ar\",model=\"fmnist-gpt\",outcome=\"internal\"} 2"))
+      << after;
+  EXPECT_FALSE(has(after, "outcome=\"cancelled\"")) << after;
   d->Stop(seconds(30));
 }
 
@@ -337,6 +393,10 @@ TEST(ServerStartupTest, BadOptionsAreRefused) {
   o.engine_failed_steps = -1;
   bad = server::Daemon::Listen(o).status();
   EXPECT_NE(bad.message().find("--engine-failed-steps"), std::string::npos) << bad.ToString();
+  o = Options();
+  o.engine_probe_seconds = -1;
+  bad = server::Daemon::Listen(o).status();
+  EXPECT_NE(bad.message().find("--engine-probe-seconds"), std::string::npos) << bad.ToString();
   o = Options();
   o.default_method = "no-such-method";
   auto d = server::Daemon::Listen(o);
