@@ -86,6 +86,14 @@ grpc::Status FieldStatus(grpc::StatusCode code, const std::string& field,
   return WithDetail(code, field + ": " + description, br);
 }
 
+grpc::Status RetryLater(grpc::StatusCode code, const std::string& message, double retry_seconds) {
+  google::rpc::RetryInfo ri;
+  const double s = std::max(retry_seconds, 0.0);
+  ri.mutable_retry_delay()->set_seconds(static_cast<int64_t>(s));
+  ri.mutable_retry_delay()->set_nanos(static_cast<int32_t>((s - std::floor(s)) * 1e9));
+  return WithDetail(code, message, ri);
+}
+
 }  // namespace
 
 grpc::Status BadField(const std::string& field, const std::string& description) {
@@ -97,11 +105,11 @@ grpc::Status DeniedField(const std::string& field, const std::string& descriptio
 }
 
 grpc::Status Overloaded(const std::string& message, double retry_seconds) {
-  google::rpc::RetryInfo ri;
-  const double s = std::max(retry_seconds, 0.0);
-  ri.mutable_retry_delay()->set_seconds(static_cast<int64_t>(s));
-  ri.mutable_retry_delay()->set_nanos(static_cast<int32_t>((s - std::floor(s)) * 1e9));
-  return WithDetail(grpc::StatusCode::RESOURCE_EXHAUSTED, message, ri);
+  return RetryLater(grpc::StatusCode::RESOURCE_EXHAUSTED, message, retry_seconds);
+}
+
+grpc::Status UnavailableFor(const std::string& message, double retry_seconds) {
+  return RetryLater(grpc::StatusCode::UNAVAILABLE, message, retry_seconds);
 }
 
 std::string ProtoField(const std::string& f, const v1::GenerateRequest& req) {

@@ -23,6 +23,9 @@ grpc::Status DeniedField(const std::string& field, const std::string& descriptio
 
 // RESOURCE_EXHAUSTED with a google.rpc.RetryInfo asking the client to wait `retry_seconds`.
 grpc::Status Overloaded(const std::string& message, double retry_seconds);
+// UNAVAILABLE with the same RetryInfo: this replica cannot serve the call now (its engine is
+// unhealthy); a client's retry policy takes it elsewhere, or here after the delay.
+grpc::Status UnavailableFor(const std::string& message, double retry_seconds);
 
 // Fills `out` (everything but the deadline) from `req`; `default_method` when req.method is
 // empty. Errors name the proto field ("top_p", "policy.tree_depth", "class_name", ...).

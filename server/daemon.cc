@@ -220,12 +220,30 @@ void Daemon::WatchProgress() {
                     static_cast<long long>(p.failed_steps), p.failed_model.c_str(),
                     p.last_error.substr(0, 300).c_str());
     }
+    if (!reason.empty() || reason != unhealthy) {
+      // New calls are refused while the engine cannot serve them: all while it is stalled; the
+      // failing model's while it is failing, when the probe is there to find out that its steps
+      // work again (without probes a call's step is the only way back, so calls are taken).
+      EngineHealth h;
+      h.reason = reason;
+      h.model = reason == "failing" ? p.failed_model : "";
+      h.what = reason.empty() ? "" : what;
+      h.refuse = reason == "stalled" || (reason == "failing" && options_.engine_probe_seconds > 0);
+      h.retry_seconds = reason == "failing" ? options_.engine_probe_seconds : every;
+      service_.SetUnhealthy(std::move(h));
+    }
     if (reason != unhealthy) {
-      service_.SetUnhealthy(reason);
       if (!reason.empty()) {
         metrics_.OnEngineUnhealthy(reason);
-        log_->Message("engine " + reason + ": " + what + "; health NOT_SERVING until it " +
-                      (reason == "stalled" ? "moves" : "steps without failing"));
+        const bool probed = options_.engine_probe_seconds > 0;
+        char every_probe[32];
+        std::snprintf(every_probe, sizeof every_probe, "%g", options_.engine_probe_seconds);
+        log_->Message("engine " + reason + ": " + what + "; health NOT_SERVING" +
+                      (reason == "stalled" ? " and new calls refused until it moves"
+                       : probed            ? " and calls of model " + p.failed_model +
+                                      " refused until a step of it succeeds (a probe step every " +
+                                      every_probe + " s)"
+                                : " until it steps without failing"));
       } else {
         log_->Message("engine healthy again (was " + unhealthy + "); health SERVING");
       }

@@ -47,7 +47,7 @@ int64_t UnixNow() {
 struct HttpError {
   unsigned status = MHD_HTTP_INTERNAL_SERVER_ERROR;
   std::string type = "server_error", message, param, code;
-  double retry_after = -1;  // seconds (429)
+  double retry_after = -1;  // seconds (429; 503 of an unhealthy engine)
 };
 
 json ErrorJson(const HttpError& e) {
@@ -77,6 +77,15 @@ HttpError FromGrpc(const grpc::Status& st) {
   google::rpc::Status details;
   const bool has_details =
       !st.error_details().empty() && details.ParseFromString(st.error_details());
+  auto retry_info = [&] {  // RetryInfo's delay as Retry-After
+    for (int i = 0; has_details && i < details.details_size(); ++i) {
+      google::rpc::RetryInfo ri;
+      if (details.details(i).UnpackTo(&ri)) {
+        e.retry_after =
+            static_cast<double>(ri.retry_delay().seconds()) + ri.retry_delay().nanos() / 1e9;
+      }
+    }
+  };
   switch (st.error_code()) {
     case grpc::StatusCode::INVALID_ARGUMENT:
       e.status = MHD_HTTP_BAD_REQUEST;
@@ -120,17 +129,12 @@ HttpError FromGrpc(const grpc::Status& st) {
       e.type = "rate_limit_error";
       e.code = "rate_limit_exceeded";
       e.retry_after = 1;
-      for (int i = 0; has_details && i < details.details_size(); ++i) {
-        google::rpc::RetryInfo ri;
-        if (details.details(i).UnpackTo(&ri)) {
-          e.retry_after =
-              static_cast<double>(ri.retry_delay().seconds()) + ri.retry_delay().nanos() / 1e9;
-        }
-      }
+      retry_info();
       break;
     case grpc::StatusCode::UNAVAILABLE:
       e.status = MHD_HTTP_SERVICE_UNAVAILABLE;
       e.code = "unavailable";
+      retry_info();  // an unhealthy engine's refusal says when to come back; loading does not
       break;
     case grpc::StatusCode::DEADLINE_EXCEEDED:
       e.status = MHD_HTTP_GATEWAY_TIMEOUT;

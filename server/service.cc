@@ -608,6 +608,25 @@ grpc::Status ImageGenerationService::CheckRequestId(const std::string& request_i
   return BadField("x-request-id", RequestIdError(request_id));
 }
 
+grpc::Status ImageGenerationService::RefuseIfUnhealthy(const std::string& model) const {
+  EngineHealth h;
+  {
+    std::lock_guard<std::mutex> l(unhealthy_mu_);
+    if (!unhealthy_.refuse) return grpc::Status::OK;
+    h = unhealthy_;
+  }
+  if (h.reason == "failing") {
+    if (ModelName(model) != h.model) return grpc::Status::OK;  // another model's steps work
+    return UnavailableFor("engine failing: " + h.what + "; calls of model " + h.model +
+                              " are refused here until one of its steps succeeds: retry on "
+                              "another replica",
+                          h.retry_seconds);
+  }
+  return UnavailableFor("engine " + h.reason + ": " + h.what +
+                            "; calls are refused here until it moves: retry on another replica",
+                        h.retry_seconds);
+}
+
 Caller ImageGenerationService::Identify(std::string_view authorization, const std::string& peer,
                                         std::string_view forwarded_for) const {
   Caller c;
@@ -630,6 +649,7 @@ grpc::Status ImageGenerationService::Resolve(const v1::GenerateRequest& req, Cal
   if (draining_.load()) {
     return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server is shutting down");
   }
+  if (grpc::Status st = RefuseIfUnhealthy(req.model()); !st.ok()) return st;
   if (!parsed.ok()) return parsed;
   // A continuous-token model's default method is mar, whatever the server's default.
   const std::string default_method =

@@ -108,6 +108,20 @@ using ServiceBase = v1::ImageGeneration::WithRawCallbackMethod_Generate<
     v1::ImageGeneration::WithRawCallbackMethod_GenerateStream<
         v1::ImageGeneration::WithCallbackMethod_ListModels<v1::ImageGeneration::Service>>>;
 
+// The daemon's health watch's verdict on the engine (DaemonOptions::engine_stall_seconds,
+// engine_failed_steps).
+struct EngineHealth {
+  std::string reason;  // "stalled", "failing"; empty: healthy
+  std::string model;   // failing: the model whose steps fail
+  std::string what;    // what is wrong, as the log says it
+  // New generation calls are refused with UNAVAILABLE and a RetryInfo of `retry_seconds`
+  // rather than queued on an engine that cannot serve them: every call while stalled, the
+  // failing model's calls while failing (the daemon's own probe steps find out when it works
+  // again). Calls in flight go on.
+  bool refuse = false;
+  double retry_seconds = 1;
+};
+
 class ImageGenerationService final : public ServiceBase {
  public:
   // `metrics` must outlive the service.
@@ -123,15 +137,14 @@ class ImageGenerationService final : public ServiceBase {
   void SetDraining();
   bool draining() const { return draining_.load(); }
   // The daemon's health watch (DaemonOptions::engine_stall_seconds, engine_failed_steps): why
-  // the engine is unhealthy ("stalled", "failing"; empty: it is not), which HTTP health says.
-  // Calls are still taken, as the engine may recover.
-  void SetUnhealthy(const std::string& reason) {
+  // the engine is unhealthy, which HTTP health says, and whether new calls are refused.
+  void SetUnhealthy(EngineHealth health) {
     std::lock_guard<std::mutex> l(unhealthy_mu_);
-    unhealthy_ = reason;
+    unhealthy_ = std::move(health);
   }
-  std::string unhealthy() const {
+  std::string unhealthy() const {  // the reason; empty: healthy
     std::lock_guard<std::mutex> l(unhealthy_mu_);
-    return unhealthy_;
+    return unhealthy_.reason;
   }
 
   grpc::ServerUnaryReactor* Generate(grpc::CallbackServerContext* ctx,
@@ -187,6 +200,8 @@ class ImageGenerationService final : public ServiceBase {
   grpc::Status Begin(const std::shared_ptr<Call>& call, grpc::CallbackServerContext* ctx,
                      const grpc::ByteBuffer& request);
   void Watch();  // the stall watchdog's loop
+  // UNAVAILABLE with RetryInfo when the health watch refuses calls of `model` (EngineHealth).
+  grpc::Status RefuseIfUnhealthy(const std::string& model) const;
   // `text` put into the model's template and tokenized into `ids`; errors name `field`
   // ("prompt" or "negative_prompt").
   grpc::Status EncodePrompt(const Engine& engine, const std::string& model,
@@ -204,7 +219,7 @@ class ImageGenerationService final : public ServiceBase {
   std::map<std::string, std::unique_ptr<Tokenizer>> tokenizers_;
   std::atomic<bool> draining_{false};
   mutable std::mutex unhealthy_mu_;
-  std::string unhealthy_;
+  EngineHealth unhealthy_;
   WorkQueue encoders_;
 
   mutable std::mutex mu_;

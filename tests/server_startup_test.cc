@@ -14,6 +14,8 @@
 #include <mutex>
 #include <thread>
 
+#include "google/rpc/error_details.pb.h"
+#include "google/rpc/status.pb.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "imagegen/v1/imagegen.grpc.pb.h"
 #include "server/daemon.h"
@@ -58,14 +60,27 @@ class Client {
     grpc::Status st = health_->Check(&ctx, req, &resp);
     return st.ok() ? resp.status() : HealthCheckResponse::UNKNOWN;
   }
-  grpc::Status Generate(const std::string& method, v1::GenerateResponse* resp) {
+  grpc::Status Generate(const std::string& method, v1::GenerateResponse* resp,
+                        seconds deadline = seconds(300)) {
     v1::GenerateRequest req;
     req.set_class_name("bag");
     req.set_seed(1);
     req.set_method(method);
     req.mutable_output()->set_include_tokens(true);
+    return Call(req, resp, deadline);
+  }
+  // The bundled text-to-image model.
+  grpc::Status GenerateFromText(v1::GenerateResponse* resp) {
+    v1::GenerateRequest req;
+    req.set_model("fmnist-t2i");
+    req.set_prompt("a bag");
+    req.set_seed(1);
+    req.set_method("ar");
+    return Call(req, resp, seconds(300));
+  }
+  grpc::Status Call(const v1::GenerateRequest& req, v1::GenerateResponse* resp, seconds deadline) {
     grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + seconds(300));
+    ctx.set_deadline(std::chrono::system_clock::now() + deadline);
     return stub_->Generate(&ctx, req, resp);
   }
 
@@ -156,6 +171,26 @@ std::string Get(int port, const std::string& path) {
   return Fetch(port, "GET " + path + " HTTP/1.0\r\n\r\n");
 }
 
+// One image of fmnist-gpt through the OpenAI Images API; the raw response.
+std::string PostImage(int port) {
+  const std::string body = R"({"model":"fmnist-gpt","prompt":"bag","response_format":"b64_json"})";
+  return Fetch(port,
+               "POST /v1/images/generations HTTP/1.0\r\nContent-Type: application/json\r\n"
+               "Content-Length: " +
+                   std::to_string(body.size()) + "\r\n\r\n" + body);
+}
+
+// The RetryInfo delay a status carries, in seconds; -1 without one.
+double RetrySeconds(const grpc::Status& s) {
+  google::rpc::Status details;
+  if (s.error_details().empty() || !details.ParseFromString(s.error_details())) return -1;
+  for (const auto& d : details.details()) {
+    google::rpc::RetryInfo ri;
+    if (d.UnpackTo(&ri)) return ri.retry_delay().seconds() + ri.retry_delay().nanos() / 1e9;
+  }
+  return -1;
+}
+
 // The engine's listener (the daemon's metrics), held in its OnStep on demand: the engine
 // thread wedged inside a step, as a hung device would leave it.
 class HoldingListener : public EngineListener {
@@ -224,6 +259,20 @@ TEST(ServerStartupTest, AWedgedEngineFailsLivenessUntilItMovesAgain) {
   EXPECT_NE(live.find(R"("status":"stalled")"), std::string::npos) << live;
   EXPECT_NE(live.find(R"("thread":"engine")"), std::string::npos) << live;
   EXPECT_NE(Get(d->http_port(), "/health").find(" 503 "), std::string::npos);
+  // A new call is refused at once rather than queued behind the wedged thread (it would wait
+  // out its deadline): UNAVAILABLE with a RetryInfo of the watch's period (0.25 s here), 503
+  // with Retry-After over HTTP.
+  v1::GenerateResponse refused_image;
+  const grpc::Status refused = c.Generate("ar", &refused_image, seconds(60));
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE) << refused.error_message();
+  EXPECT_NE(refused.error_message().find("engine stalled: the engine thread has not moved"),
+            std::string::npos)
+      << refused.error_message();
+  EXPECT_DOUBLE_EQ(RetrySeconds(refused), 0.25);
+  const std::string refused_http = PostImage(d->http_port());
+  EXPECT_NE(refused_http.find(" 503 "), std::string::npos) << refused_http;
+  EXPECT_NE(refused_http.find("Retry-After: 1"), std::string::npos) << refused_http;
+  EXPECT_NE(refused_http.find("engine stalled"), std::string::npos) << refused_http;
   const std::string metrics = Get(d->metrics_port(), "/metrics");
   EXPECT_NE(metrics.find("imagegen_engine_unhealthy_total{reason=\"stalled\"} 1"),
             std::string::npos)
@@ -286,7 +335,8 @@ TEST(ServerStartupTest, AnEngineWhoseStepsAllFailTurnsNotServingUntilOneSucceeds
   EXPECT_NE(metrics.find("imagegen_engine_failed_steps_in_a_row{model=\"fmnist-gpt\"} 2"),
             std::string::npos)
       << metrics;
-  // Calls are still taken; the next step succeeds and the engine is healthy again.
+  // Calls are still taken (without probes a call's step is the only way back); the next step
+  // succeeds and the engine is healthy again.
   grpc::Status third = c.Generate("ar", &r);
   EXPECT_TRUE(third.ok()) << third.error_message();
   EXPECT_TRUE(
@@ -348,6 +398,66 @@ TEST(ServerStartupTest, AFailingEngineWithoutCallsProbesItselfBackToServing) {
       after, "imagegen_requests_total{method=\"ar\",model=\"fmnist-gpt\",outcome=\"internal\"} 2"))
       << after;
   EXPECT_FALSE(has(after, "outcome=\"cancelled\"")) << after;
+  d->Stop(seconds(30));
+}
+
+// While a model is failing and the probe is on, that model's new calls are refused with
+// UNAVAILABLE and a RetryInfo of the probe's period (503 with Retry-After over HTTP), so that a
+// client's retry takes them to another replica instead of to steps that fail; other models'
+// calls are taken, and a refused call never reaches the engine.
+TEST(ServerStartupTest, AFailingModelsCallsAreRefusedWhileOtherModelsAreServed) {
+  server::DaemonOptions o = Options();
+  o.http_listen = "127.0.0.1:0";
+  o.engine_failed_steps = 2;
+  o.engine_probe_seconds = 3600;  // on, but the first probe is an hour away
+  o.engine.models = {"fmnist-gpt", "fmnist-t2i"};
+  auto fail = std::make_shared<std::atomic<int64_t>>(0);
+  auto listening = server::Daemon::Listen(o);
+  ASSERT_TRUE(listening.ok()) << listening.status().ToString();
+  std::unique_ptr<server::Daemon> d = std::move(listening).value();
+  ASSERT_TRUE(d->Load([&](const EngineOptions& eo, EngineListener* listener) {
+                 EngineOptions with = eo;
+                 with.fail_steps = fail;
+                 return Engine::Start(with, listener);
+               }).ok());
+  Client c(d->port());
+  fail->store(2);
+  v1::GenerateResponse r;
+  EXPECT_EQ(c.Generate("ar", &r).error_code(), grpc::StatusCode::INTERNAL);
+  EXPECT_EQ(c.Generate("ar", &r).error_code(), grpc::StatusCode::INTERNAL);
+  ASSERT_TRUE(
+      WaitUntil([&] { return c.Health("") == HealthCheckResponse::NOT_SERVING; }, seconds(120)));
+  const grpc::Status refused = c.Generate("ar", &r);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE) << refused.error_message();
+  EXPECT_NE(refused.error_message().find("engine failing: the last 2 steps of model fmnist-gpt "
+                                         "failed (step failed: injected step failure"),
+            std::string::npos)
+      << refused.error_message();
+  EXPECT_NE(refused.error_message().find("retry on another replica"), std::string::npos)
+      << refused.error_message();
+  EXPECT_DOUBLE_EQ(RetrySeconds(refused), 3600);
+  const std::string http = PostImage(d->http_port());
+  EXPECT_NE(http.find(" 503 "), std::string::npos) << http;
+  EXPECT_NE(http.find("Retry-After: 3600"), std::string::npos) << http;
+  EXPECT_NE(http.find("engine failing"), std::string::npos) << http;
+  // The other model's steps work: its calls are taken while fmnist-gpt's count stands.
+  v1::GenerateResponse text;
+  const grpc::Status served = c.GenerateFromText(&text);
+  EXPECT_TRUE(served.ok()) << served.error_message();
+  EXPECT_EQ(fail->load(), 0);
+  EXPECT_EQ(c.Health(""), HealthCheckResponse::NOT_SERVING);
+  const std::string metrics = Get(d->metrics_port(), "/metrics");
+  EXPECT_NE(metrics.find("imagegen_requests_total{method=\"ar\",model=\"fmnist-gpt\",outcome="
+                         "\"internal\"} 2"),
+            std::string::npos)
+      << metrics;
+  EXPECT_NE(metrics.find("imagegen_requests_total{method=\"ar\",model=\"fmnist-t2i\",outcome="
+                         "\"ok\"} 1"),
+            std::string::npos)
+      << metrics;
+  EXPECT_NE(metrics.find("imagegen_engine_failed_steps_in_a_row{model=\"fmnist-gpt\"} 2"),
+            std::string::npos)
+      << metrics;
   d->Stop(seconds(30));
 }
 
