@@ -219,6 +219,13 @@ TEST(GoodputTest, CustomPoliciesStartAtTheNearestPresetsPriorInATableOfTheirOwn)
   EXPECT_EQ(CommitModel::Key(wider), key);
   EXPECT_NE(CommitModel::Key(grouped),
             CommitModel::Key(custom("gsd", [](DecodingPolicy& p) { p.gsd_group = 7; })));
+  // Real parts that differ only past the sixth significant digit too (DescribePolicy's default
+  // precision, which the log and the response use, would give both one table).
+  const DecodingPolicy relaxed = custom("cool-sjd", [](DecodingPolicy& p) { p.cool_delta = 0.1; });
+  const DecodingPolicy relaxed_too =
+      custom("cool-sjd", [](DecodingPolicy& p) { p.cool_delta = 0.1000001; });
+  EXPECT_EQ(DescribePolicy(relaxed), DescribePolicy(relaxed_too));
+  EXPECT_NE(CommitModel::Key(relaxed), CommitModel::Key(relaxed_too));
   // Learning one composition moves neither the other custom ones nor its nearest preset.
   for (int i = 0; i < 3000; ++i) m.Observe(key, 16, 9);
   EXPECT_NEAR(m.Expected(key, 16), 9.0, 0.2);

@@ -207,8 +207,9 @@ std::vector<double> CoolWeights(double delta, double nu, int64_t gamma) {
   return w;
 }
 
-std::string DescribePolicy(const DecodingPolicy& p) {
+std::string DescribePolicy(const DecodingPolicy& p, int digits) {
   std::ostringstream s;
+  s.precision(digits);
   if (p.continuous) {
     const ContinuousPolicy& c = p.cont;
     s << p.preset << " (num_iter=" << c.num_iter << " final_noise=" << c.final_noise;

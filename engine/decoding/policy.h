@@ -97,6 +97,8 @@ Status ValidateContinuousPolicy(const DecodingPolicy& p, int64_t seq_len, bool h
 // COOL-SD weights w_1..w_gamma for a window with gamma drafts.
 std::vector<double> CoolWeights(double delta, double nu, int64_t gamma);
 
-std::string DescribePolicy(const DecodingPolicy& p);
+// The policy's parts in one line, its real numbers to `digits` significant digits (17: exact,
+// two policies with different parts never share a description).
+std::string DescribePolicy(const DecodingPolicy& p, int digits = 6);
 
 }  // namespace imagegen

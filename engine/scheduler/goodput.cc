@@ -80,8 +80,8 @@ std::string CommitModel::Key(const DecodingPolicy& policy) {
   if (policy.preset != "custom") return policy.preset;
   DecodingPolicy parts = policy;
   parts.preset = "custom:" + NearestPreset(policy);
-  parts.window = 0;  // the table is per window already
-  return DescribePolicy(parts);
+  parts.window = 0;                             // the table is per window already
+  return DescribePolicy(parts, /*digits=*/17);  // parts that differ past 6 digits too
 }
 
 std::array<double, CommitModel::kKnots> CommitModel::Knots(const std::string& method) const {
