@@ -93,6 +93,9 @@ StatusOr<std::unique_ptr<Daemon>> Daemon::Listen(const DaemonOptions& options) {
   if (!(options.engine_probe_seconds >= 0)) {
     return InvalidArgument("--engine-probe-seconds: must be >= 0 (0: off)");
   }
+  if (!(options.engine.fail_steps_for_seconds >= 0)) {
+    return InvalidArgument("--inject-step-failures-seconds: must be >= 0 (0: off)");
+  }
   if (options.stream_stall_ms < 100) {
     return InvalidArgument("--stream-stall-seconds: must be at least 0.1");
   }

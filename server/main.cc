@@ -158,7 +158,13 @@ ABSL_FLAG(int64_t, engine_failed_steps, 5,
 ABSL_FLAG(double, engine_probe_seconds, 10,
           "while --engine-failed-steps holds health NOT_SERVING, a probe every this many "
           "seconds (one step of an AR request of the failing model, then cancelled), so that a "
-          "replica without traffic turns SERVING again once its steps succeed; 0: off");
+          "replica without traffic turns SERVING again once its steps succeed, and the failing "
+          "model's calls are refused UNAVAILABLE meanwhile; 0: off (calls are taken)");
+ABSL_FLAG(double, inject_step_failures_seconds, 0,
+          "failure drill: every step of each model fails (its requests end INTERNAL, as after "
+          "a transient device error) for this many seconds from its first step after the "
+          "warm-up, so that health, refusals, probes and clients' retries can be watched; 0: "
+          "off (never set it in production)");
 ABSL_FLAG(std::string, http_listen, "",
           "OpenAI-compatible HTTP API address (host:port: POST /v1/images/generations, GET "
           "/v1/models, and the playground page at /); empty: off");
@@ -293,6 +299,7 @@ int main(int argc, char** argv) {
     eo.warmup_concurrency.push_back(n);
   }
   eo.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
+  eo.fail_steps_for_seconds = absl::GetFlag(FLAGS_inject_step_failures_seconds);
   eo.preview_share = absl::GetFlag(FLAGS_preview_share);
   eo.log = [](const std::string& msg) { Log(msg); };
 

@@ -1639,6 +1639,44 @@ TEST(EngineTest, ProgressCountsStepsThatFailInARowUntilOneSucceeds) {
   EXPECT_EQ(engine->Stats().failed, 3);
 }
 
+// The failure drill (EngineOptions::fail_steps_for_seconds, the daemon's
+// --inject-step-failures-seconds): every step fails from the first one for that long, with a
+// message that says it was a drill, then steps run again. The warm-up does not start it.
+TEST(EngineTest, AFailureDrillFailsEveryStepForItsSecondsThenStepsRunAgain) {
+  EngineOptions o = BundledOptions();
+  o.fail_steps_for_seconds = 1;
+  o.warmup = 1;  // on the CPU too: its steps run before the drill is armed
+  o.warmup_methods = {"ar"};
+  o.warmup_concurrency = {1};
+  auto engine = StartOrDie(o);
+  int64_t failed = 0;
+  std::optional<RequestResult> result;
+  const auto start = Clock::now();
+  for (int i = 0; !result.has_value() && Clock::now() - start < std::chrono::seconds(120); ++i) {
+    auto r = std::make_shared<Recorder>();
+    ASSERT_TRUE(engine->Submit(Params("ar", i % 10, 90 + i), r).ok());
+    ASSERT_TRUE(r->Wait());
+    if (r->result.has_value()) {
+      result = r->result;
+      break;
+    }
+    ASSERT_EQ(r->error->code(), Code::kInternal);
+    EXPECT_NE(r->error->message().find("injected step failure (failure drill"), std::string::npos)
+        << r->error->message();
+    ++failed;
+  }
+  ASSERT_TRUE(result.has_value());
+  EXPECT_GE(failed, 1);  // the first request after the warm-up failed
+  // Its steps failed for at least the drill's second: the first success came after it.
+  EXPECT_GE(std::chrono::duration<double>(Clock::now() - start).count(), 1.0);
+  WaitIdle(*engine);
+  EXPECT_EQ(engine->Progress().failed_steps, 0);
+  auto after = std::make_shared<Recorder>();
+  ASSERT_TRUE(engine->Submit(Params("scd-mc", 3, 99), after).ok());
+  ASSERT_TRUE(after->Wait());
+  EXPECT_TRUE(after->result.has_value());
+}
+
 // Engine::Progress, which the daemon's liveness reads (--engine-stall-seconds): the seconds a
 // thread's work has waited on it count only while it has work, and name the thread that holds it
 // up.

@@ -508,6 +508,11 @@ TEST(ServerStartupTest, BadOptionsAreRefused) {
   bad = server::Daemon::Listen(o).status();
   EXPECT_NE(bad.message().find("--engine-probe-seconds"), std::string::npos) << bad.ToString();
   o = Options();
+  o.engine.fail_steps_for_seconds = -1;
+  bad = server::Daemon::Listen(o).status();
+  EXPECT_NE(bad.message().find("--inject-step-failures-seconds"), std::string::npos)
+      << bad.ToString();
+  o = Options();
   o.default_method = "no-such-method";
   auto d = server::Daemon::Listen(o);
   ASSERT_TRUE(d.ok());

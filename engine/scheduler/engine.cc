@@ -183,6 +183,9 @@ StatusOr<std::unique_ptr<Engine>> Engine::Start(const EngineOptions& options,
   }
   if (o.commit_warmup_steps < 0) return InvalidArgument("commit_warmup_steps: must be >= 0");
   if (o.explore_every < 0) return InvalidArgument("explore_every: must be >= 0");
+  if (!(o.fail_steps_for_seconds >= 0)) {
+    return InvalidArgument("fail_steps_for_seconds: must be >= 0 (0: off)");
+  }
   if (!(o.window_stickiness >= 0 && o.window_stickiness <= 1)) {
     return InvalidArgument("window_stickiness: must be in [0, 1]");
   }
@@ -718,6 +721,7 @@ void Engine::Shutdown(std::chrono::milliseconds grace) {
 }
 
 void Engine::Impl::Run() {
+  for (auto& s : schedulers) s->ArmFailureDrill(opts.fail_steps_for_seconds);
   std::vector<std::pair<size_t, std::unique_ptr<Job>>> arrived;
   std::unordered_set<int64_t> cancelled;
   std::vector<std::vector<Shed>> to_shed(schedulers.size());

@@ -107,6 +107,10 @@ struct EngineOptions {
   // a forward that throws would (its requests end INTERNAL), and the counter goes down by one.
   // Null (the default): never.
   std::shared_ptr<std::atomic<int64_t>> fail_steps;
+  // Failure drills (the daemon's --inject-step-failures-seconds): every step of a model fails
+  // as above for this many seconds from its first step after the warm-up, as after a
+  // transient device error; then its steps run again. 0: never.
+  double fail_steps_for_seconds = 0;
   // Instead of the calibration, t = base + per_token * T + per_request * (R - 1) seconds,
   // fixed (tests). Empty: calibrate.
   std::vector<double> fixed_step_cost;

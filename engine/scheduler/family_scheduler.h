@@ -62,6 +62,10 @@ class FamilyScheduler {
   virtual int64_t slots_total() const = 0;
   virtual int64_t slots_used() const = 0;
   bool idle() const { return queued() == 0 && active() == 0; }
+  // EngineOptions::fail_steps_for_seconds, from the next step on (after the warm-up).
+  void ArmFailureDrill(double seconds) {
+    drill_ = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+  }
   // Steps that failed since the last one that did not (ModelLoad::failed_steps_in_a_row).
   int64_t failed_steps_in_a_row() const { return failed_in_a_row_; }
   const std::string& last_step_error() const { return last_error_; }
@@ -72,8 +76,16 @@ class FamilyScheduler {
   // Frees what a waiting request still holds (a preempted request's suspended state).
   virtual void Discard(Job& job) {}
   // Inside a step's error handling, before its forward: throws while EngineOptions::fail_steps
-  // is positive.
+  // is positive, and during the failure drill (ArmFailureDrill).
   void InjectFailure() {
+    if (drill_ > Clock::duration::zero()) {
+      const Clock::time_point now = Clock::now();
+      if (drill_from_ == Clock::time_point()) drill_from_ = now;
+      if (now - drill_from_ < drill_) {
+        throw std::runtime_error(
+            "injected step failure (failure drill, EngineOptions::fail_steps_for_seconds)");
+      }
+    }
     if (fail_steps_ == nullptr) return;
     int64_t n = fail_steps_->load();
     while (n > 0 && !fail_steps_->compare_exchange_weak(n, n - 1)) {
@@ -89,6 +101,8 @@ class FamilyScheduler {
 
  private:
   std::shared_ptr<std::atomic<int64_t>> fail_steps_;
+  Clock::duration drill_ = Clock::duration::zero();
+  Clock::time_point drill_from_;  // the drill's first step; epoch until then
   int64_t failed_in_a_row_ = 0;
   std::string last_error_;
 };

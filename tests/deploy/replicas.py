@@ -53,7 +53,7 @@ def metric_sum(mport, name):
 
 
 class Replica:
-    def __init__(self, name, server, workdir, grace):
+    def __init__(self, name, server, workdir, grace, flags=()):
         self.name = name
         self.dir = os.path.join(workdir, name)
         os.makedirs(self.dir)
@@ -63,7 +63,7 @@ class Replica:
             f.write("# as deploy/k8s/configmap.yaml, on loopback and the CPU\n")
             for flag in ("--listen=127.0.0.1:0", "--metrics_listen=127.0.0.1:0",
                          f"--port_file={ports}", f"--grace_seconds={grace}", "--max_slots=24",
-                         "--max_queue=256", "--default_method=sjd"):
+                         "--max_queue=256", "--default_method=sjd", *flags):
                 f.write(flag + "\n")
         self.log = open(os.path.join(self.dir, "server.log"), "w")
         self.proc = subprocess.Popen([server, f"--flagfile={flagfile}"], stdout=self.log,
@@ -103,17 +103,18 @@ class Replica:
             return False
 
 
-def channel_for(replicas, retries=True):
+def channel_for(replicas, retries=True, health_checks=True):
     config = {
         "loadBalancingConfig": [{"round_robin": {}}],
     }
-    if retries:
+    if retries and health_checks:
         # Client-side health checking (grpc.health.v1 Watch): round robin stops picking a
         # replica once it turns NOT_SERVING, which a draining one does at once. Without it the
         # draining replica stays in the rotation until its listener closes (about 3 s here) and
         # rejects each call it gets UNAVAILABLE; a call whose 5 attempts all land on it fails
         # (1 unary call in one clean-clone CI run).
         config["healthCheckConfig"] = {"serviceName": SERVICE}
+    if retries:
         config["methodConfig"] = [{
             "name": [{"service": SERVICE}],
             "retryPolicy": {
@@ -160,6 +161,7 @@ class Load:
                                                method=rnd.choice(["sjd", "ar", "scd-mc"]))
             stream = rnd.random() < 0.3
             self.count("sent")
+            sent_at = time.time()
             try:
                 if stream:
                     final = None
@@ -173,13 +175,19 @@ class Load:
                     ok = len(resp.image_png) > 0
                     self.count("completed" if ok else "lost", "unary without an image")
             except grpc.RpcError as e:
-                code = e.code()
-                # A stream on the replica that was killed (or, past its grace, drained) ends
-                # UNAVAILABLE once it has sent messages: a clear status. Anything else is lost.
-                if code == grpc.StatusCode.UNAVAILABLE:
-                    self.count("failed", f"{'stream' if stream else 'unary'} UNAVAILABLE")
+                failure = self.failure(e, stream, sent_at)
+                if failure is not None:
+                    self.count("failed", failure)
                 else:
-                    self.count("lost", f"{code.name}: {e.details()}")
+                    self.count("lost", f"{e.code().name}: {e.details()}")
+
+    def failure(self, e, stream, sent_at):
+        """The label of a call that ended with a clear status, or None: the call was lost."""
+        # A stream on the replica that was killed (or, past its grace, drained) ends
+        # UNAVAILABLE once it has sent messages: a clear status. Anything else is lost.
+        if e.code() == grpc.StatusCode.UNAVAILABLE:
+            return f"{'stream' if stream else 'unary'} UNAVAILABLE"
+        return None
 
 
 def main():
