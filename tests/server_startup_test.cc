@@ -222,7 +222,9 @@ class HoldingListener : public EngineListener {
 TEST(ServerStartupTest, AWedgedEngineFailsLivenessUntilItMovesAgain) {
   server::DaemonOptions o = Options();
   o.http_listen = "127.0.0.1:0";
-  o.engine_stall_seconds = 1;
+  // Not 1 s: on a machine loaded by other tests a step of the bundled model took about 1 s, and
+  // health then turned NOT_SERVING between the steps of the released request.
+  o.engine_stall_seconds = 3;
   auto listening = server::Daemon::Listen(o);
   ASSERT_TRUE(listening.ok()) << listening.status().ToString();
   std::unique_ptr<server::Daemon> d = std::move(listening).value();
@@ -235,7 +237,7 @@ TEST(ServerStartupTest, AWedgedEngineFailsLivenessUntilItMovesAgain) {
   ASSERT_EQ(c.Health(""), HealthCheckResponse::SERVING);
   ASSERT_EQ(c.Health(kService), HealthCheckResponse::SERVING);
   // Idle for longer than the limit is not a stall.
-  std::this_thread::sleep_for(milliseconds(1500));
+  std::this_thread::sleep_for(milliseconds(3500));
   EXPECT_EQ(c.Health(""), HealthCheckResponse::SERVING);
   EXPECT_NE(Get(d->http_port(), "/health/live").find(" 200 "), std::string::npos);
 
@@ -260,7 +262,7 @@ TEST(ServerStartupTest, AWedgedEngineFailsLivenessUntilItMovesAgain) {
   EXPECT_NE(live.find(R"("thread":"engine")"), std::string::npos) << live;
   EXPECT_NE(Get(d->http_port(), "/health").find(" 503 "), std::string::npos);
   // A new call is refused at once rather than queued behind the wedged thread (it would wait
-  // out its deadline): UNAVAILABLE with a RetryInfo of the watch's period (0.25 s here), 503
+  // out its deadline): UNAVAILABLE with a RetryInfo of the watch's period (0.75 s here), 503
   // with Retry-After over HTTP.
   v1::GenerateResponse refused_image;
   const grpc::Status refused = c.Generate("ar", &refused_image, seconds(60));
@@ -268,7 +270,7 @@ TEST(ServerStartupTest, AWedgedEngineFailsLivenessUntilItMovesAgain) {
   EXPECT_NE(refused.error_message().find("engine stalled: the engine thread has not moved"),
             std::string::npos)
       << refused.error_message();
-  EXPECT_DOUBLE_EQ(RetrySeconds(refused), 0.25);
+  EXPECT_DOUBLE_EQ(RetrySeconds(refused), 0.75);
   const std::string refused_http = PostImage(d->http_port());
   EXPECT_NE(refused_http.find(" 503 "), std::string::npos) << refused_http;
   EXPECT_NE(refused_http.find("Retry-After: 1"), std::string::npos) << refused_http;
@@ -280,17 +282,46 @@ TEST(ServerStartupTest, AWedgedEngineFailsLivenessUntilItMovesAgain) {
   const std::string gauge = "imagegen_engine_stalled_seconds{thread=\"engine\"} ";
   const size_t at = metrics.find(gauge);
   ASSERT_NE(at, std::string::npos) << metrics;
-  EXPECT_GT(std::stod(metrics.substr(at + gauge.size())), 1.0);
+  EXPECT_GT(std::stod(metrics.substr(at + gauge.size())), 3.0);
 
   holder->Hold(false);  // it moves again
-  EXPECT_TRUE(
-      WaitUntil([&] { return c.Health("") == HealthCheckResponse::SERVING; }, seconds(120)));
-  EXPECT_EQ(c.Health(kService), HealthCheckResponse::SERVING);
+  EXPECT_TRUE(WaitUntil(
+      [&] {
+        return c.Health("") == HealthCheckResponse::SERVING &&
+               c.Health(kService) == HealthCheckResponse::SERVING;
+      },
+      seconds(120)));
   call.join();
   EXPECT_TRUE(generated.ok()) << generated.error_message();
   EXPECT_EQ(image.tokens_size(), 196);
-  EXPECT_NE(Get(d->http_port(), "/health/live").find(" 200 "), std::string::npos);
+  // Idle again: healthy for good (polled: on a starved machine a step of the released request
+  // can outlast the limit, and the watch takes up to its period to see the engine idle).
+  EXPECT_TRUE(WaitUntil(
+      [&] { return Get(d->http_port(), "/health/live").find(" 200 ") != std::string::npos; },
+      seconds(120)));
   EXPECT_EQ(d->Stop(seconds(30)).completed, 1);
+}
+
+// A daemon with `o` whose engine fails its steps while `fail` is positive
+// (EngineOptions::fail_steps); null, with the test failed, when it does not start.
+std::unique_ptr<server::Daemon> StartFailing(const server::DaemonOptions& o,
+                                             std::shared_ptr<std::atomic<int64_t>> fail) {
+  auto listening = server::Daemon::Listen(o);
+  if (!listening.ok()) {
+    ADD_FAILURE() << listening.status().ToString();
+    return nullptr;
+  }
+  std::unique_ptr<server::Daemon> d = std::move(listening).value();
+  const Status loaded = d->Load([fail](const EngineOptions& eo, EngineListener* listener) {
+    EngineOptions with = eo;
+    with.fail_steps = fail;
+    return Engine::Start(with, listener);
+  });
+  if (!loaded.ok()) {
+    ADD_FAILURE() << loaded.ToString();
+    return nullptr;
+  }
+  return d;
 }
 
 // --engine-failed-steps: an engine that moves but fails every step (a sticky device error, here
@@ -302,14 +333,8 @@ TEST(ServerStartupTest, AnEngineWhoseStepsAllFailTurnsNotServingUntilOneSucceeds
   o.engine_failed_steps = 2;
   o.engine_probe_seconds = 0;  // a call's step turns it back (the next test: a probe's)
   auto fail = std::make_shared<std::atomic<int64_t>>(0);
-  auto listening = server::Daemon::Listen(o);
-  ASSERT_TRUE(listening.ok()) << listening.status().ToString();
-  std::unique_ptr<server::Daemon> d = std::move(listening).value();
-  ASSERT_TRUE(d->Load([&](const EngineOptions& eo, EngineListener* listener) {
-                 EngineOptions with = eo;
-                 with.fail_steps = fail;
-                 return Engine::Start(with, listener);
-               }).ok());
+  std::unique_ptr<server::Daemon> d = StartFailing(o, fail);
+  ASSERT_NE(d, nullptr);
   Client c(d->port());
   fail->store(2);
   v1::GenerateResponse r;
@@ -355,14 +380,8 @@ TEST(ServerStartupTest, AFailingEngineWithoutCallsProbesItselfBackToServing) {
   o.engine_failed_steps = 2;
   o.engine_probe_seconds = 0.01;  // the watch's own period (1 s) paces them
   auto fail = std::make_shared<std::atomic<int64_t>>(0);
-  auto listening = server::Daemon::Listen(o);
-  ASSERT_TRUE(listening.ok()) << listening.status().ToString();
-  std::unique_ptr<server::Daemon> d = std::move(listening).value();
-  ASSERT_TRUE(d->Load([&](const EngineOptions& eo, EngineListener* listener) {
-                 EngineOptions with = eo;
-                 with.fail_steps = fail;
-                 return Engine::Start(with, listener);
-               }).ok());
+  std::unique_ptr<server::Daemon> d = StartFailing(o, fail);
+  ASSERT_NE(d, nullptr);
   Client c(d->port());
   fail->store(3);  // the two calls' steps and the first probe's
   v1::GenerateResponse r;
@@ -412,14 +431,8 @@ TEST(ServerStartupTest, AFailingModelsCallsAreRefusedWhileOtherModelsAreServed) 
   o.engine_probe_seconds = 3600;  // on, but the first probe is an hour away
   o.engine.models = {"fmnist-gpt", "fmnist-t2i"};
   auto fail = std::make_shared<std::atomic<int64_t>>(0);
-  auto listening = server::Daemon::Listen(o);
-  ASSERT_TRUE(listening.ok()) << listening.status().ToString();
-  std::unique_ptr<server::Daemon> d = std::move(listening).value();
-  ASSERT_TRUE(d->Load([&](const EngineOptions& eo, EngineListener* listener) {
-                 EngineOptions with = eo;
-                 with.fail_steps = fail;
-                 return Engine::Start(with, listener);
-               }).ok());
+  std::unique_ptr<server::Daemon> d = StartFailing(o, fail);
+  ASSERT_NE(d, nullptr);
   Client c(d->port());
   fail->store(2);
   v1::GenerateResponse r;
