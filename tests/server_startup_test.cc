@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <functional>
 #include <mutex>
@@ -191,6 +192,26 @@ double RetrySeconds(const grpc::Status& s) {
   return -1;
 }
 
+// A new call of fmnist-gpt refused at once for an unhealthy engine, over gRPC and HTTP:
+// UNAVAILABLE whose message starts with `why` and sends the client elsewhere, with a RetryInfo
+// of `retry_seconds` (a call that was not refused would wait out its 60 s deadline or run), and
+// 503 with the same message and Retry-After (whole seconds, rounded up).
+void ExpectRefused(Client& c, int http_port, const std::string& why, double retry_seconds) {
+  v1::GenerateResponse r;
+  const grpc::Status refused = c.Generate("ar", &r, seconds(60));
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE) << refused.error_message();
+  EXPECT_EQ(refused.error_message().rfind(why, 0), 0u) << refused.error_message();
+  EXPECT_NE(refused.error_message().find("retry on another replica"), std::string::npos)
+      << refused.error_message();
+  EXPECT_DOUBLE_EQ(RetrySeconds(refused), retry_seconds);
+  const std::string http = PostImage(http_port);
+  EXPECT_NE(http.find(" 503 "), std::string::npos) << http;
+  EXPECT_NE(http.find("Retry-After: " + std::to_string(static_cast<int>(std::ceil(retry_seconds)))),
+            std::string::npos)
+      << http;
+  EXPECT_NE(http.find(why), std::string::npos) << http;
+}
+
 // The engine's listener (the daemon's metrics), held in its OnStep on demand: the engine
 // thread wedged inside a step, as a hung device would leave it.
 class HoldingListener : public EngineListener {
@@ -264,17 +285,7 @@ TEST(ServerStartupTest, AWedgedEngineFailsLivenessUntilItMovesAgain) {
   // A new call is refused at once rather than queued behind the wedged thread (it would wait
   // out its deadline): UNAVAILABLE with a RetryInfo of the watch's period (0.75 s here), 503
   // with Retry-After over HTTP.
-  v1::GenerateResponse refused_image;
-  const grpc::Status refused = c.Generate("ar", &refused_image, seconds(60));
-  EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE) << refused.error_message();
-  EXPECT_NE(refused.error_message().find("engine stalled: the engine thread has not moved"),
-            std::string::npos)
-      << refused.error_message();
-  EXPECT_DOUBLE_EQ(RetrySeconds(refused), 0.75);
-  const std::string refused_http = PostImage(d->http_port());
-  EXPECT_NE(refused_http.find(" 503 "), std::string::npos) << refused_http;
-  EXPECT_NE(refused_http.find("Retry-After: 1"), std::string::npos) << refused_http;
-  EXPECT_NE(refused_http.find("engine stalled"), std::string::npos) << refused_http;
+  ExpectRefused(c, d->http_port(), "engine stalled: the engine thread has not moved", 0.75);
   const std::string metrics = Get(d->metrics_port(), "/metrics");
   EXPECT_NE(metrics.find("imagegen_engine_unhealthy_total{reason=\"stalled\"} 1"),
             std::string::npos)
@@ -440,19 +451,10 @@ TEST(ServerStartupTest, AFailingModelsCallsAreRefusedWhileOtherModelsAreServed) 
   EXPECT_EQ(c.Generate("ar", &r).error_code(), grpc::StatusCode::INTERNAL);
   ASSERT_TRUE(
       WaitUntil([&] { return c.Health("") == HealthCheckResponse::NOT_SERVING; }, seconds(120)));
-  const grpc::Status refused = c.Generate("ar", &r);
-  EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE) << refused.error_message();
-  EXPECT_NE(refused.error_message().find("engine failing: the last 2 steps of model fmnist-gpt "
-                                         "failed (step failed: injected step failure"),
-            std::string::npos)
-      << refused.error_message();
-  EXPECT_NE(refused.error_message().find("retry on another replica"), std::string::npos)
-      << refused.error_message();
-  EXPECT_DOUBLE_EQ(RetrySeconds(refused), 3600);
-  const std::string http = PostImage(d->http_port());
-  EXPECT_NE(http.find(" 503 "), std::string::npos) << http;
-  EXPECT_NE(http.find("Retry-After: 3600"), std::string::npos) << http;
-  EXPECT_NE(http.find("engine failing"), std::string::npos) << http;
+  ExpectRefused(c, d->http_port(),
+                "engine failing: the last 2 steps of model fmnist-gpt failed (step failed: "
+                "injected step failure",
+                3600);
   // The other model's steps work: its calls are taken while fmnist-gpt's count stands.
   v1::GenerateResponse text;
   const grpc::Status served = c.GenerateFromText(&text);
