@@ -76,10 +76,13 @@ as_root "$VENV/bin/python" -m pip install -q numpy safetensors matplotlib \
 # the nvcc extra). CMake uses it whenever it exists (CMakeLists.txt, IMAGEGEN_CUDA_ROOT), so CI
 # builds the way a fresh machine does. Nothing here needs a GPU or a driver: the binaries do not
 # link libcuda (LibTorch loads the driver at run time, on a GPU host only).
+# The cccl extra: CCCL's headers (nv/target, cuda/std), which cuda_fp16.h includes and so every
+# file that includes ATen/cuda/CUDAContext.h; a development machine with a system toolkit finds
+# them elsewhere (/usr/local/include), a fresh one did not (2026-12-03).
 cuda_meta="$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("cuda-toolkit"))')"
-if ! "$VENV/bin/python" -c 'import importlib.metadata as m; m.version("nvidia-cuda-nvcc"); m.version("nvidia-nvvm")' 2>/dev/null; then
-  echo "install-deps: pip install cuda-toolkit[nvcc]==$cuda_meta (nvcc for LibTorch's CMake config)"
-  as_root "$VENV/bin/python" -m pip install -q "cuda-toolkit[nvcc,cudart]==$cuda_meta"
+if ! "$VENV/bin/python" -c 'import importlib.metadata as m; m.version("nvidia-cuda-nvcc"); m.version("nvidia-nvvm"); m.version("nvidia-cuda-cccl")' 2>/dev/null; then
+  echo "install-deps: pip install cuda-toolkit[nvcc,cudart,cccl]==$cuda_meta (nvcc and CCCL for LibTorch's CMake config)"
+  as_root "$VENV/bin/python" -m pip install -q "cuda-toolkit[nvcc,cudart,cccl]==$cuda_meta"
 fi
 # nvcc's wheel asks for nvidia-nvvm and nvidia-cuda-crt without a version, so pip takes the newest,
 # whose PTX the pinned ptxas rejects ("Unsupported .version 9.5; current version is '9.0'"): pin
