@@ -926,9 +926,12 @@ TEST(EngineTest, StepCostCalibrationIsCachedAndAForeignOrSmallerOneReplaced) {
   // Whether a restart keeps the file must not depend on this machine's load between two starts:
   // the spot check is off here, and on below with times far off.
   o.step_cost_spot_check = 0;
-  // The engine's notices go to EngineOptions::log (the daemon's --log-format), not stderr.
-  std::vector<std::string> notices;
-  o.log = [&notices](const std::string& m) { notices.push_back(m); };
+  // The engine's notices go to EngineOptions::log (the daemon's --log-format), not stderr: here
+  // the warnings, apart from each start's line of where the step cost came from.
+  std::vector<std::string> notices, sources;
+  o.log = [&](const std::string& m) {
+    (m.rfind("step cost of fmnist-gpt: ", 0) == 0 ? sources : notices).push_back(m);
+  };
   StartOrDie(o).reset();
   EXPECT_TRUE(notices.empty()) << notices[0];
   std::vector<fs::path> files;
@@ -936,12 +939,17 @@ TEST(EngineTest, StepCostCalibrationIsCachedAndAForeignOrSmallerOneReplaced) {
   ASSERT_EQ(files.size(), 1u);
   const std::string file = files[0].string();
   EXPECT_NE(file.find("step-cost-fmnist-gpt-cpu"), std::string::npos) << file;
+  ASSERT_EQ(sources.size(), 1u);
+  EXPECT_NE(sources[0].find(": calibrated on "), std::string::npos) << sources[0];
+  EXPECT_NE(sources[0].find(", cached in " + file), std::string::npos) << sources[0];
   auto first = ReadFile(file);
   ASSERT_TRUE(first.ok());
   EXPECT_NE(first->find("fmnist-gpt (dim 192"), std::string::npos) << *first;
   const auto written = fs::last_write_time(file);
   StartOrDie(o).reset();
   EXPECT_EQ(fs::last_write_time(file), written);
+  ASSERT_EQ(sources.size(), 2u);
+  EXPECT_EQ(sources[1], "step cost of fmnist-gpt: read from " + file) << sources[1];
   EXPECT_EQ(*ReadFile(file), *first);
   std::string foreign = *first;
   foreign.replace(foreign.find("fmnist-gpt (dim"), 10, "other-gpt!");

@@ -115,19 +115,35 @@ Status ModelScheduler::Calibrate(const LoadOptions& load) {
             " concurrent request(s); this engine can measure " + std::to_string(can_measure));
       }
       if (st.ok() && opts_.step_cost_spot_check > 0) st = SpotCheckCalibration(probe, path);
-      if (st.ok()) return OkStatus();
+      if (st.ok()) {
+        Notice(opts_, "step cost of " + model_.name + ": read from " + path +
+                          (opts_.step_cost_spot_check > 0 ? " (spot-checked)" : ""));
+        return OkStatus();
+      }
       Notice(opts_, "recalibrating the step cost: " + st.ToString());
     }
   }
-  RETURN_IF_ERROR(cost_.Calibrate(MeasureStepCost(probe)));
+  // Start-up's longest part on a CPU (up to 20 s a model): said, so that the wait for "ready"
+  // is not silent.
+  const auto start = Clock::now();
+  const std::vector<StepCostSample> samples = MeasureStepCost(probe);
+  RETURN_IF_ERROR(cost_.Calibrate(samples));
   cost_.planned_requests = can_measure;  // also when the 20 s limit cut the measurement short
+  std::ostringstream msg;
+  msg.precision(3);
+  msg << "step cost of " << model_.name << ": calibrated on " << samples.size()
+      << " step shapes (up to " << cost_.CalibratedRequests() << " requests at a time) in "
+      << Seconds(start, Clock::now()) << " s";
   if (!path.empty()) {
     std::error_code ec;
     std::filesystem::create_directories(opts_.cache_dir, ec);
     if (Status st = WriteFileAtomically(path, cost_.Serialize(key.str())); !st.ok()) {
       Notice(opts_, "the step-cost calibration is not cached: " + st.ToString());
+    } else {
+      msg << ", cached in " << path;
     }
   }
+  Notice(opts_, msg.str());
   return OkStatus();
 }
 
