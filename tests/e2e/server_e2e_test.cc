@@ -97,10 +97,16 @@ class Daemon {
     return st.ok() ? resp.status() : HealthCheckResponse::UNKNOWN;
   }
   // Until the models are loaded ("imagegen.v1.ImageGeneration" SERVING).
-  // Up to 300 s: a loaded machine's start (a warm-up, a calibration) takes tens of seconds.
+  // Up to 300 s: a loaded machine's start (a warm-up, a calibration) takes tens of seconds. A
+  // daemon that exits meanwhile ends the wait at once (a fresh-machine run once waited the
+  // whole 300 s for one that another process's signal had ended while it loaded).
   void WaitReady() const {
     for (int i = 0; i < 6000; ++i) {
       if (Health(kService) == HealthCheckResponse::SERVING) return;
+      if (const int code = proc_->Wait(milliseconds(0)); code >= 0) {
+        throw std::runtime_error("daemon exited (" + std::to_string(code) +
+                                 ") before it became ready: " + proc_->Log());
+      }
       std::this_thread::sleep_for(milliseconds(50));
     }
     throw std::runtime_error("daemon never became ready: " + proc_->Log());
