@@ -23,6 +23,7 @@ APT_PACKAGES=(
   libpng-dev nlohmann-json3-dev libpcre2-dev libicu-dev
   dataset-fashion-mnist
   python3-grpcio python3-grpc-tools
+  curl  # the README's calls to /metrics and the HTTP API (a minimal Debian has none)
 )
 if [ "${IMAGEGEN_NO_BROWSER:-0}" != "1" ]; then
   APT_PACKAGES+=(chromium chromium-driver)
