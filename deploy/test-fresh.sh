@@ -109,8 +109,8 @@ fi
 if [ $serve -eq 1 ]; then
   say "command 1: ./deploy/install-deps.sh && cmake --preset release && cmake --build --preset release && build/release/server/imagegen-server --http-listen 127.0.0.1:8000"
   timed install-release in_root "./deploy/install-deps.sh && cmake --preset release && cmake --build --preset release"
-  # The daemon as the README starts it, then the README's calls from "Talk to it" (curl is not on
-  # a fresh machine: the venv's Python reads /metrics and the HTTP API).
+  # The daemon as the README starts it, then the README's calls from "Talk to it" (its curl lines,
+  # then the venv's Python checks the HTTP API's answer).
   cat > "$root/src/.fresh-serve.sh" << 'EOF'
 set -euo pipefail
 build/release/server/imagegen-server --http-listen 127.0.0.1:8000 > /tmp/daemon.log 2>&1 &
@@ -126,6 +126,9 @@ $PY tools/classify_png.py --expect sneaker /tmp/sneaker.png
 $C generate --class bag --method sjd-pac --stream --preview-every 50 --preview-dir /tmp/frames --out /tmp/bag.png | tail -n 3
 $C generate --model fmnist-t2i --prompt "a small dark bag" --seed 3 --out /tmp/t2i.png
 $PY tools/classify_png.py --expect bag /tmp/t2i.png
+curl -s 127.0.0.1:9464/metrics | grep -E 'imagegen_(accepted|draft)_tokens_total|nfe_per_image_(sum|count)'
+curl -s 127.0.0.1:8000/v1/images/generations -d '{"prompt": "sneaker", "n": 2, "seed": 7}' | head -c 120
+echo
 $PY - << 'PY'
 import base64, json, urllib.request
 m = urllib.request.urlopen("http://127.0.0.1:9464/metrics").read().decode()
