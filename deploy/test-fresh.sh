@@ -127,8 +127,8 @@ $C generate --class bag --method sjd-pac --stream --preview-every 50 --preview-d
 $C generate --model fmnist-t2i --prompt "a small dark bag" --seed 3 --out /tmp/t2i.png
 $PY tools/classify_png.py --expect bag /tmp/t2i.png
 curl -s 127.0.0.1:9464/metrics | grep -E 'imagegen_(accepted|draft)_tokens_total|nfe_per_image_(sum|count)'
-curl -s 127.0.0.1:8000/v1/images/generations -d '{"prompt": "sneaker", "n": 2, "seed": 7}' | head -c 120
-echo
+curl -s 127.0.0.1:8000/v1/images/generations -d '{"prompt": "sneaker", "n": 2, "seed": 7}' -o /tmp/http.json
+head -c 120 /tmp/http.json && echo
 $PY - << 'PY'
 import base64, json, urllib.request
 m = urllib.request.urlopen("http://127.0.0.1:9464/metrics").read().decode()
