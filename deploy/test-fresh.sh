@@ -58,17 +58,12 @@ trap cleanup EXIT
 
 if [ ! -x "$root/bin/bash" ]; then
   say "debootstrap --variant=minbase bookworm $root"
-  debootstrap --variant=minbase bookworm "$root" http://deb.debian.org/debian > "$logs/debootstrap.log" 2>&1 ||
+  bash deploy/debian-root.sh "$root" > "$logs/debootstrap.log" 2>&1 ||
     fail "debootstrap ($logs/debootstrap.log)"
 else
   say "reusing $root"
 fi
-# The official image's sources, the host's resolver, and the proxy's CA bundle if there is one.
-cat > "$root/etc/apt/sources.list" << 'EOF'
-deb http://deb.debian.org/debian bookworm main
-deb http://deb.debian.org/debian bookworm-updates main
-deb http://deb.debian.org/debian-security bookworm-security main
-EOF
+# The host's resolver, and the proxy's CA bundle if there is one.
 cp /etc/resolv.conf "$root/etc/resolv.conf"
 # What a container runtime writes and debootstrap does not: without it "localhost" is looked up
 # in DNS, which the tests' network namespace has not (Selenium reaches chromedriver by name).
@@ -110,7 +105,7 @@ if [ $serve -eq 1 ]; then
   say "command 1: ./deploy/install-deps.sh && cmake --preset release && cmake --build --preset release && build/release/server/imagegen-server --http-listen 127.0.0.1:8000"
   timed install-release in_root "./deploy/install-deps.sh && cmake --preset release && cmake --build --preset release"
   # The daemon as the README starts it, then the README's calls from "Talk to it" (its curl lines,
-  # then the venv's Python checks the HTTP API's answer).
+  # whose answers the venv's Python then checks).
   cat > "$root/src/.fresh-serve.sh" << 'EOF'
 set -euo pipefail
 build/release/server/imagegen-server --http-listen 127.0.0.1:8000 > /tmp/daemon.log 2>&1 &
@@ -126,17 +121,15 @@ $PY tools/classify_png.py --expect sneaker /tmp/sneaker.png
 $C generate --class bag --method sjd-pac --stream --preview-every 50 --preview-dir /tmp/frames --out /tmp/bag.png | tail -n 3
 $C generate --model fmnist-t2i --prompt "a small dark bag" --seed 3 --out /tmp/t2i.png
 $PY tools/classify_png.py --expect bag /tmp/t2i.png
-curl -s 127.0.0.1:9464/metrics | grep -E 'imagegen_(accepted|draft)_tokens_total|nfe_per_image_(sum|count)'
+curl -s 127.0.0.1:9464/metrics -o /tmp/metrics.txt
+grep -E 'imagegen_(accepted|draft)_tokens_total|nfe_per_image_(sum|count)' /tmp/metrics.txt
 curl -s 127.0.0.1:8000/v1/images/generations -d '{"prompt": "sneaker", "n": 2, "seed": 7}' -o /tmp/http.json
 head -c 120 /tmp/http.json && echo
 $PY - << 'PY'
 import base64, json, urllib.request
-m = urllib.request.urlopen("http://127.0.0.1:9464/metrics").read().decode()
+m = open("/tmp/metrics.txt").read()
 print("metrics:", sum(1 for l in m.splitlines() if l.startswith("imagegen_")), "imagegen samples")
-req = urllib.request.Request("http://127.0.0.1:8000/v1/images/generations",
-                             data=json.dumps({"prompt": "sneaker", "n": 2, "seed": 7}).encode(),
-                             headers={"Content-Type": "application/json"})
-r = json.load(urllib.request.urlopen(req))
+r = json.load(open("/tmp/http.json"))
 print("HTTP:", len(r["data"]), "images,", [len(base64.b64decode(d["b64_json"])) for d in r["data"]], "PNG bytes")
 page = urllib.request.urlopen("http://127.0.0.1:8000/").read()
 print("playground page:", len(page), "bytes")

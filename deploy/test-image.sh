@@ -57,21 +57,7 @@ if ! $engine image exists "$base" 2> /dev/null && ! $engine image inspect "$base
       command -v debootstrap > /dev/null || fail "no registry and no debootstrap for the base image"
       say "no registry: making $base with debootstrap (minbase, bookworm, deb.debian.org)"
       root="$(mktemp -d)"
-      debootstrap --variant=minbase bookworm "$root" http://deb.debian.org/debian > /dev/null
-      rm -f "$root/etc/apt/sources.list"
-      cat > "$root/etc/apt/sources.list.d/debian.sources" << 'EOF'
-Types: deb
-URIs: http://deb.debian.org/debian
-Suites: bookworm bookworm-updates
-Components: main
-Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
-
-Types: deb
-URIs: http://deb.debian.org/debian-security
-Suites: bookworm-security
-Components: main
-Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
-EOF
+      bash deploy/debian-root.sh "$root"
       rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/*
       tar -C "$root" -c . | $engine import -q - "$base" > /dev/null
       rm -rf "$root"
