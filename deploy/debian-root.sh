@@ -2,9 +2,8 @@
 # A fresh Debian bookworm root filesystem in DIR, as the official debian:bookworm image has it:
 # debootstrap's minbase variant from deb.debian.org with the image's apt sources (bookworm,
 # bookworm-updates, bookworm-security; deb822). Needs root and debootstrap (its callers check for
-# it). Used where no
-# registry gives the official image: deploy/test-image.sh imports it as the image's base,
-# deploy/test-fresh.sh chroots into it.
+# it). Used where no registry gives the official image: deploy/test-image.sh imports it as the
+# image's base, deploy/test-fresh.sh chroots into it.
 #
 #   deploy/debian-root.sh DIR
 set -euo pipefail
