@@ -29,6 +29,13 @@ if [ "${IMAGEGEN_NO_BROWSER:-0}" != "1" ]; then
   APT_PACKAGES+=(chromium chromium-driver)
 fi
 
+# --list-packages: print the Debian packages (as above) and stop; tools/ci/check_build_inputs.py
+# reads them.
+if [ "${1:-}" = "--list-packages" ]; then
+  printf '%s\n' "${APT_PACKAGES[@]}"
+  exit 0
+fi
+
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
 if [ "${IMAGEGEN_SKIP_APT:-0}" != "1" ]; then
