@@ -7,11 +7,12 @@ links into /usr/local/include, among them), and a build that reads one of those 
 CI and fails for every user: cuda_fp16.h found CCCL's <nv/target> that way from 2026-11-29 to
 2026-12-03 (docs/results-deploy.md). This check reads what a finished Ninja build used:
 
-    - every header of every compiled file (`ninja -t deps`, the compilers' depfiles, nvcc's too),
-    - every absolute file path in the build's commands (compilers, protoc and its plugins,
-        libraries linked by path),
-    - every `-lNAME` of a link line, found the way the compiler finds it,
-    - every shared library the built programs load (`ldd`),
+  - every header of every compiled file (`ninja -t deps`, the compilers' depfiles, nvcc's too),
+  - every absolute file path in the build's commands (compilers, protoc and its plugins,
+    libraries linked by path),
+  - every `-lNAME` of a link line, found where the linker finds it (the line's -L
+    folders, the compiler's with LIBRARY_PATH's, the linker's own),
+  - every shared library the built programs load (`ldd`),
 
 and requires each file outside the source tree, the build folder and install-deps' virtualenv
 to belong to a Debian package that a fresh machine has after install-deps: a package the script
@@ -20,8 +21,8 @@ does not install), or the base system (Essential or Priority required, and apt).
 package (/usr/local, a hand-made link) or in another package fails, with the package named.
 Exit 0 when clean, 1 with the offending files listed, 2 when it cannot check (no dpkg).
 
-      tools/ci/check_build_inputs.py BUILD_DIR [--venv DIR] [--packages P,Q,...]
-    tools/ci/check_build_inputs.py --self-test
+  tools/ci/check_build_inputs.py BUILD_DIR [--venv DIR] [--packages P,Q,...]
+  tools/ci/check_build_inputs.py --self-test
 """
 import argparse
 import glob
@@ -140,19 +141,24 @@ def build_inputs(build):
             add(line.strip(), "a header of " + str(target))
     commands = subprocess.run(["ninja", "-C", build, "-t", "commands"], check=True,
                               capture_output=True, text=True).stdout
-    libs = set()
+    # -lNAME as the linker finds it: the line's -L folders, then the compiler's (LIBRARY_PATH's
+    # first), then the linker's own; in each, libNAME.so before libNAME.a.
+    cxx = shutil.which("c++") or "c++"
+    dirs = subprocess.run([cxx, "-print-search-dirs"], capture_output=True, text=True).stdout
+    dirs = [d for line in dirs.splitlines() if line.startswith("libraries: =")
+            for d in line[len("libraries: ="):].split(":")]
+    ld = subprocess.run(["ld", "--verbose"], capture_output=True, text=True).stdout
+    dirs += [d.lstrip("=") for d in re.findall(r'SEARCH_DIR\("([^"]+)"\)', ld)]
     for line in commands.splitlines():
         for m in PATH_RE.finditer(line):
             add(m.group(1), "named in a build command")
-        libs.update(re.findall(r"(?:^|\s)-l([A-Za-z0-9_.+-]+)", line))
-    cxx = shutil.which("c++") or "c++"
-    for lib in sorted(libs):
-        for name in ("lib%s.so" % lib, "lib%s.a" % lib):
-            r = subprocess.run([cxx, "-print-file-name=" + name], capture_output=True, text=True)
-            p = r.stdout.strip()
-            if os.path.isabs(p) and os.path.isfile(p):
-                add(p, "found for -l%s" % lib)
-                break
+        line_dirs = re.findall(r"(?:^|\s)-L(\S+)", line) + dirs
+        for lib in re.findall(r"(?:^|\s)-l(\S+)", line):
+            names = [lib[1:]] if lib.startswith(":") else ["lib%s.so" % lib, "lib%s.a" % lib]
+            hits = [os.path.join(d, n) for d in line_dirs for n in names
+                    if os.path.isfile(os.path.join(d, n))]
+            if hits:
+                add(hits[0], "found for -l" + lib)
     # Programs and shared libraries built: what they load at run time.
     for root, dirs, files in os.walk(build):
         dirs[:] = [d for d in dirs if d not in ("CMakeFiles", "Testing")]
@@ -207,9 +213,10 @@ def check(build, repo, venv, roots):
 
 def self_test():
     """The check on a two-file Ninja project (a header included, a library linked), each case
-    with the verdict it must give: a header from the tree passes; a header from elsewhere and a
-    package's header and library the given packages do not cover fail, naming the file and the
-    package; the same package named passes. 0 when every case gives its verdict."""
+    with the verdict it must give: a header from the tree passes; a header or a library from
+    elsewhere and a package's header and library the given packages do not cover fail, naming
+    the file (and the package); the same package named passes. 0 when every case gives its
+    verdict."""
     zlib = subprocess.run(["dpkg", "-S", "/usr/include/zlib.h"], capture_output=True, text=True)
     if zlib.returncode != 0:
         print("self-test: /usr/include/zlib.h is in no installed package (install-deps installs "
@@ -225,10 +232,16 @@ def self_test():
             f.write("static int inside(void) { return 0; }\n")
         with open(os.path.join(outside, "outside.h"), "w") as f:
             f.write("static int outside(void) { return 0; }\n")
+        with open(os.path.join(outside, "out.c"), "w") as f:
+            f.write("int out(void) { return 0; }\n")
+        subprocess.run(["cc", "-c", "out.c", "-o", "out.o"], cwd=outside, check=True)
+        subprocess.run(["ar", "rcs", "libout.a", "out.o"], cwd=outside, check=True)
         cases = [  # name, header, libs, packages, verdict, words the report must hold
             ("tree header", '"inside.h"', "", "build-essential", 0, []),
             ("header outside the tree", '"outside.h"', "", "build-essential", 1,
              [os.path.join(outside, "outside.h"), "in no Debian package"]),
+            ("a library outside the tree", '"inside.h"', "-L%s -lout" % outside,
+             "build-essential", 1, [os.path.join(outside, "libout.a"), "found for -lout"]),
             ("a package not installed by install-deps", "<zlib.h>", "-lz", "build-essential", 1,
              ["/usr/include/zlib.h", "found for -lz", "from " + zlib_pkg]),
             ("the same package installed", "<zlib.h>", "-lz", "build-essential," + zlib_pkg, 0,
