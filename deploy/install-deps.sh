@@ -55,7 +55,10 @@ fi
 
 # LibTorch comes from the official PyTorch wheel (pinned), in a virtual environment
 # so that it neither needs nor disturbs the system Python.
+# Made from Debian's python3 (installed above), not whatever python3 is first on PATH: a CI or
+# development machine's pyenv would give CI a virtualenv that no user's machine has.
 PY="${PYTHON:-python3}"
+if [ -z "${PYTHON:-}" ] && [ -x /usr/bin/python3 ]; then PY=/usr/bin/python3; fi
 if [ ! -x "$VENV/bin/python" ]; then
   echo "install-deps: creating $VENV"
   as_root mkdir -p "$(dirname "$VENV")"

@@ -7,19 +7,25 @@ links into /usr/local/include, among them), and a build that reads one of those 
 CI and fails for every user: cuda_fp16.h found CCCL's <nv/target> that way from 2026-11-29 to
 2026-12-03 (docs/results-deploy.md). This check reads what a finished Ninja build used:
 
+  - the files configure read (`ninja -t inputs build.ninja`: CMake's modules and packages),
   - every header of every compiled file (`ninja -t deps`, the compilers' depfiles, nvcc's too),
-  - every absolute file path in the build's commands (compilers, protoc and its plugins,
-    libraries linked by path),
-  - every `-lNAME` of a link line, found where the linker finds it (the line's -L
-    folders, the compiler's with LIBRARY_PATH's, the linker's own),
-  - every shared library the built programs load (`ldd`),
+  - the programs, and the files named as arguments, of the build's commands (compilers,
+    protoc and its plugins, libraries linked by path), and the Python modules that a
+    `PYTHON -m MODULE` command imports,
+  - the assembler, linker and compilers the drivers find on PATH,
+  - every `-lNAME` of a link line where the linker would find it (the line's -L folders, then
+    the compiler's, then the linker's own),
+  - the shared libraries the built programs load as `ldd` resolves them (without LD_* variables,
+    which a fresh machine does not set; libraries opened with dlopen are not seen),
 
-and requires each file outside the source tree, the build folder and install-deps' virtualenv
-to belong to a Debian package that a fresh machine has after install-deps: a package the script
-installs, one those depend on (Depends and Pre-Depends, recursively; not Recommends, which it
-does not install), or the base system (Essential or Priority required, and apt). A file in no
-package (/usr/local, a hand-made link) or in another package fails, with the package named.
-Exit 0 when clean, 1 with the offending files listed, 2 when it cannot check (no dpkg).
+and requires each file that is not the source tree's (tracked by git), the build folder's or
+install-deps' virtualenv's to belong to a Debian package a fresh machine has after install-deps:
+a package the script installs, one those depend on (Depends and Pre-Depends, recursively; not
+Recommends, which it does not install), or the base system (Essential or Priority required, and
+apt). A link counts as its package's; an unpackaged link counts as the file it leads to only
+through /etc/alternatives. A file in no package (anything under /usr/local, a hand-made link) or
+in another package fails, with the package named. Exit 0 when clean, 1 with the offending files
+listed, 2 when it cannot check.
 
   tools/ci/check_build_inputs.py BUILD_DIR [--venv DIR] [--packages P,Q,...]
   tools/ci/check_build_inputs.py --self-test
@@ -28,14 +34,23 @@ import argparse
 import glob
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
 
 
-def norm(path):
-    return os.path.normpath(path)
+class CannotCheck(Exception):
+    """A tool the check needs failed: exit 2, not a finding."""
+
+
+def run(cmd, **kw):
+    """The standard output of `cmd`; CannotCheck when it fails."""
+    try:
+        return subprocess.run(cmd, check=True, capture_output=True, text=True, **kw).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise CannotCheck("%s: %s" % (" ".join(cmd), getattr(e, "stderr", "") or e)) from e
 
 
 def aliases(path):
@@ -50,7 +65,8 @@ def aliases(path):
 
 
 def dpkg_owners():
-    """Path -> the set of installed packages whose file lists name it."""
+    """Path -> the set of installed packages whose file is there, diversions applied (dash's
+    /bin/sh is dash's, not bash's; the diverted original is its package's at the new name)."""
     owners = {}
     for lst in glob.glob("/var/lib/dpkg/info/*.list"):
         pkg = os.path.basename(lst)[:-len(".list")].split(":")[0]
@@ -59,19 +75,28 @@ def dpkg_owners():
                 p = line.rstrip("\n")
                 if p:
                     owners.setdefault(p, set()).add(pkg)
+    try:
+        with open("/var/lib/dpkg/diversions", encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        lines = []
+    for i in range(0, len(lines) - 2, 3):  # triples: the path, where it went, by whom
+        path, moved_to, by = lines[i:i + 3]
+        listed = owners.get(path, set())
+        owners[moved_to] = owners.get(moved_to, set()) | (listed - {by})
+        owners[path] = {by} if by != ":" and by in listed else set()
     return owners
 
 
 def installed_packages():
-    """Package -> (essential, priority, [dependency alternatives], [provided names])."""
-    fmt = ("${Package}\t${Status}\t${Essential}\t${Priority}\t${Pre-Depends}\t${Depends}\t"
-           "${Provides}\n")
-    text = subprocess.run(["dpkg-query", "-W", "-f=" + fmt], check=True,
-                          capture_output=True, text=True).stdout
+    """Package -> (essential, priority, [dependency alternatives], [provided names]), for every
+    package whose files are on disk (installed, or unpacked with triggers pending)."""
+    fmt = ("${Package}\t${db:Status-Status}\t${Essential}\t${Priority}\t${Pre-Depends}\t"
+           "${Depends}\t${Provides}\n")
     pkgs = {}
-    for line in text.splitlines():
+    for line in run(["dpkg-query", "-W", "-f=" + fmt]).splitlines():
         name, status, essential, priority, pre, dep, provides = (line.split("\t") + [""] * 7)[:7]
-        if "installed" not in status.split():
+        if status in ("not-installed", "config-files", ""):
             continue
         groups = []
         for field in (pre, dep):
@@ -112,67 +137,148 @@ def allowed_closure(roots, pkgs):
 
 def install_deps_packages(repo):
     """The Debian packages deploy/install-deps.sh installs (its --list-packages)."""
-    out = subprocess.run(["bash", os.path.join(repo, "deploy/install-deps.sh"), "--list-packages"],
-                         check=True, capture_output=True, text=True).stdout
-    return out.split()
+    return run(["bash", os.path.join(repo, "deploy/install-deps.sh"), "--list-packages"]).split()
 
 
-PATH_RE = re.compile(r'(?:^|[\s=",:;\'])(/[A-Za-z0-9_.+@%/-]+)')
+# Flags whose value is a file the compiler, nvcc or protoc reads.
+FILE_FLAGS = ("-include", "-imacros", "-ccbin", "--compiler-bindir", "-isysroot")
+FILE_PREFIXES = ("--plugin=", "-Wl,", "--dependency-file=")
+
+
+def command_files(words):
+    """The absolute paths a command reads, from its words: the program, plain arguments, the
+    values of FILE_FLAGS and FILE_PREFIXES; not -D values (a macro's text, such as a path the
+    program opens later, if ever) nor folders (-I, -L: what is read from them is seen
+    elsewhere)."""
+    out = []
+    take_next = True  # the program itself
+    for w in words:
+        if take_next:
+            out.append(w)
+            take_next = False
+        elif w in FILE_FLAGS:
+            take_next = True
+        elif w.startswith(FILE_PREFIXES):
+            out += [p for p in re.split(r"[=,:]", w) if p.startswith("/")]
+        elif w.startswith("/"):
+            out.append(w)
+    return [p for p in out if p.startswith("/") and not p.startswith(("/proc/", "/sys/", "/dev/"))]
+
+
+def python_module_files(python, module, cwd):
+    """The files of every module that `python -m module` has loaded once `module` is imported."""
+    code = ("import importlib, sys; importlib.import_module(sys.argv[1]); "
+            "print('\\n'.join(sorted({getattr(m, '__file__', None) or '' "
+            "for m in list(sys.modules.values())})))")
+    return [p for p in run([python, "-c", code, module], cwd=cwd).splitlines() if p]
 
 
 def build_inputs(build):
-    """The files the build read: (path, what read it)."""
+    """The files the build read: {path: what read it}; and the -l names not found."""
     found = {}
 
     def add(path, why):
-        path = norm(path if os.path.isabs(path) else os.path.join(build, path))
+        path = os.path.normpath(path if os.path.isabs(path) else os.path.join(build, path))
         if os.path.isfile(path):
             found.setdefault(path, why)
 
-    deps = subprocess.run(["ninja", "-C", build, "-t", "deps"], check=True, capture_output=True,
-                          text=True).stdout
+    with open(os.path.join(build, "build.ninja"), encoding="utf-8", errors="replace") as f:
+        configured = re.search(r"^build build\.ninja:", f.read(), re.M)  # CMake's re-run rule
+    if configured:
+        for p in run(["ninja", "-C", build, "-t", "inputs", "build.ninja"]).splitlines():
+            add(p, "read by configure")
     target = None
-    for line in deps.splitlines():
+    for line in run(["ninja", "-C", build, "-t", "deps"]).splitlines():
         if not line.strip():
             continue
         if not line.startswith(" "):
             target = line.split(":")[0]
         else:
             add(line.strip(), "a header of " + str(target))
-    commands = subprocess.run(["ninja", "-C", build, "-t", "commands"], check=True,
-                              capture_output=True, text=True).stdout
-    # -lNAME as the linker finds it: the line's -L folders, then the compiler's (LIBRARY_PATH's
-    # first), then the linker's own; in each, libNAME.so before libNAME.a.
     cxx = shutil.which("c++") or "c++"
-    dirs = subprocess.run([cxx, "-print-search-dirs"], capture_output=True, text=True).stdout
-    dirs = [d for line in dirs.splitlines() if line.startswith("libraries: =")
-            for d in line[len("libraries: ="):].split(":")]
-    ld = subprocess.run(["ld", "--verbose"], capture_output=True, text=True).stdout
-    dirs += [d.lstrip("=") for d in re.findall(r'SEARCH_DIR\("([^"]+)"\)', ld)]
-    for line in commands.splitlines():
-        for m in PATH_RE.finditer(line):
-            add(m.group(1), "named in a build command")
-        line_dirs = re.findall(r"(?:^|\s)-L(\S+)", line) + dirs
-        for lib in re.findall(r"(?:^|\s)-l(\S+)", line):
-            names = [lib[1:]] if lib.startswith(":") else ["lib%s.so" % lib, "lib%s.a" % lib]
-            hits = [os.path.join(d, n) for d in line_dirs for n in names
-                    if os.path.isfile(os.path.join(d, n))]
-            if hits:
-                add(hits[0], "found for -l" + lib)
-    # Programs and shared libraries built: what they load at run time.
+    lib_dirs = [d for line in run([cxx, "-print-search-dirs"]).splitlines()
+                if line.startswith("libraries: =")
+                for d in line[len("libraries: ="):].split(":")]
+    lib_dirs += [d.lstrip("=") for d in re.findall(r'SEARCH_DIR\("([^"]+)"\)',
+                                                    run(["ld", "--verbose"]))]
+    # The programs the compiler drivers run by name (gcc's as and ld, nvcc's host compiler when
+    # no -ccbin names it): the ones on the build's PATH.
+    for tool in ("as", "ld", "gcc", "g++", "cc", "c++"):
+        if shutil.which(tool):
+            add(shutil.which(tool), "found on PATH by the compiler drivers")
+    missing = set()
+    for line in run(["ninja", "-C", build, "-t", "commands"]).splitlines():
+        for part in re.split(r"\s(?:&&|\|\||;)\s", line):
+            try:
+                words = shlex.split(part)
+            except ValueError:
+                words = part.split()
+            while words and (words[0] in ("cd", "env") or "=" in words[0]
+                             and not words[0].startswith("/")):
+                words = words[2:] if words[0] == "cd" else words[1:]
+            if words and words[0].endswith("/cmake") and words[1:3] == ["-E", "env"]:
+                add(words[0], "named in a build command")  # the launcher: ccache runs next
+                words = words[3:]
+                while words and "=" in words[0] and not words[0].startswith("/"):
+                    words = words[1:]
+            for p in command_files(words):
+                add(p, "named in a build command")
+            if len(words) > 2 and words[1] == "-m" and os.path.basename(words[0]).startswith(
+                    "python"):
+                for p in python_module_files(words[0], words[2], build):
+                    add(p, "imported by %s -m %s" % (words[0], words[2]))
+            here = [os.path.join(build, w[2:]) for w in words if w.startswith("-L")]
+            for lib in (w[2:] for w in words if w.startswith("-l") and len(w) > 2):
+                names = [lib[1:]] if lib.startswith(":") else ["lib%s.so" % lib, "lib%s.a" % lib]
+                hits = [os.path.join(d, n) for d in here + lib_dirs for n in names
+                        if os.path.isfile(os.path.join(d, n))]
+                if hits:
+                    add(hits[0], "found for -l" + lib)
+                else:
+                    missing.add(lib)
+    # Programs and shared libraries built: what they load at run time, as a fresh machine's
+    # loader would find it (no LD_LIBRARY_PATH or LD_PRELOAD).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LD_")}
     for root, dirs, files in os.walk(build):
         dirs[:] = [d for d in dirs if d not in ("CMakeFiles", "Testing")]
         for f in files:
             p = os.path.join(root, f)
-            if os.path.islink(p) or not os.access(p, os.X_OK) and not f.endswith(".so"):
+            if os.path.islink(p) or (not os.access(p, os.X_OK) and ".so" not in f):
                 continue
             with open(p, "rb") as fh:
                 if fh.read(4) != b"\x7fELF":
                     continue
-            r = subprocess.run(["ldd", p], capture_output=True, text=True)
+            r = subprocess.run(["ldd", p], capture_output=True, text=True, env=env)
             for m in re.finditer(r"=>\s+(/\S+)", r.stdout):
                 add(m.group(1), "loaded by " + os.path.relpath(p, build))
-    return found
+    return found, missing
+
+
+def tracked_files(repo):
+    """The source tree's files as git tracks them (ignored ones, such as a copy of a system
+    header under .deps/, are not the tree's), or every file under it without git."""
+    try:
+        names = run(["git", "-C", repo, "ls-files", "-z"]).split("\0")
+    except CannotCheck:
+        return None
+    return {os.path.normpath(os.path.join(repo, n)) for n in names if n}
+
+
+def package_of(path, owners):
+    """The packages of a file as the build used it: the path's own (a development link such as
+    libz.so is zlib1g-dev's, whatever it leads to); for a link of no package, the file it leads
+    to only through /etc/alternatives (/usr/bin/c++), never through a hand-made link."""
+    who = set().union(*(owners.get(c, set()) for c in aliases(path)))
+    hop = path
+    for _ in range(40):
+        if who or not os.path.islink(hop):
+            break
+        nxt = os.path.normpath(os.path.join(os.path.dirname(hop), os.readlink(hop)))
+        if not (hop.startswith("/etc/alternatives/") or nxt.startswith("/etc/alternatives/")):
+            break
+        hop = nxt
+        who = set().union(*(owners.get(c, set()) for c in aliases(hop)))
+    return who
 
 
 def check(build, repo, venv, roots):
@@ -180,20 +286,21 @@ def check(build, repo, venv, roots):
     pkgs = installed_packages()
     allowed = allowed_closure(roots, pkgs)
     owners = dpkg_owners()
-    own = {norm(p(d)) for d in (repo, build, venv) for p in (os.path.realpath, os.path.abspath)}
-    inputs = build_inputs(build)
+    tracked = tracked_files(repo)
+    # Folders whose every file is the project's or install-deps' own, by real path: a link in
+    # the virtualenv that leads out of it (its python, made from whatever python3 was first on
+    # PATH) is judged by where it leads.
+    own_dirs = [os.path.realpath(d) for d in (build, venv)] + ([] if tracked is not None
+                                                              else [os.path.realpath(repo)])
+    inputs, missing = build_inputs(build)
     bad, used, system = [], set(), 0
     for path, why in sorted(inputs.items()):
-        real = norm(os.path.realpath(path))
-        if any(f == d or f.startswith(d + "/") for f in (path, real) for d in own):
+        real = os.path.realpath(path)
+        if (tracked is not None and path in tracked) or any(
+                real == d or real.startswith(d + "/") for d in own_dirs):
             continue
         system += 1
-        # The package of the path as used (a development link such as libz.so is zlib1g-dev's,
-        # whatever the file it leads to) or, for a link of no package such as /usr/bin/c++
-        # (through /etc/alternatives), of the file it leads to; not under /usr/local.
-        who = set().union(*(owners.get(c, set()) for c in aliases(path)))
-        if not who and not path.startswith("/usr/local/"):
-            who = set().union(*(owners.get(c, set()) for c in aliases(real)))
+        who = package_of(path, owners)
         if not who:
             bad.append("%s (%s): in no Debian package%s"
                        % (path, why, "" if real == path else ", a link to " + real))
@@ -202,63 +309,86 @@ def check(build, repo, venv, roots):
                        % (path, why, ", ".join(sorted(who))))
         else:
             used |= who & allowed
+    notes = ["check_build_inputs: not found where the linker looks, so not checked: -l"
+             + ", -l".join(sorted(missing))] if missing else []
     if bad:
         return 1, ["check_build_inputs: %d of the %d system files this build read would be missing "
                    "on a fresh Debian machine after deploy/install-deps.sh:" % (len(bad), system)
-                   ] + ["  " + b for b in bad]
+                   ] + ["  " + b for b in bad] + notes
     return 0, ["check_build_inputs: %d files read, %d of them system files, each from one of the "
                "%d Debian packages install-deps gives a fresh machine (%d of those packages used)"
-               % (len(inputs), system, len(allowed), len(used))]
+               % (len(inputs), system, len(allowed), len(used))] + notes
 
 
 def self_test():
     """The check on a two-file Ninja project (a header included, a library linked), each case
-    with the verdict it must give: a header from the tree passes; a header or a library from
-    elsewhere and a package's header and library the given packages do not cover fail, naming
-    the file (and the package); the same package named passes. 0 when every case gives its
-    verdict."""
-    zlib = subprocess.run(["dpkg", "-S", "/usr/include/zlib.h"], capture_output=True, text=True)
-    if zlib.returncode != 0:
-        print("self-test: /usr/include/zlib.h is in no installed package (install-deps installs "
-              "it with libpng-dev)")
-        return 1
-    zlib_pkg = zlib.stdout.split(":")[0]
+    with the verdict it must give: a header from the tree passes; a header, a library or a
+    virtualenv's link from elsewhere, a hand-made link to a package's file, and a package's
+    header and library that the given packages do not cover fail, naming the file (and the
+    package); the same package named passes, and so does a -D macro naming a file of no package
+    and a run under an LD_LIBRARY_PATH. 0 when every case gives its verdict."""
+    zlib = run(["dpkg-query", "-S", "/usr/include/zlib.h"]).split(":")[0]
     failures = 0
     with tempfile.TemporaryDirectory() as t:
-        src, outside = os.path.join(t, "src"), os.path.join(t, "outside")
-        for d in (src, outside):
+        src, outside, venv = (os.path.join(t, d) for d in ("src", "outside", "venv"))
+        for d in (src, outside, venv):
             os.makedirs(d)
-        with open(os.path.join(src, "inside.h"), "w") as f:
-            f.write("static int inside(void) { return 0; }\n")
-        with open(os.path.join(outside, "outside.h"), "w") as f:
-            f.write("static int outside(void) { return 0; }\n")
+        for folder, name in ((src, "inside"), (outside, "outside")):
+            with open(os.path.join(folder, name + ".h"), "w") as f:
+                f.write("static int %s(void) { return 0; }\n" % name)
+        os.symlink(os.path.join(outside, "outside.h"), os.path.join(venv, "venv.h"))
+        os.symlink("/usr/include/zlib.h", os.path.join(outside, "handmade.h"))
         with open(os.path.join(outside, "out.c"), "w") as f:
             f.write("int out(void) { return 0; }\n")
-        subprocess.run(["cc", "-c", "out.c", "-o", "out.o"], cwd=outside, check=True)
-        subprocess.run(["ar", "rcs", "libout.a", "out.o"], cwd=outside, check=True)
-        cases = [  # name, header, libs, packages, verdict, words the report must hold
-            ("tree header", '"inside.h"', "", "build-essential", 0, []),
-            ("header outside the tree", '"outside.h"', "", "build-essential", 1,
+        run(["cc", "-c", "out.c", "-o", "out.o"], cwd=outside)
+        run(["ar", "rcs", "libout.a", "out.o"], cwd=outside)
+        run(["git", "init", "-q", src])
+        run(["git", "-C", src, "add", "inside.h"])
+        cases = [  # name, header, flags, packages, verdict, words the report must hold
+            ("a header of the tree", '"inside.h"', "", "build-essential", 0, []),
+            ("a header outside the tree", '"outside.h"', "", "build-essential", 1,
              [os.path.join(outside, "outside.h"), "in no Debian package"]),
             ("a library outside the tree", '"inside.h"', "-L%s -lout" % outside,
              "build-essential", 1, [os.path.join(outside, "libout.a"), "found for -lout"]),
+            ("a virtualenv's link out of it", '"venv.h"', "-I" + venv, "build-essential", 1,
+             [os.path.join(venv, "venv.h"), "a link to " + os.path.join(outside, "outside.h")]),
+            ("a hand-made link to a package's file", '"handmade.h"', "", "build-essential," + zlib,
+             1, [os.path.join(outside, "handmade.h"), "in no Debian package"]),
             ("a package not installed by install-deps", "<zlib.h>", "-lz", "build-essential", 1,
-             ["/usr/include/zlib.h", "found for -lz", "from " + zlib_pkg]),
-            ("the same package installed", "<zlib.h>", "-lz", "build-essential," + zlib_pkg, 0,
-             []),
+             ["/usr/include/zlib.h", "found for -lz", "from " + zlib]),
+            ("the same package installed", "<zlib.h>", "-lz", "build-essential," + zlib, 0, []),
+            ("a -D macro naming a file of no package", '"inside.h"',
+             "-DWHERE=%s/outside.h" % outside, "build-essential", 0, []),
+            ("under an LD_LIBRARY_PATH", '"inside.h"', "", "build-essential", 0, []),
         ]
-        for i, (name, header, libs, packages, verdict, words) in enumerate(cases):
+        for i, (name, header, flags, packages, verdict, words) in enumerate(cases):
             build = os.path.join(t, "build%d" % i)
             os.makedirs(build)
             with open(os.path.join(src, "a%d.c" % i), "w") as f:
                 f.write("#include %s\nint main(void) { return 0; }\n" % header)
+            run(["git", "-C", src, "add", "a%d.c" % i])
+            cflags = " ".join(w for w in flags.split() if w.startswith(("-I", "-D")))
+            libs = " ".join(w for w in flags.split() if w.startswith(("-L", "-l")))
             with open(os.path.join(build, "build.ninja"), "w") as f:
-                f.write("rule cc\n  command = cc -MD -MF $out.d -I%s -c $in -o $out\n"
+                f.write("rule cc\n  command = cc -MD -MF $out.d -I%s %s -c $in -o $out\n"
                         "  depfile = $out.d\n  deps = gcc\n"
                         "rule link\n  command = cc $in -o $out %s\n"
-                        "build a.o: cc %s/a%d.c\nbuild a: link a.o\n" % (outside, libs, src, i))
-            subprocess.run(["ninja", "-C", build], check=True, capture_output=True)
-            rc, lines = check(build, src, os.path.join(t, "no-venv"), packages.split(","))
+                        "build a.o: cc %s/a%d.c\nbuild a: link a.o\n"
+                        % (outside, cflags, libs, src, i))
+            run(["ninja", "-C", build])
+            saved = os.environ.get("LD_LIBRARY_PATH")
+            if name.startswith("under an LD_LIBRARY_PATH"):
+                # A copy of the C library in a folder of no package, first on the loader's path.
+                libc = re.search(r"libc\.so\.6 => (\S+)", run(["ldd", os.path.join(build, "a")]))
+                shutil.copy(libc.group(1), os.path.join(outside, "libc.so.6"))
+                os.environ["LD_LIBRARY_PATH"] = outside
+            try:
+                rc, lines = check(build, src, venv, packages.split(","))
+            finally:
+                if saved is None:
+                    os.environ.pop("LD_LIBRARY_PATH", None)
+                else:
+                    os.environ["LD_LIBRARY_PATH"] = saved
             text = "\n".join(lines)
             ok = rc == verdict and all(w in text for w in words)
             failures += not ok
@@ -276,21 +406,28 @@ def main():
                     help="install-deps' virtualenv (its files are install-deps' own)")
     ap.add_argument("--packages", default="",
                     help="the Debian packages a fresh machine gets (default: install-deps')")
-    ap.add_argument("--repo", help="the source tree (default: this script's)",
-                    default=os.path.dirname(os.path.dirname(os.path.dirname(
-                        os.path.abspath(__file__)))))
+    ap.add_argument("--repo", help="the source tree (default: the build's, from CMakeCache.txt)")
     ap.add_argument("--self-test", action="store_true",
                     help="check the check on a small project of its own and stop")
     args = ap.parse_args()
     if not shutil.which("dpkg-query") or not os.path.isdir("/var/lib/dpkg/info"):
         print("check_build_inputs: no dpkg here; nothing checked", file=sys.stderr)
         return 2
-    if args.self_test:
-        return self_test()
-    if not args.build:
-        ap.error("the build folder is needed (or --self-test)")
-    roots = [p for p in args.packages.split(",") if p] or install_deps_packages(args.repo)
-    rc, lines = check(os.path.abspath(args.build), args.repo, args.venv, roots)
+    try:
+        if args.self_test:
+            return self_test()
+        if not args.build:
+            ap.error("the build folder is needed (or --self-test)")
+        build = os.path.abspath(args.build)
+        repo = args.repo
+        if not repo:
+            with open(os.path.join(build, "CMakeCache.txt"), encoding="utf-8") as f:
+                repo = re.search(r"^CMAKE_HOME_DIRECTORY:INTERNAL=(.*)$", f.read(), re.M).group(1)
+        roots = [p for p in args.packages.split(",") if p] or install_deps_packages(repo)
+        rc, lines = check(build, os.path.abspath(repo), args.venv, roots)
+    except (CannotCheck, OSError, AttributeError) as e:
+        print("check_build_inputs: cannot check: %s" % e, file=sys.stderr)
+        return 2
     print("\n".join(lines))
     return rc
 
