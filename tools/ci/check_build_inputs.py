@@ -84,7 +84,7 @@ def dpkg_owners():
         path, moved_to, by = lines[i:i + 3]
         listed = owners.get(path, set())
         owners[moved_to] = owners.get(moved_to, set()) | (listed - {by})
-        owners[path] = {by} if by != ":" and by in listed else set()
+        owners[path] = {by} if by != ":" else set()  # ":" is a local diversion
     return owners
 
 
