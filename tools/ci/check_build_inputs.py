@@ -31,6 +31,7 @@ listed, 2 when it cannot check.
   tools/ci/check_build_inputs.py --self-test
 """
 import argparse
+import functools
 import glob
 import os
 import re
@@ -64,6 +65,7 @@ def aliases(path):
     return out
 
 
+@functools.lru_cache(maxsize=None)  # read once a process (the self-test checks nine builds)
 def dpkg_owners():
     """Path -> the set of installed packages whose file is there, diversions applied (dash's
     /bin/sh is dash's, not bash's; the diverted original is its package's at the new name)."""
@@ -88,6 +90,7 @@ def dpkg_owners():
     return owners
 
 
+@functools.lru_cache(maxsize=None)
 def installed_packages():
     """Package -> (essential, priority, [dependency alternatives], [provided names]), for every
     package whose files are on disk (installed, or unpacked with triggers pending)."""
@@ -203,9 +206,8 @@ def build_inputs(build):
                                                     run(["ld", "--verbose"]))]
     # The programs the compiler drivers run by name (gcc's as and ld, nvcc's host compiler when
     # no -ccbin names it): the ones on the build's PATH.
-    for tool in ("as", "ld", "gcc", "g++", "cc", "c++"):
-        if shutil.which(tool):
-            add(shutil.which(tool), "found on PATH by the compiler drivers")
+    for tool in filter(None, map(shutil.which, ("as", "ld", "gcc", "g++", "cc", "c++"))):
+        add(tool, "found on PATH by the compiler drivers")
     missing = set()
     for line in run(["ninja", "-C", build, "-t", "commands"]).splitlines():
         for part in re.split(r"\s(?:&&|\|\||;)\s", line):
