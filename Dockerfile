@@ -24,7 +24,7 @@ ARG DEBIAN_BASE=debian:bookworm-20250520-slim
 FROM ${DEBIAN_BASE} AS build
 ENV DEBIAN_FRONTEND=noninteractive
 WORKDIR /src
-COPY deploy/install-deps.sh deploy/install-deps.sh
+COPY deploy/install-deps.sh deploy/python-constraints.txt deploy/
 RUN --mount=type=secret,id=pip_ca \
     if [ -s /run/secrets/pip_ca ]; then export PIP_CERT=/run/secrets/pip_ca; fi \
     && apt-get update -qq \

@@ -8,10 +8,16 @@
 #   IMAGEGEN_SKIP_APT=1  skip the Debian packages (e.g. on a GPU host without root)
 #   IMAGEGEN_NO_BROWSER=1  skip Chromium (only the playground's e2e test drives it; the image
 #                          build sets this)
+#   IMAGEGEN_PIP_UNLOCKED=1  pip takes the newest versions, not deploy/python-constraints.txt's
+#                            (only to make a new lock: see that file)
 set -euo pipefail
 
 TORCH_VERSION="2.11.0"
 VENV="${IMAGEGEN_VENV:-/opt/imagegen/venv}"
+# Every pip install below is held to the tested versions (the packages' own dependencies too).
+LOCK="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/python-constraints.txt"
+PIP_C=(-c "$LOCK")
+if [ "${IMAGEGEN_PIP_UNLOCKED:-0}" = "1" ]; then PIP_C=(); fi
 
 APT_PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config git ca-certificates clang-format
@@ -68,14 +74,14 @@ have_torch="$("$VENV/bin/python" -c 'import torch; print(torch.__version__)' 2>/
 if [ "${have_torch%%+*}" != "$TORCH_VERSION" ]; then
   echo "install-deps: pip install torch==$TORCH_VERSION (found '${have_torch}')"
   as_root "$VENV/bin/python" -m pip install -q --upgrade pip
-  as_root "$VENV/bin/python" -m pip install -q "torch==$TORCH_VERSION"
+  as_root "$VENV/bin/python" -m pip install -q "${PIP_C[@]}" "torch==$TORCH_VERSION"
 fi
 # numpy, safetensors, matplotlib (with Pillow): tools/ and bench plots; kubernetes-validate and
 # yamllint: the Kubernetes manifests' check (deploy/k8s/check.py, a ctest); tokenizers: the
 # reference the prompt tokenizer is tested against (tools/tokenizer_ref.py, a ctest fixture);
 # openai: the official SDK as the HTTP API's client (tests/e2e/openai_sdk_check.py); selenium:
 # drives Debian's headless Chromium through the playground page (tests/e2e/playground_check.py).
-as_root "$VENV/bin/python" -m pip install -q numpy safetensors matplotlib \
+as_root "$VENV/bin/python" -m pip install -q "${PIP_C[@]}" numpy safetensors matplotlib \
   "kubernetes-validate==1.37.0" "yamllint==1.38.0" "tokenizers==0.23.3" "openai==3.57.0" \
   "selenium==4.51.0"
 
@@ -93,7 +99,7 @@ as_root "$VENV/bin/python" -m pip install -q numpy safetensors matplotlib \
 cuda_meta="$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("cuda-toolkit"))')"
 if ! "$VENV/bin/python" -c 'import importlib.metadata as m; m.version("nvidia-cuda-nvcc"); m.version("nvidia-nvvm"); m.version("nvidia-cuda-cccl")' 2>/dev/null; then
   echo "install-deps: pip install cuda-toolkit[nvcc,cudart,cccl]==$cuda_meta (nvcc and CCCL for LibTorch's CMake config)"
-  as_root "$VENV/bin/python" -m pip install -q "cuda-toolkit[nvcc,cudart,cccl]==$cuda_meta"
+  as_root "$VENV/bin/python" -m pip install -q "${PIP_C[@]}" "cuda-toolkit[nvcc,cudart,cccl]==$cuda_meta"
 fi
 # nvcc's wheel asks for nvidia-nvvm and nvidia-cuda-crt without a version, so pip takes the newest,
 # whose PTX the pinned ptxas rejects ("Unsupported .version 9.5; current version is '9.0'"): pin
@@ -103,7 +109,7 @@ for w in nvidia-nvvm nvidia-cuda-crt; do
   have="$("$VENV/bin/python" -c "import importlib.metadata as m; print(m.version('$w'))" 2>/dev/null || true)"
   if [ "$have" != "$nvcc_v" ]; then
     echo "install-deps: pip install $w==$nvcc_v (found '$have'; nvcc is $nvcc_v)"
-    as_root "$VENV/bin/python" -m pip install -q "$w==$nvcc_v"
+    as_root "$VENV/bin/python" -m pip install -q "${PIP_C[@]}" "$w==$nvcc_v"
   fi
 done
 site="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"

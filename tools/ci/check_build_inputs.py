@@ -18,8 +18,12 @@ CI and fails for every user: cuda_fp16.h found CCCL's <nv/target> that way from 
   - the shared libraries the built programs load as `ldd` resolves them (without LD_* variables,
     which a fresh machine does not set; libraries opened with dlopen are not seen),
 
-and requires each file that is not the source tree's (tracked by git), the build folder's or
-install-deps' virtualenv's to belong to a Debian package a fresh machine has after install-deps:
+and requires each file that is not the source tree's (tracked by git) or the build folder's to
+come from what a fresh machine has after install-deps. A file of install-deps' virtualenv (by
+real path) must be listed in the RECORD of a pip package that deploy/python-constraints.txt pins
+at the installed version (or be one install-deps makes itself: pyvenv.cfg, its CUDA root's
+driver stub); installed packages the lock does not pin at their version are listed as a note.
+Any other file must belong to
 a package the script installs, one those depend on (Depends and Pre-Depends, recursively; not
 Recommends, which it does not install), or the base system (Essential or Priority required, and
 apt). A link counts as its package's; an unpackaged link counts as the file it leads to only
@@ -27,10 +31,11 @@ through /etc/alternatives. A file in no package (anything under /usr/local, a ha
 in another package fails, with the package named. Exit 0 when clean, 1 with the offending files
 listed, 2 when it cannot check.
 
-  tools/ci/check_build_inputs.py BUILD_DIR [--venv DIR] [--packages P,Q,...]
+  tools/ci/check_build_inputs.py BUILD_DIR [--venv DIR] [--packages P,Q,...] [--python-lock F]
   tools/ci/check_build_inputs.py --self-test
 """
 import argparse
+import csv
 import functools
 import glob
 import os
@@ -65,7 +70,7 @@ def aliases(path):
     return out
 
 
-@functools.lru_cache(maxsize=None)  # read once a process (the self-test checks nine builds)
+@functools.lru_cache(maxsize=None)  # read once a process (the self-test checks 13 builds)
 def dpkg_owners():
     """Path -> the set of installed packages whose file is there, diversions applied (dash's
     /bin/sh is dash's, not bash's; the diverted original is its package's at the new name)."""
@@ -256,6 +261,73 @@ def build_inputs(build):
     return found, missing
 
 
+def canonical(name):
+    """A pip package's name as PEP 503 compares them (Jinja2 = jinja2, typing_extensions =
+    typing-extensions)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def read_lock(path):
+    """{package: version} from a pip constraints file of NAME==VERSION lines."""
+    lock = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.split("#")[0].strip()
+            if line:
+                m = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)(\[[^]]*\])?==(\S+)", line)
+                if not m:
+                    raise CannotCheck("%s: not NAME==VERSION: %r" % (path, line))
+                lock[canonical(m.group(1))] = m.group(3)
+    return lock
+
+
+@functools.lru_cache(maxsize=None)
+def venv_packages(venv):
+    """({real path: (package, version)} for every file a pip RECORD of the virtualenv lists,
+    {package: version} installed)."""
+    files, installed = {}, {}
+    sites = {os.path.realpath(d) for d in glob.glob(os.path.join(venv, "lib*", "python3*",
+                                                                  "site-packages"))}
+    for site in sorted(sites):
+        for info in glob.glob(os.path.join(site, "*.dist-info")):
+            name = version = None
+            try:
+                with open(os.path.join(info, "METADATA"), encoding="utf-8",
+                          errors="replace") as f:
+                    for line in f:
+                        if not line.strip():
+                            break
+                        key, _, value = line.partition(":")
+                        if key == "Name":
+                            name = canonical(value.strip())
+                        elif key == "Version":
+                            version = value.strip()
+                with open(os.path.join(info, "RECORD"), encoding="utf-8", newline="") as f:
+                    rows = list(csv.reader(f))
+            except OSError:
+                continue
+            if not name or not version:
+                continue
+            installed[name] = version
+            for row in rows:
+                if row and row[0]:
+                    files[os.path.normpath(os.path.join(site, row[0]))] = (name, version)
+    return files, installed
+
+
+def venv_package_of(real, venv_real, files):
+    """(package, version) of a virtualenv file by its real path; ("", "") for a file
+    install-deps makes itself; None for a file of no pip package."""
+    rel = os.path.relpath(real, venv_real)
+    if rel == "pyvenv.cfg" or rel.startswith("cuda/"):  # links in cuda/ are judged where they lead
+        return "", ""
+    if real in files:
+        return files[real]
+    # Bytecode Python wrote on import, after pip's RECORD: the package of its source file.
+    m = re.fullmatch(r"(.*)/__pycache__/([^/.]+)\.[^/]*\.pyc", real)
+    return files.get("%s/%s.py" % m.groups()) if m else None
+
+
 def tracked_files(repo):
     """The source tree's files as git tracks them (ignored ones, such as a copy of a system
     header under .deps/, are not the tree's), or every file under it without git."""
@@ -283,23 +355,39 @@ def package_of(path, owners):
     return who
 
 
-def check(build, repo, venv, roots):
-    """(exit status, report lines) for the Ninja build folder `build`."""
+def check(build, repo, venv, roots, lock):
+    """(exit status, report lines) for the Ninja build folder `build`; `lock` is
+    {package: version} from deploy/python-constraints.txt."""
     pkgs = installed_packages()
     allowed = allowed_closure(roots, pkgs)
     owners = dpkg_owners()
     tracked = tracked_files(repo)
-    # Folders whose every file is the project's or install-deps' own, by real path: a link in
-    # the virtualenv that leads out of it (its python, made from whatever python3 was first on
-    # PATH) is judged by where it leads.
-    own_dirs = [os.path.realpath(d) for d in (build, venv)] + ([] if tracked is not None
-                                                              else [os.path.realpath(repo)])
+    # Folders whose every file is the project's, by real path.
+    own_dirs = [os.path.realpath(build)] + ([] if tracked is not None
+                                            else [os.path.realpath(repo)])
+    # The virtualenv's files, by real path: a link in it that leads out of it (its python) is
+    # judged by where it leads.
+    venv_real = os.path.realpath(venv)
+    venv_files, venv_installed = venv_packages(venv_real)
     inputs, missing = build_inputs(build)
-    bad, used, system = [], set(), 0
+    bad, used, used_pip, system = [], set(), set(), 0
     for path, why in sorted(inputs.items()):
         real = os.path.realpath(path)
         if (tracked is not None and path in tracked) or any(
                 real == d or real.startswith(d + "/") for d in own_dirs):
+            continue
+        if real.startswith(venv_real + "/"):
+            owner = venv_package_of(real, venv_real, venv_files)
+            if owner is None:
+                bad.append("%s (%s): in the virtualenv but in no pip package's RECORD (copied "
+                           "there by hand?)" % (path, why))
+            elif owner[0] and lock.get(owner[0]) != owner[1]:
+                bad.append("%s (%s): from pip package %s %s, which deploy/python-constraints.txt "
+                           "%s" % (path, why, owner[0], owner[1],
+                                   "pins at " + lock[owner[0]] if owner[0] in lock
+                                   else "does not name"))
+            elif owner[0]:
+                used_pip.add(owner[0])
             continue
         system += 1
         who = package_of(path, owners)
@@ -313,13 +401,26 @@ def check(build, repo, venv, roots):
             used |= who & allowed
     notes = ["check_build_inputs: not found where the linker looks, so not checked: -l"
              + ", -l".join(sorted(missing))] if missing else []
+    # What else the virtualenv holds that a fresh machine's would not (the tests' Python modules
+    # come from it): a note, since the build did not read it.
+    drift = sorted("%s %s (lock: %s)" % (n, v, lock.get(n, "none"))
+                   for n, v in venv_installed.items()
+                   if lock.get(n) != v and n not in ("pip", "setuptools", "wheel"))
+    if drift:
+        notes.append("check_build_inputs: note: the virtualenv has pip packages that "
+                     "deploy/python-constraints.txt does not pin at their version: "
+                     + ", ".join(drift))
     if bad:
-        return 1, ["check_build_inputs: %d of the %d system files this build read would be missing "
-                   "on a fresh Debian machine after deploy/install-deps.sh:" % (len(bad), system)
-                   ] + ["  " + b for b in bad] + notes
+        more = ["  ... and %d more" % (len(bad) - 40)] if len(bad) > 40 else []
+        return 1, ["check_build_inputs: %d of the files this build read would be missing or "
+                   "different on a fresh Debian machine after deploy/install-deps.sh:" % len(bad)
+                   ] + ["  " + b for b in bad[:40]] + more + notes
     return 0, ["check_build_inputs: %d files read, %d of them system files, each from one of the "
-               "%d Debian packages install-deps gives a fresh machine (%d of those packages used)"
-               % (len(inputs), system, len(allowed), len(used))] + notes
+               "%d Debian packages install-deps gives a fresh machine (%d of those packages "
+               "used), and %d from %d pip packages at deploy/python-constraints.txt's versions"
+               % (len(inputs), system, len(allowed), len(used),
+                  sum(1 for p in inputs if os.path.realpath(p).startswith(venv_real + "/")),
+                  len(used_pip))] + notes
 
 
 def self_test():
@@ -328,7 +429,8 @@ def self_test():
     virtualenv's link from elsewhere, a hand-made link to a package's file, and a package's
     header and library that the given packages do not cover fail, naming the file (and the
     package); the same package named passes, and so does a -D macro naming a file of no package
-    and a run under an LD_LIBRARY_PATH. 0 when every case gives its verdict."""
+    and a run under an LD_LIBRARY_PATH; a virtualenv header passes only when its pip package is
+    at the lock's version. 0 when every case gives its verdict."""
     zlib = run(["dpkg-query", "-S", "/usr/include/zlib.h"]).split(":")[0]
     failures = 0
     with tempfile.TemporaryDirectory() as t:
@@ -339,6 +441,18 @@ def self_test():
             with open(os.path.join(folder, name + ".h"), "w") as f:
                 f.write("static int %s(void) { return 0; }\n" % name)
         os.symlink(os.path.join(outside, "outside.h"), os.path.join(venv, "venv.h"))
+        # A virtualenv with one pip package, pkg_a 1.0 (its header and its bytecode in its
+        # RECORD), and a header that no package lists.
+        site = os.path.join(venv, "lib", "python3.11", "site-packages")
+        os.makedirs(os.path.join(site, "pkg_a"))
+        os.makedirs(os.path.join(site, "pkg_a-1.0.dist-info"))
+        for name in ("pkg_a/a.h", "stray.h"):
+            with open(os.path.join(site, name), "w") as f:
+                f.write("static int %s(void) { return 0; }\n" % name[-3])
+        with open(os.path.join(site, "pkg_a-1.0.dist-info", "METADATA"), "w") as f:
+            f.write("Metadata-Version: 2.1\nName: pkg_a\nVersion: 1.0\n\nA package.\n")
+        with open(os.path.join(site, "pkg_a-1.0.dist-info", "RECORD"), "w") as f:
+            f.write("pkg_a/a.h,sha256=x,36\npkg_a-1.0.dist-info/METADATA,,\n")
         os.symlink("/usr/include/zlib.h", os.path.join(outside, "handmade.h"))
         with open(os.path.join(outside, "out.c"), "w") as f:
             f.write("int out(void) { return 0; }\n")
@@ -346,6 +460,11 @@ def self_test():
         run(["ar", "rcs", "libout.a", "out.o"], cwd=outside)
         run(["git", "init", "-q", src])
         run(["git", "-C", src, "add", "inside.h"])
+        locks = {  # the cases' deploy/python-constraints.txt (none: empty)
+            "a pip package at its locked version": {"pkg-a": "1.0"},
+            "a pip package at another version than the lock's": {"pkg-a": "2.0"},
+            "a virtualenv file of no pip package": {"pkg-a": "1.0"},
+        }
         cases = [  # name, header, flags, packages, verdict, words the report must hold
             ("a header of the tree", '"inside.h"', "", "build-essential", 0, []),
             ("a header outside the tree", '"outside.h"', "", "build-essential", 1,
@@ -362,6 +481,16 @@ def self_test():
             ("a -D macro naming a file of no package", '"inside.h"',
              "-DWHERE=%s/outside.h" % outside, "build-essential", 0, []),
             ("under an LD_LIBRARY_PATH", '"inside.h"', "", "build-essential", 0, []),
+            ("a pip package at its locked version", '"pkg_a/a.h"', "-I" + site,
+             "build-essential", 0, ["and 1 from 1 pip packages"]),
+            ("a pip package at another version than the lock's", '"pkg_a/a.h"', "-I" + site,
+             "build-essential", 1, [os.path.join(site, "pkg_a/a.h"), "pkg-a 1.0",
+                                    "pins at 2.0"]),
+            ("a pip package the lock does not name", '"pkg_a/a.h"', "-I" + site,
+             "build-essential", 1, ["pkg-a 1.0, which deploy/python-constraints.txt does not "
+                                    "name", "note: the virtualenv has pip packages"]),
+            ("a virtualenv file of no pip package", '"stray.h"', "-I" + site,
+             "build-essential", 1, [os.path.join(site, "stray.h"), "in no pip package"]),
         ]
         for i, (name, header, flags, packages, verdict, words) in enumerate(cases):
             build = os.path.join(t, "build%d" % i)
@@ -385,7 +514,7 @@ def self_test():
                 shutil.copy(libc.group(1), os.path.join(outside, "libc.so.6"))
                 os.environ["LD_LIBRARY_PATH"] = outside
             try:
-                rc, lines = check(build, src, venv, packages.split(","))
+                rc, lines = check(build, src, venv, packages.split(","), locks.get(name, {}))
             finally:
                 if saved is None:
                     os.environ.pop("LD_LIBRARY_PATH", None)
@@ -409,6 +538,9 @@ def main():
     ap.add_argument("--packages", default="",
                     help="the Debian packages a fresh machine gets (default: install-deps')")
     ap.add_argument("--repo", help="the source tree (default: the build's, from CMakeCache.txt)")
+    ap.add_argument("--python-lock",
+                    help="the virtualenv's pip versions (default: the tree's "
+                         "deploy/python-constraints.txt)")
     ap.add_argument("--self-test", action="store_true",
                     help="check the check on a small project of its own and stop")
     args = ap.parse_args()
@@ -426,7 +558,8 @@ def main():
             with open(os.path.join(build, "CMakeCache.txt"), encoding="utf-8") as f:
                 repo = re.search(r"^CMAKE_HOME_DIRECTORY:INTERNAL=(.*)$", f.read(), re.M).group(1)
         roots = [p for p in args.packages.split(",") if p] or install_deps_packages(repo)
-        rc, lines = check(build, os.path.abspath(repo), args.venv, roots)
+        lock = read_lock(args.python_lock or os.path.join(repo, "deploy/python-constraints.txt"))
+        rc, lines = check(build, os.path.abspath(repo), args.venv, roots, lock)
     except (CannotCheck, OSError, AttributeError) as e:
         print("check_build_inputs: cannot check: %s" % e, file=sys.stderr)
         return 2
