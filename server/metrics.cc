@@ -293,6 +293,12 @@ Metrics::Metrics()
                                 "tens of replays' time; the step-cost model counts such a step as "
                                 "at most 2x its prediction)")
                           .Register(*registry_)),
+      graph_capture_failures_(BuildCounter()
+                                  .Name("imagegen_cuda_graph_capture_failures_total")
+                                  .Help("CUDA graph captures that failed: the step went on with "
+                                        "its eager forward, and that shape bucket runs without a "
+                                        "graph from then on (slower); the log says why")
+                                  .Register(*registry_)),
       info_(BuildGauge()
                 .Name("imagegen_build_info")
                 .Help("Always 1; the version in a label")
@@ -410,6 +416,9 @@ void Metrics::OnStep(const StepSample& s) {
   if (s.budget_limited) window_limited_.Add(lb).Increment();
   if (s.graph_captures > 0) {
     graph_captures_.Add(lb).Increment(static_cast<double>(s.graph_captures));
+  }
+  if (s.graph_capture_failures > 0) {
+    graph_capture_failures_.Add(lb).Increment(static_cast<double>(s.graph_capture_failures));
   }
   if (s.predicted_seconds > 0) {
     step_cost_ratio_.Add(lb, kCostRatio).Observe(s.step_seconds / s.predicted_seconds);

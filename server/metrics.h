@@ -122,6 +122,7 @@ class Metrics : public EngineListener {
   prometheus::Family<prometheus::Counter>& realised_tokens_;
   prometheus::Family<prometheus::Counter>& window_limited_;
   prometheus::Family<prometheus::Counter>& graph_captures_;
+  prometheus::Family<prometheus::Counter>& graph_capture_failures_;
   prometheus::Family<prometheus::Gauge>& info_;
   prometheus::Counter& calls_opened_;
   prometheus::Counter& calls_closed_;

@@ -1,6 +1,7 @@
 #include "engine/decoding/guided_batch.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 
@@ -81,6 +82,7 @@ at::Tensor GuidedBatch::FusedProbs(const at::Tensor& logits_in, bool host) const
   } else {
     at::Tensor m = UploadDoubles(meta, dev);
     a.meta = m.data_ptr<double>();
+    const c10::DeviceGuard on(dev);  // a null (default) stream is the current device's
     const int err = LaunchGuidedProbsKernel(a, CurrentCudaStream(dev));
     TORCH_CHECK(err == 0, "fused final distributions: CUDA launch failed (error ", err, ")");
   }

@@ -172,6 +172,15 @@ int64_t SpecBatch::graph_captures() const {
   return GraphStats(impl_->cache).captures + GraphStats(impl_->dcache).captures;
 }
 
+int64_t SpecBatch::graph_capture_failures() const {
+  return GraphStats(impl_->cache).capture_failures + GraphStats(impl_->dcache).capture_failures;
+}
+
+std::string SpecBatch::last_graph_capture_failure() const {
+  const std::string d = GraphStats(impl_->dcache).last_failure;
+  return d.empty() ? GraphStats(impl_->cache).last_failure : d;
+}
+
 StepContext SpecBatch::Impl::Context(const std::vector<WindowGrant>& grants) {
   StepContext ctx(target, draft, cache, dcache, opts,
                   opts.rules != nullptr ? *opts.rules : ExactRules());

@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "engine/decoding/image_request.h"
@@ -182,6 +183,10 @@ class SpecBatch {
   // CUDA graphs captured so far over the batch's caches (SpecOptions::cuda_graphs on a CUDA
   // device; 0 otherwise).
   int64_t graph_captures() const;
+  // Captures that failed so far (their buckets run eagerly from then on), and the last one's
+  // error.
+  int64_t graph_capture_failures() const;
+  std::string last_graph_capture_failure() const;
 
  private:
   struct Impl;

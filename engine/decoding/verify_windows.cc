@@ -7,6 +7,7 @@
 // instead g* = argmax(log P_a + g), with the Gumbel keys of its next drafts, and a child is
 // accepted iff it is g*. All nodes of all requests at once, on the device.
 #include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
 
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
@@ -242,6 +243,7 @@ Verdicts FusedChainVerify(const StepContext& ctx, const VerifyInputs& in) {
     at::Tensor l = UploadLongs(longs.data(), dev), d = UploadDoubles(doubles.data(), dev);
     longs.Bind(l.data_ptr<int64_t>());
     doubles.Bind(d.data_ptr<double>());
+    const c10::DeviceGuard on(dev);  // a null (default) stream is the current device's
     const int err = LaunchChainVerifyKernel(a, CurrentCudaStream(dev));
     TORCH_CHECK(err == 0, "fused chain verification: CUDA launch failed (error ", err, ")");
   }

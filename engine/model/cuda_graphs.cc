@@ -2,16 +2,20 @@
 
 #include <ATen/ATen.h>
 
+#include <atomic>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <utility>
 
 #include "engine/model/transfer.h"
 
 #ifdef IMAGEGEN_CUDA_GRAPHS
+#include <ATen/core/CachingHostAllocator.h>
 #include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -28,10 +32,17 @@ class ForwardGraphs {
   };
   using Key = std::pair<StaticShape, bool>;  // the bucket, and whether tokens come on the device
   std::map<Key, std::unique_ptr<Entry>> entries;
+  std::set<Key> eager;  // buckets whose capture failed: run eagerly from then on
   at::cuda::MempoolId_t pool{0, 0};
 #endif
   ForwardGraphStats stats;
 };
+
+namespace {
+std::atomic<int> g_invalidate_captures{0};  // TestingInvalidateNextCaptures
+}  // namespace
+
+void TestingInvalidateNextCaptures(int n) { g_invalidate_captures = n; }
 
 ForwardGraphStats GraphStats(const KvCache& cache) {
   if (!cache.graphs) return {};
@@ -84,6 +95,10 @@ StatusOr<at::Tensor> RunForwardGraph(const Gpt& gpt, KvCache& cache, const Stati
   const at::Device dev = cache.k.at(0).device();
   const bool with_tokens = device_tokens.defined();
   const ForwardGraphs::Key key{shape, with_tokens};
+  if (g.eager.count(key) != 0) {  // its capture failed once: the same forward, uncaptured
+    return gpt.StaticForward(UploadLongs(host, dev), with_tokens ? device_tokens : at::Tensor(),
+                             shape, cache);
+  }
   auto it = g.entries.find(key);
   if (it != g.entries.end()) {
     ForwardGraphs::Entry& e = *it->second;
@@ -116,28 +131,65 @@ StatusOr<at::Tensor> RunForwardGraph(const Gpt& gpt, KvCache& cache, const Stati
                       cudaGetErrorString(err));
     }
   }
-  c10::cuda::device_synchronize();
+  // The device's own index: c10::cuda::device_synchronize() would wait on the thread's current
+  // device, which is not this one for --device cuda:1 unless something set it.
+  SynchronizeDevice(dev);
+  const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(dev.index());
+  bool captured = false;
   {
     c10::cuda::CUDAStream side = c10::cuda::getStreamFromExternal(cs.stream, dev.index());
     c10::cuda::CUDAStreamGuard guard(side);
     logits = gpt.StaticForward(e->upload, e->tokens, shape, cache);
+    // The logits' memory is the capture stream's and the caller reads it on its own stream: not
+    // to be handed out again before that stream is past this step.
+    logits.record_stream(caller);
     side.synchronize();
     if (g.pool.first == 0 && g.pool.second == 0) g.pool = at::cuda::graph_pool_handle();
     e->graph.capture_begin(g.pool, cudaStreamCaptureModeThreadLocal);
     try {
+      if (g_invalidate_captures.load() > 0) {
+        g_invalidate_captures -= 1;
+        (void)e->upload.sum().item<int64_t>();  // a readback: not allowed while capturing
+      }
       e->out = gpt.StaticForward(e->upload, e->tokens, shape, cache);
-    } catch (...) {
-      // The capture stream serves every later capture on this device: end this capture before
-      // the error goes up (Gpt::Forward reports it), so that it does not stay capturing.
+      e->graph.capture_end();
+      captured = true;
+    } catch (const std::exception& ex) {
+      const auto* c10e = dynamic_cast<const c10::Error*>(&ex);
+      g.stats.last_failure = c10e != nullptr ? c10e->what_without_backtrace() : ex.what();
+      // The capture stream serves every later capture on this device: end this capture, so that
+      // it does not stay capturing (capture_end ends it even when it then throws). When the
+      // capture was invalidated (a syncing call inside it), capture_end throws before it ends
+      // the allocators' recording into the pool, and then every later capture_begin with the
+      // pool throws ("already recording to mempool_id") and the caching allocator stops
+      // releasing memory: end that too (each throws if it was ended already: ignored).
       try {
         e->graph.capture_end();
-      } catch (...) {  // an invalidated capture: ended all the same
+      } catch (const std::exception&) {
       }
-      throw;
+      try {
+        c10::cuda::CUDACachingAllocator::endAllocateToPool(dev.index(), g.pool);
+      } catch (const std::exception&) {
+      }
+      try {
+        at::getHostAllocator(at::kCUDA)->end_allocate_to_pool(g.pool);
+      } catch (const std::exception&) {
+      }
+      (void)cudaGetLastError();  // the failed launches' error, not to be seen by the next one
+      // Later captures take a new pool: this one's use count may be off (a first capture's
+      // pool is released with its graph).
+      g.pool = {0, 0};
     }
-    e->graph.capture_end();
   }
-  c10::cuda::device_synchronize();
+  SynchronizeDevice(dev);
+  if (!captured) {
+    // This step's logits came from the eager run before the capture (capturing runs nothing),
+    // so the step goes on; the bucket runs eagerly from now on, counted in the stats.
+    e.reset();
+    g.eager.insert(key);
+    g.stats.capture_failures += 1;
+    return logits;
+  }
   g.stats.captures += 1;
   g.entries.emplace(key, std::move(e));
   return logits;

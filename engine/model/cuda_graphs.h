@@ -14,6 +14,7 @@
 #include <ATen/Tensor.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "engine/model/gpt.h"
@@ -21,9 +22,12 @@
 
 namespace imagegen {
 
-// Counts of one cache's graphs (all zero without CUDA graphs).
+// Counts of one cache's graphs (all zero without CUDA graphs). A bucket whose capture failed
+// runs its forward eagerly from then on (capture_failures counts them; the step that failed
+// still gets its logits, from the eager run that precedes every capture).
 struct ForwardGraphStats {
-  int64_t graphs = 0, captures = 0, replays = 0;
+  int64_t graphs = 0, captures = 0, replays = 0, capture_failures = 0;
+  std::string last_failure;  // the last failed capture's error
 };
 ForwardGraphStats GraphStats(const KvCache& cache);
 
@@ -35,6 +39,11 @@ void* GraphCaptureStream(const at::Device& device);
 // The static forward of `gpt` over `cache` for a batch laid out as `host` (Gpt::StaticUpload)
 // with device tokens padded to shape.tokens (undefined: none), through the bucket's graph.
 // Logits [shape.tokens, vocab]. FailedPrecondition in builds without LibTorch's CUDA libraries.
+// For tests: the next `n` captures (in this process) make a syncing call inside the capture,
+// which invalidates it as a real one would (StaticForwardTest.AFailedCapture*). No-op in builds
+// without LibTorch's CUDA libraries.
+void TestingInvalidateNextCaptures(int n);
+
 StatusOr<at::Tensor> RunForwardGraph(const Gpt& gpt, KvCache& cache, const StaticShape& shape,
                                      const std::vector<int64_t>& host,
                                      const at::Tensor& device_tokens);

@@ -1,6 +1,7 @@
 #include "engine/model/gpt.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
 
 #include <cmath>
 #include <cstdlib>
@@ -872,6 +873,7 @@ at::Tensor Gpt::StaticForward(const at::Tensor& upload, const at::Tensor& device
       a.dtype = qkv.scalar_type() == at::kBFloat16 ? kernels::RopeDtype::kBFloat16
                                                    : kernels::RopeDtype::kFloat32;
       if (qkv.is_cuda()) {
+        const c10::DeviceGuard on(qkv.device());  // a null (default) stream: the current device's
         const int err = LaunchRopeScatterKernel(a, CurrentCudaStream(qkv.device()));
         TORCH_CHECK(err == 0, "rope scatter kernel launch failed: CUDA error ", err);
       } else {

@@ -67,6 +67,11 @@ void SynchronizeDevice(at::Device device) {
   c10::impl::VirtualGuardImpl(device.type()).synchronizeDevice(device.index());
 }
 
+void MakeDeviceCurrent(at::Device device) {
+  if (!device.is_cuda() || !device.has_index()) return;
+  c10::impl::VirtualGuardImpl(device.type()).setDevice(device);
+}
+
 // SyncWatch: a thread-local RecordFunction callback (a plain function: its state is
 // thread-local too).
 struct SyncWatch::State {

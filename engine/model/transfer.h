@@ -43,6 +43,13 @@ at::Tensor ReadBack(const at::Tensor& t);
 // Waits until the device has finished its queued work (no-op on the CPU). Profiling only.
 void SynchronizeDevice(at::Device device);
 
+// Makes `device` the calling thread's current device (for a CUDA device with an index; no-op
+// otherwise). A kernel launched on a device's default stream (a null cudaStream_t, which is
+// what CurrentCudaStream gives for it) runs on the thread's current device, whatever the
+// tensors': the engine thread sets its device once (--device cuda:1), and imagegen's launch
+// sites hold a c10::DeviceGuard besides, for callers that did not.
+void MakeDeviceCurrent(at::Device device);
+
 // Counts, on the constructing thread and while it lives, the ATen calls that would make the
 // host wait for a CUDA device: reads of a scalar (item, is_nonzero, equal), ops whose output
 // size depends on the data (nonzero, masked_select, unique), and .to(device) / .cpu() calls made

@@ -18,6 +18,7 @@
 #include "engine/model/device.h"
 #include "engine/model/image_model.h"
 #include "engine/model/mar_model.h"
+#include "engine/model/transfer.h"
 #include "engine/scheduler/mar_scheduler.h"
 #include "engine/scheduler/model_scheduler.h"
 
@@ -263,6 +264,8 @@ StatusOr<std::unique_ptr<Engine>> Engine::Start(const EngineOptions& options,
 
 Status Engine::Impl::Load() {
   ASSIGN_OR_RETURN(LoadOptions lo, ParseDeviceAndDtype(opts.device, opts.dtype));
+  // Every LibTorch call of this engine is on this thread: its current device is the engine's.
+  MakeDeviceCurrent(lo.device);
   if (opts.max_tokens_per_step < 0) {
     opts.max_tokens_per_step = opts.window_policy == "goodput" ? 4096
                                : lo.device.is_cuda()           ? 2048

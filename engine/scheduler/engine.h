@@ -220,6 +220,9 @@ struct StepSample {
   // and its instantiation, tens of times a replay). A one-off cost: the step-cost model's
   // refinement counts such a step as at most step_cost_max_ratio times its prediction.
   int64_t graph_captures = 0;
+  // CUDA graph captures that failed in this step: the step went on with its eager forward's
+  // logits, and the bucket runs eagerly from then on (slower, never wrong). 0 normally.
+  int64_t graph_capture_failures = 0;
   // EngineOptions::trace_steps (goodput window control): what the controller saw for each
   // request that decoded in this step, and the plan it did not choose, every request at its
   // wanted window (for diagnosing its choices offline; the load bench's --trace-dir).

@@ -546,6 +546,7 @@ void ModelScheduler::Step(Outcomes& out) {
   }
   Status st;
   const int64_t captures = batch_.graph_captures();
+  const int64_t capture_failures = batch_.graph_capture_failures();
   try {
     InjectFailure();
     st = batch_.Step(grants);
@@ -563,6 +564,12 @@ void ModelScheduler::Step(Outcomes& out) {
   }
   const auto t1 = Clock::now();
   sample.graph_captures = batch_.graph_captures() - captures;
+  sample.graph_capture_failures = batch_.graph_capture_failures() - capture_failures;
+  if (sample.graph_capture_failures > 0) {
+    Notice(opts_, "CUDA graphs: a capture of model " + model_.name +
+                      "'s forward failed; that shape bucket runs without a graph from now on: " +
+                      batch_.last_graph_capture_failure());
+  }
   if (cost_.calibrated()) {
     sample.predicted_seconds =
         plan.seconds > 0 ? plan.seconds : cost_.Predict(sample.tokens, sample.requests);
