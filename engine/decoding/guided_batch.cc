@@ -1,9 +1,9 @@
 #include "engine/decoding/guided_batch.h"
 
 #include <ATen/ATen.h>
-#include <c10/core/DeviceGuard.h>
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
+#include <c10/core/DeviceGuard.h>
 
 #include <algorithm>
 

@@ -7,10 +7,10 @@
 // instead g* = argmax(log P_a + g), with the Gumbel keys of its next drafts, and a child is
 // accepted iff it is g*. All nodes of all requests at once, on the device.
 #include <ATen/ATen.h>
-#include <c10/core/DeviceGuard.h>
 
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
+#include <c10/core/DeviceGuard.h>
 
 #include <algorithm>
 #include <utility>

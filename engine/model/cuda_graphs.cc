@@ -16,6 +16,7 @@
 #include <ATen/core/CachingHostAllocator.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -39,10 +40,14 @@ class ForwardGraphs {
 };
 
 namespace {
-std::atomic<int> g_invalidate_captures{0};  // TestingInvalidateNextCaptures
+std::atomic<int> g_failing_captures{0};  // TestingFailNextCaptures
+std::atomic<bool> g_invalidate{true};
 }  // namespace
 
-void TestingInvalidateNextCaptures(int n) { g_invalidate_captures = n; }
+void TestingFailNextCaptures(int n, CaptureFault how) {
+  g_invalidate = how == CaptureFault::kInvalidate;
+  g_failing_captures = n;
+}
 
 ForwardGraphStats GraphStats(const KvCache& cache) {
   if (!cache.graphs) return {};
@@ -147,9 +152,10 @@ StatusOr<at::Tensor> RunForwardGraph(const Gpt& gpt, KvCache& cache, const Stati
     if (g.pool.first == 0 && g.pool.second == 0) g.pool = at::cuda::graph_pool_handle();
     e->graph.capture_begin(g.pool, cudaStreamCaptureModeThreadLocal);
     try {
-      if (g_invalidate_captures.load() > 0) {
-        g_invalidate_captures -= 1;
-        (void)e->upload.sum().item<int64_t>();  // a readback: not allowed while capturing
+      if (g_failing_captures.load() > 0) {
+        g_failing_captures -= 1;
+        if (g_invalidate) C10_CUDA_CHECK(cudaStreamSynchronize(side.stream()));
+        TORCH_CHECK(false, "a capture failed on purpose (TestingFailNextCaptures)");
       }
       e->out = gpt.StaticForward(e->upload, e->tokens, shape, cache);
       e->graph.capture_end();

@@ -36,14 +36,17 @@ ForwardGraphStats GraphStats(const KvCache& cache);
 // the first capture on that device, on the CPU, and in builds without LibTorch's CUDA libraries.
 void* GraphCaptureStream(const at::Device& device);
 
+// For tests (StaticForwardTest.AFailedCapture*): the next `n` captures in this process fail.
+// kInvalidate: a stream sync inside the capture, which invalidates it as a syncing call in the
+// forward would (cudaStreamEndCapture then fails); kThrow: an exception inside it that leaves
+// the capture valid (as LibTorch's own checks throw, e.g. a copy from pageable memory). No-op in
+// builds without LibTorch's CUDA libraries.
+enum class CaptureFault { kInvalidate, kThrow };
+void TestingFailNextCaptures(int n, CaptureFault how);
+
 // The static forward of `gpt` over `cache` for a batch laid out as `host` (Gpt::StaticUpload)
 // with device tokens padded to shape.tokens (undefined: none), through the bucket's graph.
 // Logits [shape.tokens, vocab]. FailedPrecondition in builds without LibTorch's CUDA libraries.
-// For tests: the next `n` captures (in this process) make a syncing call inside the capture,
-// which invalidates it as a real one would (StaticForwardTest.AFailedCapture*). No-op in builds
-// without LibTorch's CUDA libraries.
-void TestingInvalidateNextCaptures(int n);
-
 StatusOr<at::Tensor> RunForwardGraph(const Gpt& gpt, KvCache& cache, const StaticShape& shape,
                                      const std::vector<int64_t>& host,
                                      const at::Tensor& device_tokens);
