@@ -19,6 +19,8 @@
 #include <vector>
 
 #ifdef IMAGEGEN_TEST_CUDA
+#include <ATen/core/CachingHostAllocator.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
 
@@ -74,6 +76,8 @@ std::vector<std::vector<BatchRow>> Steps() {
 class StaticForwardTest : public ::testing::Test {
  protected:
   void SetUp() override { gpt_ = Load(LoadOptions{}); }
+  // A test that stopped before its failing capture leaves none for the next.
+  void TearDown() override { TestingFailNextCaptures(0, CaptureFault::kInvalidate); }
   std::unique_ptr<Gpt> Load(const LoadOptions& o) {
     auto m = Gpt::Load(testing::WriteTinyGpt(testing::TempDir("static") + "/m", spec_, 1), o);
     EXPECT_TRUE(m.ok()) << m.status().ToString();
@@ -506,8 +510,23 @@ TEST_F(StaticForwardTest, AFailedCaptureRunsItsBucketEagerlyAndLaterCapturesWork
     EXPECT_EQ(st.capture_failures, 1);
     EXPECT_EQ(st.captures, 0);
     EXPECT_EQ(st.graphs, 0);
-    EXPECT_NE(st.last_failure, "");
     std::printf("the failed capture: %s\n", st.last_failure.c_str());
+    // The hook's sync really invalidated the capture (else its exception would follow it).
+    EXPECT_NE(st.last_failure.find(how == CaptureFault::kInvalidate ? "capturing" : "on purpose"),
+              std::string::npos);
+#ifdef IMAGEGEN_TEST_CUDA
+    // Neither allocator records into the failed capture's pool any more (ending it again
+    // throws), and nothing holds the pool: its memory can be freed.
+    const c10::MempoolId_t pool = st.last_failed_pool;
+    EXPECT_THROW(c10::cuda::CUDACachingAllocator::endAllocateToPool(0, pool), c10::Error);
+    EXPECT_THROW(at::getHostAllocator(at::kCUDA)->end_allocate_to_pool(pool), c10::Error);
+    int uses = 0;
+    try {
+      uses = c10::cuda::CUDACachingAllocator::getPoolUseCount(0, pool);
+    } catch (const c10::Error&) {  // released and freed already
+    }
+    EXPECT_EQ(uses, 0);
+#endif
     // Steps 1 and 2 share a bucket of their own: captured, then replayed.
     for (size_t i : {1, 2}) {
       SCOPED_TRACE("step " + std::to_string(i));

@@ -177,8 +177,8 @@ int64_t SpecBatch::graph_capture_failures() const {
 }
 
 std::string SpecBatch::last_graph_capture_failure() const {
-  const std::string d = GraphStats(impl_->dcache).last_failure;
-  return d.empty() ? GraphStats(impl_->cache).last_failure : d;
+  const ForwardGraphStats t = GraphStats(impl_->cache), d = GraphStats(impl_->dcache);
+  return d.last_failure_seq > t.last_failure_seq ? d.last_failure : t.last_failure;
 }
 
 StepContext SpecBatch::Impl::Context(const std::vector<WindowGrant>& grants) {

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <atomic>
+#include <exception>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -83,6 +84,50 @@ CaptureStream& CaptureStreamOf(c10::DeviceIndex index) {
   return *s;
 }
 
+std::atomic<int64_t> g_failure_seq{0};  // orders failed captures across caches
+
+// What an exception says, without LibTorch's backtrace.
+std::string ErrorText(std::exception_ptr p) {
+  try {
+    std::rethrow_exception(p);
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "an exception of unknown type";
+  }
+}
+
+// Ends a capture that failed, whichever way it failed, so that the capture stream (every later
+// capture's on this device) is not left capturing and the allocators are not left recording
+// into `pool`. capture_end ends the stream's capture even when it throws; but when the capture
+// was invalidated (a syncing call inside it) it throws at cudaStreamEndCapture, before it ends
+// the allocators' recording, and then every later capture_begin with the pool throws ("already
+// recording to mempool_id") and the caching allocator stops releasing memory (it skips its
+// events while a capture is underway). So end the recording too; each end throws if it was
+// ended already (ignored). Where this ended it, capture_end did not get that far: the graph
+// will not release its use of the pool when it dies, so release it here, or the pool's memory
+// stays reserved for good.
+void EndFailedCapture(at::cuda::CUDAGraph& graph, const at::Device& dev,
+                      at::cuda::MempoolId_t pool) {
+  try {
+    graph.capture_end();
+  } catch (...) {
+  }
+  try {
+    c10::cuda::CUDACachingAllocator::endAllocateToPool(dev.index(), pool);
+    c10::cuda::CUDACachingAllocator::releasePool(dev.index(), pool);
+  } catch (...) {
+  }
+  try {
+    at::getHostAllocator(at::kCUDA)->end_allocate_to_pool(pool);
+    at::getHostAllocator(at::kCUDA)->release_pool(pool);
+  } catch (...) {
+  }
+  (void)cudaGetLastError();  // the failed launches' error, not for the next launch to find
+}
+
 }  // namespace
 
 void* GraphCaptureStream(const at::Device& device) {
@@ -150,8 +195,8 @@ StatusOr<at::Tensor> RunForwardGraph(const Gpt& gpt, KvCache& cache, const Stati
     logits.record_stream(caller);
     side.synchronize();
     if (g.pool.first == 0 && g.pool.second == 0) g.pool = at::cuda::graph_pool_handle();
-    e->graph.capture_begin(g.pool, cudaStreamCaptureModeThreadLocal);
     try {
+      e->graph.capture_begin(g.pool, cudaStreamCaptureModeThreadLocal);
       if (g_failing_captures.load() > 0) {
         g_failing_captures -= 1;
         if (g_invalidate) C10_CUDA_CHECK(cudaStreamSynchronize(side.stream()));
@@ -160,30 +205,14 @@ StatusOr<at::Tensor> RunForwardGraph(const Gpt& gpt, KvCache& cache, const Stati
       e->out = gpt.StaticForward(e->upload, e->tokens, shape, cache);
       e->graph.capture_end();
       captured = true;
-    } catch (const std::exception& ex) {
-      const auto* c10e = dynamic_cast<const c10::Error*>(&ex);
-      g.stats.last_failure = c10e != nullptr ? c10e->what_without_backtrace() : ex.what();
-      // The capture stream serves every later capture on this device: end this capture, so that
-      // it does not stay capturing (capture_end ends it even when it then throws). When the
-      // capture was invalidated (a syncing call inside it), capture_end throws before it ends
-      // the allocators' recording into the pool, and then every later capture_begin with the
-      // pool throws ("already recording to mempool_id") and the caching allocator stops
-      // releasing memory: end that too (each throws if it was ended already: ignored).
-      try {
-        e->graph.capture_end();
-      } catch (const std::exception&) {
-      }
-      try {
-        c10::cuda::CUDACachingAllocator::endAllocateToPool(dev.index(), g.pool);
-      } catch (const std::exception&) {
-      }
-      try {
-        at::getHostAllocator(at::kCUDA)->end_allocate_to_pool(g.pool);
-      } catch (const std::exception&) {
-      }
-      (void)cudaGetLastError();  // the failed launches' error, not to be seen by the next one
-      // Later captures take a new pool: this one's use count may be off (a first capture's
-      // pool is released with its graph).
+    } catch (...) {
+      g.stats.last_failure = ErrorText(std::current_exception());
+      g.stats.last_failure_seq = ++g_failure_seq;
+      g.stats.last_failed_pool = g.pool;
+      EndFailedCapture(e->graph, dev, g.pool);
+      // Later captures take a new pool: after a failure its use count may be 0 already (a
+      // cache's first capture: its graph releases the pool), and LibTorch asserts against
+      // taking such a pool again.
       g.pool = {0, 0};
     }
   }

@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/model/gpt.h"
@@ -27,7 +28,9 @@ namespace imagegen {
 // still gets its logits, from the eager run that precedes every capture).
 struct ForwardGraphStats {
   int64_t graphs = 0, captures = 0, replays = 0, capture_failures = 0;
-  std::string last_failure;  // the last failed capture's error
+  std::string last_failure;      // the last failed capture's error
+  int64_t last_failure_seq = 0;  // when, in the process's order of failed captures (0: none)
+  std::pair<uint64_t, uint64_t> last_failed_pool{0, 0};  // its memory pool (LibTorch's id)
 };
 ForwardGraphStats GraphStats(const KvCache& cache);
 
