@@ -54,7 +54,10 @@ ABSL_FLAG(bool, preemption, true,
           "requests of a less urgent priority give up theirs and resume later, recomputing their "
           "KV entries (discrete-token models; lossless methods stay lossless)");
 ABSL_FLAG(int64_t, max_slots, 64, "KV-cache slots per model (a request with guidance takes 2)");
-ABSL_FLAG(int64_t, kv_cache_mb, 256, "KV-cache memory per model, MiB (caps the slots)");
+ABSL_FLAG(int64_t, kv_cache_mb, 0,
+          "KV-cache memory per model, MiB (caps the slots); 0: by device, 256 MiB on the CPU and "
+          "on a GPU half the memory left after the model's weights, shared by the models still "
+          "to load");
 ABSL_FLAG(std::string, window_policy, "goodput",
           "how each step's windows are chosen: goodput (maximise expected tokens per second from "
           "a calibrated step-cost model and learned acceptance), budget (the fixed "
@@ -258,7 +261,12 @@ int main(int argc, char** argv) {
   eo.admission = absl::GetFlag(FLAGS_admission);
   eo.preemption = absl::GetFlag(FLAGS_preemption);
   eo.max_slots = absl::GetFlag(FLAGS_max_slots);
-  eo.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_mb) << 20;
+  const int64_t kv_mb = absl::GetFlag(FLAGS_kv_cache_mb);
+  if (kv_mb < 0 || kv_mb > (int64_t{1} << 30)) {
+    Log("--kv-cache-mb must be 0 (by device) or a size in MiB");
+    return 2;
+  }
+  eo.kv_cache_bytes = kv_mb == 0 ? -1 : kv_mb << 20;  // -1: by device
   eo.max_tokens_per_step = absl::GetFlag(FLAGS_max_tokens_per_step);
   eo.prefill_tokens_per_step = absl::GetFlag(FLAGS_prefill_tokens_per_step);
   if (eo.prefill_tokens_per_step < 1) {

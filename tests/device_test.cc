@@ -4,8 +4,11 @@
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+
+#include "engine/model/cuda_stream.h"
 
 namespace imagegen {
 namespace {
@@ -57,6 +60,27 @@ TEST(DeviceTest, CudaNamesADevice) {
                                              : "device: " + dev + " does not exist (" +
                                                    std::to_string(n) + " CUDA devices)");
     }
+  }
+}
+
+// The KV-cache memory a model gets by default: 256 MiB on the CPU (whatever the host has), and
+// on a GPU half of what the device still has, shared by the models still to load (the first of
+// two models gets a quarter, the second half of what is then left); 256 MiB when the device
+// does not say. On a GPU the device's own figure too: positive, and no more than it has.
+TEST(DeviceTest, KvCacheByDevice) {
+  constexpr int64_t kMiB = int64_t{1} << 20;
+  EXPECT_EQ(AutoKvCacheBytes(false, int64_t{100} << 30, 1), 256 * kMiB);
+  EXPECT_EQ(AutoKvCacheBytes(false, -1, 1), 256 * kMiB);
+  EXPECT_EQ(AutoKvCacheBytes(true, -1, 1), 256 * kMiB);
+  EXPECT_EQ(AutoKvCacheBytes(true, 80 * kMiB * 1024, 1), 40 * kMiB * 1024);
+  EXPECT_EQ(AutoKvCacheBytes(true, 80 * kMiB * 1024, 2), 20 * kMiB * 1024);
+  EXPECT_EQ(AutoKvCacheBytes(true, 60 * kMiB * 1024, 1), 30 * kMiB * 1024);
+  EXPECT_EQ(AutoKvCacheBytes(true, 1000, 0), 500);  // no models left: as one
+  EXPECT_EQ(DeviceFreeBytes(c10::Device(c10::kCPU)), -1);
+  if (torch::cuda::is_available()) {
+    const int64_t free = DeviceFreeBytes(c10::Device(c10::kCUDA, 0));
+    std::printf("cuda:0 can still give %.1f GiB\n", static_cast<double>(free) / (kMiB * 1024));
+    EXPECT_GT(free, 0);
   }
 }
 

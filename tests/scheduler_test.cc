@@ -1165,6 +1165,8 @@ TEST(EngineTest, BadEngineOptionsAreRejected) {
   // Each option out of its range is refused, the message naming it.
   const std::vector<std::pair<std::string, std::function<void(EngineOptions&)>>> bad = {
       {"kv_cache_bytes", [](EngineOptions& e) { e.kv_cache_bytes = 1000; }},
+      {"kv_cache_bytes", [](EngineOptions& e) { e.kv_cache_bytes = 0; }},
+      {"kv_cache_bytes", [](EngineOptions& e) { e.kv_cache_bytes = -2; }},
       {"device", [](EngineOptions& e) { e.device = "tpu"; }},
       {"max_tokens_per_step", [](EngineOptions& e) { e.max_tokens_per_step = 1; }},
       {"max_tokens_per_step", [](EngineOptions& e) { e.max_tokens_per_step = -2; }},

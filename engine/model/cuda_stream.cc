@@ -1,9 +1,11 @@
 #include "engine/model/cuda_stream.h"
 
+#include <algorithm>
 #include <fstream>
 
 #ifdef IMAGEGEN_CUDA_GRAPHS
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
@@ -25,12 +27,29 @@ void* CurrentCudaStream(const c10::Device& device) {
   if (!device.is_cuda()) return nullptr;
   return c10::cuda::getCurrentCUDAStream(device.index()).stream();
 }
+
+int64_t DeviceFreeBytes(const c10::Device& device) {
+  if (!device.is_cuda()) return -1;
+  const c10::DeviceIndex index = device.has_index() ? device.index() : c10::cuda::current_device();
+  c10::cuda::CUDAGuard on(index);
+  size_t free = 0, total = 0;
+  if (cudaMemGetInfo(&free, &total) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return -1;
+  }
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(index);
+  constexpr size_t kAll = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+  const int64_t cached = stats.reserved_bytes[kAll].current - stats.allocated_bytes[kAll].current;
+  return static_cast<int64_t>(free) + std::max<int64_t>(cached, 0);
+}
 #else
 struct OwnStream::Guard {};
 
 OwnStream::OwnStream(const c10::Device&) {}
 
 void* CurrentCudaStream(const c10::Device&) { return nullptr; }
+
+int64_t DeviceFreeBytes(const c10::Device&) { return -1; }
 #endif
 
 OwnStream::~OwnStream() = default;

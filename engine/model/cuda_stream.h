@@ -5,6 +5,7 @@
 
 #include <c10/core/Device.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -35,5 +36,10 @@ void* CurrentCudaStream(const c10::Device& device);
 // CPU's model name from /proc/cpuinfo for the CPU; empty when unknown (a CUDA device in a build
 // without LibTorch's CUDA libraries, a host without /proc).
 std::string DeviceModelName(const c10::Device& device);
+
+// The bytes a CUDA device can still give this process: the driver's free memory, and what
+// LibTorch's caching allocator holds without using it. -1 on the CPU, in builds without
+// LibTorch's CUDA libraries, and when the driver does not say.
+int64_t DeviceFreeBytes(const c10::Device& device);
 
 }  // namespace imagegen

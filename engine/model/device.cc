@@ -3,6 +3,7 @@
 #include <ATen/Context.h>
 #include <torch/cuda.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -54,6 +55,12 @@ StatusOr<LoadOptions> ParseDeviceAndDtype(const std::string& device, const std::
     return FieldError("dtype", "expected auto, fp32, bf16 or fp16, got '" + dtype + "'");
   }
   return lo;
+}
+
+int64_t AutoKvCacheBytes(bool cuda, int64_t free_bytes, int64_t models_left) {
+  constexpr int64_t kDefault = int64_t{256} << 20;
+  if (!cuda || free_bytes < 0) return kDefault;
+  return free_bytes / 2 / std::max<int64_t>(models_left, 1);
 }
 
 }  // namespace imagegen

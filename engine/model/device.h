@@ -14,6 +14,14 @@ namespace imagegen {
 // available, or a device index beyond the devices present.
 StatusOr<LoadOptions> ParseDeviceAndDtype(const std::string& device, const std::string& dtype);
 
+// The KV-cache memory a model gets when none is set (EngineOptions::kv_cache_bytes = -1, the
+// daemon's --kv_cache_mb=0): 256 MiB on the CPU, and on a CUDA device half of `free_bytes` (what
+// the device can still give after this model's weights, DeviceFreeBytes) shared by
+// `models_left` (this model and those still to load), 256 MiB when the free memory is unknown
+// (free_bytes < 0). The other half is left for the steps' activations, the CUDA graphs' pools
+// and the VQ decoder. The slots stay capped by max_slots.
+int64_t AutoKvCacheBytes(bool cuda, int64_t free_bytes, int64_t models_left);
+
 // Called by the model loaders before a model is placed on `device`. On CUDA it turns off
 // LibTorch's cuDNN backend of scaled_dot_product_attention, process-wide, unless
 // IMAGEGEN_CUDNN_SDPA=1: measured on an H200 (docs/results-gpu.md), each cuDNN attention call

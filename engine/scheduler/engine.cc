@@ -15,6 +15,7 @@
 #include <unordered_set>
 
 #include "engine/decoding/speculative.h"
+#include "engine/model/cuda_stream.h"
 #include "engine/model/device.h"
 #include "engine/model/image_model.h"
 #include "engine/model/mar_model.h"
@@ -168,6 +169,9 @@ StatusOr<std::unique_ptr<Engine>> Engine::Start(const EngineOptions& options,
   if (o.models.empty()) o.models = {"fmnist-gpt"};
   if (o.max_queue < 0) return InvalidArgument("max_queue: must be >= 0");
   if (o.max_slots < 2) return InvalidArgument("max_slots: must be >= 2");
+  if (o.kv_cache_bytes == 0 || o.kv_cache_bytes < -1) {
+    return InvalidArgument("kv_cache_bytes: must be -1 (by device) or > 0");
+  }
   if (o.max_tokens_per_step != 0 && o.max_tokens_per_step != -1 && o.max_tokens_per_step < 2) {
     return InvalidArgument("max_tokens_per_step: must be -1 (by device), 0 (no budget) or >= 2");
   }
@@ -296,9 +300,15 @@ Status Engine::Impl::Load() {
     // The static-shape forward (cuda_graphs) writes its padding into one more slot, a scratch
     // slot no request holds: it comes out of the same memory.
     const int64_t scratch = o.cuda_graphs > 0 ? 1 : 0;
-    const int64_t slots = std::min(o.max_slots, o.kv_cache_bytes / per_slot - scratch);
+    const int64_t models_left =
+        static_cast<int64_t>(o.models.size()) - static_cast<int64_t>(schedulers.size());
+    const int64_t kv_bytes =
+        o.kv_cache_bytes > 0
+            ? o.kv_cache_bytes
+            : AutoKvCacheBytes(lo.device.is_cuda(), DeviceFreeBytes(lo.device), models_left);
+    const int64_t slots = std::min(o.max_slots, kv_bytes / per_slot - scratch);
     if (slots < 2) {
-      return InvalidArgument("kv_cache_bytes: " + std::to_string(o.kv_cache_bytes) +
+      return InvalidArgument("kv_cache_bytes: " + std::to_string(kv_bytes) +
                              " bytes hold fewer than the 2 slots of one CFG request of model '" +
                              name + "' (" + std::to_string(per_slot) + " bytes per slot" +
                              (scratch ? ", and one scratch slot with cuda_graphs)" : ")"));

@@ -30,8 +30,10 @@ struct EngineOptions {
   std::string device = "cpu";       // "cpu", "cuda" or "cuda:N"
   std::string dtype = "auto";  // "auto" (bf16 on CUDA, fp32 on the CPU), "fp32", "bf16", "fp16"
   // KV-cache memory per model (target and draft caches together); it sets the slot count,
-  // capped by max_slots. A request takes one slot, two with CFG.
-  int64_t kv_cache_bytes = int64_t{256} << 20;
+  // capped by max_slots. A request takes one slot, two with CFG. -1: by device
+  // (AutoKvCacheBytes, engine/model/device.h): 256 MiB on the CPU; on a GPU half the memory the
+  // device still has after the model's weights, shared by the models still to load.
+  int64_t kv_cache_bytes = -1;
   int64_t max_slots = 64;
   int64_t max_queue = 256;  // waiting requests per model; beyond: RESOURCE_EXHAUSTED
   // The order the waiting requests are admitted in (wait_queue.h): "fair" (priority, then the
