@@ -168,17 +168,19 @@ Status SpecBatch::Resume(int64_t handle) {
 
 Status SpecBatch::Step(const std::vector<WindowGrant>& grants) { return impl_->Step(grants); }
 
-int64_t SpecBatch::graph_captures() const {
-  return GraphStats(impl_->cache).captures + GraphStats(impl_->dcache).captures;
-}
-
-int64_t SpecBatch::graph_capture_failures() const {
-  return GraphStats(impl_->cache).capture_failures + GraphStats(impl_->dcache).capture_failures;
-}
-
-std::string SpecBatch::last_graph_capture_failure() const {
-  const ForwardGraphStats t = GraphStats(impl_->cache), d = GraphStats(impl_->dcache);
-  return d.last_failure_seq > t.last_failure_seq ? d.last_failure : t.last_failure;
+ForwardGraphStats SpecBatch::graph_stats() const {
+  ForwardGraphStats s = GraphStats(impl_->cache);
+  const ForwardGraphStats d = GraphStats(impl_->dcache);
+  s.graphs += d.graphs;
+  s.captures += d.captures;
+  s.replays += d.replays;
+  s.capture_failures += d.capture_failures;
+  if (d.last_failure_seq > s.last_failure_seq) {
+    s.last_failure = d.last_failure;
+    s.last_failure_seq = d.last_failure_seq;
+    s.last_failed_pool = d.last_failed_pool;
+  }
+  return s;
 }
 
 StepContext SpecBatch::Impl::Context(const std::vector<WindowGrant>& grants) {

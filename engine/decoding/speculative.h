@@ -16,12 +16,12 @@
 
 #include <cstdint>
 #include <memory>
-#include <string>
 #include <vector>
 
 #include "engine/decoding/image_request.h"
 #include "engine/decoding/policy.h"
 #include "engine/decoding/verify.h"
+#include "engine/model/cuda_graphs.h"
 #include "engine/model/gpt.h"
 #include "engine/util/status.h"
 
@@ -180,13 +180,9 @@ class SpecBatch {
   void Suspend(int64_t handle);
   Status Resume(int64_t handle);
 
-  // CUDA graphs captured so far over the batch's caches (SpecOptions::cuda_graphs on a CUDA
-  // device; 0 otherwise).
-  int64_t graph_captures() const;
-  // Captures that failed so far (their buckets run eagerly from then on), and the last one's
-  // error.
-  int64_t graph_capture_failures() const;
-  std::string last_graph_capture_failure() const;
+  // The CUDA graphs of the batch's caches, target and draft together: counts summed, the
+  // later failure's error (SpecOptions::cuda_graphs on a CUDA device; all zero otherwise).
+  ForwardGraphStats graph_stats() const;
 
  private:
   struct Impl;

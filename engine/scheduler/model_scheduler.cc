@@ -545,8 +545,7 @@ void ModelScheduler::Step(Outcomes& out) {
     TraceStep(dec, windows, demand, expected, sample, traced);
   }
   Status st;
-  const int64_t captures = batch_.graph_captures();
-  const int64_t capture_failures = batch_.graph_capture_failures();
+  const ForwardGraphStats graphs_before = batch_.graph_stats();
   try {
     InjectFailure();
     st = batch_.Step(grants);
@@ -563,12 +562,13 @@ void ModelScheduler::Step(Outcomes& out) {
     return;
   }
   const auto t1 = Clock::now();
-  sample.graph_captures = batch_.graph_captures() - captures;
-  sample.graph_capture_failures = batch_.graph_capture_failures() - capture_failures;
+  const ForwardGraphStats graphs = batch_.graph_stats();
+  sample.graph_captures = graphs.captures - graphs_before.captures;
+  sample.graph_capture_failures = graphs.capture_failures - graphs_before.capture_failures;
   if (sample.graph_capture_failures > 0) {
     Notice(opts_, "CUDA graphs: a capture of model " + model_.name +
                       "'s forward failed; that shape bucket runs without a graph from now on: " +
-                      batch_.last_graph_capture_failure());
+                      graphs.last_failure);
   }
   if (cost_.calibrated()) {
     sample.predicted_seconds =

@@ -370,13 +370,14 @@ def check(build, repo, venv, roots, lock):
     venv_real = os.path.realpath(venv)
     venv_files, venv_installed = venv_packages(venv_real)
     inputs, missing = build_inputs(build)
-    bad, used, used_pip, system = [], set(), set(), 0
+    bad, used, used_pip, system, from_venv = [], set(), set(), 0, 0
     for path, why in sorted(inputs.items()):
         real = os.path.realpath(path)
         if (tracked is not None and path in tracked) or any(
                 real == d or real.startswith(d + "/") for d in own_dirs):
             continue
         if real.startswith(venv_real + "/"):
+            from_venv += 1
             owner = venv_package_of(real, venv_real, venv_files)
             if owner is None:
                 bad.append("%s (%s): in the virtualenv but in no pip package's RECORD (copied "
@@ -418,9 +419,8 @@ def check(build, repo, venv, roots, lock):
     return 0, ["check_build_inputs: %d files read, %d of them system files, each from one of the "
                "%d Debian packages install-deps gives a fresh machine (%d of those packages "
                "used), and %d from %d pip packages at deploy/python-constraints.txt's versions"
-               % (len(inputs), system, len(allowed), len(used),
-                  sum(1 for p in inputs if os.path.realpath(p).startswith(venv_real + "/")),
-                  len(used_pip))] + notes
+               % (len(inputs), system, len(allowed), len(used), from_venv, len(used_pip))
+               ] + notes
 
 
 def self_test():
@@ -441,8 +441,8 @@ def self_test():
             with open(os.path.join(folder, name + ".h"), "w") as f:
                 f.write("static int %s(void) { return 0; }\n" % name)
         os.symlink(os.path.join(outside, "outside.h"), os.path.join(venv, "venv.h"))
-        # A virtualenv with one pip package, pkg_a 1.0 (its header and its bytecode in its
-        # RECORD), and a header that no package lists.
+        # A virtualenv with one pip package, pkg_a 1.0 (its header in its RECORD), and a header
+        # that no package lists.
         site = os.path.join(venv, "lib", "python3.11", "site-packages")
         os.makedirs(os.path.join(site, "pkg_a"))
         os.makedirs(os.path.join(site, "pkg_a-1.0.dist-info"))
