@@ -73,7 +73,7 @@ fi
 have_torch="$("$VENV/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null || true)"
 if [ "${have_torch%%+*}" != "$TORCH_VERSION" ]; then
   echo "install-deps: pip install torch==$TORCH_VERSION (found '${have_torch}')"
-  as_root "$VENV/bin/python" -m pip install -q --upgrade pip
+  as_root "$VENV/bin/python" -m pip install -q "${PIP_C[@]}" --upgrade pip
   as_root "$VENV/bin/python" -m pip install -q "${PIP_C[@]}" "torch==$TORCH_VERSION"
 fi
 # numpy, safetensors, matplotlib (with Pillow): tools/ and bench plots; kubernetes-validate and
