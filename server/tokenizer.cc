@@ -9,9 +9,10 @@
 
 #include <algorithm>
 #include <fstream>
-#include <map>
+#include <queue>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <stdexcept>
 #include <unordered_map>
 
 #include "engine/util/json.h"
@@ -105,6 +106,12 @@ const ByteTable& Bytes() {
 
 // --- regular expressions ----------------------------------------------------------------------
 
+// A pattern that fails on a text (a PCRE2 resource limit) ends Encode with an error; thrown
+// through the splitters, caught in Tokenizer::Encode.
+struct SplitError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 // A compiled PCRE2 pattern in UTF mode with Unicode properties for \w, \d, \s and \b (what the
 // Oniguruma patterns of tokenizer.json files assume).
 class Regex {
@@ -135,7 +142,14 @@ class Regex {
     while (start <= s.size()) {
       const int rc = pcre2_match(code_, reinterpret_cast<PCRE2_SPTR>(s.data()), s.size(), start,
                                  PCRE2_NO_UTF_CHECK, md, nullptr);
-      if (rc < 0) break;
+      if (rc == PCRE2_ERROR_NOMATCH) break;
+      if (rc < 0) {  // a resource limit (match, depth, JIT stack): not "no more matches"
+        PCRE2_UCHAR msg[256];
+        pcre2_get_error_message(rc, msg, sizeof(msg));
+        pcre2_match_data_free(md);
+        throw SplitError(std::string("the pre-tokenizer's pattern failed on this text: ") +
+                         reinterpret_cast<const char*>(msg));
+      }
       const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md);
       out.emplace_back(ov[0], ov[1]);
       if (ov[1] > ov[0]) {
@@ -595,6 +609,22 @@ StatusOr<std::unique_ptr<PreTokenizer>> ParsePre(const Json& j, const std::strin
 
 // --- the tokenizer ----------------------------------------------------------------------------
 
+namespace {
+// Ids at or past this are refused when a tokenizer.json is read (the largest vocabularies have
+// a few hundred thousand): an id of 2^31 would otherwise size the id table at 64 GiB.
+constexpr int64_t kMaxTokenId = int64_t{1} << 24;
+
+// A merge's key: its two symbols joined by a byte that valid UTF-8 (every token's text) never
+// holds, so no two pairs share a key.
+constexpr char kMergeSeparator = '\xff';
+std::string MergeKey(std::string_view a, std::string_view b) {
+  std::string k(a);
+  k += kMergeSeparator;
+  k.append(b);
+  return k;
+}
+}  // namespace
+
 struct Tokenizer::Impl {
   struct Added {
     std::string content;
@@ -603,7 +633,8 @@ struct Tokenizer::Impl {
   };
   std::unordered_map<std::string, int32_t> vocab;
   std::vector<std::string> id_to_token;
-  std::map<std::pair<std::string, std::string>, int32_t> merge_rank;
+  // The rank of each merge, keyed by MergeKey(a, b).
+  std::unordered_map<std::string, int32_t> merge_rank;
   std::vector<Added> added;
   std::unordered_map<std::string, size_t> added_by_content;
   std::unique_ptr<Normalizer> normalizer;
@@ -678,24 +709,64 @@ void Tokenizer::Impl::Bpe(const std::string& word, std::vector<int32_t>* out) co
       return;
     }
   }
-  std::vector<std::string> syms;
-  for (std::string_view c : Chars(word)) syms.emplace_back(c);
-  while (syms.size() > 1) {
-    int32_t best_rank = -1;
-    size_t best = 0;
-    for (size_t k = 0; k + 1 < syms.size(); ++k) {
-      auto it = merge_rank.find({syms[k], syms[k + 1]});
-      if (it != merge_rank.end() && (best_rank < 0 || it->second < best_rank)) {
-        best_rank = it->second;
-        best = k;
-      }
-    }
-    if (best_rank < 0) break;
-    syms[best] += syms[best + 1];
-    syms.erase(syms.begin() + static_cast<std::ptrdiff_t>(best) + 1);
+  // The word's symbols, a doubly linked list over its characters, each named by the byte where
+  // it starts; a merge grows the left symbol and kills the right one (length 0). The candidate
+  // merges (adjacent pairs that have a rank) wait in a heap ordered by rank, then position,
+  // which is the order `tokenizers` merges in (the lowest-ranked pair, leftmost first), in
+  // O(n log n): a scan of every pair for each merge took quadratic time, minutes for a 64 KiB
+  // prompt of one word. A candidate is stale once either symbol changed length; a pair that
+  // still has its lengths has its text, since symbols are contiguous.
+  struct Sym {
+    size_t len;
+    size_t prev, next;  // byte offsets of the neighbours; kNone at either end
+  };
+  constexpr size_t kNone = static_cast<size_t>(-1);
+  std::vector<Sym> syms(word.size(), Sym{0, kNone, kNone});
+  size_t last = kNone;
+  for (std::string_view c : Chars(word)) {
+    const size_t at = static_cast<size_t>(c.data() - word.data());
+    syms[at] = Sym{c.size(), last, kNone};
+    if (last != kNone) syms[last].next = at;
+    last = at;
   }
+  struct Candidate {
+    int32_t rank;
+    size_t left, left_len, right_len;
+    bool operator>(const Candidate& o) const {
+      return rank != o.rank ? rank > o.rank : left > o.left;
+    }
+  };
+  std::priority_queue<Candidate, std::vector<Candidate>, std::greater<Candidate>> heap;
+  std::string key;
+  auto consider = [&](size_t left) {
+    if (left == kNone) return;
+    const size_t right = syms[left].next;
+    if (right == kNone) return;
+    key.assign(word, left, syms[left].len);
+    key += kMergeSeparator;
+    key.append(word, right, syms[right].len);
+    if (auto it = merge_rank.find(key); it != merge_rank.end())
+      heap.push(Candidate{it->second, left, syms[left].len, syms[right].len});
+  };
+  for (size_t at = 0; at != kNone && !word.empty(); at = syms[at].next) consider(at);
+  while (!heap.empty()) {
+    const Candidate c = heap.top();
+    heap.pop();
+    Sym& l = syms[c.left];
+    if (l.len != c.left_len || l.next == kNone || syms[l.next].len != c.right_len) continue;
+    Sym& r = syms[l.next];
+    l.len += r.len;
+    r.len = 0;
+    l.next = r.next;
+    if (l.next != kNone) syms[l.next].prev = c.left;
+    consider(l.prev);
+    consider(c.left);
+  }
+  std::vector<std::string> pieces;
+  for (size_t at = 0; at != kNone && !word.empty(); at = syms[at].next)
+    pieces.push_back(word.substr(at, syms[at].len));
   bool last_unk = false;
-  for (const std::string& s : syms) {
+  for (const std::string& s : pieces) {
     if (auto it = vocab.find(s); it != vocab.end()) {
       out->push_back(it->second);
       last_unk = false;
@@ -741,6 +812,17 @@ StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& path) {
 
 StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(const std::string& text,
                                                          const std::string& what) {
+  // A field of an unexpected JSON type that a check above missed throws in nlohmann's get<>():
+  // the file is refused, not the daemon ended.
+  try {
+    return FromJsonChecked(text, what);
+  } catch (const Json::exception& e) {
+    return DataLoss(what + ": " + e.what());
+  }
+}
+
+StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJsonChecked(const std::string& text,
+                                                                const std::string& what) {
   ASSIGN_OR_RETURN(const Json j, ParseJson(text));
   if (!j.is_object()) return DataLoss(what + ": expected a JSON object");
   auto impl = std::make_unique<Impl>();
@@ -764,8 +846,9 @@ StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(const std::string& text
   int64_t max_id = -1;
   for (const auto& [tok, id] : vocab.items()) {
     const auto v = JsonInt(id);
-    if (!v || *v < 0 || *v > INT32_MAX)
-      return DataLoss(Where(what, "model.vocab") + ": the id of '" + tok + "' is not an id");
+    if (!v || *v < 0 || *v >= kMaxTokenId)
+      return DataLoss(Where(what, "model.vocab") + ": the id of '" + tok +
+                      "' is not an id in [0, " + std::to_string(kMaxTokenId) + ")");
     impl->vocab[tok] = static_cast<int32_t>(*v);
     max_id = std::max(max_id, *v);
   }
@@ -789,7 +872,7 @@ StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(const std::string& text
       return DataLoss(Where(what, "model.merges[" + std::to_string(r) + "]") +
                       ": expected \"a b\" or [\"a\", \"b\"]");
     }
-    impl->merge_rank.emplace(std::make_pair(a, b), static_cast<int32_t>(r));
+    impl->merge_rank.emplace(MergeKey(a, b), static_cast<int32_t>(r));
   }
   if (model.contains("unk_token") && model["unk_token"].is_string()) {
     auto it = impl->vocab.find(model["unk_token"].get<std::string>());
@@ -807,8 +890,10 @@ StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(const std::string& text
       const Json& t = list[i];
       const std::string where = Where(what, "added_tokens[" + std::to_string(i) + "]");
       const auto id = t.is_object() && t.contains("id") ? JsonInt(t["id"]) : std::nullopt;
-      if (!id || *id < 0 || *id > INT32_MAX || !t.contains("content") || !t["content"].is_string())
-        return DataLoss(where + ": expected 'id' and 'content'");
+      if (!id || *id < 0 || *id >= kMaxTokenId || !t.contains("content") ||
+          !t["content"].is_string())
+        return DataLoss(where + ": expected 'id' (in [0, " + std::to_string(kMaxTokenId) +
+                        ")) and 'content'");
       Impl::Added a;
       a.content = t["content"].get<std::string>();
       a.id = static_cast<int32_t>(*id);
@@ -861,13 +946,17 @@ StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(const std::string& text
         }
         if (!item.contains("SpecialToken") || !item["SpecialToken"].contains("id"))
           return DataLoss(what + ": post_processor.single: unknown item");
+        if (!item["SpecialToken"]["id"].is_string())
+          return DataLoss(what + ": post_processor.single: a SpecialToken's id is not a string");
         const std::string name = item["SpecialToken"]["id"].get<std::string>();
         if (!specials.is_object() || !specials.contains(name) || !specials[name].contains("ids") ||
             !specials[name]["ids"].is_array())
           return DataLoss(what + ": post_processor.special_tokens: no ids for '" + name + "'");
         for (const Json& id : specials[name]["ids"]) {
           const auto v = JsonInt(id);
-          if (!v) return DataLoss(what + ": post_processor.special_tokens['" + name + "']");
+          if (!v || *v < 0 || *v >= kMaxTokenId)
+            return DataLoss(what + ": post_processor.special_tokens['" + name +
+                            "']: an id not in [0, " + std::to_string(kMaxTokenId) + ")");
           (seen_a ? impl->tmpl.after : impl->tmpl.before).push_back(static_cast<int32_t>(*v));
         }
       }
@@ -878,11 +967,23 @@ StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(const std::string& text
       const Json& sep = p->contains("sep") ? (*p)["sep"] : Json();
       if (!cls.is_array() || cls.size() != 2 || !sep.is_array() || sep.size() != 2)
         return DataLoss(what + ": post_processor: expected 'cls' and 'sep' pairs");
-      impl->tmpl.before.push_back(static_cast<int32_t>(JsonInt(cls[1]).value_or(0)));
-      impl->tmpl.after.push_back(static_cast<int32_t>(JsonInt(sep[1]).value_or(0)));
+      const auto c = JsonInt(cls[1]), e = JsonInt(sep[1]);
+      if (!c || !e || *c < 0 || *c >= kMaxTokenId || *e < 0 || *e >= kMaxTokenId)
+        return DataLoss(what + ": post_processor: 'cls' and 'sep' ids not in [0, " +
+                        std::to_string(kMaxTokenId) + ")");
+      impl->tmpl.before.push_back(static_cast<int32_t>(*c));
+      impl->tmpl.after.push_back(static_cast<int32_t>(*e));
       continue;
     }
     return FailedPrecondition(what + ": the post_processor type '" + ptype + "' is not supported");
+  }
+  // The template's ids count in vocab_size(), so that the daemon's check against the model's
+  // text vocabulary covers them too (an id past it would fail every request as the prompt's).
+  for (const auto* ids : {&impl->tmpl.before, &impl->tmpl.after}) {
+    for (int32_t id : *ids) {
+      if (static_cast<size_t>(id) >= impl->id_to_token.size())
+        impl->id_to_token.resize(static_cast<size_t>(id) + 1);
+    }
   }
   if (j.contains("decoder") && !j["decoder"].is_null()) {
     ASSIGN_OR_RETURN(const std::string dtype, TypeOf(j["decoder"], what + ": decoder"));
@@ -898,6 +999,15 @@ StatusOr<std::vector<int32_t>> Tokenizer::Encode(std::string_view text,
     if (n == 0) return InvalidArgument("prompt: not valid UTF-8 at byte " + std::to_string(i));
     i += n;
   }
+  try {
+    return EncodeValid(text, add_special_tokens);
+  } catch (const SplitError& e) {
+    return InvalidArgument(std::string("prompt: ") + e.what());
+  }
+}
+
+StatusOr<std::vector<int32_t>> Tokenizer::EncodeValid(std::string_view text,
+                                                      bool add_special_tokens) const {
   const Impl& m = *impl_;
   std::vector<int32_t> ids(m.tmpl.before);
   // Added tokens matched on the raw text, then those matched after normalisation.

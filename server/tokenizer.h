@@ -47,6 +47,10 @@ class Tokenizer {
 
  private:
   explicit Tokenizer(std::unique_ptr<Impl> impl);
+  static StatusOr<std::unique_ptr<Tokenizer>> FromJsonChecked(const std::string& json,
+                                                              const std::string& what);
+  StatusOr<std::vector<int32_t>> EncodeValid(std::string_view text,
+                                             bool add_special_tokens) const;  // UTF-8 checked
   std::unique_ptr<Impl> impl_;
 };
 

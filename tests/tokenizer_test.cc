@@ -150,5 +150,87 @@ TEST(TokenizerErrors, NameTheFieldAndRefuseWhatIsNotImplemented) {
   EXPECT_NE(invalid.status().message().find("byte 1"), std::string::npos);
 }
 
+TEST(TokenizerErrors, MalformedFilesAreRefusedNamingTheFieldNotFatal) {
+  // A template's SpecialToken id of the wrong JSON type threw out of nlohmann's get<>() and
+  // ended the daemon.
+  auto type = Tokenizer::FromJson(
+      R"({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []},
+          "post_processor": {"type": "TemplateProcessing",
+                             "single": [{"SpecialToken": {"id": 5}}, {"Sequence": {"id": "A"}}],
+                             "special_tokens": {}}})",
+      "t.json");
+  ASSERT_FALSE(type.ok());
+  EXPECT_NE(type.status().message().find("post_processor.single"), std::string::npos)
+      << type.status().message();
+  // An id of 2^31 - 1 sized the id table at 64 GiB before anything compared it with the model.
+  auto vocab = Tokenizer::FromJson(
+      R"({"model": {"type": "BPE", "vocab": {"a": 2147483647}, "merges": []}})", "t.json");
+  ASSERT_FALSE(vocab.ok());
+  EXPECT_NE(vocab.status().message().find("model.vocab"), std::string::npos);
+  auto added = Tokenizer::FromJson(
+      R"({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []},
+          "added_tokens": [{"id": 2147483647, "content": "<x>"}]})",
+      "t.json");
+  ASSERT_FALSE(added.ok());
+  EXPECT_NE(added.status().message().find("added_tokens[0]"), std::string::npos);
+  // A template's ids count in vocab_size(), which the daemon compares with the model's text
+  // vocabulary at start-up.
+  auto tmpl = Tokenizer::FromJson(
+      R"({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []},
+          "post_processor": {"type": "TemplateProcessing",
+                             "single": [{"SpecialToken": {"id": "<s>"}}, {"Sequence": {"id": "A"}}],
+                             "special_tokens": {"<s>": {"id": "<s>", "ids": [9]}}}})",
+      "t.json");
+  ASSERT_TRUE(tmpl.ok()) << tmpl.status().ToString();
+  EXPECT_EQ((*tmpl)->vocab_size(), 10);
+  auto negative = Tokenizer::FromJson(
+      R"({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []},
+          "post_processor": {"type": "TemplateProcessing",
+                             "single": [{"SpecialToken": {"id": "<s>"}}, {"Sequence": {"id": "A"}}],
+                             "special_tokens": {"<s>": {"id": "<s>", "ids": [-1]}}}})",
+      "t.json");
+  ASSERT_FALSE(negative.ok());
+  EXPECT_NE(negative.status().message().find("special_tokens['<s>']"), std::string::npos);
+}
+
+TEST(TokenizerErrors, APatternThatFailsOnTheTextIsAnErrorNotTheEndOfTheSplits) {
+  // (a+)+$ backtracks exponentially on a run of a's that does not end the text: PCRE2 stops at
+  // its match limit. That used to read as "no more matches", so the rest of the text went
+  // unsplit and the ids differed from `tokenizers`' without a word.
+  auto tok = Tokenizer::FromJson(
+      R"({"model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "c": 2}, "merges": []},
+          "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "(a+)+$"},
+                            "behavior": "Isolated"}})",
+      "t.json");
+  ASSERT_TRUE(tok.ok()) << tok.status().ToString();
+  auto fine = (*tok)->Encode("aa c");
+  ASSERT_TRUE(fine.ok()) << fine.status().ToString();
+  auto hostile = (*tok)->Encode(std::string(64, 'a') + "c");
+  ASSERT_FALSE(hostile.ok());
+  EXPECT_EQ(hostile.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(hostile.status().message().find("prompt"), std::string::npos)
+      << hostile.status().message();
+}
+
+TEST(TokenizerBpe, MergesTheLowestRankedPairLeftmostFirst) {
+  // a a has rank 0, aa aa rank 1: "aaaaa" is (aa)(aa)(a) after the first rank, then (aaaa)(a).
+  // Leftmost first matters: from the right it would be (a)(aa)(aa), then (a)(aaaa).
+  auto tok = Tokenizer::FromJson(
+      R"({"model": {"type": "BPE", "vocab": {"a": 0, "aa": 1, "aaaa": 2},
+                    "merges": ["a a", "aa aa"]}})",
+      "t.json");
+  ASSERT_TRUE(tok.ok()) << tok.status().ToString();
+  auto ids = (*tok)->Encode("aaaaa", false);
+  ASSERT_TRUE(ids.ok());
+  EXPECT_EQ(*ids, (std::vector<int32_t>{2, 0}));
+  auto seven = (*tok)->Encode("aaaaaaa", false);
+  ASSERT_TRUE(seven.ok());
+  EXPECT_EQ(*seven, (std::vector<int32_t>{2, 1, 0}));
+  // A long word (one pre-tokenizer piece) costs O(n log n), not a scan of every pair per merge.
+  auto long_word = (*tok)->Encode(std::string(65536, 'a'), false);
+  ASSERT_TRUE(long_word.ok());
+  EXPECT_EQ(long_word->size(), 16384u);
+}
+
 }  // namespace
 }  // namespace imagegen::server

@@ -180,6 +180,13 @@ def main():
     pool = list("aZ0 9\t\n\r'’.,!?-_ \u00a0\u3000éß中한😀👍🏽\u0301") + ["<|User|>", "[mask]", "boot"]
     for _ in range(1000):
         corpus.append("".join(rng.choice(pool) for _ in range(rng.randint(1, 24))))
+    # Long words over few characters: many merges of equal rank in one pre-tokenizer piece, so
+    # the merge order (lowest rank, leftmost first) decides the ids.
+    for unit in ["dress", "sneaker", "a", "ab", "aaab", "boot", "1", "中"]:
+        corpus.append(unit * (600 // len(unit)))
+    for _ in range(60):
+        few = rng.choice(["ab", "aab", "esr", "dres", "ot b", "01", "a中"])
+        corpus.append("".join(rng.choice(few) for _ in range(rng.randint(50, 800))))
     sets = {name: build(name, rng) for name in ["gpt2", "deepseek", "llama3", "normalized"]}
     for spec in args.tokenizer:
         name, path = spec.split("=", 1)
