@@ -380,6 +380,60 @@ TEST(EngineTest, CancelMidGenerationEndsTheRequestAndFreesItsSlots) {
   ASSERT_TRUE(after->Wait() && after->result.has_value());
 }
 
+// Observers and listeners are called on the engine thread; one that throws used to end that
+// thread (std::terminate: the process, every request). Now its exception is dropped where the
+// engine calls it: the request goes on after OnStep, is over after OnError, and the others
+// never notice.
+TEST(EngineTest, AnObserverOrListenerThatThrowsEndsNeitherTheEngineNorOtherRequests) {
+  class ThrowsOnStep : public Recorder {
+   public:
+    void OnStep(const StepEvent& e) override {
+      Recorder::OnStep(e);
+      throw std::runtime_error("observer bug");
+    }
+  };
+  class ThrowsOnError : public Recorder {
+   public:
+    void OnError(const Status& s) override {
+      Recorder::OnError(s);
+      throw std::runtime_error("observer bug");
+    }
+  };
+  class ThrowingListener : public EngineListener {
+   public:
+    void OnStep(const StepSample&) override {
+      steps.fetch_add(1);
+      throw std::runtime_error("listener bug");
+    }
+    std::atomic<int64_t> steps{0};
+  };
+  ThrowingListener listener;
+  auto engine = StartOrDie(BundledOptions(), &listener);
+  auto step_thrower = std::make_shared<ThrowsOnStep>();
+  auto error_thrower = std::make_shared<ThrowsOnError>();
+  auto plain = std::make_shared<Recorder>();
+  auto id = engine->Submit(Params("sjd", 2, 11), error_thrower);
+  ASSERT_TRUE(id.ok());
+  engine->Cancel(*id);
+  ASSERT_TRUE(engine->Submit(Params("scd-mc", 1, 12), step_thrower).ok());
+  ASSERT_TRUE(engine->Submit(Params("ar", 3, 13), plain).ok());
+  ASSERT_TRUE(error_thrower->Wait() && step_thrower->Wait() && plain->Wait());
+  ASSERT_TRUE(error_thrower->error.has_value());
+  EXPECT_EQ(error_thrower->error->code(), Code::kCancelled);
+  // Every step reached the observer that throws, and the request completed.
+  ASSERT_TRUE(step_thrower->result.has_value())
+      << (step_thrower->error ? step_thrower->error->ToString() : "");
+  EXPECT_TRUE(step_thrower->all_decided());
+  ASSERT_TRUE(plain->result.has_value()) << (plain->error ? plain->error->ToString() : "");
+  EXPECT_GT(listener.steps.load(), 0);
+  // And the engine serves the next request.
+  auto after = std::make_shared<Recorder>();
+  ASSERT_TRUE(engine->Submit(Params("ar", 4, 14), after).ok());
+  ASSERT_TRUE(after->Wait() && after->result.has_value());
+  WaitIdle(*engine);
+  EXPECT_EQ(engine->Stats().models[0].slots_used, 0);
+}
+
 TEST(EngineTest, DeadlinesEndRunningAndWaitingRequests) {
   EngineOptions o = BundledOptions();
   o.max_slots = 2;

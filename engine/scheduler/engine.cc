@@ -153,6 +153,9 @@ struct Engine::Impl {
   // `next` numbers the warm-up's requests across loads.
   Status WarmUpLoad(size_t mi, const std::string& method, int64_t n, int64_t& next);
   void Run();
+  // What Run does when an exception escapes model `mi`'s Tick: a notice, and the model's
+  // requests, queued and active, end with INTERNAL; the engine goes on.
+  void EndModelAfterEscape(size_t mi, const std::string& what, Outcomes& out);
 };
 
 Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -733,6 +736,15 @@ void Engine::Shutdown(std::chrono::milliseconds grace) {
   });
 }
 
+void Engine::Impl::EndModelAfterEscape(size_t mi, const std::string& what, Outcomes& out) {
+  Notice(opts, "model '" + models[mi].name + "': " + what +
+                   " escaped a scheduling round; its requests end with INTERNAL");
+  try {
+    schedulers[mi]->EndAll(Internal("the engine failed while scheduling: " + what), out);
+  } catch (...) {
+  }
+}
+
 void Engine::Impl::Run() {
   for (auto& s : schedulers) s->ArmFailureDrill(opts.fail_steps_for_seconds);
   std::vector<std::pair<size_t, std::unique_ptr<Job>>> arrived;
@@ -774,7 +786,21 @@ void Engine::Impl::Run() {
     }
     bool stepped = false;
     const auto now = Clock::now();
-    for (auto& r : schedulers) stepped |= r->Tick(cancelled, now, out);
+    for (size_t i = 0; i < schedulers.size(); ++i) {
+      // A step's own failures are handled inside Tick (its requests end with the error, the
+      // engine goes on). Anything else that escapes (LibTorch outside the step's try, an
+      // allocation) ends that model's requests instead of the engine thread, every model's
+      // requests and the process with it.
+      try {
+        stepped |= schedulers[i]->Tick(cancelled, now, out);
+      } catch (const std::exception& e) {
+        EndModelAfterEscape(i, e.what(), out);
+        stepped = true;
+      } catch (...) {
+        EndModelAfterEscape(i, "an exception that is not a std::exception", out);
+        stepped = true;
+      }
+    }
     cancelled.clear();  // ids not found had already finished
     if (out_of_time) {
       for (auto& r : schedulers)

@@ -48,7 +48,7 @@ class FamilyScheduler {
     std::unique_ptr<Job> j = waiting_.TakeNewest(cls);
     if (!j) return false;
     Discard(*j);
-    j->observer->OnError(status);
+    NotifyError(*j->observer, status);
     return true;
   }
   // One scheduling round: ends the cancelled and expired requests, admits what fits (in the

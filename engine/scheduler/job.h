@@ -9,10 +9,33 @@
 #include <vector>
 
 #include "engine/decoding/image_request.h"
+#include "engine/scheduler/engine.h"
 #include "engine/scheduler/goodput.h"
 #include "engine/scheduler/request.h"
 
 namespace imagegen {
+
+// The engine thread's calls of observers and listeners: an exception from one is dropped (see
+// RequestObserver), not let out to end the engine thread.
+inline void NotifyStep(RequestObserver& o, const StepEvent& e) noexcept {
+  try {
+    o.OnStep(e);
+  } catch (...) {
+  }
+}
+inline void NotifyError(RequestObserver& o, const Status& s) noexcept {
+  try {
+    o.OnError(s);
+  } catch (...) {
+  }
+}
+inline void NotifyListener(EngineListener* l, const StepSample& s) noexcept {
+  if (l == nullptr) return;
+  try {
+    l->OnStep(s);
+  } catch (...) {
+  }
+}
 
 struct Job {
   int64_t id = 0;

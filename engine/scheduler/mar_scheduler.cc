@@ -183,13 +183,13 @@ Clock::time_point MarScheduler::next_deadline() const {
 
 void MarScheduler::End(Active& a, const Status& status) {
   used_ -= a.rows;
-  a.job->observer->OnError(status);
+  NotifyError(*a.job->observer, status);
 }
 
 void MarScheduler::EndAll(const Status& status, Outcomes& out) {
   std::vector<std::unique_ptr<Job>> waiting = waiting_.TakeAll();
   for (auto& a : active_) End(*a, status);
-  for (auto& j : waiting) j->observer->OnError(status);
+  for (auto& j : waiting) NotifyError(*j->observer, status);
   out.failed += static_cast<int64_t>(active_.size() + waiting.size());
   active_.clear();
 }
@@ -211,7 +211,7 @@ bool MarScheduler::Tick(const std::unordered_set<int64_t>& cancelled, Clock::tim
     if (a != nullptr) {
       End(*a, st);
     } else {
-      j.observer->OnError(st);
+      NotifyError(*j.observer, st);
     }
     return true;
   };
@@ -245,9 +245,9 @@ void MarScheduler::Admit(Outcomes& out) {
     const int64_t contexts = a->cspd && !p.cont.verified_context ? a->gamma + 1 : 1;
     a->rows = contexts * (a->guided() ? 2 : 1);
     if (a->rows > slots_) {
-      j.observer->OnError(FieldError("window", "needs " + std::to_string(a->rows) +
-                                                   " forward rows per step, the server has " +
-                                                   std::to_string(slots_) + " (--max-slots)"));
+      NotifyError(*j.observer, FieldError("window", "needs " + std::to_string(a->rows) +
+                                                        " forward rows per step, the server has " +
+                                                        std::to_string(slots_) + " (--max-slots)"));
       out.failed += 1;
       waiting_.Take(&j);
       continue;
@@ -522,7 +522,7 @@ void MarScheduler::Step(Outcomes& out) {
     if (PreviewDueAt(*a.job, a.counters.nfe, events.back().totals.tokens, s)) due.push_back(i);
   }
   AddPreviews(due, events);
-  for (size_t i = 0; i < active_.size(); ++i) active_[i]->job->observer->OnStep(events[i]);
+  for (size_t i = 0; i < active_.size(); ++i) NotifyStep(*active_[i]->job->observer, events[i]);
   sample.step_seconds = Seconds(t0, Clock::now());
   std::erase_if(active_, [&](std::unique_ptr<Active>& a) {
     if (!a->done(s)) return false;
@@ -530,7 +530,7 @@ void MarScheduler::Step(Outcomes& out) {
     return true;
   });
   sample.seconds = Seconds(t0, Clock::now());
-  if (listener_ != nullptr) listener_->OnStep(sample);
+  NotifyListener(listener_, sample);
 }
 
 StepEvent MarScheduler::Event(Active& a) {

@@ -346,7 +346,7 @@ void ModelScheduler::End(Job& job, const Status& status) {
     batch_.Remove(job.handle);
     job.handle = -1;
   }
-  job.observer->OnError(status);
+  NotifyError(*job.observer, status);
 }
 
 void ModelScheduler::EndAll(const Status& status, Outcomes& out) {
@@ -416,7 +416,7 @@ void ModelScheduler::Admit(Outcomes& out) {
       }
       StatusOr<int64_t> h = batch_.Add(j.request, share);
       if (!h.ok()) {  // validated at submission; only a model-level surprise gets here
-        j.observer->OnError(h.status());
+        NotifyError(*j.observer, h.status());
         out.failed += 1;
         waiting_.Take(&j);
         continue;
@@ -622,7 +622,7 @@ void ModelScheduler::Step(Outcomes& out) {
     }
   }
   for (size_t i = 0; i < active_.size(); ++i) {
-    if (decoding[i]) active_[i]->observer->OnStep(events[i]);
+    if (decoding[i]) NotifyStep(*active_[i]->observer, events[i]);
   }
   // What the step-cost model predicts: the step from planning to the observers, previews
   // excluded (they have their own budget) and so is decoding the finished images.
@@ -669,7 +669,7 @@ void ModelScheduler::Step(Outcomes& out) {
         });
   }
   sample.seconds = Seconds(t0, Clock::now());
-  if (listener_ != nullptr) listener_->OnStep(sample);
+  NotifyListener(listener_, sample);
 }
 
 // StepSample::trace before the step: what the controller saw for each decoding request (its

@@ -132,7 +132,10 @@ struct RequestResult {
 
 // Receives one request's events on the engine thread, in order: OnStep for every step, then
 // exactly one of OnComplete / OnError. Implementations must return quickly (copy and hand
-// off) and may call Engine::Cancel, but not Submit or Shutdown.
+// off) and may call Engine::Cancel, but not Submit or Shutdown. They should not throw: an
+// exception from one is caught and dropped where the engine calls it (the request goes on
+// after OnStep; it is over after OnError or OnComplete), so that one observer cannot end the
+// engine thread and every other request with it.
 class RequestObserver {
  public:
   virtual ~RequestObserver() = default;
