@@ -160,6 +160,35 @@ TEST(MarEngineTest, MarMatchesMarsOwnLoop) {
   }
 }
 
+// MAR's previews (the KL decoder, on the engine thread) keep to EngineOptions::preview_share
+// as the discrete family's do; they were decoded every due step whatever the share.
+TEST(MarEngineTest, PreviewsKeepToTheirShareOfTheEngine) {
+  for (const double share : {0.0, 1e-12}) {
+    SCOPED_TRACE("preview_share " + std::to_string(share));
+    EngineOptions o;
+    o.models_dir = ModelsDir();
+    o.models = {"mar-small-random"};
+    o.fixed_step_cost = {0.01, 1e-4, 1e-3};
+    o.cpu_threads = 1;
+    o.preview_share = share;
+    auto e = Engine::Start(o);
+    ASSERT_TRUE(e.ok()) << e.status().ToString();
+    GenerateParams p = Params("mar-small-random", "mar");
+    p.policy.cont.num_iter = 8;
+    p.preview_every = 1;
+    auto rec = std::make_shared<Recorder>();
+    ASSERT_TRUE((*e)->Submit(p, rec).ok());
+    ASSERT_TRUE(rec->Wait());
+    ASSERT_TRUE(rec->result.has_value()) << rec->error->ToString();
+    ASSERT_EQ(rec->events.size(), 8u);
+    int64_t previews = 0;
+    for (const StepEvent& ev : rec->events) previews += ev.preview.empty() ? 0 : 1;
+    // No budget: every step but the last (the image itself comes next); a share of 1e-12:
+    // the first, which measures the cost, and none after.
+    EXPECT_EQ(previews, share == 0 ? 7 : 1);
+  }
+}
+
 TEST(MarEngineTest, CspdWithTheTargetAsDraftAcceptsAllAndDrawsTheTargetsImage) {
   auto e = Start({"mar-self"});
   ASSERT_NE(e, nullptr);

@@ -2,6 +2,7 @@
 // grids, cancellation, deadlines, a bounded queue, the token budget, shutdown, and batch
 // invariance (a request's image does not depend on what runs beside it).
 #include "engine/scheduler/engine.h"
+#include "engine/scheduler/preview_budget.h"
 
 #include <gtest/gtest.h>
 
@@ -584,6 +585,35 @@ TEST(EngineTest, PreviewsTakeNoMoreThanTheirShareOfTheEngine) {
     }
   }
   EXPECT_EQ(images[0], images[1]);
+}
+
+// The budget's arithmetic: previews take about their share of the engine's time, however
+// costly one is. A preview that cost more than the bank's cap (a quarter second: a large
+// decoder on the CPU, a cold first call on a GPU) used to stop every later preview, since the
+// credit never reached its cost.
+TEST(PreviewBudgetTest, PreviewsTakeTheirShareEvenWhenOneCostsMoreThanTheBank) {
+  for (const double cost : {0.4, 0.002}) {
+    SCOPED_TRACE("cost " + std::to_string(cost));
+    PreviewBudget b(0.05);
+    const double step = 0.01;
+    int64_t steps = 20000, served = 0;
+    double spent = 0;
+    for (int64_t i = 0; i < steps; ++i) {
+      const size_t n = b.Grant(4, step);  // four requests due every step
+      if (n > 0) {
+        b.Spent(n, cost * static_cast<double>(n));
+        served += static_cast<int64_t>(n);
+        spent += cost * static_cast<double>(n);
+      }
+    }
+    const double share = 0.05 * step * static_cast<double>(steps);  // 10 s
+    EXPECT_LE(spent, share + std::max(PreviewBudget::kMaxCredit, cost) + cost);
+    EXPECT_GE(spent, share - std::max(PreviewBudget::kMaxCredit, cost) - cost);
+    std::printf("cost %.3f s: %lld previews in %.2f s of %lld steps (share %.2f s)\n", cost,
+                static_cast<long long>(served), spent, static_cast<long long>(steps), share);
+  }
+  PreviewBudget none(0);  // no budget: every due preview
+  EXPECT_EQ(none.Grant(7, 0.01), 7u);
 }
 
 // GenerateParams::previews (the HTTP API's partial images): k previews, preview j in the first

@@ -3,6 +3,7 @@
 // scheduler (not thread-safe).
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -13,6 +14,7 @@
 
 #include "engine/scheduler/engine.h"
 #include "engine/scheduler/job.h"
+#include "engine/scheduler/preview_budget.h"
 #include "engine/scheduler/wait_queue.h"
 
 namespace imagegen {
@@ -38,7 +40,9 @@ struct Outcomes {
 class FamilyScheduler {
  public:
   explicit FamilyScheduler(const EngineOptions& opts)
-      : waiting_(opts.admission == "fair"), fail_steps_(opts.fail_steps) {}
+      : waiting_(opts.admission == "fair"),
+        previews_(opts.preview_share),
+        fail_steps_(opts.fail_steps) {}
   virtual ~FamilyScheduler() = default;
   void Enqueue(std::unique_ptr<Job> job) { waiting_.Push(std::move(job)); }
   // The waiting requests by class (Engine::SubmitGroup weighs an arrival against them).
@@ -75,6 +79,20 @@ class FamilyScheduler {
  protected:
   // Frees what a waiting request still holds (a preempted request's suspended state).
   virtual void Discard(Job& job) {}
+  // Of the active requests whose preview is due (indices, ascending), those the preview budget
+  // allows after a step of `step_seconds`, longest-waiting first (`last_preview(i)`: when i's
+  // last preview was served), returned ascending. After serving them, previews_.Spent.
+  template <class LastPreview>
+  std::vector<size_t> PreviewsThisStep(std::vector<size_t> due, double step_seconds,
+                                       LastPreview last_preview) {
+    const size_t n = previews_.Grant(due.size(), step_seconds);
+    if (n == due.size()) return due;
+    std::stable_sort(due.begin(), due.end(),
+                     [&](size_t a, size_t b) { return last_preview(a) < last_preview(b); });
+    due.resize(n);
+    std::sort(due.begin(), due.end());
+    return due;
+  }
   // Inside a step's error handling, before its forward: throws while EngineOptions::fail_steps
   // is positive, and during the failure drill (ArmFailureDrill).
   void InjectFailure() {
@@ -98,6 +116,7 @@ class FamilyScheduler {
     if (!st.ok()) last_error_ = st.message();
   }
   WaitQueue waiting_;
+  PreviewBudget previews_;  // EngineOptions::preview_share
 
  private:
   std::shared_ptr<std::atomic<int64_t>> fail_steps_;

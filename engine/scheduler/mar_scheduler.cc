@@ -521,7 +521,14 @@ void MarScheduler::Step(Outcomes& out) {
     events.push_back(Event(a));
     if (PreviewDueAt(*a.job, a.counters.nfe, events.back().totals.tokens, s)) due.push_back(i);
   }
-  AddPreviews(due, events);
+  // The preview budget, as for the discrete family: the KL decoder runs on this thread too.
+  due = PreviewsThisStep(std::move(due), Seconds(t0, t1),
+                         [&](size_t i) { return active_[i]->job->last_preview; });
+  if (!due.empty()) {
+    const auto p0 = Clock::now();
+    AddPreviews(due, events);
+    previews_.Spent(due.size(), Seconds(p0, Clock::now()));
+  }
   for (size_t i = 0; i < active_.size(); ++i) NotifyStep(*active_[i]->job->observer, events[i]);
   sample.step_seconds = Seconds(t0, Clock::now());
   std::erase_if(active_, [&](std::unique_ptr<Active>& a) {

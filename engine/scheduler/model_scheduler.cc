@@ -604,15 +604,14 @@ void ModelScheduler::Step(Outcomes& out) {
     j.expected_sum += expected[i];
     if (PreviewDue(j)) due.push_back(i);
   }
-  due = PreviewsThisStep(std::move(due), Seconds(t0, t1));
+  due = PreviewsThisStep(std::move(due), Seconds(t0, t1),
+                         [&](size_t i) { return active_[i]->last_preview; });
   double spent = 0;
   if (!due.empty()) {
     const auto p0 = Clock::now();
     AddPreviews(due, events);
     spent = Seconds(p0, Clock::now());
-    const double each = spent / static_cast<double>(due.size());
-    preview_credit_ -= spent;
-    preview_cost_ = preview_cost_ == 0 ? each : 0.8 * preview_cost_ + 0.2 * each;
+    previews_.Spent(due.size(), spent);
     for (size_t i : due) {
       Job& j = *active_[i];
       PreviewServed(j, batch_.stats(j.handle).nfe,
@@ -767,30 +766,6 @@ bool ModelScheduler::PreviewDue(const Job& j) const {
   return PreviewDueAt(j, batch_.stats(j.handle).nfe,
                       static_cast<int64_t>(batch_.tokens(j.handle).size()),
                       model_.gpt->config().block_size);
-}
-
-// Previews are decoded on the engine thread, so every request in the batch waits for them: they
-// may take `preview_share` of the engine's time and no more. Each step earns that share of its
-// own duration in decoding time (banked up to a quarter second); the due requests are served
-// longest-waiting first while the credit covers the recent cost of a preview. A request whose
-// preview is not served this step stays due, and gets the grid as it is when it is served.
-std::vector<size_t> ModelScheduler::PreviewsThisStep(std::vector<size_t> due, double step_seconds) {
-  if (due.empty() || opts_.preview_share <= 0) return due;  // 0: no budget
-  constexpr double kMaxCredit = 0.25;
-  preview_credit_ = std::min(preview_credit_ + opts_.preview_share * step_seconds, kMaxCredit);
-  size_t n = 0;
-  if (preview_cost_ <= 0) {
-    n = preview_credit_ > 0 ? 1 : 0;  // no cost measured yet: one, to measure it
-  } else if (preview_credit_ > 0) {
-    n = static_cast<size_t>(preview_credit_ / preview_cost_);
-  }
-  n = std::min(n, due.size());
-  std::stable_sort(due.begin(), due.end(), [&](size_t a, size_t b) {
-    return active_[a]->last_preview < active_[b]->last_preview;
-  });
-  due.resize(n);
-  std::sort(due.begin(), due.end());
-  return due;
 }
 
 // The result, then the image: decoded by the decode queue (on its thread, or now), which then

@@ -83,8 +83,6 @@ class ModelScheduler : public FamilyScheduler {
   void Step(Outcomes& out);
   StepEvent Event(Job& job, int64_t window);  // counters are deltas since the last event
   bool PreviewDue(const Job& job) const;
-  // Of the requests whose preview is due, those the preview budget allows this step.
-  std::vector<size_t> PreviewsThisStep(std::vector<size_t> due, double step_seconds);
   void AddPreviews(const std::vector<size_t>& due, std::vector<StepEvent>& events);
   // Completes a finished job through the decode queue; with `batch` (decode_batch > 1), a job
   // that wants its image is added to it, for one decoder call with the step's others.
@@ -98,9 +96,6 @@ class ModelScheduler : public FamilyScheduler {
   int64_t slots_;
   SpecBatch batch_;
   std::vector<std::unique_ptr<Job>> active_;  // in admission order
-  // The preview budget (EngineOptions::preview_share): seconds of decoding earned and not yet
-  // spent, and the recent cost of one preview.
-  double preview_credit_ = 0, preview_cost_ = 0;
   StepCostModel cost_;
   std::mt19937_64 noise_rng_{1};  // EngineOptions::simulated_step_noise
   CommitModel commits_;
