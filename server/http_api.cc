@@ -615,7 +615,7 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
       std::lock_guard<std::mutex> l(mu_);
       image_ended_[static_cast<size_t>(index)] = true;
     }
-    Run([this, index, r = std::move(r)] {
+    Run([this, index, r = std::move(r)]() mutable {
       const double total_seconds = std::chrono::duration<double>(Clock::now() - t0_).count();
       v1::GenerateResponse resp;
       const grpc::Status st = FillResponse(r, scale_, false, total_seconds, &resp);
@@ -623,17 +623,15 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
         Fail(st);
         return;
       }
-      svc_->metrics()->OnImage(model_, method_label_, r, total_seconds);
-      svc_->metrics()->OnKeyImage(caller_.key_name(), r);
-      {
-        std::lock_guard<std::mutex> l(mu_);
-        record_.AddImage(r);
-      }
       json item = {{"b64_json", absl::Base64Escape(resp.image_png())},
                    {"imagegen", StatsJson(resp.stats())}};
       output_tokens_ += static_cast<int64_t>(r.tokens.size());
       input_tokens_ = std::max<int64_t>(r.prompt_tokens, 1);
+      // An image counts (metrics, the key's usage, the request log) when it goes out, as over
+      // gRPC: not when the client has gone or another image failed the request.
       if (stream_) {
+        if (Ended()) return;
+        CountImage(r, total_seconds);
         json ev = EventBase("image_generation.completed", index);
         ev["b64_json"] = item["b64_json"];
         ev["usage"] = Usage();
@@ -644,7 +642,10 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
         return;
       }
       items_[static_cast<size_t>(index)] = std::move(item);
-      if (++done_ < n_) return;
+      finished_images_.emplace_back(std::move(r), total_seconds);
+      if (++done_ < n_ || Ended()) return;
+      for (const auto& [result, seconds] : finished_images_) CountImage(result, seconds);
+      finished_images_.clear();
       json body = {{"created", UnixNow()},   {"data", items_},    {"background", "opaque"},
                    {"output_format", "png"}, {"quality", "auto"}, {"size", size_},
                    {"usage", Usage()}};
@@ -751,6 +752,18 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
             {"input_tokens_details", {{"text_tokens", input_tokens_}, {"image_tokens", 0}}},
             {"output_tokens", output_tokens_},
             {"total_tokens", input_tokens_ + output_tokens_}};
+  }
+  // Whether the request is over for its images: the client left, an image failed it, or its
+  // answer is decided.
+  bool Ended() {
+    std::lock_guard<std::mutex> l(mu_);
+    return gone_ || failed_ || finished_;
+  }
+  void CountImage(const RequestResult& r, double total_seconds) {
+    svc_->metrics()->OnImage(model_, method_label_, r, total_seconds);
+    svc_->metrics()->OnKeyImage(caller_.key_name(), r);
+    std::lock_guard<std::mutex> l(mu_);
+    record_.AddImage(r);
   }
   // A server-sent event for a stream; `last` ends it.
   void Send(const char* event, const json& data, bool last) {
@@ -863,6 +876,9 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
 
   // The encoder pool's (one task at a time).
   std::vector<json> items_;
+  // A unary request's finished images and their times, counted when the answer goes out (as
+  // gRPC keeps its results until they are sent).
+  std::vector<std::pair<RequestResult, double>> finished_images_;
   int done_ = 0;
   int64_t input_tokens_ = 0, output_tokens_ = 0;
 

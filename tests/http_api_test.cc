@@ -1,11 +1,14 @@
 // The HTTP API (server/http_api.h) without an engine: how a body becomes a GenerateRequest
 // (ParseImagesRequest, every parameter), what the server answers before the models are loaded
 // (OpenAI's error shape), and that clients which connect and then send slowly or nothing do not
-// stop other requests (the same test as /metrics'). With the engine and the official SDK:
+// stop other requests (the same test as /metrics'); with the bundled model in-process, that a
+// failed request counts none of its images. With the daemon and the official SDK:
 // tests/e2e/openai_sdk_check.py.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -14,6 +17,8 @@
 #include "server/forwarded.h"
 #include "server/http_api.h"
 #include "server/metrics.h"
+#include "server/service.h"
+#include "tests/build_paths.h"
 #include "tests/http_client.h"
 
 namespace imagegen::testing {
@@ -226,6 +231,59 @@ TEST_F(HttpApiTest, SlowAndSilentClientsDoNotStopOthers) {
   trickle.join();
   EXPECT_EQ(answered, 10);
   for (int fd : fds) ::close(fd);
+}
+
+// With the engine (in-process, the bundled model): a unary request whose second image fails
+// after its first finished answers 500 and counts no image. The first image used to be counted
+// (imagegen_images_total, the key's usage, the request log) when it was encoded, although the
+// client never got it; gRPC counts an image only when it goes out.
+TEST(HttpApiEngineTest, AFailedRequestCountsNoneOfItsImages) {
+  // Once a step holds fewer requests than the most it held (an image finished), every later
+  // step fails: the other image ends INTERNAL.
+  class FailAfterFirstImage : public EngineListener {
+   public:
+    explicit FailAfterFirstImage(std::shared_ptr<std::atomic<int64_t>> fail) : fail_(fail) {}
+    void OnStep(const StepSample& s) override {
+      most_ = std::max(most_, s.requests);
+      if (s.requests < most_) fail_->store(1 << 20);
+    }
+
+   private:
+    std::shared_ptr<std::atomic<int64_t>> fail_;
+    int64_t most_ = 0;
+  };
+  EngineOptions eo;
+  eo.models_dir = TestModelsDir();
+  eo.models = {"fmnist-gpt"};
+  eo.fixed_step_cost = {0.01, 1e-4, 1e-3};
+  eo.warmup = 0;
+  eo.cpu_threads = 1;
+  eo.fail_steps = std::make_shared<std::atomic<int64_t>>(0);
+  FailAfterFirstImage listener(eo.fail_steps);
+  auto engine = Engine::Start(eo, &listener);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  server::Metrics metrics;
+  metrics.SetEngine(engine->get());
+  server::ImageGenerationService service(&metrics, server::TokenAuth(), server::ServiceOptions());
+  ASSERT_TRUE(service.SetEngine(engine->get()).ok());
+  auto api = server::HttpApi::Start("127.0.0.1:0", &service);
+  ASSERT_TRUE(api.ok()) << api.status().ToString();
+  // scd-mc: the two images (seeds 5 and 6) take different numbers of steps.
+  const std::string body =
+      R"({"model": "fmnist-gpt", "prompt": "bag", "n": 2, "seed": 5, "method": "scd-mc"})";
+  const std::string r = Fetch((*api)->port(),
+                              "POST /v1/images/generations HTTP/1.0\r\n"
+                              "Content-Type: application/json\r\n"
+                              "Content-Length: " +
+                                  std::to_string(body.size()) + "\r\n\r\n" + body);
+  ASSERT_NE(r.find(" 500 "), std::string::npos) << r.substr(0, 300);
+  EXPECT_EQ(r.find("b64_json"), std::string::npos);
+  (*api)->Stop(std::chrono::system_clock::now());
+  (*engine)->Shutdown(std::chrono::milliseconds(0));
+  EXPECT_EQ((*engine)->Stats().completed, 1) << "the first image did finish in the engine";
+  int64_t counted = 0;
+  for (const auto& [model, totals] : metrics.Totals()) counted += totals.images;
+  EXPECT_EQ(counted, 0);
 }
 
 }  // namespace
