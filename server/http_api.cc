@@ -14,12 +14,14 @@
 #include <cerrno>
 #include <cmath>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <thread>
 
 #include "engine/image/png.h"
@@ -393,6 +395,9 @@ struct HttpApi::Shared : std::enable_shared_from_this<HttpApi::Shared> {
   std::mutex mu;
   std::condition_variable cv;
   std::map<HttpCall*, std::weak_ptr<HttpCall>> open;  // connections not yet completed
+  // Of those, the generation requests (HttpCall::Start ran): what Stop waits for. A request
+  // still sending its body is not one (it would hold the drain for the whole grace).
+  std::set<HttpCall*> generating;
   bool stop = false;
   std::thread watchdog;
 };
@@ -410,6 +415,10 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
     }
     body_.append(data, size);
   }
+  // The body's Content-Length is over HttpApi::kMaxBodyBytes: the request is answered at once,
+  // before any of the body is read (libmicrohttpd then reads none of it and closes).
+  void MarkTooLarge() { too_large_ = true; }
+  bool too_large() const { return too_large_; }
 
   MHD_Result Handle(const std::string& path, const std::string& method) {
     {
@@ -897,6 +906,10 @@ ssize_t ReadStream(void* cls, uint64_t /*pos*/, char* buf, size_t max) {
 
 MHD_Result HttpCall::Start() {
   started_ = true;
+  {
+    std::lock_guard<std::mutex> l(shared_->mu);
+    shared_->generating.insert(this);
+  }
   svc_->metrics()->OnCallOpened(false);
   Engine* engine = svc_->engine();
   ImagesRequest ir;
@@ -1004,13 +1017,28 @@ MHD_Result Handle(void* cls, MHD_Connection* c, const char* url, const char* met
       std::lock_guard<std::mutex> l(shared->mu);
       shared->open.emplace(call.get(), call);
     }
-    *con_cls = new std::shared_ptr<HttpCall>(std::move(call));
+    *con_cls = new std::shared_ptr<HttpCall>(call);
+    // A body announced over the limit is refused before any of it is read.
+    const char* length = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Content-Length");
+    if (length != nullptr) {
+      errno = 0;
+      char* end = nullptr;
+      const unsigned long long n = std::strtoull(length, &end, 10);
+      if (errno == ERANGE || (end != length && n > HttpApi::kMaxBodyBytes)) {
+        call->MarkTooLarge();
+        return call->Handle(url, method);
+      }
+    }
     return MHD_YES;
   }
   HttpCall& call = **static_cast<std::shared_ptr<HttpCall>*>(*con_cls);
   if (*upload_size > 0) {
-    call.Append(upload, *upload_size);
+    const bool answered = call.too_large();
+    if (!answered) call.Append(upload, *upload_size);
     *upload_size = 0;
+    // Over the limit while it came (chunked): libmicrohttpd cannot answer in the middle of a
+    // body, so the connection is closed now rather than read to the end.
+    if (!answered && call.too_large()) return MHD_NO;
     return MHD_YES;
   }
   return call.Handle(url, method);
@@ -1024,6 +1052,7 @@ void Completed(void* cls, MHD_Connection* /*c*/, void** con_cls, MHD_RequestTerm
   {
     std::lock_guard<std::mutex> l(shared->mu);
     shared->open.erase(holder->get());
+    shared->generating.erase(holder->get());
   }
   shared->cv.notify_all();
   delete holder;
@@ -1075,7 +1104,7 @@ void HttpApi::Stop(std::chrono::system_clock::time_point deadline) {
   std::vector<std::shared_ptr<HttpCall>> calls;
   {
     std::unique_lock<std::mutex> l(shared_->mu);
-    shared_->cv.wait_until(l, deadline, [&] { return shared_->open.empty(); });
+    shared_->cv.wait_until(l, deadline, [&] { return shared_->generating.empty(); });
     shared_->stop = true;
     for (const auto& [p, w] : shared_->open) {
       if (auto c = w.lock()) calls.push_back(std::move(c));
