@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <functional>
 
 #include "engine/decoding/policy.h"
@@ -102,7 +103,12 @@ TEST(StepCostTest, CacheFileRoundTripsAndRefusesOtherKeysAndGarbage) {
         std::string("{\"format\": \"imagegen-step-cost\", \"version\": 3, \"key\": \"m on cpu\", "
                     "\"samples\": [[1, 1, -1]]}"),
         std::string("{\"format\": \"imagegen-step-cost\", \"version\": 3, \"key\": \"m on cpu\", "
-                    "\"samples\": [[1.5, 1, 1]]}")}) {
+                    "\"samples\": [[1.5, 1, 1]]}"),
+        // Steps of 1e308 s overflowed the fit's normal equations into NaN predictions, which
+        // the spot check kept (NaN ratios are neither faster nor slower) and which planned
+        // plain AR for good.
+        std::string("{\"format\": \"imagegen-step-cost\", \"version\": 3, \"key\": \"m on cpu\", "
+                    "\"samples\": [[1, 1, 1e308], [2, 1, 1e308], [4, 1, 1e308]]}")}) {
     Status st = c.Deserialize(bad, "m on cpu", "f.json");
     EXPECT_EQ(st.code(), Code::kDataLoss) << bad;
     EXPECT_NE(st.message().find("f.json"), std::string::npos) << st.message();
@@ -129,6 +135,9 @@ TEST(StepCostTest, SpotCheckReplacesACalibrationOnlyWhenEveryShapeIsFarOff) {
   EXPECT_EQ(JudgeSpotCheck({0.2, 5.0}), SpotCheck::kConsistent);
   EXPECT_EQ(JudgeSpotCheck({0.45}, 2), SpotCheck::kFaster);
   EXPECT_EQ(JudgeSpotCheck({0.55}, 2), SpotCheck::kConsistent);
+  // No usable prediction: replaced.
+  EXPECT_EQ(JudgeSpotCheck({std::nan(""), 1.0}), SpotCheck::kFaster);
+  EXPECT_EQ(JudgeSpotCheck({1.0, std::numeric_limits<double>::infinity()}), SpotCheck::kFaster);
 }
 
 TEST(GoodputTest, CommitsPerWindowStartAtThePriorAndLearnPerMethodAndRequest) {

@@ -1260,6 +1260,15 @@ TEST(EngineTest, BadEngineOptionsAreRejected) {
       {"explore_every", [](EngineOptions& e) { e.explore_every = -1; }},
       {"simulated_step_noise", [](EngineOptions& e) { e.simulated_step_noise = -1; }},
       {"fixed_step_cost", [](EngineOptions& e) { e.fixed_step_cost = {1.0}; }},
+      {"fixed_step_cost",
+       [](EngineOptions& e) {
+         e.fixed_step_cost = {0, 0, 0};
+       }},
+      {"fixed_step_cost",
+       [](EngineOptions& e) {
+         e.fixed_step_cost = {1e-3, std::nan(""), 0};
+       }},
+      {"max_queue", [](EngineOptions& e) { e.max_queue = 0; }},
       {"simulated_capture_cost", [](EngineOptions& e) { e.simulated_capture_cost = -1; }},
       {"simulated_tree_cost", [](EngineOptions& e) { e.simulated_tree_cost = 2; }},
       {"step_cost_max_ratio", [](EngineOptions& e) { e.step_cost_max_ratio = 0.5; }},

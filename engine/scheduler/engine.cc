@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <filesystem>
 #include <future>
@@ -170,7 +171,8 @@ StatusOr<std::unique_ptr<Engine>> Engine::Start(const EngineOptions& options,
   impl->gate = std::make_unique<WarmupGate>(listener);
   EngineOptions& o = impl->opts;
   if (o.models.empty()) o.models = {"fmnist-gpt"};
-  if (o.max_queue < 0) return InvalidArgument("max_queue: must be >= 0");
+  // Every request waits in the queue before its first round, so 0 would refuse them all.
+  if (o.max_queue < 1) return InvalidArgument("max_queue: must be >= 1");
   if (o.max_slots < 2) return InvalidArgument("max_slots: must be >= 2");
   if (o.kv_cache_bytes == 0 || o.kv_cache_bytes < -1) {
     return InvalidArgument("kv_cache_bytes: must be -1 (by device) or > 0");
@@ -214,8 +216,12 @@ StatusOr<std::unique_ptr<Engine>> Engine::Start(const EngineOptions& options,
   if (!(o.simulated_tree_cost >= 0 && o.simulated_tree_cost <= 1)) {
     return InvalidArgument("simulated_tree_cost: must be in [0, 1] seconds");
   }
-  if (!o.fixed_step_cost.empty() && o.fixed_step_cost.size() != 3) {
-    return InvalidArgument("fixed_step_cost: must be empty or {base, per_token, per_request}");
+  if (!o.fixed_step_cost.empty() &&
+      (o.fixed_step_cost.size() != 3 || !(o.fixed_step_cost[0] > 0) ||
+       !(o.fixed_step_cost[1] >= 0) || !(o.fixed_step_cost[2] >= 0) ||
+       !std::isfinite(o.fixed_step_cost[0] + o.fixed_step_cost[1] + o.fixed_step_cost[2]))) {
+    return InvalidArgument(
+        "fixed_step_cost: must be empty or {base > 0, per_token >= 0, per_request >= 0}");
   }
   if (o.cpu_threads < 0) return InvalidArgument("cpu_threads: must be >= 0");
   if (!(o.preview_share >= 0 && o.preview_share <= 1)) {

@@ -13,8 +13,11 @@ constexpr char kFormat[] = "imagegen-step-cost";
 // 2: median of three, up to 32 requests; 3: one request at every knot up to 64 nodes.
 constexpr int64_t kVersion = 3;
 
+// A step of an hour or more is not a measurement (a garbage cache file): it would overflow the
+// fit's normal equations.
 bool Valid(const StepCostSample& s) {
-  return s.tokens >= 1 && s.requests >= 1 && std::isfinite(s.seconds) && s.seconds > 0;
+  return s.tokens >= 1 && s.requests >= 1 && std::isfinite(s.seconds) && s.seconds > 0 &&
+         s.seconds < 3600;
 }
 
 // Solves a x = b (n x n, row-major) by Gaussian elimination with partial pivoting; false when
@@ -52,6 +55,7 @@ SpotCheck JudgeSpotCheck(const std::vector<double>& ratios, double factor) {
   if (ratios.empty()) return SpotCheck::kConsistent;
   bool faster = true, slower = true;
   for (double r : ratios) {
+    if (!std::isfinite(r)) return SpotCheck::kFaster;  // no usable prediction: replaced
     faster &= r * factor < 1;
     slower &= r > factor;
   }
@@ -161,6 +165,9 @@ void StepCostModel::Fit() {
   for (int64_t i = 0; i < n; ++i) a[i * n + i] += 1e-9 * weight;
   std::vector<double> x;
   if (!Solve(std::move(a), std::move(b), n, x)) return;
+  for (double v : x) {
+    if (!std::isfinite(v)) return;  // keeps the last fit rather than NaN predictions
+  }
   for (int64_t k = 0; k < K; ++k) {
     values_[k] = std::max(x[k], k == 0 ? 1e-7 : values_[k - 1]);
   }

@@ -25,7 +25,8 @@ namespace imagegen {
 // times of a few shapes, each the fastest of a few steps. kFaster when every shape ran more
 // than `factor` times faster than the calibration predicts (it was timed during a stall of the
 // machine, or on a slower device), kSlower when every one ran more than `factor` times slower
-// (a machine loaded right now, or a slowed device). No ratios: kConsistent.
+// (a machine loaded right now, or a slowed device). No ratios: kConsistent. A ratio that is not
+// finite (the cache predicts nothing usable) counts as kFaster: the cache is replaced.
 enum class SpotCheck { kConsistent, kFaster, kSlower };
 SpotCheck JudgeSpotCheck(const std::vector<double>& ratios, double factor = 3);
 
