@@ -5,6 +5,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 
 #include <sys/stat.h>
 
@@ -146,6 +147,23 @@ TEST_F(ModelLoadTest, BadSamplingDefaultsAreNamedAtLoad) {
                      testing::TinyGptConfigJson(
                          spec_, ", \"sampling_defaults\": {\"cfg_scale\": 4, \"top_k\": 24}"));
   EXPECT_TRUE(LoadStatus(d).ok()) << LoadStatus(d).ToString();
+}
+
+// A text-to-image config that guides by default needs a pad_id (the unconditional prompt's
+// padding): without one it loaded, and every request that kept the default cfg_scale failed,
+// naming a field its client never sent.
+TEST(JanusConfigTest, DefaultGuidanceWithoutAPadIdIsRefusedAtLoad) {
+  std::ifstream in(DefaultModelsDir() + "/fmnist-t2i/config.json");
+  ASSERT_TRUE(in) << "no bundled text-to-image model";
+  Json j = Json::parse(in);
+  ASSERT_TRUE(ParseGptConfig(j, "t2i/config.json").ok());
+  j.erase("pad_id");
+  const auto no_pad = ParseGptConfig(j, "t2i/config.json");
+  ASSERT_FALSE(no_pad.ok());
+  EXPECT_EQ(no_pad.status().code(), Code::kFailedPrecondition);
+  EXPECT_TRUE(Contains(no_pad.status().message(), "'pad_id'")) << no_pad.status().message();
+  j["sampling_defaults"]["cfg_scale"] = 1.0;  // no guidance by default: loads
+  EXPECT_TRUE(ParseGptConfig(j, "t2i/config.json").ok());
 }
 
 // NaN or Inf weights (which load and draw one repeated token) are refused, naming the tensor.

@@ -156,6 +156,9 @@ def main(argv=None):
         pid = pad_id(tok)
         if pid is not None and args.pad_id is None:
             config["pad_id"] = pid
+    if "pad_id" not in config:  # the engine refuses default guidance without one, at load
+        raise SystemExit("convert_janus: no pad token found (no tokenizer.json with "
+                         f"{PAD_TAG!r}): pass --pad-id")
     convert_llamagen.write(args.out_dir, config, out)
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -132,7 +132,8 @@ def janus_references(out: str):
     sd = janus_ref.write_fake_checkpoint(hf, c, 7, dict(vq.state_dict()))
     convert_janus.main([hf, os.path.join(out, "janus-small-random"),
                         os.path.join(out, "janus-small-vq"), "--max-prompt-len", "32",
-                        "--image-size", str(c["image_size"]), "--dtype", "float32"])
+                        "--image-size", str(c["image_size"]), "--dtype", "float32",
+                        "--pad-id", "3"])
     shutil.rmtree(hf)
     g = torch.Generator().manual_seed(9)
     n = (c["image_size"] // 16) ** 2 - 1  # image tokens fed (the last one never is)

@@ -131,6 +131,12 @@ Status CheckSamplingDefaults(const GptConfig& c, const std::string& where) {
     return FailedPrecondition(
         where + ": 'sampling_defaults.cfg_scale' > 1 needs a null class (class_dropout_prob > 0)");
   }
+  // A prompted model's unconditional prompt is padding: without a pad_id every request that
+  // keeps the default guidance would fail, naming a cfg_scale its client never sent.
+  if (defaults.uses_cfg() && c.prompted() && c.pad_id < 0) {
+    return FailedPrecondition(where + ": 'sampling_defaults.cfg_scale' > 1 needs 'pad_id' (the " +
+                              "unconditional prompt's padding)");
+  }
   return OkStatus();
 }
 
@@ -197,7 +203,7 @@ StatusOr<GptConfig> ParseJanusConfig(JsonFields& f, const std::string& where) {
   }
   if (c.grid() * c.grid() != c.block_size) return bad("'block_size' must be a square (grid^2)");
   if (c.pad_id < -1 || c.pad_id >= c.text_vocab_size) {
-    return bad("'pad_id' must be a text token id in [0, text_vocab_size)");
+    return bad("'pad_id' must be -1 (none) or a text token id in [0, text_vocab_size)");
   }
   if (c.prompt_template.find("{prompt}") == std::string::npos) {
     return bad("'prompt_template' must contain \"{prompt}\"");
