@@ -26,7 +26,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string body(reinterpret_cast<const char*>(data), size);
   imagegen::server::ImagesRequest out;
   std::string param, message;
-  if (!imagegen::server::ParseImagesRequest(body, models, 8, &out, &param, &message)) {
+  if (!imagegen::server::ParseImagesRequest(body, models, 8, 16, &out, &param, &message)) {
     if (message.empty() || message.size() > 4096 || param.size() > 64) __builtin_trap();
     return 0;
   }

@@ -80,9 +80,12 @@ StatusOr<std::vector<ApiKey>> ParseKeys(std::string_view text) {
       const absl::string_view f = fields[i];
       const size_t eq = f.find('=');
       const absl::string_view attr = f.substr(0, eq), value = eq == f.npos ? "" : f.substr(eq + 1);
+      // Errors name the field by position, never by its text: a token with a space in it
+      // would otherwise put its second half in the log.
+      const std::string field = "field " + std::to_string(i + 1);
       if (eq == f.npos) {
-        return InvalidArgument(where + "'" + std::string(f) +
-                               "' is not an attribute (name=, priority= or max_in_flight=); a "
+        return InvalidArgument(where + field +
+                               " is not an attribute (name=, priority= or max_in_flight=); a "
                                "token has no spaces");
       }
       if (attr == "name") {
@@ -108,8 +111,8 @@ StatusOr<std::vector<ApiKey>> ParseKeys(std::string_view text) {
         }
         k.max_in_flight = m;
       } else {
-        return InvalidArgument(where + "unknown attribute '" + std::string(attr) +
-                               "' (name, priority or max_in_flight)");
+        return InvalidArgument(where + field +
+                               ": an unknown attribute (name=, priority= or max_in_flight=)");
       }
     }
     if (k.max_in_flight.has_value() && k.name.empty()) {

@@ -240,8 +240,8 @@ json ModelsJson(const std::vector<ModelInfo>& models, const std::string& default
 // The request body
 
 bool ParseImagesRequest(const std::string& body, const std::vector<ModelInfo>& models,
-                        int max_partial_images, ImagesRequest* out, std::string* param,
-                        std::string* message) {
+                        int max_partial_images, int64_t max_images, ImagesRequest* out,
+                        std::string* param, std::string* message) {
   auto fail = [&](const std::string& p, const std::string& m) {
     *param = p;
     *message = m;
@@ -285,7 +285,10 @@ bool ParseImagesRequest(const std::string& body, const std::vector<ModelInfo>& m
       "stream_steps", "priority"};
   for (const auto& [k, v] : j.items()) {
     if (std::find(kKnown.begin(), kKnown.end(), k) == kKnown.end()) {
-      return fail(k, "unknown parameter (imagegen takes: " + absl::StrJoin(kKnown, ", ") + ")");
+      // The name is echoed (in `param` too) at most 64 bytes long, as every echoed value is.
+      const std::string shown = k.size() > 64 ? k.substr(0, 61) + "..." : k;
+      return fail(shown, "unknown parameter " + Quoted(k) +
+                             " (imagegen takes: " + absl::StrJoin(kKnown, ", ") + ")");
     }
   }
   std::string prompt, model, size, format, user, output_format, background, quality, moderation,
@@ -299,7 +302,7 @@ bool ParseImagesRequest(const std::string& body, const std::vector<ModelInfo>& m
   }
   std::optional<int64_t> n, partial, seed, top_k, window, cfg_interval, priority;
   std::optional<double> cfg, temperature, top_p;
-  if (!integer("n", &n, 1, 1 << 20) ||
+  if (!integer("n", &n, 1, max_images) ||
       !integer("partial_images", &partial, 0, max_partial_images) ||
       !integer("seed", &seed, 0, INT64_MAX) || !integer("top_k", &top_k, 0, 1 << 30) ||
       !integer("window", &window, 1, 1 << 20) ||
@@ -919,8 +922,8 @@ MHD_Result HttpCall::Start() {
                       "the body is over " + std::to_string(HttpApi::kMaxBodyBytes) + " bytes");
   } else if (engine != nullptr) {
     std::string param, message;
-    if (!ParseImagesRequest(body_, engine->Models(), HttpApi::kMaxPartialImages, &ir, &param,
-                            &message)) {
+    if (!ParseImagesRequest(body_, engine->Models(), HttpApi::kMaxPartialImages,
+                            svc_->options().max_images, &ir, &param, &message)) {
       parsed = BadField(param.empty() ? "request" : param, message);
     }
   }

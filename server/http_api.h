@@ -44,10 +44,11 @@ struct ImagesRequest {
 
 // Parses the JSON body against the loaded models (a class-conditional model takes its class
 // name as the prompt; `size` picks the PNG's upscaling). On failure returns false with the
-// parameter (empty: the body as a whole) and a message.
+// parameter (empty: the body as a whole) and a message. `max_images`: n at most (the
+// daemon's --max-images).
 bool ParseImagesRequest(const std::string& body, const std::vector<ModelInfo>& models,
-                        int max_partial_images, ImagesRequest* out, std::string* param,
-                        std::string* message);
+                        int max_partial_images, int64_t max_images, ImagesRequest* out,
+                        std::string* param, std::string* message);
 
 class HttpApi {
  public:

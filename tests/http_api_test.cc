@@ -45,7 +45,7 @@ std::vector<ModelInfo> Models() {
 std::string Refused(const std::string& body, ImagesRequest* out = nullptr) {
   ImagesRequest r;
   std::string param, message;
-  const bool ok = ParseImagesRequest(body, Models(), 8, out ? out : &r, &param, &message);
+  const bool ok = ParseImagesRequest(body, Models(), 8, 16, out ? out : &r, &param, &message);
   if (!ok) {
     EXPECT_FALSE(message.empty()) << body;
   }
@@ -117,6 +117,21 @@ TEST(HttpApiParseTest, BodiesBecomeGenerateRequestsAndBadParametersAreNamed) {
   EXPECT_EQ(Refused(R"({"prompt": "bag", "stream_steps": true})"), "stream_steps");
   EXPECT_EQ(Refused(R"({"prompt": "bag", "stream": true, "stream_steps": 1})"), "stream_steps");
   EXPECT_EQ(Refused(R"({"prompt": "bag", "style": "vivid"})"), "style");  // unknown
+  {
+    // An unknown name is echoed at most 64 bytes long, in the message and in `param`; n's bound
+    // is the server's --max-images (16 here), not the parser's own.
+    ImagesRequest r;
+    std::string param, message;
+    const std::string body = R"({"prompt": "bag", ")" + std::string(3000, 'k') + R"(": 1})";
+    ASSERT_FALSE(ParseImagesRequest(body, Models(), 8, 16, &r, &param, &message));
+    EXPECT_LE(param.size(), 64u);
+    EXPECT_LT(message.size(), 600u) << message;
+    EXPECT_NE(message.find("(3000 bytes)"), std::string::npos) << message;
+    ASSERT_FALSE(
+        ParseImagesRequest(R"({"prompt": "bag", "n": 17})", Models(), 8, 16, &r, &param, &message));
+    EXPECT_EQ(param, "n");
+    EXPECT_NE(message.find("[1, 16]"), std::string::npos) << message;
+  }
   EXPECT_EQ(Refused(R"({"prompt": "bag", "priority": 0.5})"), "priority");
   EXPECT_EQ(Refused(R"({"prompt": "bag", "priority": 3000000000})"), "priority");
   EXPECT_EQ(Refused(R"({"prompt": "bag", "user": 12})"), "user");

@@ -54,13 +54,13 @@ TEST(ApiKeysTest, BadLinesAreRefusedNamingTheLineAndWhatIsWrong) {
       {"", "no key"},
       {"# only a comment\n\n", "no key"},
       {"tok\nname=x tok2\n", "line 2: the token comes first"},
-      {"tok two words\n", "line 1: 'two' is not an attribute"},
+      {"tok two words\n", "line 1: field 2 is not an attribute"},
       {"tok name=\n", "line 1: name: 1 to 64"},
       {"tok name=has/slash\n", "line 1: name: 1 to 64"},
       {"tok name=a name=b\n", "line 1: name: given twice"},
       {"tok priority=high\n", "line 1: priority: must be an integer"},
       {"tok priority=99999999999\n", "line 1: priority: must be an integer"},
-      {"tok weight=2\n", "line 1: unknown attribute 'weight'"},
+      {"tok weight=2\n", "line 1: field 2: an unknown attribute"},
       {"tok max_in_flight=4\n", "line 1: max_in_flight: needs a name"},
       {"tok name=a max_in_flight=0\n", "line 1: max_in_flight: must be an integer in [1,"},
       {"tok name=a max_in_flight=2 max_in_flight=3\n", "line 1: max_in_flight: given twice"},
@@ -73,6 +73,12 @@ TEST(ApiKeysTest, BadLinesAreRefusedNamingTheLineAndWhatIsWrong) {
     ASSERT_FALSE(keys.ok()) << text;
     EXPECT_NE(keys.status().message().find(message), std::string::npos)
         << text << " -> " << keys.status().message();
+  }
+  // A token written with a space in it: the error (which is logged) holds neither half.
+  for (const char* text : {"s3cr3t-part1 s3cr3t-part2\n", "s3cr3t-part1 s3cr3t=part2\n"}) {
+    auto keys = ParseKeys(text);
+    ASSERT_FALSE(keys.ok()) << text;
+    EXPECT_EQ(keys.status().message().find("s3cr3t"), std::string::npos) << keys.status().message();
   }
 }
 
