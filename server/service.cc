@@ -329,6 +329,13 @@ class Call : public std::enable_shared_from_this<Call> {
         IssueFinish(st);
         return;
       }
+      if (last_written_) {  // the stream's last message reached the client: it ends OK
+        finished_ = true;
+        RecordEnd(grpc::Status::OK);
+        l.unlock();
+        IssueFinish(grpc::Status::OK);
+        return;
+      }
       if (!pending_.empty()) {  // a step update (streams only)
         const int index = pending_.begin()->first;
         StepEvent e = std::move(pending_.begin()->second);
@@ -409,17 +416,13 @@ class Call : public std::enable_shared_from_this<Call> {
       out_ = std::move(bb);
       writing_ = true;
       write_started_ = Clock::now();
-      if (!last) {
-        l.unlock();
-        Headers();
-        stream_->StartWrite(&out_);
-        return;
-      }
-      finished_ = true;
-      RecordEnd(grpc::Status::OK);
+      // The last message is written like the others and the call finished once it is done:
+      // a client that stops reading before it is ended by the watchdog (ABORTED, counted as
+      // stalled), where StartWriteAndFinish had already counted the call as OK.
+      last_written_ = last;
       l.unlock();
       Headers();
-      stream_->StartWriteAndFinish(&out_, grpc::WriteOptions(), grpc::Status::OK);
+      stream_->StartWrite(&out_);
       return;
     }
   }
@@ -437,8 +440,9 @@ class Call : public std::enable_shared_from_this<Call> {
   std::vector<int64_t> ids_;       // the images' engine requests, by index
   std::vector<bool> image_ended_;  // the engine reported the image's end
   bool queued_ = false, writing_ = false, finished_ = false;
-  bool gone_ = false;     // cancelled, past its deadline, stalled, or a write failed
-  bool expired_ = false;  // gone because the deadline passed
+  bool last_written_ = false;  // a stream's last message is written (or being written)
+  bool gone_ = false;          // cancelled, past its deadline, stalled, or a write failed
+  bool expired_ = false;       // gone because the deadline passed
   bool stalled_ = false;
   std::map<int, StepEvent> pending_;                   // step updates not yet written, by image
   std::vector<std::optional<RequestResult>> results_;  // finished images not yet sent

@@ -621,6 +621,21 @@ TEST(E2eTest, AStreamWhoseClientStopsReadingIsEndedAndOthersGoOn) {
   slow.set_preview_every(1);
   slow.mutable_output()->set_scale(16);
   auto reader = slow_stub->GenerateStream(&slow_ctx, slow);  // read only at the end
+  // A stream whose client reads every step and stops at its last message, the image (at scale
+  // 16, more than the 1 KiB window): it was counted OK when that write began
+  // (StartWriteAndFinish), then cancelled as stalled; now it ends ABORTED, counted "aborted" as
+  // the other stall.
+  grpc::ClientContext last_ctx;
+  v1::GenerateRequest last = Request("bag", 4, "sjd");
+  last.mutable_output()->set_scale(16);
+  auto last_reader = slow_stub->GenerateStream(&last_ctx, last);
+  v1::GenerateStreamResponse step;
+  bool last_final_seen = false;
+  while (last_reader->Read(&step)) {
+    last_final_seen |= step.has_final();
+    if (step.has_final() || step.step().committed() == step.step().total()) break;
+  }
+  EXPECT_FALSE(last_final_seen);
 
   auto stub = d.Stub();
   for (int i = 0; i < 3; ++i) {
@@ -629,16 +644,21 @@ TEST(E2eTest, AStreamWhoseClientStopsReadingIsEndedAndOthersGoOn) {
     const grpc::Status st = stub->Generate(&ctx, Request("sneaker", 10 + i, "scd-mc"), &resp);
     EXPECT_TRUE(st.ok()) << st.error_message();
   }
-  EXPECT_TRUE(d.WaitMetric("imagegen_stream_stalls_total", 1));
+  EXPECT_TRUE(d.WaitMetric("imagegen_stream_stalls_total", 2));
   EXPECT_TRUE(d.WaitMetric(Requests("ar", "aborted"), 1));
+  EXPECT_TRUE(d.WaitMetric(Requests("sjd", "aborted"), 1));
   EXPECT_TRUE(d.WaitMetric(Slots(), 0));
+  EXPECT_FALSE(MetricValue(d.Metrics(), Requests("sjd", "ok")) >= 1) << d.Metrics();
   v1::GenerateStreamResponse m;
   bool final_seen = false;
   while (reader->Read(&m)) final_seen |= m.has_final();
   EXPECT_FALSE(final_seen);
   EXPECT_FALSE(reader->Finish().ok());
+  while (last_reader->Read(&m)) {
+  }
+  EXPECT_FALSE(last_reader->Finish().ok());  // the cancellation reaches the client first
   EXPECT_TRUE(d.CallsBalanced());
-  EXPECT_EQ(MetricValue(d.Metrics(), "imagegen_calls_opened_total"), 4);
+  EXPECT_EQ(MetricValue(d.Metrics(), "imagegen_calls_opened_total"), 5);
 }
 
 // A CA, a server certificate for 127.0.0.1 and a client certificate, made with openssl.
