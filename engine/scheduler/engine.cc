@@ -398,6 +398,12 @@ Status Engine::Impl::WarmUp() {
   }
   gate->warming = false;
   RETURN_IF_ERROR(failed);
+  // The decode thread counts a completion after its OnComplete, which is what the warm-up
+  // waited for: the counts are read once it has nothing left, or the last warm-up image could
+  // be counted after the read, as a served one (Stats().completed above submitted).
+  for (int i = 0; i < 60000 && decoder->pending() > 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   warm_completed = decoder->completed();
   warm_decode_batches = decoder->batch_calls();
   warm_batch_decoded = decoder->batch_images();
