@@ -353,6 +353,11 @@ std::string ClientOf(const std::string& user, const std::string& address) {
 
 int OutputScale(const v1::GenerateRequest& req) { return std::max(req.output().scale(), 1); }
 
+int MaxScale(const ModelInfo& model) {
+  const int64_t side = std::max<int64_t>({model.image_width, model.image_height, 1});
+  return static_cast<int>(std::clamp<int64_t>(kMaxOutputSide / side, 1, 16));
+}
+
 grpc::Status FillResponse(const RequestResult& r, int scale, bool include_tokens,
                           double total_seconds, v1::GenerateResponse* resp) {
   if (!r.image.empty()) {

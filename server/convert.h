@@ -52,6 +52,11 @@ std::string DefaultMethodFor(const std::vector<ModelInfo>& models, const std::st
 std::string ClientOf(const std::string& user, const std::string& address);
 // The PNG upscaling the request asks for (output.scale; 0 means 1).
 int OutputScale(const v1::GenerateRequest& req);
+// The largest output.scale for a model: 16, or less where the upscaled image would be over
+// kMaxOutputSide pixels a side. PNGs (finals and every preview) are encoded on the shared
+// encoder pool, and a 384-px image at 16x is 113 MB of pixels to compress a preview.
+constexpr int64_t kMaxOutputSide = 4096;
+int MaxScale(const ModelInfo& model);
 // The result and the step updates with their images encoded as PNG here, in the calling
 // (gRPC handler) thread, never on the engine thread. INTERNAL if encoding fails.
 grpc::Status FillResponse(const RequestResult& r, int scale, bool include_tokens,

@@ -206,6 +206,7 @@ json ModelsJson(const std::vector<ModelInfo>& models, const std::string& default
   for (const ModelInfo& m : models) {
     json sizes = json::array();
     for (int s : {1, 2, 4, 8, 16}) {
+      if (s > MaxScale(m)) break;
       sizes.push_back(std::to_string(m.image_width * s) + "x" + std::to_string(m.image_height * s));
     }
     json classes = json::array();
@@ -370,16 +371,17 @@ bool ParseImagesRequest(const std::string& body, const std::vector<ModelInfo>& m
     const auto w = info->image_width, h = info->image_height;
     if (!size.empty() && size != "auto") {
       scale = 0;
-      for (int s = 1; s <= 16; ++s) {
+      const int most = MaxScale(*info);
+      for (int s = 1; s <= most; ++s) {
         if (size == std::to_string(w * s) + "x" + std::to_string(h * s)) scale = s;
       }
       if (scale == 0) {
-        return fail("size",
-                    "model '" + info->name + "' draws " + std::to_string(w) + "x" +
-                        std::to_string(h) + " images; sizes are multiples of it up to 16x (" +
-                        std::to_string(w) + "x" + std::to_string(h) + ", " + std::to_string(2 * w) +
-                        "x" + std::to_string(2 * h) + ", ..., " + std::to_string(16 * w) + "x" +
-                        std::to_string(16 * h) + ") or auto");
+        return fail("size", "model '" + info->name + "' draws " + std::to_string(w) + "x" +
+                                std::to_string(h) + " images; sizes are multiples of it up to " +
+                                std::to_string(most) + "x (" + std::to_string(w) + "x" +
+                                std::to_string(h) + ", " + std::to_string(2 * w) + "x" +
+                                std::to_string(2 * h) + ", ..., " + std::to_string(most * w) + "x" +
+                                std::to_string(most * h) + ") or auto");
       }
     }
     out->size = std::to_string(w * scale) + "x" + std::to_string(h * scale);

@@ -666,6 +666,16 @@ grpc::Status ImageGenerationService::Resolve(const v1::GenerateRequest& req, Cal
   }
   GenerateParams params;
   if (grpc::Status st = ToParams(req, default_method, &params); !st.ok()) return st;
+  for (const ModelInfo& m : engine->Models()) {
+    const bool asked =
+        req.model().empty() ? &m == &engine->Models().front() : m.name == req.model();
+    if (asked && OutputScale(req) > MaxScale(m)) {
+      return BadField("output.scale", "at most " + std::to_string(MaxScale(m)) + " for model '" +
+                                          m.name + "' (" + std::to_string(m.image_width) + "x" +
+                                          std::to_string(m.image_height) + " images; at most " +
+                                          std::to_string(kMaxOutputSide) + " px a side upscaled)");
+    }
+  }
   if (!req.prompt().empty()) {
     grpc::Status st =
         EncodePrompt(*engine, req.model(), "prompt", req.prompt(), &params.prompt_token_ids);

@@ -118,6 +118,24 @@ TEST(HttpApiParseTest, BodiesBecomeGenerateRequestsAndBadParametersAreNamed) {
   EXPECT_EQ(Refused(R"({"prompt": "bag", "stream": true, "stream_steps": 1})"), "stream_steps");
   EXPECT_EQ(Refused(R"({"prompt": "bag", "style": "vivid"})"), "style");  // unknown
   {
+    // Upscaled images are at most 4096 px a side (kMaxOutputSide): a 384-px model goes to 10x,
+    // a 28-px one to 16x.
+    std::vector<ModelInfo> big = Models();
+    big[0].image_width = big[0].image_height = 384;
+    EXPECT_EQ(server::MaxScale(big[0]), 10);
+    EXPECT_EQ(server::MaxScale(Models()[0]), 16);
+    ImagesRequest r;
+    std::string param, message;
+    EXPECT_TRUE(ParseImagesRequest(R"({"prompt": "bag", "size": "3840x3840"})", big, 8, 16, &r,
+                                   &param, &message))
+        << message;
+    EXPECT_EQ(r.req.output().scale(), 10);
+    EXPECT_FALSE(ParseImagesRequest(R"({"prompt": "bag", "size": "4224x4224"})", big, 8, 16, &r,
+                                    &param, &message));
+    EXPECT_EQ(param, "size");
+    EXPECT_NE(message.find("up to 10x"), std::string::npos) << message;
+  }
+  {
     // An unknown name is echoed at most 64 bytes long, in the message and in `param`; n's bound
     // is the server's --max-images (16 here), not the parser's own.
     ImagesRequest r;
