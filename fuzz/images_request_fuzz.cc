@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "server/convert.h"
 #include "server/http_api.h"
 
@@ -28,6 +30,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::string param, message;
   if (!imagegen::server::ParseImagesRequest(body, models, 8, 16, &out, &param, &message)) {
     if (message.empty() || message.size() > 4096 || param.size() > 64) __builtin_trap();
+    // Both go into the error's JSON, whose dump throws on invalid UTF-8 (a name cut in the
+    // middle of a character did).
+    (void)nlohmann::json({{"param", param}, {"message", message}}).dump();
     return 0;
   }
   // What parsed converts like a gRPC request (which checks every field again).

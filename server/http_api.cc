@@ -150,7 +150,8 @@ HttpError FromGrpc(const grpc::Status& st) {
 }
 
 MHD_Result ReplyError(MHD_Connection* c, const HttpError& e, const HttpHeaders& headers = {}) {
-  return HttpReply(c, e.status, ErrorJson(e).dump(), "application/json", e.retry_after, headers);
+  return HttpReply(c, e.status, ErrorJson(e).dump(-1, ' ', false, json::error_handler_t::replace),
+                   "application/json", e.retry_after, headers);
 }
 
 // A playground file. It needs no token (it holds no data; the API calls it makes do), and its
@@ -287,7 +288,16 @@ bool ParseImagesRequest(const std::string& body, const std::vector<ModelInfo>& m
   for (const auto& [k, v] : j.items()) {
     if (std::find(kKnown.begin(), kKnown.end(), k) == kKnown.end()) {
       // The name is echoed (in `param` too) at most 64 bytes long, as every echoed value is.
-      const std::string shown = k.size() > 64 ? k.substr(0, 61) + "..." : k;
+      // ASCII only when cut: a cut through a UTF-8 sequence made the error's JSON throw.
+      std::string shown = k;
+      if (k.size() > 64) {
+        shown.clear();
+        for (size_t i = 0; i < 61; ++i) {
+          const unsigned char c = static_cast<unsigned char>(k[i]);
+          shown += c >= 0x20 && c < 0x7f ? static_cast<char>(c) : '?';
+        }
+        shown += "...";
+      }
       return fail(shown, "unknown parameter " + Quoted(k) +
                              " (imagegen takes: " + absl::StrJoin(kKnown, ", ") + ")");
     }
@@ -664,7 +674,7 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
                    {"output_format", "png"}, {"quality", "auto"}, {"size", size_},
                    {"usage", Usage()}};
       Record("ok", "", MHD_HTTP_OK);
-      Answer(MHD_HTTP_OK, body.dump(), -1);
+      Answer(MHD_HTTP_OK, body.dump(-1, ' ', false, json::error_handler_t::replace), -1);
     });
   }
   void OnError(int index, const Status& s) {
@@ -783,7 +793,8 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
   void Send(const char* event, const json& data, bool last) {
     std::lock_guard<std::mutex> l(mu_);
     if (finished_) return;
-    sse_ += std::string("event: ") + event + "\ndata: " + data.dump() + "\n\n";
+    sse_ += std::string("event: ") + event +
+            "\ndata: " + data.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n";
     if (last) {
       sse_done_ = true;
       finished_ = true;
@@ -805,7 +816,8 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
     if (stream_) {
       Send("error", ErrorJson(e), true);
     } else {
-      Answer(e.status, ErrorJson(e).dump(), e.retry_after);
+      Answer(e.status, ErrorJson(e).dump(-1, ' ', false, json::error_handler_t::replace),
+             e.retry_after);
     }
   }
   // Once: the request's outcome in the metrics and the request log (`http_status`: the status

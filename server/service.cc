@@ -189,6 +189,7 @@ class Call : public std::enable_shared_from_this<Call> {
       std::lock_guard<std::mutex> l(mu_);
       writing_ = false;
       write_started_.reset();
+      if (ok && last_written_) last_delivered_ = true;  // a later cancel changes nothing
       if (!ok && !gone_) running = GoneLocked();
       ScheduleLocked();
     }
@@ -321,7 +322,7 @@ class Call : public std::enable_shared_from_this<Call> {
     std::unique_lock<std::mutex> l(mu_);
     queued_ = false;
     while (!finished_ && !writing_) {
-      if (gone_) {
+      if (gone_ && !last_delivered_) {
         const grpc::Status st = GoneStatus();
         finished_ = true;
         RecordEnd(st);
@@ -329,7 +330,7 @@ class Call : public std::enable_shared_from_this<Call> {
         IssueFinish(st);
         return;
       }
-      if (last_written_) {  // the stream's last message reached the client: it ends OK
+      if (last_delivered_) {  // the stream's last message reached the client: it ends OK
         finished_ = true;
         RecordEnd(grpc::Status::OK);
         l.unlock();
@@ -440,9 +441,10 @@ class Call : public std::enable_shared_from_this<Call> {
   std::vector<int64_t> ids_;       // the images' engine requests, by index
   std::vector<bool> image_ended_;  // the engine reported the image's end
   bool queued_ = false, writing_ = false, finished_ = false;
-  bool last_written_ = false;  // a stream's last message is written (or being written)
-  bool gone_ = false;          // cancelled, past its deadline, stalled, or a write failed
-  bool expired_ = false;       // gone because the deadline passed
+  bool last_written_ = false;    // a stream's last message is written (or being written)
+  bool last_delivered_ = false;  // ... and its write completed
+  bool gone_ = false;            // cancelled, past its deadline, stalled, or a write failed
+  bool expired_ = false;         // gone because the deadline passed
   bool stalled_ = false;
   std::map<int, StepEvent> pending_;                   // step updates not yet written, by image
   std::vector<std::optional<RequestResult>> results_;  // finished images not yet sent

@@ -320,6 +320,17 @@ TEST(HttpApiEngineTest,
       EXPECT_EQ(r, "");
     }
   }
+  // An unknown parameter's long name, cut for the echo: it was cut inside a UTF-8 character,
+  // and the error's JSON threw out of the HTTP thread (std::terminate).
+  std::string utf8_key;
+  for (int i = 0; i < 40; ++i) utf8_key += "\xc3\xa9";  // é
+  const std::string utf8_body = R"({"prompt": "bag", ")" + utf8_key + R"(": 1})";
+  const std::string refused = Fetch(api_->port(),
+                                    "POST /v1/images/generations HTTP/1.0\r\n"
+                                    "Content-Length: " +
+                                        std::to_string(utf8_body.size()) + "\r\n\r\n" + utf8_body);
+  EXPECT_NE(refused.find(" 400 "), std::string::npos) << refused.substr(0, 300);
+  EXPECT_NE(refused.find("unknown parameter"), std::string::npos) << refused.substr(0, 600);
   // A request that sent half its body, then nothing: Stop with a minute's grace returns at once.
   const int fd = Connect(api_->port());
   ASSERT_GE(fd, 0);

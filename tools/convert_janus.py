@@ -150,15 +150,18 @@ def main(argv=None):
         config["pad_id"] = args.pad_id
     tok = os.path.join(args.hf_dir, "tokenizer.json")
     if os.path.exists(tok):
-        os.makedirs(args.out_dir, exist_ok=True)
-        shutil.copyfile(tok, os.path.join(args.out_dir, "tokenizer.json"))
-        config["text_tokenizer"] = "tokenizer.json"
         pid = pad_id(tok)
         if pid is not None and args.pad_id is None:
             config["pad_id"] = pid
-    if "pad_id" not in config:  # the engine refuses default guidance without one, at load
+    # The engine refuses default guidance (cfg_scale 5) without a pad id, at load: checked
+    # before anything is written.
+    if config.get("pad_id", -1) < 0:
         raise SystemExit("convert_janus: no pad token found (no tokenizer.json with "
-                         f"{PAD_TAG!r}): pass --pad-id")
+                         f"{PAD_TAG!r}): pass --pad-id, a text token id")
+    if os.path.exists(tok):
+        os.makedirs(args.out_dir, exist_ok=True)
+        shutil.copyfile(tok, os.path.join(args.out_dir, "tokenizer.json"))
+        config["text_tokenizer"] = "tokenizer.json"
     convert_llamagen.write(args.out_dir, config, out)
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -155,7 +155,9 @@ struct Engine::Impl {
   Status WarmUpLoad(size_t mi, const std::string& method, int64_t n, int64_t& next);
   void Run();
   // What Run does when an exception escapes model `mi`'s Tick: a notice, and the model's
-  // requests, queued and active, end with INTERNAL; the engine goes on.
+  // requests, queued and active, end with INTERNAL; the engine goes on. Best effort: the
+  // scheduler's state is whatever the exception left (a request already handed to the decode
+  // queue may hear both its image and this error), which beats ending the process.
   void EndModelAfterEscape(size_t mi, const std::string& what, Outcomes& out);
 };
 

@@ -188,7 +188,9 @@ void MarScheduler::End(Active& a, const Status& status) {
 
 void MarScheduler::EndAll(const Status& status, Outcomes& out) {
   std::vector<std::unique_ptr<Job>> waiting = waiting_.TakeAll();
-  for (auto& a : active_) End(*a, status);
+  for (auto& a : active_) {
+    if (a) End(*a, status);  // null after an exception escaped a step's clean-up (EndAll then)
+  }
   for (auto& j : waiting) NotifyError(*j->observer, status);
   out.failed += static_cast<int64_t>(active_.size() + waiting.size());
   active_.clear();

@@ -351,7 +351,9 @@ void ModelScheduler::End(Job& job, const Status& status) {
 
 void ModelScheduler::EndAll(const Status& status, Outcomes& out) {
   std::vector<std::unique_ptr<Job>> waiting = waiting_.TakeAll();
-  for (auto& j : active_) End(*j, status);
+  for (auto& j : active_) {
+    if (j) End(*j, status);  // null after an exception escaped a step's clean-up (EndAll then)
+  }
   for (auto& j : waiting) End(*j, status);
   out.failed += static_cast<int64_t>(active_.size() + waiting.size());
   active_.clear();
