@@ -266,9 +266,18 @@ TEST_F(HttpApiTest, SlowAndSilentClientsDoNotStopOthers) {
   for (int fd : fds) ::close(fd);
 }
 
-// The bundled class-conditional model in-process, for the tests that need generation.
-StatusOr<std::unique_ptr<Engine>> StartBundledEngine(
-    EngineListener* listener, std::shared_ptr<std::atomic<int64_t>> fail_steps) {
+// The bundled class-conditional model served in-process (engine, metrics, service and the HTTP
+// API on a free port), for the tests that need generation. Members end in reverse order: the
+// HTTP API first, the engine last.
+struct Served {
+  std::unique_ptr<Engine> engine;
+  server::Metrics metrics;
+  std::unique_ptr<server::ImageGenerationService> service;
+  std::unique_ptr<server::HttpApi> api;
+};
+
+std::unique_ptr<Served> Serve(EngineListener* listener,
+                              std::shared_ptr<std::atomic<int64_t>> fail_steps) {
   EngineOptions eo;
   eo.models_dir = TestModelsDir();
   eo.models = {"fmnist-gpt"};
@@ -276,7 +285,27 @@ StatusOr<std::unique_ptr<Engine>> StartBundledEngine(
   eo.warmup = 0;
   eo.cpu_threads = 1;
   eo.fail_steps = std::move(fail_steps);
-  return Engine::Start(eo, listener);
+  auto engine = Engine::Start(eo, listener);
+  if (!engine.ok()) {
+    ADD_FAILURE() << engine.status().ToString();
+    return nullptr;
+  }
+  auto s = std::make_unique<Served>();
+  s->engine = std::move(*engine);
+  s->metrics.SetEngine(s->engine.get());
+  s->service = std::make_unique<server::ImageGenerationService>(&s->metrics, server::TokenAuth(),
+                                                                server::ServiceOptions());
+  if (Status st = s->service->SetEngine(s->engine.get()); !st.ok()) {
+    ADD_FAILURE() << st.ToString();
+    return nullptr;
+  }
+  auto api = server::HttpApi::Start("127.0.0.1:0", s->service.get());
+  if (!api.ok()) {
+    ADD_FAILURE() << api.status().ToString();
+    return nullptr;
+  }
+  s->api = std::move(*api);
+  return s;
 }
 
 // A body over the 64 KiB limit is refused as soon as that is known: from its Content-Length,
@@ -286,15 +315,9 @@ StatusOr<std::unique_ptr<Engine>> StartBundledEngine(
 // sending its body does not hold the drain for the whole grace: only generation requests do.
 TEST(HttpApiEngineTest,
      OversizedBodiesAreRefusedBeforeTheyAreReadAndHalfSentOnesDoNotHoldTheDrain) {
-  auto engine = StartBundledEngine(nullptr, nullptr);
-  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
-  server::Metrics metrics;
-  metrics.SetEngine(engine->get());
-  server::ImageGenerationService service(&metrics, server::TokenAuth(), server::ServiceOptions());
-  ASSERT_TRUE(service.SetEngine(engine->get()).ok());
-  auto started = server::HttpApi::Start("127.0.0.1:0", &service);
-  ASSERT_TRUE(started.ok()) << started.status().ToString();
-  std::unique_ptr<server::HttpApi>& api_ = *started;
+  std::unique_ptr<Served> served = Serve(nullptr, nullptr);
+  ASSERT_NE(served, nullptr);
+  std::unique_ptr<server::HttpApi>& api_ = served->api;
   const std::string announced =
       "POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
       "Content-Length: 1000000000000\r\n\r\n{\"prompt\": ";
@@ -366,29 +389,23 @@ TEST(HttpApiEngineTest, AFailedRequestCountsNoneOfItsImages) {
   };
   auto fail = std::make_shared<std::atomic<int64_t>>(0);
   FailAfterFirstImage listener(fail);
-  auto engine = StartBundledEngine(&listener, fail);
-  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
-  server::Metrics metrics;
-  metrics.SetEngine(engine->get());
-  server::ImageGenerationService service(&metrics, server::TokenAuth(), server::ServiceOptions());
-  ASSERT_TRUE(service.SetEngine(engine->get()).ok());
-  auto api = server::HttpApi::Start("127.0.0.1:0", &service);
-  ASSERT_TRUE(api.ok()) << api.status().ToString();
+  std::unique_ptr<Served> served = Serve(&listener, fail);
+  ASSERT_NE(served, nullptr);
   // scd-mc: the two images (seeds 5 and 6) take different numbers of steps.
   const std::string body =
       R"({"model": "fmnist-gpt", "prompt": "bag", "n": 2, "seed": 5, "method": "scd-mc"})";
-  const std::string r = Fetch((*api)->port(),
+  const std::string r = Fetch(served->api->port(),
                               "POST /v1/images/generations HTTP/1.0\r\n"
                               "Content-Type: application/json\r\n"
                               "Content-Length: " +
                                   std::to_string(body.size()) + "\r\n\r\n" + body);
   ASSERT_NE(r.find(" 500 "), std::string::npos) << r.substr(0, 300);
   EXPECT_EQ(r.find("b64_json"), std::string::npos);
-  (*api)->Stop(std::chrono::system_clock::now());
-  (*engine)->Shutdown(std::chrono::milliseconds(0));
-  EXPECT_EQ((*engine)->Stats().completed, 1) << "the first image did finish in the engine";
+  served->api->Stop(std::chrono::system_clock::now());
+  served->engine->Shutdown(std::chrono::milliseconds(0));
+  EXPECT_EQ(served->engine->Stats().completed, 1) << "the first image did finish in the engine";
   int64_t counted = 0;
-  for (const auto& [model, totals] : metrics.Totals()) counted += totals.images;
+  for (const auto& [model, totals] : served->metrics.Totals()) counted += totals.images;
   EXPECT_EQ(counted, 0);
 }
 
