@@ -13,11 +13,12 @@ constexpr char kFormat[] = "imagegen-step-cost";
 // 2: median of three, up to 32 requests; 3: one request at every knot up to 64 nodes.
 constexpr int64_t kVersion = 3;
 
-// A step of an hour or more is not a measurement (a garbage cache file): it would overflow the
-// fit's normal equations.
+// A step of a million seconds or more is not a measurement (a garbage cache file): samples
+// near 1e308 overflowed the fit's normal equations. (A cache timed on a machine 10,000x slower,
+// thousands of seconds a step, is still read, and replaced by the spot check.)
 bool Valid(const StepCostSample& s) {
   return s.tokens >= 1 && s.requests >= 1 && std::isfinite(s.seconds) && s.seconds > 0 &&
-         s.seconds < 3600;
+         s.seconds < 1e6;
 }
 
 // Solves a x = b (n x n, row-major) by Gaussian elimination with partial pivoting; false when
