@@ -16,11 +16,15 @@
 #include <absl/flags/parse.h>
 #include <absl/flags/usage.h>
 #include <absl/flags/usage_config.h>
+#include <absl/strings/ascii.h>
 #include <absl/strings/match.h>
+#include <absl/strings/numbers.h>
+#include <absl/strings/str_cat.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -28,6 +32,8 @@
 #include <iostream>
 #include <map>
 #include <mutex>
+#include <optional>
+#include <random>
 #include <thread>
 
 #include "google/rpc/error_details.pb.h"
@@ -117,15 +123,37 @@ std::string Trim(std::string s) {
   return b == std::string::npos ? "" : s.substr(b, e - b + 1);
 }
 
+// Whether `target` is this machine (a token may go there without TLS).
+bool Loopback(const std::string& target) {
+  for (const char* p : {"127.", "localhost", "[::1]", "ipv4:127.", "ipv6:[::1]", "unix:"}) {
+    if (absl::StartsWith(target, p)) return true;
+  }
+  return false;
+}
+
+bool TlsWanted() {
+  return !absl::GetFlag(FLAGS_tls_ca).empty() || !absl::GetFlag(FLAGS_tls_cert).empty() ||
+         !absl::GetFlag(FLAGS_tls_key).empty() || !absl::GetFlag(FLAGS_tls_server_name).empty();
+}
+
+// Any TLS flag turns TLS on (without --tls-ca, the system's roots check the server): a client
+// certificate or server name given without --tls-ca must not send the call in clear.
 std::shared_ptr<grpc::Channel> Connect() {
   std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
   grpc::ChannelArguments args;
-  if (!absl::GetFlag(FLAGS_tls_ca).empty()) {
+  const std::string ca = absl::GetFlag(FLAGS_tls_ca), cert = absl::GetFlag(FLAGS_tls_cert),
+                    key = absl::GetFlag(FLAGS_tls_key);
+  if (cert.empty() != key.empty()) {
+    std::cerr << "imagegen: --tls-cert and --tls-key go together (a client certificate and its "
+                 "key)\n";
+    std::exit(2);
+  }
+  if (TlsWanted()) {
     grpc::SslCredentialsOptions o;
-    o.pem_root_certs = ReadFileOrExit("tls-ca", absl::GetFlag(FLAGS_tls_ca));
-    if (!absl::GetFlag(FLAGS_tls_cert).empty()) {
-      o.pem_cert_chain = ReadFileOrExit("tls-cert", absl::GetFlag(FLAGS_tls_cert));
-      o.pem_private_key = ReadFileOrExit("tls-key", absl::GetFlag(FLAGS_tls_key));
+    if (!ca.empty()) o.pem_root_certs = ReadFileOrExit("tls-ca", ca);  // else the system's roots
+    if (!cert.empty()) {
+      o.pem_cert_chain = ReadFileOrExit("tls-cert", cert);
+      o.pem_private_key = ReadFileOrExit("tls-key", key);
     }
     creds = grpc::SslCredentials(o);
     if (!absl::GetFlag(FLAGS_tls_server_name).empty()) {
@@ -135,17 +163,58 @@ std::shared_ptr<grpc::Channel> Connect() {
   return grpc::CreateCustomChannel(absl::GetFlag(FLAGS_target), creds, args);
 }
 
+// The bearer token: the file's one line that is neither blank nor a # comment, trimmed. It goes
+// into a header, so it must be printable ASCII without spaces (a line of the server's key file
+// holds a name after the token). Errors name the line, never the token.
+std::string TokenOrExit(const std::string& path) {
+  const std::string data = ReadFileOrExit("token-file", path);
+  std::string token;
+  int at = 0, token_line = 0;
+  for (size_t b = 0; b < data.size();) {
+    const size_t e = std::min(data.find('\n', b), data.size());
+    const std::string line = Trim(data.substr(b, e - b));
+    b = e + 1;
+    ++at;
+    if (line.empty() || line[0] == '#') continue;
+    auto fail = [&](const std::string& why) {
+      std::cerr << "imagegen: --token-file: " << path << ": line " << at << ": " << why << "\n";
+      std::exit(2);
+    };
+    if (token_line > 0) {
+      fail("a second token (line " + std::to_string(token_line) +
+           " holds one); the file must hold one token alone");
+    }
+    for (const char c : line) {
+      if (c < 0x21 || c > 0x7e) {
+        fail(
+            "the token holds a space, a tab or a character that is not printable ASCII (a "
+            "line of the server's key file holds more than the token: put the token alone in "
+            "the file)");
+      }
+    }
+    token = line;
+    token_line = at;
+  }
+  if (token.empty()) {
+    std::cerr << "imagegen: --token-file: " << path << " holds no token\n";
+    std::exit(2);
+  }
+  if (!TlsWanted() && !Loopback(absl::GetFlag(FLAGS_target))) {
+    std::cerr << "imagegen: warning: --token-file without TLS: the token crosses the network in "
+                 "clear (--tls-ca, or any --tls-* flag, turns TLS on)\n";
+  }
+  return token;
+}
+
 void Prepare(grpc::ClientContext* ctx) {
   // Read once: `load` prepares a context for every request.
   static const std::string token =
-      absl::GetFlag(FLAGS_token_file).empty()
-          ? ""
-          : Trim(ReadFileOrExit("token-file", absl::GetFlag(FLAGS_token_file)));
+      absl::GetFlag(FLAGS_token_file).empty() ? "" : TokenOrExit(absl::GetFlag(FLAGS_token_file));
   if (!token.empty()) ctx->AddMetadata("authorization", "Bearer " + token);
   if (absl::GetFlag(FLAGS_timeout) > 0) {
-    ctx->set_deadline(
-        std::chrono::system_clock::now() +
-        std::chrono::milliseconds(static_cast<int64_t>(absl::GetFlag(FLAGS_timeout) * 1000)));
+    ctx->set_deadline(std::chrono::system_clock::now() +
+                      std::chrono::duration_cast<std::chrono::system_clock::duration>(
+                          std::chrono::duration<double>(absl::GetFlag(FLAGS_timeout))));
   }
 }
 
@@ -191,7 +260,12 @@ v1::GenerateRequest BuildRequest(bool need_class) {
   const bool prompted = !prompt.empty() || !ids.empty();
   if (!cls.empty()) {
     if (cls.find_first_not_of("0123456789") == std::string::npos) {
-      r.set_class_id(std::stoi(cls));
+      int32_t id = 0;
+      if (!absl::SimpleAtoi(cls, &id)) {
+        std::cerr << "imagegen: --class: " << cls << " is out of range for a class id\n";
+        std::exit(2);
+      }
+      r.set_class_id(id);
     } else {
       r.set_class_name(cls);
     }
@@ -216,7 +290,7 @@ v1::GenerateRequest BuildRequest(bool need_class) {
   c->set_cfg_schedule(absl::GetFlag(FLAGS_cfg_schedule));
   if (absl::GetFlag(FLAGS_prefill) >= 0) c->set_prefill(absl::GetFlag(FLAGS_prefill));
   if (!absl::GetFlag(FLAGS_alignment).empty()) {
-    c->set_trajectory_alignment(absl::GetFlag(FLAGS_alignment) != "off");
+    c->set_trajectory_alignment(absl::AsciiStrToLower(absl::GetFlag(FLAGS_alignment)) == "on");
   }
   if (absl::GetFlag(FLAGS_cspd_authors)) {
     c->set_inner_temperature(42);
@@ -228,8 +302,62 @@ v1::GenerateRequest BuildRequest(bool need_class) {
   }
   if (c->ByteSizeLong() == 0) r.clear_continuous();
   r.mutable_output()->set_scale(absl::GetFlag(FLAGS_scale));
-  r.set_preview_every(absl::GetFlag(FLAGS_preview_every));
+  if (absl::GetFlag(FLAGS_stream)) r.set_preview_every(absl::GetFlag(FLAGS_preview_every));
   return r;
+}
+
+// Flag values, checked before any call: one out of range exits 2 naming its flag. The CLI sends
+// a sampling field only when it is not its default sentinel (-1), so without this check a
+// negative value would silently mean "the model's default" rather than reach the server's own
+// check.
+void CheckFlagsOrExit(const std::string& cmd) {
+  auto fail = [](const std::string& flag, const std::string& why) {
+    std::cerr << "imagegen: --" << flag << ": " << why << "\n";
+    std::exit(2);
+  };
+  auto at_least_0_or_default = [&](const char* flag, double v) {
+    if (!std::isfinite(v) || (v < 0 && v != -1)) {
+      fail(flag, absl::StrCat(v, " is out of range (>= 0, or -1: the default)"));
+    }
+  };
+  at_least_0_or_default("cfg", absl::GetFlag(FLAGS_cfg));
+  at_least_0_or_default("temperature", absl::GetFlag(FLAGS_temperature));
+  at_least_0_or_default("top-p", absl::GetFlag(FLAGS_top_p));
+  at_least_0_or_default("top-k", absl::GetFlag(FLAGS_top_k));
+  at_least_0_or_default("cfg-interval", absl::GetFlag(FLAGS_cfg_interval));
+  at_least_0_or_default("prefill", absl::GetFlag(FLAGS_prefill));
+  if (absl::GetFlag(FLAGS_seed) < -1) fail("seed", "must be >= 0 (or -1: the server picks one)");
+  if (absl::GetFlag(FLAGS_window) < 0) fail("window", "must be >= 0 (0: the preset's)");
+  if (absl::GetFlag(FLAGS_num_iter) < 0) fail("num-iter", "must be >= 0 (0: the model's)");
+  if (absl::GetFlag(FLAGS_scale) < 1) fail("scale", "must be >= 1");
+  if (absl::GetFlag(FLAGS_n) < 1) fail("n", "must be >= 1");
+  if (const std::string a = absl::AsciiStrToLower(absl::GetFlag(FLAGS_alignment));
+      !a.empty() && a != "on" && a != "off") {
+    fail("alignment", "'" + absl::GetFlag(FLAGS_alignment) + "' is neither on nor off");
+  }
+  if (const double t = absl::GetFlag(FLAGS_timeout); !std::isfinite(t) || t < 0 || t > 1e7) {
+    fail("timeout", "must be between 0 (none) and 1e7 seconds");
+  }
+  if (absl::GetFlag(FLAGS_preview_every) < 0) fail("preview-every", "must be >= 0");
+  if (!absl::GetFlag(FLAGS_stream)) {
+    if (absl::GetFlag(FLAGS_preview_every) > 0) fail("preview-every", "needs --stream");
+    if (!absl::GetFlag(FLAGS_preview_dir).empty()) fail("preview-dir", "needs --stream");
+    if (absl::GetFlag(FLAGS_drafts)) fail("drafts", "needs --stream");
+  }
+  if (cmd == "load") {
+    if (const int c = absl::GetFlag(FLAGS_concurrency); c < 1 || c > 4096) {
+      fail("concurrency", "must be between 1 and 4096");
+    }
+    if (const double d = absl::GetFlag(FLAGS_duration); !std::isfinite(d) || d <= 0 || d > 1e7) {
+      fail("duration", "must be more than 0 and at most 1e7 seconds");
+    }
+  }
+  if (cmd == "generate") {  // found before the image is made, not after
+    const std::filesystem::path dir = std::filesystem::path(absl::GetFlag(FLAGS_out)).parent_path();
+    if (std::error_code ec; !dir.empty() && !std::filesystem::is_directory(dir, ec)) {
+      fail("out", dir.string() + " is not a directory");
+    }
+  }
 }
 
 void PrintStats(const v1::GenerateResponse& r, const std::string& out) {
@@ -268,11 +396,11 @@ std::string OutName(const std::string& out, int index, int n) {
       .string();
 }
 
+// Atomically (a temporary file renamed over `path`): a failed write leaves no half image and
+// keeps the file that was there.
 void WriteOrDie(const std::string& path, const std::string& bytes) {
-  std::ofstream f(path, std::ios::binary);
-  f << bytes;
-  if (!f) {
-    std::cerr << "imagegen: cannot write " << path << "\n";
+  if (const imagegen::Status st = imagegen::WriteFileAtomically(path, bytes); !st.ok()) {
+    std::cerr << "imagegen: " << st.message() << "\n";
     std::exit(1);
   }
 }
@@ -358,6 +486,11 @@ int Generate() {
       return 1;
     }
     if (!id.empty()) std::printf("request id %s\n", id.c_str());
+    if (1 + resp.more_images_size() != std::max(n, 1)) {
+      std::cerr << "imagegen: the answer held " << 1 + resp.more_images_size() << " of "
+                << std::max(n, 1) << " images\n";
+      return 1;
+    }
     WriteOrDie(OutName(out, 0, n), resp.image_png());
     PrintStats(resp, OutName(out, 0, n));
     for (const v1::GenerateResponse& more : resp.more_images()) {
@@ -428,19 +561,62 @@ int Generate() {
   return 0;
 }
 
+// The server's RetryInfo delay, when the status carries one.
+std::optional<double> RetryDelay(const grpc::Status& s) {
+  google::rpc::Status st;
+  if (s.error_details().empty() || !st.ParseFromString(s.error_details())) return std::nullopt;
+  for (const auto& d : st.details()) {
+    google::rpc::RetryInfo ri;
+    if (d.UnpackTo(&ri)) return ri.retry_delay().seconds() + ri.retry_delay().nanos() / 1e9;
+  }
+  return std::nullopt;
+}
+
+// Codes no retry can mend (a wrong flag, model, method or token): the run stops at the first.
+bool Permanent(grpc::StatusCode code) {
+  switch (code) {
+    case grpc::StatusCode::INVALID_ARGUMENT:
+    case grpc::StatusCode::NOT_FOUND:
+    case grpc::StatusCode::UNAUTHENTICATED:
+    case grpc::StatusCode::PERMISSION_DENIED:
+    case grpc::StatusCode::UNIMPLEMENTED:
+    case grpc::StatusCode::FAILED_PRECONDITION:
+    case grpc::StatusCode::OUT_OF_RANGE:
+      return true;
+    default:
+      return false;
+  }
+}
+
 // Closed loop: --concurrency clients each send a request, wait for the image, and send the
 // next, for --duration seconds; classes cycle through the model's classes unless --class.
+// A refused request (RESOURCE_EXHAUSTED, UNAVAILABLE, any other passing error) is counted and
+// its client waits before the next: the server's RetryInfo delay, else 100 ms, at most 5 s,
+// with jitter, outside the shared lock. A permanent error (Permanent above) stops the run.
+// The rate is the images over the run's whole time (until the last client returned). Exit 1
+// when no image came, when a permanent error stopped the run, or when a request failed with
+// anything but RESOURCE_EXHAUSTED (the server's admission under the load asked for).
 int Load() {
   auto channel = Connect();
   auto stub = v1::ImageGeneration::NewStub(channel);
   int classes = 1;
   v1::ListModelsResponse models;
   if (!FetchModels(*stub, &models)) return 1;
+  const std::string model = absl::GetFlag(FLAGS_model);
+  bool found = model.empty() && models.models_size() > 0;
+  std::string names;
   for (const auto& m : models.models()) {
-    if (absl::GetFlag(FLAGS_model).empty() || m.name() == absl::GetFlag(FLAGS_model)) {
+    names += (names.empty() ? "" : ", ") + m.name();
+    if (model.empty() || m.name() == model) {
       classes = std::max(1, m.classes_size());
+      found = true;
       break;
     }
+  }
+  if (!found) {
+    std::cerr << "imagegen: --model: the server serves no model '" << model
+              << "' (it serves: " << names << ")\n";
+    return 2;
   }
   const int c = absl::GetFlag(FLAGS_concurrency);
   const bool stream = absl::GetFlag(FLAGS_stream);
@@ -450,17 +626,19 @@ int Load() {
   std::mutex mu;
   std::vector<double> latency, first;
   std::map<std::string, int64_t> errors;
+  std::string permanent;  // the first permanent error, described
+  std::atomic<bool> halt{false};
   int64_t nfe = 0, tokens = 0;
   double window = 0, expected = 0, predicted = 0, measured = 0;
   std::atomic<int64_t> counter{0};
-  Clock::time_point last = t0;
   const v1::GenerateRequest base = BuildRequest(false);
   const bool cycle_classes = base.class_case() == v1::GenerateRequest::CLASS_NOT_SET &&
                              base.prompt().empty() && base.prompt_token_ids_size() == 0;
   std::vector<std::thread> threads;
   for (int k = 0; k < c; ++k) {
-    threads.emplace_back([&] {
-      while (Clock::now() < stop) {
+    threads.emplace_back([&, k] {
+      std::mt19937 jitter(static_cast<uint32_t>(k) * 2654435761u + 1);
+      while (Clock::now() < stop && !halt.load()) {
         v1::GenerateRequest req = base;
         const int64_t i = counter.fetch_add(1);
         if (cycle_classes) req.set_class_id(static_cast<int32_t>(i % classes));
@@ -470,29 +648,48 @@ int Load() {
         double ttft = -1;
         grpc::Status st;
         v1::GenerationStats stats;
+        bool imaged = false;
         if (stream) {
           auto reader = stub->GenerateStream(&ctx, req);
           v1::GenerateStreamResponse m;
           while (reader->Read(&m)) {
             if (m.has_step() && ttft < 0)
               ttft = std::chrono::duration<double>(Clock::now() - s0).count();
-            if (m.has_final()) stats = m.final().stats();
+            if (m.has_final()) {
+              stats = m.final().stats();
+              imaged = true;
+            }
           }
           st = reader->Finish();
         } else {
           v1::GenerateResponse resp;
           st = stub->Generate(&ctx, req, &resp);
           stats = resp.stats();
+          imaged = st.ok();
         }
         const auto s1 = Clock::now();
-        std::lock_guard<std::mutex> l(mu);
-        if (!st.ok()) {
-          errors[imagegen::StatusCodeName(st.error_code())] += 1;
-          if (st.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
-            std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        if (!st.ok() || !imaged) {
+          {
+            std::lock_guard<std::mutex> l(mu);
+            errors[st.ok() ? std::string("OK without an image")
+                           : imagegen::StatusCodeName(st.error_code())] += 1;
+            if (!st.ok() && Permanent(st.error_code())) {
+              if (permanent.empty()) permanent = Describe(st);
+              halt = true;
+              break;
+            }
+          }
+          const double wait = std::clamp(RetryDelay(st).value_or(0.1), 0.01, 5.0) *
+                              std::uniform_real_distribution<double>(0.8, 1.2)(jitter);
+          const auto until = std::min(
+              stop, Clock::now() + std::chrono::microseconds(static_cast<int64_t>(wait * 1e6)));
+          while (Clock::now() < until && !halt.load()) {
+            std::this_thread::sleep_for(
+                std::min<Clock::duration>(until - Clock::now(), std::chrono::milliseconds(50)));
           }
           continue;
         }
+        std::lock_guard<std::mutex> l(mu);
         latency.push_back(std::chrono::duration<double>(s1 - s0).count());
         if (ttft >= 0) first.push_back(ttft);
         nfe += stats.nfe();
@@ -501,12 +698,11 @@ int Load() {
         expected += stats.expected_tokens();
         predicted += stats.predicted_step_seconds();
         measured += stats.measured_step_seconds();
-        last = std::max(last, s1);
       }
     });
   }
   for (auto& t : threads) t.join();
-  const double secs = std::chrono::duration<double>(last - t0).count();
+  const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
   const auto n = static_cast<double>(latency.size());
   std::printf("load: %d clients (%s), %zu images in %.1f s: %.2f images/s\n", c,
               stream ? "GenerateStream" : "Generate", latency.size(), secs,
@@ -529,10 +725,21 @@ int Load() {
   } else if (expected > 0) {
     std::printf("\n");
   }
+  int64_t failed = 0, refused = 0;
   for (const auto& [code, count] : errors) {
     std::printf("errors %s: %lld\n", code.c_str(), static_cast<long long>(count));
+    failed += count;
+    if (code == "RESOURCE_EXHAUSTED") refused += count;
   }
-  return latency.empty() ? 1 : 0;
+  if (failed > 0) {
+    std::printf("requests: %zu ok, %lld failed (%.1f%% ok)\n", latency.size(),
+                static_cast<long long>(failed), 100.0 * n / (n + static_cast<double>(failed)));
+  }
+  if (!permanent.empty()) {
+    std::cerr << "imagegen: load stopped: " << permanent << "\n";
+    return 1;
+  }
+  return latency.empty() || failed > refused ? 1 : 0;
 }
 
 // grpc.health.v1 Check: prints the status and exits 0 only when SERVING (1 otherwise, 2 when
@@ -587,6 +794,9 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string cmd = rest[1];
+  if (cmd == "models" || cmd == "generate" || cmd == "load" || cmd == "health") {
+    CheckFlagsOrExit(cmd);
+  }
   if (cmd == "models") return Models();
   if (cmd == "generate") return Generate();
   if (cmd == "load") return Load();

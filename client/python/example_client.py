@@ -39,11 +39,22 @@ def main():
     ap.add_argument("--out", default="image.png")
     args = ap.parse_args()
 
+    try:
+        run(args)
+    except grpc.RpcError as e:  # the status, and the field a BadRequest names
+        sys.exit(f"{e.code().name}: {e.details()}")
+
+
+def run(args):
     metadata = [("authorization", f"Bearer {args.token}")] if args.token else []
     with grpc.insecure_channel(args.target) as channel:
         stub = imagegen_pb2_grpc.ImageGenerationStub(channel)
         models = stub.ListModels(imagegen_pb2.ListModelsRequest(), metadata=metadata, timeout=10)
-        model = next((m for m in models.models if m.name == args.model), models.models[0])
+        names = [m.name for m in models.models]
+        if args.model and args.model not in names:
+            sys.exit(f"--model: the server serves no model {args.model!r} "
+                     f"(it serves: {', '.join(names)})")
+        model = models.models[names.index(args.model) if args.model else 0]
         if model.prompted:
             print(f"model {model.name}: {model.grid}x{model.grid} tokens, text-to-image "
                   f"(prompts of at most {model.max_prompt_len} tokens)")
@@ -72,6 +83,7 @@ def main():
         for message in call:
             if message.HasField("step"):
                 step = message.step
+                # A continuous-token model (MAR) streams positions without token ids.
                 for position, token in zip(step.positions, step.tokens):
                     grids[step.index][position] = token
                 print(f"image {step.index} step {step.step:3d}: {step.committed:3d}/{step.total} "
@@ -82,7 +94,7 @@ def main():
             sys.exit(f"the stream ended with {len(finals)} of {len(grids)} images")
         stem, ext = os.path.splitext(args.out)
         for index, final in sorted(finals.items()):
-            if list(final.tokens) != grids[index]:
+            if not model.continuous and list(final.tokens) != grids[index]:
                 sys.exit(f"image {index}: the streamed tokens do not reassemble into its grid")
             out = args.out if len(grids) == 1 else f"{stem}_{index}{ext}"
             with open(out, "wb") as f:

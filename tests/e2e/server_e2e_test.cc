@@ -1367,6 +1367,52 @@ TEST(E2eTest, HelpListsTheFlags) {
   }
 }
 
+// Every bad flag value exits 2 naming its flag, before any call: the target is a port nothing
+// listens on, where a call would fail UNAVAILABLE with exit 1. Negative sampling values used
+// to mean "the model's default" silently, --alignment false meant on, a long --class id and a
+// token file of two lines aborted the CLI (the second printing the token).
+TEST(E2eTest, CliRefusesBadFlagValuesBeforeAnyCallAndNeverPrintsTheToken) {
+  const std::string dir = TempDir("cli-flags");
+  const std::string target = "127.0.0.1:" + std::to_string(FreePort());
+  {
+    std::ofstream(dir + "/two.tok") << "# my key\nsecret-tok-1\nsecret-tok-2\n";
+    std::ofstream(dir + "/keyline.tok") << "secret-tok-3\tname=x\n";
+    std::ofstream(dir + "/empty.tok") << "\n# nothing\n";
+  }
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"models", "--token-file", dir + "/two.tok"}, "--token-file"},
+      {{"models", "--token-file", dir + "/keyline.tok"}, "--token-file"},
+      {{"models", "--token-file", dir + "/empty.tok"}, "--token-file"},
+      {{"generate", "--class", "99999999999"}, "--class"},
+      {{"generate", "--class", "bag", "--alignment", "false"}, "--alignment"},
+      {{"generate", "--class", "bag", "--cfg", "-2"}, "--cfg"},
+      {{"generate", "--class", "bag", "--temperature", "-0.5"}, "--temperature"},
+      {{"generate", "--class", "bag", "--top-k", "-5"}, "--top-k"},
+      {{"generate", "--class", "bag", "--seed", "-7"}, "--seed"},
+      {{"generate", "--class", "bag", "--window", "-3"}, "--window"},
+      {{"generate", "--class", "bag", "--n", "0"}, "--n"},
+      {{"generate", "--class", "bag", "--timeout", "1e300"}, "--timeout"},
+      {{"generate", "--class", "bag", "--preview-every", "5"}, "--preview-every"},
+      {{"generate", "--class", "bag", "--drafts"}, "--drafts"},
+      {{"generate", "--class", "bag", "--out", dir + "/no/such/dir/x.png"}, "--out"},
+      {{"generate", "--class", "bag", "--tls-cert", dir + "/c.pem"}, "--tls-cert"},
+      {{"load", "--concurrency", "0"}, "--concurrency"},
+      {{"load", "--duration", "-5"}, "--duration"},
+  };
+  int k = 0;
+  for (const auto& [args, flag] : cases) {
+    std::vector<std::string> argv = {CliBinary()};
+    argv.insert(argv.end(), args.begin(), args.end());
+    argv.insert(argv.end(), {"--target", target});
+    std::string out;
+    EXPECT_EQ(RunCommand(argv, &out, dir + "/cli" + std::to_string(k++) + ".log"), 2)
+        << args[1] << " " << out;
+    EXPECT_NE(out.find("imagegen: " + flag), std::string::npos) << flag << " in\n" << out;
+    EXPECT_EQ(out.find("UNAVAILABLE"), std::string::npos) << out;  // no call was made
+    EXPECT_EQ(out.find("secret-tok"), std::string::npos) << out;
+  }
+}
+
 TEST(E2eTest, CliAndPythonClientsWork) {
   Daemon d("clients", {"--preview-share", "0"});  // previews counted below, as above
   d.WaitReady();
@@ -1411,6 +1457,49 @@ TEST(E2eTest, CliAndPythonClientsWork) {
   EXPECT_NE(out.find("mean window"), std::string::npos) << out;
   EXPECT_NE(out.find("controller: expected"), std::string::npos) << out;
   EXPECT_NE(out.find("step time predicted"), std::string::npos) << out;
+  // A permanent error stops the load at once (each client's first request), naming the field;
+  // an unknown model is refused before any request.
+  EXPECT_EQ(RunCommand({CliBinary(), "load", "--target", d.target(), "--concurrency", "2",
+                        "--duration", "600", "--method", "nosuch"},
+                       &out, dir + "/cli6.log"),
+            1);
+  EXPECT_NE(out.find("load stopped: INVALID_ARGUMENT"), std::string::npos) << out;
+  EXPECT_NE(out.find("field method"), std::string::npos) << out;
+  std::smatch refused;
+  ASSERT_TRUE(std::regex_search(out, refused, std::regex("errors INVALID_ARGUMENT: ([0-9]+)")))
+      << out;
+  EXPECT_LE(std::stoi(refused[1]), 2) << out;
+  EXPECT_EQ(RunCommand({CliBinary(), "load", "--target", d.target(), "--model", "nosuch"}, &out,
+                       dir + "/cli7.log"),
+            2);
+  EXPECT_NE(out.find("--model: the server serves no model 'nosuch' (it serves: fmnist-gpt"),
+            std::string::npos)
+      << out;
+  // Any TLS flag turns TLS on: against this plaintext daemon the call fails, where it used to
+  // go out in clear without --tls-ca.
+  EXPECT_EQ(RunCommand({CliBinary(), "models", "--target", d.target(), "--tls-server-name",
+                        "localhost", "--timeout", "5"},
+                       &out, dir + "/cli8.log"),
+            1)
+      << out;
+  // A write that fails (no file size allowed) exits 1 and keeps the file that was there, with
+  // no temporary file left; it used to exit 0 with the file emptied.
+  std::ofstream(dir + "/keep.png") << "old";
+  EXPECT_EQ(RunCommand({"/bin/bash", "-c",
+                        // the limit on the CLI only: its output goes through a pipe to a
+                        // cat that writes the log
+                        "set -o pipefail; (ulimit -f 0; trap '' XFSZ; exec \"$0\" \"$@\") "
+                        "2>&1 | cat",
+                        CliBinary(), "generate", "--target", d.target(), "--class", "bag", "--seed",
+                        "3", "--out", dir + "/keep.png"},
+                       &out, dir + "/cli9.log"),
+            1)
+      << out;
+  EXPECT_NE(out.find("keep.png: cannot write"), std::string::npos) << out;
+  EXPECT_EQ(Slurp(dir + "/keep.png"), "old");
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    EXPECT_EQ(e.path().filename().string().find("keep.png.tmp"), std::string::npos) << e.path();
+  }
 
   ASSERT_EQ(
       RunCommand({"/usr/bin/python3", std::string(SourceDir()) + "/client/python/example_client.py",
@@ -1421,6 +1510,12 @@ TEST(E2eTest, CliAndPythonClientsWork) {
       << out;
   EXPECT_TRUE(std::regex_search(out, server_id)) << out;
   EXPECT_EQ(ClassifyPng(Slurp(dir + "/trouser.png"), &err), 1) << err;
+  EXPECT_NE(
+      RunCommand({"/usr/bin/python3", std::string(SourceDir()) + "/client/python/example_client.py",
+                  "--target", d.target(), "--model", "nosuch", "--out", dir + "/nosuch.png"},
+                 &out, dir + "/py2.log", {"PYTHONPATH=" + std::string(PythonStubs())}),
+      0);
+  EXPECT_NE(out.find("--model: the server serves no model 'nosuch'"), std::string::npos) << out;
 }
 
 // A text-to-image model (Janus layout, random weights, its own tokenizer.json: the t2i_toy
@@ -1911,6 +2006,16 @@ TEST(E2eTest, MarAndGptServedSideBySideAndCspdStreams) {
   EXPECT_FALSE(std::filesystem::is_empty(dir + "/frames"));
   std::string err;
   EXPECT_EQ(ClassifyPng(Slurp(dir + "/trouser.png"), &err), 1) << err;
+  // The Python example on the continuous model (method mar, counted below): its steps carry
+  // positions, not token ids (it used to fail, finding the grid unassembled).
+  ASSERT_EQ(
+      RunCommand({"/usr/bin/python3", std::string(SourceDir()) + "/client/python/example_client.py",
+                  "--target", d.target(), "--model", "fmnist-mar", "--class-name", "bag", "--seed",
+                  "4", "--out", dir + "/bag.png"},
+                 &out, dir + "/py.log", {"PYTHONPATH=" + std::string(PythonStubs())}),
+      0)
+      << out;
+  EXPECT_EQ(ClassifyPng(Slurp(dir + "/bag.png"), &err), 8) << err;
 
   // No method: mar, the continuous model's default (the daemon's default is scd-mc).
   v1::GenerateRequest r = Request("sneaker", 3, "");
@@ -1958,7 +2063,7 @@ TEST(E2eTest, MarAndGptServedSideBySideAndCspdStreams) {
   EXPECT_TRUE(d.WaitMetric(
       "imagegen_requests_total{method=\"cspd\",model=\"fmnist-mar\",outcome=\"ok\"}", 1));
   EXPECT_TRUE(d.WaitMetric(
-      "imagegen_requests_total{method=\"mar\",model=\"fmnist-mar\",outcome=\"ok\"}", 1));
+      "imagegen_requests_total{method=\"mar\",model=\"fmnist-mar\",outcome=\"ok\"}", 2));
 }
 
 }  // namespace
