@@ -365,6 +365,9 @@ void Metrics::SetEngine(const Engine* engine) {
     for (const ModelInfo& m : engine->Models()) models_.push_back(m.name);
   }
   for (const ModelInfo& m : engine->Models()) {
+    // From 0: the alert on it (deploy/prometheus-rules.yml) must see a series that exists
+    // before its first failure.
+    graph_capture_failures_.Add({{"model", m.name}});
     for (const char* outcome : {"ok", "failed"}) {
       engine_probes_.Add({{"model", m.name}, {"outcome", outcome}});
     }
@@ -407,6 +410,13 @@ Metrics::PerMethod& Metrics::For(const std::string& model, const std::string& me
   return per_method_.emplace(key, std::move(p)).first->second;
 }
 
+void Metrics::OnWarmupStep(const StepSample& s) {
+  if (s.graph_capture_failures > 0) {
+    graph_capture_failures_.Add({{"model", s.model}})
+        .Increment(static_cast<double>(s.graph_capture_failures));
+  }
+}
+
 void Metrics::OnStep(const StepSample& s) {
   const prometheus::Labels lb = {{"model", s.model}};
   steps_.Add(lb).Increment();
@@ -417,9 +427,7 @@ void Metrics::OnStep(const StepSample& s) {
   if (s.graph_captures > 0) {
     graph_captures_.Add(lb).Increment(static_cast<double>(s.graph_captures));
   }
-  if (s.graph_capture_failures > 0) {
-    graph_capture_failures_.Add(lb).Increment(static_cast<double>(s.graph_capture_failures));
-  }
+  OnWarmupStep(s);  // its capture failures
   if (s.predicted_seconds > 0) {
     step_cost_ratio_.Add(lb, kCostRatio).Observe(s.step_seconds / s.predicted_seconds);
     step_predicted_.Add(lb).Increment(s.predicted_seconds);

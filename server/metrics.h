@@ -42,6 +42,7 @@ class Metrics : public EngineListener {
 
   // Engine thread: one model step.
   void OnStep(const StepSample& sample) override;
+  void OnWarmupStep(const StepSample& sample) override;  // counts its capture failures
   // Engine thread: one step of one request.
   void OnRequestStep(const std::string& model, const std::string& method, const StepEvent& e);
   // A call ended. `outcome`: ok, invalid_argument, not_found, resource_exhausted, unavailable,

@@ -7,6 +7,7 @@
 #include <poll.h>
 #include <prometheus/counter.h>
 #include <prometheus/registry.h>
+#include <prometheus/text_serializer.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -17,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "server/metrics.h"
 #include "server/metrics_http.h"
 #include "tests/http_client.h"
 
@@ -117,6 +119,26 @@ TEST(MetricsHttpStartTest, BadAddressesAreErrors) {
   ASSERT_TRUE(a.ok());
   auto b = MetricsHttpServer::Start("127.0.0.1:" + std::to_string((*a)->port()), {});
   EXPECT_FALSE(b.ok());  // the port is taken
+}
+
+// A failed CUDA graph capture leaves its bucket without a graph until the restart: one in the
+// start-up warm-up counts as a served step's does (the alert reads this counter), while the
+// warm-up's steps themselves are not served steps and count nowhere else. Before, the warm-up
+// (where most captures happen) dropped them.
+TEST(MetricsTest, WarmupCaptureFailuresCountAndTheirStepsDoNot) {
+  server::Metrics m;
+  StepSample s;
+  s.model = "m";
+  s.seconds = 0.1;
+  s.graph_capture_failures = 2;
+  m.OnWarmupStep(s);
+  s.graph_capture_failures = 1;
+  m.OnStep(s);
+  const std::string text = prometheus::TextSerializer().Serialize(m.registry()->Collect());
+  EXPECT_NE(text.find("imagegen_cuda_graph_capture_failures_total{model=\"m\"} 3"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("imagegen_engine_steps_total{model=\"m\"} 1"), std::string::npos) << text;
 }
 
 }  // namespace

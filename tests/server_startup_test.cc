@@ -290,6 +290,10 @@ TEST(ServerStartupTest, AWedgedEngineFailsLivenessUntilItMovesAgain) {
   EXPECT_NE(metrics.find("imagegen_engine_unhealthy_total{reason=\"stalled\"} 1"),
             std::string::npos)
       << metrics;
+  // From 0 for each model, before any failure (the alert on it needs the series to exist).
+  EXPECT_NE(metrics.find("imagegen_cuda_graph_capture_failures_total{model=\"fmnist-gpt\"} 0"),
+            std::string::npos)
+      << metrics;
   const std::string gauge = "imagegen_engine_stalled_seconds{thread=\"engine\"} ";
   const size_t at = metrics.find(gauge);
   ASSERT_NE(at, std::string::npos) << metrics;

@@ -54,9 +54,16 @@ class WarmupGate : public EngineListener {
     }
     steps += 1;
     captures += s.graph_captures;
+    capture_failures += s.graph_capture_failures;
+    if (target_ != nullptr) {
+      try {
+        target_->OnWarmupStep(s);
+      } catch (...) {  // as NotifyListener: a listener cannot end the engine thread
+      }
+    }
   }
   bool warming = false;
-  int64_t steps = 0, captures = 0;
+  int64_t steps = 0, captures = 0, capture_failures = 0;
 
  private:
   EngineListener* target_;
@@ -414,6 +421,10 @@ Status Engine::Impl::WarmUp() {
   msg << "warm-up: " << images << " images in "
       << std::chrono::duration<double>(Clock::now() - t0).count() << " s, " << gate->steps
       << " steps, " << gate->captures << " CUDA graphs captured";
+  if (gate->capture_failures > 0) {
+    msg << ", " << gate->capture_failures
+        << " captures failed (their buckets run without a graph until the restart)";
+  }
   Notice(opts, msg.str());
   return OkStatus();
 }

@@ -248,6 +248,10 @@ class EngineListener {
  public:
   virtual ~EngineListener() = default;
   virtual void OnStep(const StepSample& sample) = 0;
+  // A step of the start-up warm-up (EngineOptions::warmup): not a served step, so it is not
+  // passed to OnStep; a listener that counts what outlives the warm-up (a failed CUDA graph
+  // capture leaves its bucket without a graph until the restart) reads it here.
+  virtual void OnWarmupStep(const StepSample& /*sample*/) {}
 };
 
 struct ModelLoad {
