@@ -55,6 +55,8 @@ StatusOr<std::vector<ApiKey>> ParseKeys(std::string_view text) {
   std::vector<ApiKey> keys;
   std::set<std::string> tokens, names;
   int line_no = 0;
+  // A UTF-8 byte-order mark (editors on Windows write one) is not the first token's.
+  if (text.substr(0, 3) == "\xEF\xBB\xBF") text.remove_prefix(3);
   // Debian's Abseil has its own string_view.
   for (absl::string_view line : absl::StrSplit(absl::string_view(text.data(), text.size()), '\n')) {
     ++line_no;
@@ -75,6 +77,15 @@ StatusOr<std::vector<ApiKey>> ParseKeys(std::string_view text) {
     if (k.token.size() > kMaxTokenBytes) {
       return InvalidArgument(where + "the token is longer than " + std::to_string(kMaxTokenBytes) +
                              " bytes");
+    }
+    // A client sends the token in an HTTP or gRPC header, which carries printable ASCII: a
+    // token with another byte (a pasted non-breaking space, a smart quote) could never match.
+    for (size_t i = 0; i < k.token.size(); ++i) {
+      const unsigned char c = static_cast<unsigned char>(k.token[i]);
+      if (c < 0x21 || c > 0x7e) {
+        return InvalidArgument(where + "the token's byte " + std::to_string(i + 1) +
+                               " is not printable ASCII (a header cannot carry it)");
+      }
     }
     for (size_t i = 1; i < n_fields; ++i) {
       const absl::string_view f = fields[i];

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <functional>
 #include <map>
+#include <optional>
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -110,16 +111,36 @@ StatusOr<std::unique_ptr<Daemon>> Daemon::Listen(const DaemonOptions& options) {
   if (options.tls_cert.empty() != options.tls_key.empty()) {
     return InvalidArgument("--tls-cert and --tls-key go together");
   }
+  // gRPC checks the PEMs only when the port is added, and says "cannot listen": a file that
+  // holds no PEM block of its kind is named here instead.
+  auto pem = [](const char* flag, const std::string& data, const char* kind) {
+    return data.find("-----BEGIN ") != std::string::npos &&
+                   data.find(std::string(kind) + "-----") != std::string::npos
+               ? OkStatus()
+               : InvalidArgument(std::string(flag) + ": holds no PEM " + kind);
+  };
+  std::optional<HttpApi::Tls> https;  // the HTTP API's, with the gRPC port's certificate
   if (!options.tls_cert.empty()) {
     auto cert = ReadFile("--tls-cert", options.tls_cert);
     if (!cert.ok()) return cert.status();
     auto key = ReadFile("--tls-key", options.tls_key);
     if (!key.ok()) return key.status();
+    RETURN_IF_ERROR(pem("--tls-cert", *cert, "CERTIFICATE"));
+    RETURN_IF_ERROR(pem("--tls-key", *key, "PRIVATE KEY"));
+    https = HttpApi::Tls{*cert, *key};
     grpc::SslServerCredentialsOptions o;
     o.pem_key_cert_pairs.push_back({*key, *cert});
     if (!options.tls_client_ca.empty()) {
       auto ca = ReadFile("--tls-client-ca", options.tls_client_ca);
       if (!ca.ok()) return ca.status();
+      RETURN_IF_ERROR(pem("--tls-client-ca", *ca, "CERTIFICATE"));
+      // libmicrohttpd asks for a client certificate but leaves checking it to the
+      // application (GnuTLS calls this does not make): the HTTP API would serve anyone.
+      if (!options.http_listen.empty()) {
+        return InvalidArgument(
+            "--http-listen: the HTTP API cannot require client certificates (--tls-client-ca); "
+            "leave it off, or serve it behind a proxy that checks them");
+      }
       o.pem_root_certs = *ca;
       o.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
     }
@@ -139,7 +160,7 @@ StatusOr<std::unique_ptr<Daemon>> Daemon::Listen(const DaemonOptions& options) {
     d->exposer_ = std::move(started).value();
   }
   if (!options.http_listen.empty()) {
-    auto started = HttpApi::Start(options.http_listen, &d->service_);
+    auto started = HttpApi::Start(options.http_listen, &d->service_, https);
     if (!started.ok()) {
       return Status(started.status().code(), "--http-listen: " + started.status().message());
     }
@@ -158,7 +179,11 @@ StatusOr<std::unique_ptr<Daemon>> Daemon::Listen(const DaemonOptions& options) {
   quota.SetMaxThreads(static_cast<int>(options.max_threads));
   builder.SetResourceQuota(quota);
   d->server_ = builder.BuildAndStart();
-  if (!d->server_ || d->port_ == 0) return Unavailable("cannot listen on " + options.listen);
+  if (!d->server_ || d->port_ == 0) {
+    return Unavailable(
+        "cannot listen on " + options.listen +
+        (d->tls_ ? " (or --tls-cert and --tls-key are not a certificate and its key)" : ""));
+  }
   grpc::HealthCheckServiceInterface* health = d->server_->GetHealthCheckService();
   health->SetServingStatus("", true);
   health->SetServingStatus(kServiceName, false);

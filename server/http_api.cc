@@ -407,6 +407,7 @@ class HttpCall;
 
 struct HttpApi::Shared : std::enable_shared_from_this<HttpApi::Shared> {
   ImageGenerationService* service = nullptr;
+  std::optional<Tls> tls;  // the PEMs handed to libmicrohttpd, kept for the daemon's life
   std::mutex mu;
   std::condition_variable cv;
   std::map<HttpCall*, std::weak_ptr<HttpCall>> open;  // connections not yet completed
@@ -1079,19 +1080,39 @@ void Completed(void* cls, MHD_Connection* /*c*/, void** con_cls, MHD_RequestTerm
 }  // namespace
 
 StatusOr<std::unique_ptr<HttpApi>> HttpApi::Start(const std::string& address,
-                                                  ImageGenerationService* service) {
+                                                  ImageGenerationService* service,
+                                                  const std::optional<Tls>& tls) {
   std::unique_ptr<HttpApi> s(new HttpApi());
   s->shared_ = std::make_shared<Shared>();
   s->shared_->service = service;
+  s->shared_->tls = tls;
+  unsigned flags = MHD_USE_AUTO_INTERNAL_THREAD | MHD_ALLOW_SUSPEND_RESUME;
+  std::vector<MHD_OptionItem> tls_options;
+  if (tls.has_value()) {
+    if (MHD_is_feature_supported(MHD_FEATURE_TLS) != MHD_YES) {
+      return FailedPrecondition("this libmicrohttpd has no TLS; HTTPS is not available");
+    }
+    flags |= MHD_USE_TLS;
+    // libmicrohttpd reads the strings at start and keeps pointers to them: they live in
+    // shared_, which outlives the daemon.
+    tls_options.push_back(
+        {MHD_OPTION_HTTPS_MEM_KEY, 0, const_cast<char*>(s->shared_->tls->key_pem.c_str())});
+    tls_options.push_back(
+        {MHD_OPTION_HTTPS_MEM_CERT, 0, const_cast<char*>(s->shared_->tls->cert_pem.c_str())});
+  }
+  tls_options.push_back({MHD_OPTION_END, 0, nullptr});
   ASSIGN_OR_RETURN(const int fd, ListenTcp(address, &s->port_));
   s->daemon_ = MHD_start_daemon(
-      MHD_USE_AUTO_INTERNAL_THREAD | MHD_ALLOW_SUSPEND_RESUME, 0, nullptr, nullptr, &Handle,
-      s->shared_.get(), MHD_OPTION_LISTEN_SOCKET, static_cast<MHD_socket>(fd),
-      MHD_OPTION_CONNECTION_TIMEOUT, kIdleTimeoutSeconds, MHD_OPTION_CONNECTION_LIMIT,
-      kMaxConnections, MHD_OPTION_NOTIFY_COMPLETED, &Completed, s->shared_.get(), MHD_OPTION_END);
+      flags, 0, nullptr, nullptr, &Handle, s->shared_.get(), MHD_OPTION_LISTEN_SOCKET,
+      static_cast<MHD_socket>(fd), MHD_OPTION_CONNECTION_TIMEOUT, kIdleTimeoutSeconds,
+      MHD_OPTION_CONNECTION_LIMIT, kMaxConnections, MHD_OPTION_NOTIFY_COMPLETED, &Completed,
+      s->shared_.get(), MHD_OPTION_ARRAY, tls_options.data(), MHD_OPTION_END);
   if (s->daemon_ == nullptr) {
     ::close(fd);
-    return Unavailable("cannot start the HTTP server on " + address);
+    return tls.has_value() ? InvalidArgument("cannot start HTTPS on " + address +
+                                             ": --tls-cert or --tls-key is not a valid PEM "
+                                             "certificate chain and its key")
+                           : Unavailable("cannot start the HTTP server on " + address);
   }
   Shared* shared = s->shared_.get();
   shared->watchdog = std::thread([shared] {

@@ -22,6 +22,7 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -57,9 +58,15 @@ class HttpApi {
   static constexpr size_t kMaxBodyBytes = 64 << 10;
   static constexpr int kMaxPartialImages = 8;
 
-  // `address` is host:port (port 0 picks a free one); `service` must outlive the server.
+  // HTTPS: the daemon's certificate chain and key, PEM (the gRPC port's --tls-cert/--tls-key).
+  struct Tls {
+    std::string cert_pem, key_pem;
+  };
+  // `address` is host:port (port 0 picks a free one); `service` must outlive the server. With
+  // `tls`, the port speaks HTTPS only (libmicrohttpd over GnuTLS).
   static StatusOr<std::unique_ptr<HttpApi>> Start(const std::string& address,
-                                                  ImageGenerationService* service);
+                                                  ImageGenerationService* service,
+                                                  const std::optional<Tls>& tls = std::nullopt);
   ~HttpApi();  // Stop(now) if still running
 
   HttpApi(const HttpApi&) = delete;

@@ -170,7 +170,8 @@ ABSL_FLAG(double, inject_step_failures_seconds, 0,
           "off (never set it in production)");
 ABSL_FLAG(std::string, http_listen, "",
           "OpenAI-compatible HTTP API address (host:port: POST /v1/images/generations, GET "
-          "/v1/models, and the playground page at /); empty: off");
+          "/v1/models, and the playground page at /); HTTPS with --tls-cert (refused with "
+          "--tls-client-ca: it cannot check client certificates); empty: off");
 ABSL_FLAG(int32_t, max_images, 16,
           "images one request may ask for (GenerateRequest.n); each takes its own place in the "
           "queue and its own KV slots");
@@ -387,8 +388,8 @@ int main(int argc, char** argv) {
            ? "; metrics on port " + std::to_string(daemon->metrics_port()) + " /metrics"
            : "") +
       (daemon->http_port() != 0
-           ? "; OpenAI Images API on port " + std::to_string(daemon->http_port()) +
-                 " /v1/images/generations"
+           ? std::string("; OpenAI Images API on port ") + std::to_string(daemon->http_port()) +
+                 (daemon->tls() ? " (HTTPS)" : "") + " /v1/images/generations"
            : ""));
 
   // The key file is read again on SIGHUP and when it changes (checked every

@@ -193,13 +193,18 @@ std::string FormatMessage(LogFormat format, const std::string& message) {
 }
 
 std::string FormatCall(LogFormat format, const CallRecord& r) {
+  // What the client named is logged as it came, up to a bound: a request that names a 4 MB
+  // model (refused NOT_FOUND) must not write 4 MB to the log.
+  auto cut = [](const std::string& v, size_t max) {
+    return v.size() <= max ? v : v.substr(0, max) + "...(" + std::to_string(v.size()) + " bytes)";
+  };
   Line l(format, "request");
   l.Str("request_id", r.request_id).Str("api", r.api);
   if (!r.peer.empty()) l.Str("peer", r.peer);
   if (!r.address.empty()) l.Str("addr", r.address);
   if (!r.key.empty()) l.Str("key", r.key);
-  if (!r.user.empty()) l.Str("user", r.user);
-  l.Str("model", r.model.empty() ? "-" : r.model).Str("method", r.method);
+  if (!r.user.empty()) l.Str("user", cut(r.user, kMaxLoggedName));
+  l.Str("model", r.model.empty() ? "-" : cut(r.model, kMaxLoggedName)).Str("method", r.method);
   if (r.priority != 0) l.Int("priority", r.priority);
   l.Int("n", r.images).Str("outcome", r.outcome);
   if (r.http_status != 0) l.Int("status", r.http_status);

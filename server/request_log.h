@@ -91,6 +91,8 @@ struct StatsRecord {
 
 // A line as `format` writes it (with its newline): the daemon's own messages, calls and stats.
 std::string FormatMessage(LogFormat format, const std::string& message);
+// The request's model and user are logged up to this many bytes, then "...(<n> bytes)".
+constexpr size_t kMaxLoggedName = 256;
 std::string FormatCall(LogFormat format, const CallRecord& r);
 std::string FormatStats(LogFormat format, const StatsRecord& r);
 

@@ -47,6 +47,10 @@ TEST(ApiKeysTest, LinesGiveTokensWithNamesAndPriorities) {
   ASSERT_TRUE(keys.ok());
   ASSERT_EQ(keys->size(), 1u);
   EXPECT_EQ((*keys)[0].token, "s3cret-token-0123456789");
+  // A UTF-8 byte-order mark before it (a Windows editor's) is not part of the token.
+  keys = ParseKeys("\xEF\xBB\xBFs3cret-token-0123456789 name=app\n");
+  ASSERT_TRUE(keys.ok()) << keys.status().ToString();
+  EXPECT_EQ((*keys)[0].token, "s3cret-token-0123456789");
 }
 
 TEST(ApiKeysTest, BadLinesAreRefusedNamingTheLineAndWhatIsWrong) {
@@ -67,6 +71,10 @@ TEST(ApiKeysTest, BadLinesAreRefusedNamingTheLineAndWhatIsWrong) {
       {"tok name=a\ntok name=b\n", "line 2: the same token as an earlier line"},
       {"t1 name=a\nt2 name=a\n", "line 2: name: 'a' is an earlier key's"},
       {"t1\n" + std::string(4097, 'x') + "\n", "line 2: the token is longer than 4096 bytes"},
+      // A non-breaking space pasted into a token, a control byte, and a mark not at the start.
+      {"t1\ntok\xC2\xA0x\n", "line 2: the token's byte 4 is not printable ASCII"},
+      {"tok\x01\n", "line 1: the token's byte 4 is not printable ASCII"},
+      {"t1\n\xEF\xBB\xBFt2\n", "line 2: the token's byte 1 is not printable ASCII"},
   };
   for (const auto& [text, message] : bad) {
     auto keys = ParseKeys(text);

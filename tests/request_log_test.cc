@@ -131,6 +131,18 @@ TEST(RequestLogTest, ACallIsOneLineOfKeyValuesOrOneJsonObject) {
   e.error = std::string("bad \xff byte");
   const nlohmann::json bad = nlohmann::json::parse(FormatCall(LogFormat::kJson, e));
   EXPECT_EQ(bad["error"], "bad \xef\xbf\xbd byte");  // U+FFFD in its place
+
+  // A model or user name as long as a message may be is cut, in both formats.
+  e.model = std::string(4 << 20, 'm');
+  e.user = std::string(1 << 20, 'u');
+  const std::string lt = FormatCall(LogFormat::kText, e);
+  EXPECT_LT(lt.size(), 2000u);
+  EXPECT_NE(
+      lt.find(" model=\"" + std::string(server::kMaxLoggedName, 'm') + "...(4194304 bytes)\" "),
+      std::string::npos)
+      << lt.substr(0, 200);
+  const nlohmann::json lj = nlohmann::json::parse(FormatCall(LogFormat::kJson, e));
+  EXPECT_EQ(lj["user"], std::string(server::kMaxLoggedName, 'u') + "...(1048576 bytes)");
 }
 
 TEST(RequestLogTest, AStatsLineGivesRatesOverItsInterval) {

@@ -70,6 +70,7 @@ class Process {
   // The exit status (128 + signal if killed), or -1 if still running after `timeout`.
   int Wait(std::chrono::milliseconds timeout) {
     if (exited_) return status_;
+    if (pid_ <= 0) return 127;  // not started (posix_spawn takes a path: no PATH search)
     const auto end = std::chrono::steady_clock::now() + timeout;
     while (true) {
       int st = 0;

@@ -697,7 +697,7 @@ TEST(E2eTest, TlsAndBearerTokenAcceptTheRightTokenOnly) {
   const std::string pki = MakeCertificates();
   { std::ofstream(pki + "/token") << "s3cret-token-0123456789\n"; }
   Daemon d("tls", {"--tls-cert", pki + "/server.pem", "--tls-key", pki + "/server.key",
-                   "--token-file", pki + "/token"});
+                   "--token-file", pki + "/token", "--http-listen", "127.0.0.1:0"});
   grpc::SslCredentialsOptions o;
   o.pem_root_certs = Slurp(pki + "/ca.pem");
   auto tls = grpc::CreateChannel(d.target(), grpc::SslCredentials(o));
@@ -722,6 +722,46 @@ TEST(E2eTest, TlsAndBearerTokenAcceptTheRightTokenOnly) {
   EXPECT_TRUE(d.WaitMetric(
       "imagegen_requests_total{method=\"sjd\",model=\"fmnist-gpt\",outcome=\"unauthenticated\"}",
       3));
+  // The HTTP API speaks HTTPS with the same certificate (it was plaintext whatever the TLS
+  // flags, the bearer tokens with it): curl checks the server against the CA.
+  ASSERT_NE(d.http_port(), 0);
+  const std::string https = "https://127.0.0.1:" + std::to_string(d.http_port());
+  auto curl = [&](std::vector<std::string> args, const std::string& log) {
+    std::vector<std::string> argv = {"/usr/bin/curl", "-sS", "--noproxy", "*",  "--cacert",
+                                     pki + "/ca.pem", "-o",  "/dev/null", "-w", "%{http_code}"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    std::string out;
+    RunCommand(argv, &out, pki + "/" + log);
+    return out;
+  };
+  EXPECT_EQ(curl({https + "/health/ready"}, "curl1.log"), "200");
+  const std::string image = R"({"prompt": "sneaker", "seed": 3})";
+  EXPECT_EQ(curl({"-H", "Authorization: Bearer s3cret-token-0123456789", "-d", image,
+                  https + "/v1/images/generations"},
+                 "curl2.log"),
+            "200");
+  EXPECT_EQ(curl({"-d", image, https + "/v1/images/generations"}, "curl3.log"), "401");
+  // Plaintext HTTP to it gets no HTTP answer.
+  const std::string plain_http =
+      Fetch(d.http_port(), "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+  EXPECT_EQ(plain_http.find("HTTP/1.1"), std::string::npos) << plain_http;
+  // Not a PEM: refused at start, naming the flag (gRPC said only "cannot listen on").
+  { std::ofstream(pki + "/garbage.pem") << "not a pem\n"; }
+  std::string out;
+  EXPECT_EQ(RunCommand({ServerBinary(), "--listen", "127.0.0.1:0", "--models-dir", TestModelsDir(),
+                        "--tls-cert", pki + "/garbage.pem", "--tls-key", pki + "/server.key"},
+                       &out, pki + "/garbage.log"),
+            2);
+  EXPECT_NE(out.find("--tls-cert: holds no PEM CERTIFICATE"), std::string::npos) << out;
+  // The HTTP API cannot check client certificates: with mTLS it is refused at start.
+  EXPECT_EQ(RunCommand({ServerBinary(), "--listen", "127.0.0.1:0", "--models-dir", TestModelsDir(),
+                        "--tls-cert", pki + "/server.pem", "--tls-key", pki + "/server.key",
+                        "--tls-client-ca", pki + "/ca.pem", "--http-listen", "127.0.0.1:0"},
+                       &out, pki + "/mtls-http.log"),
+            2);
+  EXPECT_NE(out.find("--http-listen: the HTTP API cannot require client certificates"),
+            std::string::npos)
+      << out;
 
   // Mutual TLS: the client must present a certificate the CA signed.
   Daemon m("mtls", {"--tls-cert", pki + "/server.pem", "--tls-key", pki + "/server.key",
