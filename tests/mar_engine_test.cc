@@ -58,8 +58,10 @@ std::string ModelsDir() {
   return dir;
 }
 
-std::unique_ptr<Engine> Start(std::vector<std::string> models, int decode_thread = -1) {
+std::unique_ptr<Engine> Start(std::vector<std::string> models, int decode_thread = -1,
+                              int64_t max_slots = 64) {
   EngineOptions o;
+  o.max_slots = max_slots;
   o.decode_thread = decode_thread;
   o.models_dir = ModelsDir();
   o.models = std::move(models);
@@ -281,6 +283,41 @@ TEST(MarEngineTest, CspdDeparturesAndCancellation) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   EXPECT_EQ(e->Stats().models[0].slots_used, 0);
+}
+
+// What the server cannot run is refused when submitted, naming the field, not after a wait in
+// the queue: a cspd window whose rows (window + 1 contexts, two each with CFG) exceed the
+// server's, and cspd tokens taken at the mean (its acceptance test needs a draw).
+TEST(MarEngineTest, RequestsTheServerCannotRunAreRefusedAtSubmit) {
+  auto e = Start({"mar-self"}, -1, /*max_slots=*/8);
+  ASSERT_NE(e, nullptr);
+  auto submit = [&](const GenerateParams& p) { return e->Submit(p, std::make_shared<Recorder>()); };
+  GenerateParams p = Params("mar-self", "cspd");
+  p.policy.window = 4;  // 5 contexts x 2 = 10 rows > 8
+  auto id = submit(p);
+  ASSERT_FALSE(id.ok());
+  EXPECT_EQ(id.status().field(), "window") << id.status().ToString();
+  EXPECT_NE(id.status().message().find("needs 10 forward rows per step, the server has 8"),
+            std::string::npos)
+      << id.status().ToString();
+  p.policy.window = 3;  // 4 x 2 = 8: fits, and runs
+  auto rec = std::make_shared<Recorder>();
+  ASSERT_TRUE(e->Submit(p, rec).ok());
+  ASSERT_TRUE(rec->Wait());
+  EXPECT_FALSE(rec->error.has_value()) << rec->error->ToString();
+  p.policy.window = 7;  // without guidance, 8 rows fit
+  p.cfg_scale = 1.0;
+  EXPECT_TRUE(submit(p).ok());
+  p.policy.window = 3;
+  p.cfg_scale = 3.0;
+  p.policy.cont.final_noise = false;
+  id = submit(p);
+  ASSERT_FALSE(id.ok());
+  EXPECT_EQ(id.status().field(), "final_noise") << id.status().ToString();
+  // mar takes its tokens at the mean by default.
+  GenerateParams m = Params("mar-self", "mar");
+  m.policy.cont.final_noise = false;
+  EXPECT_TRUE(submit(m).ok());
 }
 
 }  // namespace

@@ -186,6 +186,11 @@ Status ValidateContinuousPolicy(const DecodingPolicy& p, int64_t seq_len, bool h
     return FieldError("num_iter", "cspd draws one token per step: num_iter must be " +
                                       std::to_string(seq_len) + " (or unset)");
   }
+  if (!c.final_noise) {
+    // Its acceptance test compares the draft's and the target's densities at a draw from the
+    // draft's final Gaussian; the mean is no draw, and the test would no longer be lossless.
+    return FieldError("final_noise", "cspd draws tokens from the final Gaussian: must be true");
+  }
   if (!(c.prefill >= 0 && c.prefill <= 1)) return FieldError("prefill", "must be in [0, 1]");
   if (!(c.inner_temperature > 0) || c.inner_temperature > 1e6) {
     return FieldError("inner_temperature", "must be in (0, 1e6]");
