@@ -36,7 +36,11 @@ COPY . .
 # (IMAGEGEN_TORCH_CPU_ONLY), so that it needs none of the NVIDIA libraries. Each runtime stage
 # copies the one it needs; BuildKit builds only the stages its target depends on.
 FROM build AS build-gpu
+# The GPU architectures imagegen's own kernels are built for: 90 is the H100 and H200; on another
+# GPU the daemon runs without them ("fused kernels off" at start). "80;90" adds the A100.
+ARG CUDA_ARCHITECTURES=90
 RUN cmake --preset release -DIMAGEGEN_BUILD_TESTS=OFF -DIMAGEGEN_BUILD_SERVER=ON \
+      "-DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCHITECTURES}" \
     && cmake --build --preset release --target imagegen-server imagegen imagegen-generate
 
 FROM build AS build-cpu

@@ -5,11 +5,13 @@
 
 #include <ATen/ATen.h>
 
+#include <cstdlib>
 #include <string>
 #include <tuple>
 #include <vector>
 
 #include "engine/decoding/philox.h"
+#include "kernels/device_check.h"
 #include "kernels/philox_uniform.h"
 #include "tests/chain_verify_cases.h"
 #include "tests/guided_probs_cases.h"
@@ -17,6 +19,36 @@
 
 namespace imagegen {
 namespace {
+
+// The engine's check that the kernels run on its GPU (engine/decoding/fused_kernels.h): it
+// answers an error, without a crash, where there is no device, and on a device it agrees with
+// the built architectures (a numbered one of the device's major loads there, and PTX for
+// anything at or below the device's capability).
+TEST(KernelsTest, TheImageLoadsOnTheDevicesTheArchitecturesCover) {
+  const std::string built = kernels::BuiltCudaArchitectures();
+  ASSERT_FALSE(built.empty());
+  if (!torch::cuda::is_available()) {
+    EXPECT_LT(kernels::CurrentDevice(), 0);
+    EXPECT_NE(kernels::KernelImageError(), 0);
+    GTEST_SKIP() << "no CUDA device (the error path checked)";
+  }
+  const int cc = kernels::CurrentComputeCapability();
+  ASSERT_GT(cc, 0);
+  bool covered = false;
+  for (size_t at = 0; at < built.size();) {
+    size_t end = built.find(',', at);
+    if (end == std::string::npos) end = built.size();
+    const std::string arch = built.substr(at, end - at);  // "90", "90-real", "90a", "all"...
+    at = end + 1;
+    const int a = std::atoi(arch.c_str());
+    if (a == 0) covered = true;  // "all", "native": every device
+    const bool real_only = arch.find("-real") != std::string::npos;
+    if (a > 0 && cc >= a && (cc / 10 == a / 10 || !real_only)) covered = true;
+  }
+  const int error = kernels::KernelImageError();
+  EXPECT_EQ(error == 0, covered) << "built for " << built << ", device " << cc << ": "
+                                 << kernels::CudaErrorText(error);
+}
 
 TEST(KernelsTest, PhiloxUniformOnGpuIsBitIdenticalToCpu) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";

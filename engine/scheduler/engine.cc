@@ -15,6 +15,7 @@
 #include <thread>
 #include <unordered_set>
 
+#include "engine/decoding/fused_kernels.h"
 #include "engine/decoding/speculative.h"
 #include "engine/model/cuda_stream.h"
 #include "engine/model/device.h"
@@ -288,6 +289,11 @@ Status Engine::Impl::Load() {
   ASSIGN_OR_RETURN(LoadOptions lo, ParseDeviceAndDtype(opts.device, opts.dtype));
   // Every LibTorch call of this engine is on this thread: its current device is the engine's.
   MakeDeviceCurrent(lo.device);
+  if (std::string why; lo.device.is_cuda() && KernelsBuilt() && !KernelsRunHere(&why)) {
+    Notice(opts, "fused kernels off: " + why +
+                     "; steps take the eager path (the same tokens, in "
+                     "more launches)");
+  }
   if (opts.max_tokens_per_step < 0) {
     opts.max_tokens_per_step = opts.window_policy == "goodput" ? 4096
                                : lo.device.is_cuda()           ? 2048
