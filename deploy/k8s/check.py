@@ -71,6 +71,11 @@ def rules(docs):
         pdb = one(docs, "PodDisruptionBudget")
     except AssertionError as e:
         return [str(e)]
+    # `kubectl apply -f deploy/k8s/` applies every *.yaml: a Secret there, with placeholders,
+    # would overwrite the one the operator created from files on each apply.
+    need(not any(d["kind"] == "Secret" and name.endswith(".yaml") for name, d in docs),
+         "a Secret among the applied *.yaml: it would overwrite the real one on every apply "
+         "(keep it as *.yaml.example)")
     flags = flags_of(docs)
     pod = dep["spec"]["template"]["spec"]
     labels = dep["spec"]["template"]["metadata"]["labels"]
@@ -99,8 +104,22 @@ def rules(docs):
                      if any(p.get("targetPort") == "http" for p in d["spec"].get("ports", []))]
         need(len(http_svcs) == 1 and http_svcs[0]["spec"].get("clusterIP") != "None",
              "Service: one ClusterIP Service for the http port")
-    for probe, service in (("livenessProbe", ""), ("readinessProbe", SERVICE),
-                           ("startupProbe", "")):
+    # The kubelet's grpc probes speak plaintext: with TLS on they would fail, and the probes
+    # must be HTTPS ones on the HTTP API's port (which serves HTTPS with --tls_cert).
+    tls = bool(flags.get("tls_cert"))
+    for probe, service, path in (("livenessProbe", "", "/health/live"),
+                                 ("readinessProbe", SERVICE, "/health/ready"),
+                                 ("startupProbe", "", "/health/live")):
+        if tls:
+            h = c.get(probe, {}).get("httpGet")
+            need(h is not None and h.get("scheme") == "HTTPS",
+                 f"{probe}: with --tls_cert, an httpGet probe with scheme HTTPS (the kubelet's "
+                 f"grpc probes speak plaintext)")
+            if h:
+                need(h.get("port") in ("http", ports.get("http")) and "http" in ports,
+                     f"{probe}: on the http port")
+                need(h.get("path") == path, f"{probe}: path must be {path}")
+            continue
         g = c.get(probe, {}).get("grpc")
         need(g is not None, f"{probe}: must be a native grpc probe")
         if g:
@@ -169,6 +188,24 @@ def self_test(docs):
     def cm(ds):
         return next(d for _, d in ds if d["kind"] == "ConfigMap" and "imagegen.flags" in d["data"])
 
+    def tls_on(ds):
+        cm(ds)["data"]["imagegen.flags"] += ("--tls_cert=/etc/imagegen/tls/tls.crt\n"
+                                             "--tls_key=/etc/imagegen/tls/tls.key\n")
+
+    def https_probes(ds):
+        tls_on(ds)
+        for probe, path in (("livenessProbe", "/health/live"), ("readinessProbe", "/health/ready"),
+                            ("startupProbe", "/health/live")):
+            p = ctr(ds)[probe]
+            p.pop("grpc")
+            p["httpGet"] = {"port": "http", "path": path, "scheme": "HTTPS"}
+
+    # What docs/deploy.md tells a TLS deployment to do must pass.
+    ds = copy.deepcopy(docs)
+    https_probes(ds)
+    wrong = rules(ds) + schema_errors(ds)
+    print(f"  self-test: TLS with HTTPS probes passes: {'no: ' + wrong[0] if wrong else 'yes'}")
+
     breakages = {
         "root filesystem writable": lambda ds: ctr(ds)["securityContext"].update(
             readOnlyRootFilesystem=False),
@@ -196,11 +233,14 @@ def self_test(docs):
         "misspelt field (schema)": lambda ds: dep(ds)["spec"]["template"]["spec"].update(
             terminationGracePeriodSecond=45),
         "wrong type (schema)": lambda ds: dep(ds)["spec"].update(replicas="two"),
+        "Secret applied with the manifests": lambda ds: ds.__setitem__(
+            slice(None), [("secret.yaml" if d["kind"] == "Secret" else n, d) for n, d in ds]),
+        "TLS on, probes still plaintext gRPC": lambda ds: tls_on(ds),
         "HPA on the wrong target": lambda ds: next(
             d for _, d in ds if d["kind"] == "HorizontalPodAutoscaler")["spec"][
             "scaleTargetRef"].update(name="other"),
     }
-    missed = []
+    missed = ["TLS with HTTPS probes (refused)"] if wrong else []
     for what, breakit in breakages.items():
         ds = copy.deepcopy(docs)
         breakit(ds)
@@ -218,7 +258,9 @@ def main():
     ap.add_argument("--self-test", action="store_true")
     ap.add_argument("--server", default="", help="imagegen-server binary: check the flags")
     args = ap.parse_args()
-    paths = sorted(glob.glob(os.path.join(HERE, "*.yaml")))
+    # The examples (the Secret) are checked too, though `kubectl apply -f` skips them.
+    paths = sorted(glob.glob(os.path.join(HERE, "*.yaml")) +
+                   glob.glob(os.path.join(HERE, "*.yaml.example")))
     docs = load(paths)
     errs = schema_errors(docs) + yamllint(paths) + rules(docs)
     if args.server:
