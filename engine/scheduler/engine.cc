@@ -556,18 +556,12 @@ StatusOr<std::unique_ptr<Job>> Engine::Impl::ResolveMar(GenerateParams p, const 
   }
   job->request.policy = p.policy;
   RETURN_IF_ERROR(ValidateContinuousPolicy(p.policy, c.seq_len(), m.draft != nullptr));
-  {
-    // The rows a step of this request takes (MarScheduler's count): more than the server has
-    // would wait in the queue only to be refused at admission, so it is refused here.
-    const DecodingPolicy& dp = job->request.policy;
-    const bool cspd = dp.draft == DraftSource::kDraftModel;
-    const int64_t rows =
-        (cspd && !dp.cont.verified_context ? dp.window + 1 : 1) * (s.cfg_scale != 1.0 ? 2 : 1);
-    if (rows > opts.max_slots) {
-      return FieldError("window", "needs " + std::to_string(rows) +
-                                      " forward rows per step, the server has " +
-                                      std::to_string(opts.max_slots) + " (--max-slots)");
-    }
+  // More rows per step than the server has would wait in the queue only to be refused at
+  // admission: refused here.
+  if (const int64_t rows = MarStepRows(job->request.policy, s.cfg_scale); rows > opts.max_slots) {
+    return FieldError("window", "needs " + std::to_string(rows) +
+                                    " forward rows per step, the server has " +
+                                    std::to_string(opts.max_slots) + " (--max-slots)");
   }
   if (p.preview_every < 0) return FieldError("preview_every", "must be >= 0");
   if (p.previews < 0 || p.previews > 64) return FieldError("previews", "must be in [0, 64]");

@@ -163,6 +163,12 @@ struct MarScheduler::Active {
   bool guided() const { return sp.cfg_scale != 1.0; }
 };
 
+int64_t MarStepRows(const DecodingPolicy& policy, double cfg_scale) {
+  const bool cspd = policy.draft == DraftSource::kDraftModel;
+  const int64_t contexts = cspd && !policy.cont.verified_context ? policy.window + 1 : 1;
+  return contexts * (cfg_scale != 1.0 ? 2 : 1);
+}
+
 MarScheduler::MarScheduler(const MarModel& model, int64_t slots, const EngineOptions& opts,
                            DecodeQueue& decoder, EngineListener* listener)
     : FamilyScheduler(opts),
@@ -244,8 +250,7 @@ void MarScheduler::Admit(Outcomes& out) {
     a->sp.temperature = j.request.sampling.temperature;
     a->sp.num_iter = a->cspd ? s : (p.cont.num_iter > 0 ? p.cont.num_iter : cfg.default_num_iter);
     a->sp.cfg_linear = p.cont.cfg_schedule < 0 ? cfg.default_cfg_linear : p.cont.cfg_schedule == 1;
-    const int64_t contexts = a->cspd && !p.cont.verified_context ? a->gamma + 1 : 1;
-    a->rows = contexts * (a->guided() ? 2 : 1);
+    a->rows = MarStepRows(p, a->sp.cfg_scale);
     if (a->rows > slots_) {
       NotifyError(*j.observer, FieldError("window", "needs " + std::to_string(a->rows) +
                                                         " forward rows per step, the server has " +

@@ -24,6 +24,11 @@
 
 namespace imagegen {
 
+// The forward rows one step of a request takes: 1 for mar, window + 1 verification contexts for
+// cspd (1 with verified_context), twice with guidance (cfg_scale != 1). Admission and Submit's
+// check (Engine) both count with it.
+int64_t MarStepRows(const DecodingPolicy& policy, double cfg_scale);
+
 class MarScheduler : public FamilyScheduler {
  public:
   // `model`, `opts`, `decoder` and `listener` (may be null) must outlive the scheduler.
