@@ -106,16 +106,16 @@ CC
   echo "lsan: the planted leak was reported, no thread-specific block"
 }
 
-# Runs folder $1's engine_tests with gtest filter $2 as two shards at once (GTEST_SHARD_INDEX), one
-# LibTorch thread each: on 2 cores about half the wall time of one process, and without the
-# two-thread OpenMP pools of two processes spinning against each other. Each shard's output goes
-# to $3.N.log; a failed shard's log is printed whole, a passed one's summary. Returns 1 when
-# either shard failed.
+# Runs folder $1's engine_tests (or test program $4) with gtest filter $2 as two shards at once
+# (GTEST_SHARD_INDEX), one LibTorch thread each: on 2 cores about half the wall time of one
+# process, and without the two-thread OpenMP pools of two processes spinning against each
+# other. Each shard's output goes to $3.N.log; a failed shard's log is printed whole, a passed
+# one's summary. Returns 1 when either shard failed.
 sharded_engine_tests() {
-  local dir=$1 filter=$2 log=$3 i rc=0 pids=() failed=()
+  local dir=$1 filter=$2 log=$3 bin=${4:-engine_tests} i rc=0 pids=() failed=()
   for i in 0 1; do
     (cd "$dir" && OMP_NUM_THREADS=1 GTEST_TOTAL_SHARDS=2 GTEST_SHARD_INDEX=$i \
-      ./engine_tests --gtest_filter="$filter" > "$log.$i.log" 2>&1) &
+      "./$bin" --gtest_filter="$filter" > "$log.$i.log" 2>&1) &
     pids+=($!)
   done
   for i in 0 1; do
@@ -125,7 +125,7 @@ sharded_engine_tests() {
     fi
   done
   for i in 0 1; do
-    echo "--- engine_tests shard $i of 2 ($log.$i.log)"
+    echo "--- $bin shard $i of 2 ($log.$i.log)"
     if [[ " ${failed[*]} " == *" $i "* ]]; then
       cat "$log.$i.log"
     else
