@@ -556,6 +556,12 @@ StatusOr<std::unique_ptr<Job>> Engine::Impl::ResolveMar(GenerateParams p, const 
   }
   job->request.policy = p.policy;
   RETURN_IF_ERROR(ValidateContinuousPolicy(p.policy, c.seq_len(), m.draft != nullptr));
+  if (p.policy.draft != DraftSource::kNone && s.temperature < kCspdMinTemperature) {
+    std::ostringstream got;
+    got << s.temperature << (p.temperature.has_value() ? "" : ", the model's default");
+    return FieldError("temperature", "must be at least 0.01 for cspd (got " + got.str() +
+                                         "): below it float32 rounding refuses the drafts");
+  }
   // More rows per step than the server has would wait in the queue only to be refused at
   // admission: refused here.
   if (const int64_t rows = MarStepRows(job->request.policy, s.cfg_scale); rows > opts.max_slots) {
