@@ -52,7 +52,7 @@ struct ContinuousPolicy {
 // batched rows whatever the temperature: once that difference is a sizeable part of the
 // spread, the acceptance test refuses drafts the target would have drawn, and each refusal
 // costs a residual (and, with no proposal kept, the fallback). Measured with the bundled
-// random MAR drafting for itself (MarEngineTest.Temperatures...; every draft is accepted at
+// random MAR drafting for itself (as in MarEngineTest.CspdRefuses...; all accepted at
 // 0.1 and above): 216 of 217 drafts accepted at 0.01, 194 of 233 at 1e-3, 15 of 243 at
 // 1e-4, 1 of 243 at 1e-5 and below. mar itself takes any temperature in (0, 100].
 inline constexpr double kCspdMinTemperature = 0.01;
