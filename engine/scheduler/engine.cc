@@ -557,10 +557,11 @@ StatusOr<std::unique_ptr<Job>> Engine::Impl::ResolveMar(GenerateParams p, const 
   job->request.policy = p.policy;
   RETURN_IF_ERROR(ValidateContinuousPolicy(p.policy, c.seq_len(), m.draft != nullptr));
   if (p.policy.draft != DraftSource::kNone && s.temperature < kCspdMinTemperature) {
-    std::ostringstream got;
-    got << s.temperature << (p.temperature.has_value() ? "" : ", the model's default");
-    return FieldError("temperature", "must be at least 0.01 for cspd (got " + got.str() +
-                                         "): below it float32 rounding refuses the drafts");
+    std::ostringstream m;
+    m << "must be at least " << kCspdMinTemperature << " for cspd (got " << s.temperature
+      << (p.temperature.has_value() ? "" : ", the model's default")
+      << "): below it float32 rounding refuses the drafts";
+    return FieldError("temperature", m.str());
   }
   // More rows per step than the server has would wait in the queue only to be refused at
   // admission: refused here.
