@@ -54,7 +54,7 @@ FROM ${DEBIAN_BASE} AS runtime
 ENV DEBIAN_FRONTEND=noninteractive
 RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends \
       libgrpc++1.51 libprotobuf32 libabsl20220623 libprometheus-cpp-core1.0 libre2-9 libc-ares2 \
-      libssl3 libmicrohttpd12 libpng16-16 libpcre2-8-0 libicu72 ca-certificates > /dev/null \
+      libssl3 libmicrohttpd12 libgnutls30 libpng16-16 libpcre2-8-0 libicu72 ca-certificates > /dev/null \
     && apt-get clean && rm -rf /var/lib/apt/lists/* /var/cache/debconf/*-old /var/log/*.log \
     && useradd --system --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin imagegen
 # Readable by the daemon's user whatever the modes of the checkout they came from.

@@ -7,6 +7,10 @@
 #include <map>
 #include <optional>
 
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/security/tls_certificate_provider.h>
+#include <grpcpp/security/tls_credentials_options.h>
+
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
 
@@ -111,29 +115,22 @@ StatusOr<std::unique_ptr<Daemon>> Daemon::Listen(const DaemonOptions& options) {
   if (options.tls_cert.empty() != options.tls_key.empty()) {
     return InvalidArgument("--tls-cert and --tls-key go together");
   }
-  // gRPC checks the PEMs only when the port is added, and says "cannot listen": a file that
-  // holds no PEM block of its kind is named here instead.
-  auto pem = [](const char* flag, const std::string& data, const char* kind) {
-    return data.find("-----BEGIN ") != std::string::npos &&
-                   data.find(std::string(kind) + "-----") != std::string::npos
-               ? OkStatus()
-               : InvalidArgument(std::string(flag) + ": holds no PEM " + kind);
-  };
-  std::optional<HttpApi::Tls> https;  // the HTTP API's, with the gRPC port's certificate
+  if (options.tls_poll_seconds < 0 || options.tls_poll_seconds > 86400) {
+    return InvalidArgument("--tls-poll-seconds: must be 0 (only on SIGHUP) or in [1, 86400]");
+  }
+  // Checked here (GnuTLS, server/tls.h), naming the flag: gRPC checks the PEMs only when the
+  // port is added and says "cannot listen".
+  std::shared_ptr<const ServerCertificate> certificate;
+  std::string client_ca;
+  std::unique_ptr<CertificateMirror> mirror;
   if (!options.tls_cert.empty()) {
-    auto cert = ReadFile("--tls-cert", options.tls_cert);
-    if (!cert.ok()) return cert.status();
-    auto key = ReadFile("--tls-key", options.tls_key);
-    if (!key.ok()) return key.status();
-    RETURN_IF_ERROR(pem("--tls-cert", *cert, "CERTIFICATE"));
-    RETURN_IF_ERROR(pem("--tls-key", *key, "PRIVATE KEY"));
-    https = HttpApi::Tls{*cert, *key};
-    grpc::SslServerCredentialsOptions o;
-    o.pem_key_cert_pairs.push_back({*key, *cert});
+    auto read = ServerCertificate::Read(options.tls_cert, options.tls_key);
+    if (!read.ok()) return read.status();
+    certificate = *read;
     if (!options.tls_client_ca.empty()) {
       auto ca = ReadFile("--tls-client-ca", options.tls_client_ca);
       if (!ca.ok()) return ca.status();
-      RETURN_IF_ERROR(pem("--tls-client-ca", *ca, "CERTIFICATE"));
+      RETURN_IF_ERROR(CheckCaBundle(*ca));
       // libmicrohttpd asks for a client certificate but leaves checking it to the
       // application (GnuTLS calls this does not make): the HTTP API would serve anyone.
       if (!options.http_listen.empty()) {
@@ -141,16 +138,35 @@ StatusOr<std::unique_ptr<Daemon>> Daemon::Listen(const DaemonOptions& options) {
             "--http-listen: the HTTP API cannot require client certificates (--tls-client-ca); "
             "leave it off, or serve it behind a proxy that checks them");
       }
-      o.pem_root_certs = *ca;
-      o.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+      client_ca = *std::move(ca);
     }
-    creds = grpc::SslServerCredentials(o);
+    // gRPC serves what its file watcher reads from the mirror (checked copies, server/tls.h),
+    // every second, from the next handshake on (the client CA too).
+    auto made = CertificateMirror::Create(*certificate, client_ca);
+    if (!made.ok()) return made.status();
+    mirror = std::move(made).value();
+    namespace ex = grpc::experimental;
+    auto provider = std::make_shared<ex::FileWatcherCertificateProvider>(
+        mirror->key_path(), mirror->cert_path(), client_ca.empty() ? "" : mirror->ca_path(), 1);
+    ex::TlsServerCredentialsOptions o(provider);
+    o.watch_identity_key_cert_pairs();
+    if (!client_ca.empty()) {
+      o.watch_root_certs();
+      o.set_cert_request_type(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+    } else {
+      o.set_cert_request_type(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+    }
+    creds = ex::TlsServerCredentials(o);
   } else if (!options.tls_client_ca.empty()) {
     return InvalidArgument("--tls-client-ca needs --tls-cert and --tls-key");
   }
 
   std::unique_ptr<Daemon> d(new Daemon(options, auth, std::move(*proxies), format));
   d->tls_ = !options.tls_cert.empty();
+  d->certificate_ = certificate;
+  d->client_ca_ = client_ca;
+  d->mirror_ = std::move(mirror);
+  if (certificate != nullptr) d->metrics_.OnTlsCertificate(certificate->not_after());
   if (!options.metrics_listen.empty()) {
     auto started = MetricsHttpServer::Start(options.metrics_listen,
                                             {d->metrics_.registry(), d->metrics_.engine_gauges()});
@@ -160,7 +176,7 @@ StatusOr<std::unique_ptr<Daemon>> Daemon::Listen(const DaemonOptions& options) {
     d->exposer_ = std::move(started).value();
   }
   if (!options.http_listen.empty()) {
-    auto started = HttpApi::Start(options.http_listen, &d->service_, https);
+    auto started = HttpApi::Start(options.http_listen, &d->service_, certificate);
     if (!started.ok()) {
       return Status(started.status().code(), "--http-listen: " + started.status().message());
     }
@@ -187,7 +203,73 @@ StatusOr<std::unique_ptr<Daemon>> Daemon::Listen(const DaemonOptions& options) {
   grpc::HealthCheckServiceInterface* health = d->server_->GetHealthCheckService();
   health->SetServingStatus("", true);
   health->SetServingStatus(kServiceName, false);
+  if (certificate != nullptr) d->tls_watch_ = std::thread([p = d.get()] { p->WatchCertificate(); });
   return d;
+}
+
+void Daemon::CheckCertificateNow() {
+  {
+    std::lock_guard<std::mutex> l(stats_mu_);
+    tls_check_now_ = true;
+  }
+  stats_cv_.notify_all();
+}
+
+void Daemon::WatchCertificate() {
+  std::string last_error;  // logged once until it changes
+  std::unique_lock<std::mutex> l(stats_mu_);
+  for (;;) {
+    auto woken = [&] { return stats_stop_ || tls_check_now_; };
+    if (options_.tls_poll_seconds > 0) {
+      stats_cv_.wait_for(l, std::chrono::seconds(options_.tls_poll_seconds), woken);
+    } else {
+      stats_cv_.wait(l, woken);
+    }
+    if (stats_stop_) break;
+    const bool hup = tls_check_now_;
+    tls_check_now_ = false;
+    l.unlock();
+    StatusOr<std::string> cert = ReadFile("--tls-cert", options_.tls_cert);
+    StatusOr<std::string> key = ReadFile("--tls-key", options_.tls_key);
+    StatusOr<std::string> ca = options_.tls_client_ca.empty()
+                                   ? StatusOr<std::string>(std::string())
+                                   : ReadFile("--tls-client-ca", options_.tls_client_ca);
+    const bool same = cert.ok() && key.ok() && ca.ok() && *cert == certificate_->cert_pem() &&
+                      *key == certificate_->key_pem() && *ca == client_ca_;
+    if (same) {
+      if (hup) log_->Message("SIGHUP: the TLS files are as served");
+      last_error.clear();
+    } else {
+      // A pair that is not a certificate and its key (or a CA bundle that does not parse)
+      // is refused: both ports keep serving the last good one.
+      StatusOr<std::shared_ptr<const ServerCertificate>> next =
+          !cert.ok()  ? StatusOr<std::shared_ptr<const ServerCertificate>>(cert.status())
+          : !key.ok() ? StatusOr<std::shared_ptr<const ServerCertificate>>(key.status())
+          : !ca.ok()  ? StatusOr<std::shared_ptr<const ServerCertificate>>(ca.status())
+                      : ServerCertificate::Parse(*cert, *key);
+      Status st = next.status();
+      if (st.ok() && !ca->empty()) st = CheckCaBundle(*ca);
+      if (st.ok()) st = mirror_->Publish(**next, *ca);
+      if (st.ok()) {
+        certificate_ = *next;
+        client_ca_ = *ca;
+        if (http_ != nullptr) http_->SetCertificate(certificate_);
+        metrics_.OnTlsReload(true);
+        metrics_.OnTlsCertificate(certificate_->not_after());
+        log_->Message(std::string(hup ? "SIGHUP: " : "") + "TLS certificate read again: " +
+                      certificate_->subject() + ", valid until " + certificate_->not_after_text());
+        last_error.clear();
+      } else {
+        metrics_.OnTlsReload(false);
+        if (hup || st.message() != last_error) {
+          log_->Message(std::string(hup ? "SIGHUP: " : "") +
+                        "the TLS files changed, but the certificate served stays: " + st.message());
+        }
+        last_error = st.message();
+      }
+    }
+    l.lock();
+  }
 }
 
 Status Daemon::Load(const EngineStarter& starter, const std::function<void()>& before_serving) {
@@ -395,6 +477,7 @@ EngineStats Daemon::Stop(std::chrono::milliseconds grace) {
   }
   stats_cv_.notify_all();
   if (stats_.joinable()) stats_.join();
+  if (tls_watch_.joinable()) tls_watch_.join();
   if (progress_.joinable()) progress_.join();    // before the drain's NOT_SERVING, not after
   server_->GetHealthCheckService()->Shutdown();  // every service NOT_SERVING from now on
   service_.SetDraining();

@@ -32,6 +32,7 @@
 #include "server/metrics_http.h"
 #include "server/request_log.h"
 #include "server/service.h"
+#include "server/tls.h"
 
 namespace imagegen::server {
 
@@ -41,13 +42,17 @@ struct DaemonOptions {
   std::string http_listen;                 // host:port; empty: no HTTP API (OpenAI Images)
   std::string tls_cert, tls_key;           // PEM files; both or neither (TLS)
   std::string tls_client_ca;               // PEM CA bundle: clients must present a certificate
-  std::string token_file;                  // the API keys (auth.h); empty: no auth
-  std::string trusted_proxies;             // addresses and CIDR ranges (forwarded.h)
-  std::string default_method = "scd-mc";   // of requests that name none
-  int64_t max_threads = 512;               // gRPC's threads (calls do not hold one each)
-  int encoder_threads = 2;                 // PNG encoding and response building
-  int64_t stream_stall_ms = 30000;         // a stream whose client reads nothing this long ends
-  int max_images = 16;                     // GenerateRequest.n at most
+  // Every this many seconds (and on CheckCertificateNow) the TLS files are read again and, when
+  // changed and good, served from the next handshake on (server/tls.h); 0: only on
+  // CheckCertificateNow. At most 86400.
+  int64_t tls_poll_seconds = 10;
+  std::string token_file;                 // the API keys (auth.h); empty: no auth
+  std::string trusted_proxies;            // addresses and CIDR ranges (forwarded.h)
+  std::string default_method = "scd-mc";  // of requests that name none
+  int64_t max_threads = 512;              // gRPC's threads (calls do not hold one each)
+  int encoder_threads = 2;                // PNG encoding and response building
+  int64_t stream_stall_ms = 30000;        // a stream whose client reads nothing this long ends
+  int max_images = 16;                    // GenerateRequest.n at most
   // A wedged engine (Engine::Progress: its work has waited this long on the engine or decode
   // thread) turns health "" and the service NOT_SERVING, and HTTP /health/live 503, until it
   // moves again; 0: off. Longer than any step or decoder call the models can legitimately take.
@@ -94,6 +99,9 @@ class Daemon {
   StatusOr<size_t> ReloadKeys() { return auth_.Reload(); }
   // Whether the key file changed since it was last read.
   bool KeysChanged() const { return auth_.Changed(); }
+  // With TLS, has the TLS files checked now (SIGHUP) rather than at the next poll; their watch
+  // logs what it found.
+  void CheckCertificateNow();
 
   // Starts the engine with `starter` (blocking while the models load), checks that it serves
   // the default method (else INVALID_ARGUMENT with field() "--default-method"), and turns the
@@ -114,14 +122,21 @@ class Daemon {
 
  private:
   Daemon(const DaemonOptions& options, TokenAuth auth, TrustedProxies proxies, LogFormat format);
-  void ReportStats();    // the stats thread's loop
-  void WatchProgress();  // the health watch's loop (engine_stall_seconds, engine_failed_steps)
+  void ReportStats();       // the stats thread's loop
+  void WatchProgress();     // the health watch's loop (engine_stall_seconds, engine_failed_steps)
+  void WatchCertificate();  // the TLS files' watch (tls_poll_seconds), for HTTPS and /metrics
   // Submits the failing check's probe of `model` (engine_probe_seconds); false when none went.
   bool Probe(const std::string& model);
 
   const DaemonOptions options_;
   const TokenAuth auth_;
   bool tls_ = false;
+  // What both ports serve (gRPC through the mirror); after Listen, only the TLS watch's thread
+  // replaces them.
+  std::shared_ptr<const ServerCertificate> certificate_;
+  std::string client_ca_;
+  std::unique_ptr<CertificateMirror> mirror_;
+  bool tls_check_now_ = false;       // under stats_mu_
   std::unique_ptr<RequestLog> log_;  // destroyed last: what is queued is written
   // A probe is in the engine (Probe; its observer clears it, so it outlives the engine).
   std::atomic<bool> probing_{false};
@@ -139,8 +154,8 @@ class Daemon {
   EngineStats final_stats_;
   std::mutex stats_mu_;
   std::condition_variable stats_cv_;
-  bool stats_stop_ = false;  // ends both threads
-  std::thread stats_, progress_;
+  bool stats_stop_ = false;  // ends the three threads
+  std::thread stats_, progress_, tls_watch_;
 };
 
 }  // namespace imagegen::server

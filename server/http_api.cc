@@ -407,7 +407,12 @@ class HttpCall;
 
 struct HttpApi::Shared : std::enable_shared_from_this<HttpApi::Shared> {
   ImageGenerationService* service = nullptr;
-  std::optional<Tls> tls;  // the PEMs handed to libmicrohttpd, kept for the daemon's life
+  // HTTPS (HttpApi::SetCertificate): what GnuTLS's handshake callback hands out, and every
+  // certificate served so far (GnuTLS does not copy them).
+  std::mutex cert_mu;
+  std::shared_ptr<const ServerCertificate> certificate;
+  std::vector<std::shared_ptr<const ServerCertificate>> served;
+  MHD_Daemon* daemon = nullptr;  // set once started (the registry's lookup)
   std::mutex mu;
   std::condition_variable cv;
   std::map<HttpCall*, std::weak_ptr<HttpCall>> open;  // connections not yet completed
@@ -1077,31 +1082,85 @@ void Completed(void* cls, MHD_Connection* /*c*/, void** con_cls, MHD_RequestTerm
   *con_cls = nullptr;
 }
 
+// The HTTPS servers of the process. GnuTLS's certificate callback carries no pointer of ours:
+// with one server (the daemon's) it is that one; with several (tests), libmicrohttpd's session
+// pointer, its connection, names the server.
+std::mutex https_mu;
+std::vector<HttpApi::Shared*>& HttpsServers() {
+  static auto* servers = new std::vector<HttpApi::Shared*>();
+  return *servers;
+}
+
+int RetrieveCertificate(gnutls_session_t session, const gnutls_datum_t*, int,
+                        const gnutls_pk_algorithm_t*, int, gnutls_pcert_st** chain,
+                        unsigned int* chain_length, gnutls_privkey_t* key) {
+  std::lock_guard<std::mutex> registry(https_mu);
+  HttpApi::Shared* shared = nullptr;
+  const auto& servers = HttpsServers();
+  if (servers.size() == 1) {
+    shared = servers.front();
+  } else if (auto* c = static_cast<MHD_Connection*>(gnutls_session_get_ptr(session))) {
+    const MHD_ConnectionInfo* info = MHD_get_connection_info(c, MHD_CONNECTION_INFO_DAEMON);
+    for (HttpApi::Shared* s : servers) {
+      if (info != nullptr && s->daemon == info->daemon) shared = s;
+    }
+  }
+  if (shared == nullptr) return -1;  // the handshake fails
+  std::lock_guard<std::mutex> l(shared->cert_mu);
+  *chain = shared->certificate->chain();
+  *chain_length = shared->certificate->chain_length();
+  *key = shared->certificate->key();
+  return 0;
+}
+
 }  // namespace
 
-StatusOr<std::unique_ptr<HttpApi>> HttpApi::Start(const std::string& address,
-                                                  ImageGenerationService* service,
-                                                  const std::optional<Tls>& tls) {
+void HttpApi::SetCertificate(std::shared_ptr<const ServerCertificate> certificate) {
+  if (certificate == nullptr) return;
+  std::lock_guard<std::mutex> l(shared_->cert_mu);
+  if (shared_->certificate == nullptr) return;  // plain HTTP
+  shared_->certificate = certificate;
+  shared_->served.push_back(std::move(certificate));
+}
+
+StatusOr<std::unique_ptr<HttpApi>> HttpApi::Start(
+    const std::string& address, ImageGenerationService* service,
+    std::shared_ptr<const ServerCertificate> certificate) {
   std::unique_ptr<HttpApi> s(new HttpApi());
   s->shared_ = std::make_shared<Shared>();
   s->shared_->service = service;
-  s->shared_->tls = tls;
+  const bool tls = certificate != nullptr;
   unsigned flags = MHD_USE_AUTO_INTERNAL_THREAD | MHD_ALLOW_SUSPEND_RESUME;
   std::vector<MHD_OptionItem> tls_options;
-  if (tls.has_value()) {
-    if (MHD_is_feature_supported(MHD_FEATURE_TLS) != MHD_YES) {
-      return FailedPrecondition("this libmicrohttpd has no TLS; HTTPS is not available");
+  if (tls) {
+    if (MHD_is_feature_supported(MHD_FEATURE_TLS) != MHD_YES ||
+        MHD_is_feature_supported(MHD_FEATURE_HTTPS_CERT_CALLBACK) != MHD_YES) {
+      return FailedPrecondition(
+          "this libmicrohttpd has no TLS or no certificate callback; HTTPS is not available");
     }
     flags |= MHD_USE_TLS;
-    // libmicrohttpd reads the strings at start and keeps pointers to them: they live in
-    // shared_, which outlives the daemon.
+    s->shared_->served.push_back(certificate);
+    s->shared_->certificate = std::move(certificate);
+    // Every handshake asks RetrieveCertificate, which hands out the current certificate
+    // (SetCertificate replaces it when the files change).
     tls_options.push_back(
-        {MHD_OPTION_HTTPS_MEM_KEY, 0, const_cast<char*>(s->shared_->tls->key_pem.c_str())});
-    tls_options.push_back(
-        {MHD_OPTION_HTTPS_MEM_CERT, 0, const_cast<char*>(s->shared_->tls->cert_pem.c_str())});
+        {MHD_OPTION_HTTPS_CERT_CALLBACK, 0, reinterpret_cast<void*>(&RetrieveCertificate)});
+    std::lock_guard<std::mutex> registry(https_mu);
+    HttpsServers().push_back(s->shared_.get());
   }
+  // Out of the registry again if the start fails below (the destructor's Stop does it later).
+  auto unregister = [shared = s->shared_.get()] {
+    std::lock_guard<std::mutex> registry(https_mu);
+    auto& servers = HttpsServers();
+    servers.erase(std::remove(servers.begin(), servers.end(), shared), servers.end());
+  };
   tls_options.push_back({MHD_OPTION_END, 0, nullptr});
-  ASSIGN_OR_RETURN(const int fd, ListenTcp(address, &s->port_));
+  StatusOr<int> listening = ListenTcp(address, &s->port_);
+  if (!listening.ok()) {
+    unregister();
+    return listening.status();
+  }
+  const int fd = *listening;
   s->daemon_ = MHD_start_daemon(
       flags, 0, nullptr, nullptr, &Handle, s->shared_.get(), MHD_OPTION_LISTEN_SOCKET,
       static_cast<MHD_socket>(fd), MHD_OPTION_CONNECTION_TIMEOUT, kIdleTimeoutSeconds,
@@ -1109,10 +1168,15 @@ StatusOr<std::unique_ptr<HttpApi>> HttpApi::Start(const std::string& address,
       s->shared_.get(), MHD_OPTION_ARRAY, tls_options.data(), MHD_OPTION_END);
   if (s->daemon_ == nullptr) {
     ::close(fd);
-    return tls.has_value() ? InvalidArgument("cannot start HTTPS on " + address +
-                                             ": --tls-cert or --tls-key is not a valid PEM "
-                                             "certificate chain and its key")
-                           : Unavailable("cannot start the HTTP server on " + address);
+    unregister();
+    return tls ? InvalidArgument("cannot start HTTPS on " + address +
+                                 ": --tls-cert or --tls-key is not a valid PEM "
+                                 "certificate chain and its key")
+               : Unavailable("cannot start the HTTP server on " + address);
+  }
+  {
+    std::lock_guard<std::mutex> registry(https_mu);
+    s->shared_->daemon = s->daemon_;
   }
   Shared* shared = s->shared_.get();
   shared->watchdog = std::thread([shared] {
@@ -1155,6 +1219,9 @@ void HttpApi::Stop(std::chrono::system_clock::time_point deadline) {
   calls.clear();
   MHD_stop_daemon(daemon_);
   daemon_ = nullptr;
+  std::lock_guard<std::mutex> registry(https_mu);
+  auto& servers = HttpsServers();
+  servers.erase(std::remove(servers.begin(), servers.end(), shared_.get()), servers.end());
 }
 
 HttpApi::~HttpApi() { Stop(std::chrono::system_clock::now()); }

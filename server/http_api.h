@@ -29,6 +29,7 @@
 #include "engine/util/status.h"
 #include "imagegen/v1/imagegen.pb.h"
 #include "server/service.h"
+#include "server/tls.h"
 
 struct MHD_Daemon;
 
@@ -58,21 +59,23 @@ class HttpApi {
   static constexpr size_t kMaxBodyBytes = 64 << 10;
   static constexpr int kMaxPartialImages = 8;
 
-  // HTTPS: the daemon's certificate chain and key, PEM (the gRPC port's --tls-cert/--tls-key).
-  struct Tls {
-    std::string cert_pem, key_pem;
-  };
   // `address` is host:port (port 0 picks a free one); `service` must outlive the server. With
-  // `tls`, the port speaks HTTPS only (libmicrohttpd over GnuTLS).
-  static StatusOr<std::unique_ptr<HttpApi>> Start(const std::string& address,
-                                                  ImageGenerationService* service,
-                                                  const std::optional<Tls>& tls = std::nullopt);
+  // `certificate` (the gRPC port's --tls-cert/--tls-key), the port speaks HTTPS only
+  // (libmicrohttpd over GnuTLS).
+  static StatusOr<std::unique_ptr<HttpApi>> Start(
+      const std::string& address, ImageGenerationService* service,
+      std::shared_ptr<const ServerCertificate> certificate = nullptr);
   ~HttpApi();  // Stop(now) if still running
 
   HttpApi(const HttpApi&) = delete;
   HttpApi& operator=(const HttpApi&) = delete;
 
   int port() const { return port_; }
+  // HTTPS: the certificate for the handshakes that begin from now on (connections already set
+  // up keep theirs). Every certificate served stays in memory until the server stops: GnuTLS
+  // does not copy it, and a session may refer to it while it lasts (one per change of the
+  // files). Does nothing on a plain-HTTP server.
+  void SetCertificate(std::shared_ptr<const ServerCertificate> certificate);
   // Requests whose connection is still open (the accounting check of the tests).
   int64_t open_requests() const;
   // Waits up to `deadline` for the open requests to be answered, then ends the rest (their

@@ -6,7 +6,8 @@
 // SERVING (ready). SIGTERM or SIGINT: both turn NOT_SERVING, new calls get UNAVAILABLE, calls
 // in flight get --grace-seconds to finish, then the process exits 0. A second signal exits at
 // once with status 1 (SIGHUP does not count). SIGHUP reads the --token-file again (key rotation
-// without a restart), and so does a change of the file (--token-file-poll-seconds).
+// without a restart), and so does a change of the file (--token-file-poll-seconds); the TLS
+// files likewise (certificate rotation, --tls-poll-seconds; server/tls.h).
 #include <absl/flags/flag.h>
 #include <absl/flags/parse.h>
 #include <absl/flags/usage.h>
@@ -129,6 +130,12 @@ ABSL_FLAG(std::string, tls_cert, "", "PEM server certificate chain (enables TLS)
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls-cert");
 ABSL_FLAG(std::string, tls_client_ca, "",
           "PEM CA bundle; when set, clients must present a certificate it signed (mTLS)");
+ABSL_FLAG(int64_t, tls_poll_seconds, 10,
+          "how often to check whether the --tls-cert, --tls-key or --tls-client-ca files "
+          "changed (as on SIGHUP): a renewed certificate (cert-manager, a mounted Secret) that "
+          "is a certificate and its key is served from the next handshake on, without a "
+          "restart, and a broken one is refused (the last good one stays); 0 (only on SIGHUP) "
+          "or 1 to 86400");
 ABSL_FLAG(std::string, token_file, "",
           "API keys: a file of lines '<token> [name=<name>] [priority=<n>] [max_in_flight=<n>]' "
           "(or one token); calls must send one (authorization: Bearer <token>); a name makes the "
@@ -238,6 +245,7 @@ int main(int argc, char** argv) {
   o.tls_cert = absl::GetFlag(FLAGS_tls_cert);
   o.tls_key = absl::GetFlag(FLAGS_tls_key);
   o.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
+  o.tls_poll_seconds = absl::GetFlag(FLAGS_tls_poll_seconds);
   o.token_file = absl::GetFlag(FLAGS_token_file);
   o.trusted_proxies = absl::GetFlag(FLAGS_trusted_proxies);
   o.default_method = absl::GetFlag(FLAGS_default_method);
@@ -440,8 +448,9 @@ int main(int argc, char** argv) {
   for (;;) {
     sigwait(&signals, &sig);
     if (sig != SIGHUP) break;
+    if (daemon->tls()) daemon->CheckCertificateNow();
     if (!daemon->auth()) {
-      Log("SIGHUP: no --token-file to read again");
+      if (!daemon->tls()) Log("SIGHUP: no --token-file or TLS files to read again");
       continue;
     }
     std::lock_guard<std::mutex> l(watch.mu);

@@ -341,9 +341,31 @@ Metrics::Metrics()
                          .Help("Probes of a failing model (--engine-probe-seconds: one step of "
                                "an AR request while health is NOT_SERVING for failing steps), "
                                "by outcome: ok (the step succeeded), failed, not_run")
-                         .Register(*registry_)) {
+                         .Register(*registry_)),
+      tls_not_after_(BuildGauge()
+                         .Name("imagegen_tls_certificate_expiration_timestamp_seconds")
+                         .Help("End of validity (notAfter, Unix seconds) of the first "
+                               "certificate of the --tls-cert chain served; absent without TLS")
+                         .Register(*registry_)),
+      tls_reloads_(BuildCounter()
+                       .Name("imagegen_tls_certificate_reloads_total")
+                       .Help("Reads of changed --tls-cert/--tls-key files (checked every "
+                             "--tls-poll-seconds), by outcome: ok (the certificate served from "
+                             "then on), error (refused: not a certificate and its key; the one "
+                             "served stays, and the read is tried again each poll)")
+                       .Register(*registry_)) {
   info_.Add({{"version", "0.1.0"}}).Set(1);
   for (const char* reason : {"stalled", "failing"}) engine_unhealthy_.Add({{"reason", reason}});
+}
+
+void Metrics::OnTlsCertificate(int64_t not_after) {
+  tls_not_after_.Add({}).Set(static_cast<double>(not_after));
+  tls_reloads_.Add({{"outcome", "ok"}});
+  tls_reloads_.Add({{"outcome", "error"}});
+}
+
+void Metrics::OnTlsReload(bool ok) {
+  tls_reloads_.Add({{"outcome", ok ? "ok" : "error"}}).Increment();
 }
 
 void Metrics::OnCallOpened(bool retry) {

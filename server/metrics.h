@@ -73,6 +73,11 @@ class Metrics : public EngineListener {
   // shutting down).
   void OnEngineProbe(const std::string& model, const std::string& outcome);
 
+  // TLS (server/tls.h): the served certificate's end of validity (Unix seconds), and a read of
+  // changed certificate files that replaced it (`ok`) or was refused (the one served stays).
+  void OnTlsCertificate(int64_t not_after);
+  void OnTlsReload(bool ok);
+
   // Mean seconds of a recent image's generation (for RetryInfo), 1 s before any.
   double RecentGenerationSeconds() const;
 
@@ -131,6 +136,8 @@ class Metrics : public EngineListener {
   prometheus::Counter& stream_stalls_;
   prometheus::Family<prometheus::Counter>& engine_unhealthy_;
   prometheus::Family<prometheus::Counter>& engine_probes_;
+  prometheus::Family<prometheus::Gauge>& tls_not_after_;
+  prometheus::Family<prometheus::Counter>& tls_reloads_;
 
   mutable std::mutex mu_;
   std::map<std::pair<std::string, std::string>, PerMethod> per_method_;

@@ -661,9 +661,10 @@ TEST(E2eTest, AStreamWhoseClientStopsReadingIsEndedAndOthersGoOn) {
   EXPECT_EQ(MetricValue(d.Metrics(), "imagegen_calls_opened_total"), 5);
 }
 
-// A CA, a server certificate for 127.0.0.1 and a client certificate, made with openssl.
-std::string MakeCertificates() {
-  const std::string d = TempDir("pki");
+// A CA, a server certificate for 127.0.0.1 and a client certificate, made with openssl, in the
+// directory `name` (under the test's temporary directory).
+std::string MakeCertificates(const std::string& name = "pki") {
+  const std::string d = TempDir(name);
   const std::string script =
       "set -e; cd '" + d +
       "'; "
@@ -779,6 +780,145 @@ TEST(E2eTest, TlsAndBearerTokenAcceptTheRightTokenOnly) {
   }
   EXPECT_EQ(code, grpc::StatusCode::OK);
   EXPECT_EQ(CallWith(no_cert, ""), grpc::StatusCode::UNAVAILABLE);
+}
+
+// Certificate rotation (server/tls.h): a renewed certificate written over the files is served
+// on the gRPC port and the HTTP API's from the next handshake on, without a restart; a broken
+// one (not a certificate, or the key of another) is refused, logged and counted, and both ports
+// keep the last good one; with --tls-poll-seconds 0 a SIGHUP has them read.
+TEST(E2eTest, TlsCertificatesRotateOnBothPortsAndABrokenPairIsRefused) {
+  const std::string a = MakeCertificates("pki_a"), b = MakeCertificates("pki_b");
+  const std::string live = TempDir("pki_live");
+  // As a mounted Secret changes: each file replaced by a rename (the key first, so that for a
+  // moment the pair does not match).
+  auto install = [&](const std::string& cert, const std::string& key) {
+    for (const auto& [from, to] : {std::pair{key, std::string("key.pem")}, {cert, "cert.pem"}}) {
+      { std::ofstream(live + "/new") << Slurp(from); }
+      std::filesystem::rename(live + "/new", live + "/" + to);
+    }
+  };
+  install(a + "/server.pem", a + "/server.key");
+  Daemon d("tls_rotation", {"--tls-cert", live + "/cert.pem", "--tls-key", live + "/key.pem",
+                            "--tls-poll-seconds", "1", "--http-listen", "127.0.0.1:0"});
+  // A new connection (a new handshake) that trusts only `ca`, on each port.
+  auto grpc_ok = [&](const std::string& ca) {
+    grpc::SslCredentialsOptions o;
+    o.pem_root_certs = Slurp(ca + "/ca.pem");
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // no connection shared across channels
+    auto ch = grpc::CreateCustomChannel(d.target(), grpc::SslCredentials(o), args);
+    auto health = grpc::health::v1::Health::NewStub(ch);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + seconds(20));
+    HealthCheckRequest hq;
+    HealthCheckResponse hr;
+    return health->Check(&ctx, hq, &hr).ok();
+  };
+  auto https_ok = [&](const std::string& ca) {
+    std::string out;
+    RunCommand({"/usr/bin/curl", "-sS", "--noproxy", "*", "--cacert", ca + "/ca.pem", "-o",
+                "/dev/null", "-w", "%{http_code}",
+                "https://127.0.0.1:" + std::to_string(d.http_port()) + "/health/live"},
+               &out, live + "/curl.log");
+    return out == "200";
+  };
+  // Until both ports serve the certificate `ca` signed (up to 120 s; the poll is 1 s).
+  auto both_serve = [&](const std::string& ca) {
+    for (int i = 0; i < 240; ++i) {
+      if (grpc_ok(ca) && https_ok(ca)) return true;
+      std::this_thread::sleep_for(milliseconds(500));
+    }
+    return false;
+  };
+  auto not_after = [](const std::string& cert) {
+    std::string out;
+    RunCommand({"/bin/bash", "-c",
+                "date -d \"$(openssl x509 -enddate -noout -in '" + cert + "' | cut -d= -f2)\" +%s"},
+               &out, cert + ".end.log");
+    return std::stod(out);
+  };
+  const std::string expiry = "imagegen_tls_certificate_expiration_timestamp_seconds";
+  ASSERT_TRUE(both_serve(a)) << d.proc().Log();
+  EXPECT_FALSE(grpc_ok(b));
+  EXPECT_FALSE(https_ok(b));
+  EXPECT_EQ(MetricValue(d.Metrics(), expiry), not_after(a + "/server.pem"));
+
+  install(b + "/server.pem", b + "/server.key");
+  ASSERT_TRUE(both_serve(b)) << d.proc().Log();
+  EXPECT_FALSE(grpc_ok(a));
+  EXPECT_FALSE(https_ok(a));
+  EXPECT_TRUE(d.WaitMetric(expiry, not_after(b + "/server.pem")));
+  EXPECT_GE(MetricValue(d.Metrics(), "imagegen_tls_certificate_reloads_total{outcome=\"ok\"}"), 1);
+  EXPECT_NE(d.proc().Log().find("TLS certificate read again: CN=server, valid until "),
+            std::string::npos)
+      << d.proc().Log();
+
+  // Broken pairs: refused (counted each poll), and B is still served on both ports.
+  const std::string errors = "imagegen_tls_certificate_reloads_total{outcome=\"error\"}";
+  auto refused = [&](const std::string& why) {
+    const double before = MetricValue(d.Metrics(), errors);
+    for (int i = 0; i < 2400; ++i) {
+      if (MetricValue(d.Metrics(), errors) > before &&
+          d.proc().Log().find(why) != std::string::npos) {
+        return true;
+      }
+      std::this_thread::sleep_for(milliseconds(50));
+    }
+    return false;
+  };
+  { std::ofstream(live + "/new") << "not a certificate\n"; }
+  std::filesystem::rename(live + "/new", live + "/cert.pem");
+  ASSERT_TRUE(refused("the certificate served stays: --tls-cert: holds no PEM CERTIFICATE"))
+      << d.proc().Log();
+  EXPECT_TRUE(grpc_ok(b));
+  EXPECT_TRUE(https_ok(b));
+  { std::ofstream(live + "/new") << Slurp(a + "/server.pem"); }  // A's certificate, B's key
+  std::filesystem::rename(live + "/new", live + "/cert.pem");
+  ASSERT_TRUE(refused("--tls-key: not the private key of --tls-cert's first certificate"))
+      << d.proc().Log();
+  EXPECT_TRUE(grpc_ok(b));
+  EXPECT_TRUE(https_ok(b));
+  EXPECT_FALSE(grpc_ok(a));
+  // A's key too: the pair is good again, and served.
+  install(a + "/server.pem", a + "/server.key");
+  ASSERT_TRUE(both_serve(a)) << d.proc().Log();
+  d.proc().Signal(SIGTERM);
+  ASSERT_EQ(d.proc().Wait(seconds(60)), 0) << d.proc().Log();
+
+  // Only on SIGHUP (and over mutual TLS: the client CA is served from the same files).
+  install(a + "/server.pem", a + "/server.key");
+  { std::ofstream(live + "/ca.pem") << Slurp(a + "/ca.pem"); }
+  Daemon h("tls_sighup", {"--tls-cert", live + "/cert.pem", "--tls-key", live + "/key.pem",
+                          "--tls-client-ca", live + "/ca.pem", "--tls-poll-seconds", "0"});
+  auto mtls_ok = [&](const std::string& ca, const std::string& client) {
+    grpc::SslCredentialsOptions o;
+    o.pem_root_certs = Slurp(ca + "/ca.pem");
+    o.pem_cert_chain = Slurp(client + "/client.pem");
+    o.pem_private_key = Slurp(client + "/client.key");
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    auto health = grpc::health::v1::Health::NewStub(
+        grpc::CreateCustomChannel(h.target(), grpc::SslCredentials(o), args));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + seconds(20));
+    HealthCheckRequest hq;
+    HealthCheckResponse hr;
+    return health->Check(&ctx, hq, &hr).ok();
+  };
+  EXPECT_TRUE(mtls_ok(a, a));
+  EXPECT_FALSE(mtls_ok(a, b));  // a client certificate the CA did not sign
+  install(b + "/server.pem", b + "/server.key");
+  { std::ofstream(live + "/ca.pem") << Slurp(b + "/ca.pem"); }
+  h.proc().Signal(SIGHUP);
+  bool rotated = false;
+  for (int i = 0; i < 240 && !rotated; ++i) {
+    rotated = mtls_ok(b, b);
+    if (!rotated) std::this_thread::sleep_for(milliseconds(500));
+  }
+  EXPECT_TRUE(rotated) << h.proc().Log();
+  EXPECT_NE(h.proc().Log().find("SIGHUP: TLS certificate read again"), std::string::npos)
+      << h.proc().Log();
+  EXPECT_FALSE(mtls_ok(b, a));  // A's client certificate: not signed by the CA served now
 }
 
 // Named API keys (server/auth.h) and trusted proxies (server/forwarded.h): a key's name is in

@@ -1,0 +1,232 @@
+#include "server/tls.h"
+
+#include <fcntl.h>
+#include <gnutls/x509.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <utility>
+
+#include "engine/util/read_file.h"
+
+namespace imagegen::server {
+namespace {
+
+gnutls_datum_t Datum(const std::string& s) {
+  return {reinterpret_cast<unsigned char*>(const_cast<char*>(s.data())),
+          static_cast<unsigned>(s.size())};
+}
+
+// A file that holds no PEM block of its kind (gRPC and GnuTLS would say less).
+Status HasPem(const char* flag, const std::string& data, const char* kind) {
+  return data.find("-----BEGIN ") != std::string::npos &&
+                 data.find(std::string(kind) + "-----") != std::string::npos
+             ? OkStatus()
+             : InvalidArgument(std::string(flag) + ": holds no PEM " + kind);
+}
+
+Status GnutlsError(const char* flag, const std::string& what, int rc) {
+  return InvalidArgument(std::string(flag) + ": " + what + " (" + gnutls_strerror(rc) + ")");
+}
+
+// The SHA-256 key id of a public key; empty on failure.
+std::string KeyId(gnutls_pubkey_t pub) {
+  unsigned char id[64];
+  size_t size = sizeof(id);
+  if (gnutls_pubkey_get_key_id(pub, GNUTLS_KEYID_USE_SHA256, id, &size) < 0) return "";
+  return std::string(reinterpret_cast<char*>(id), size);
+}
+
+}  // namespace
+
+ServerCertificate::~ServerCertificate() {
+  for (gnutls_pcert_st& p : chain_) gnutls_pcert_deinit(&p);
+  if (key_ != nullptr) gnutls_privkey_deinit(key_);
+}
+
+StatusOr<std::shared_ptr<const ServerCertificate>> ServerCertificate::Parse(std::string cert_pem,
+                                                                            std::string key_pem) {
+  RETURN_IF_ERROR(HasPem("--tls-cert", cert_pem, "CERTIFICATE"));
+  RETURN_IF_ERROR(HasPem("--tls-key", key_pem, "PRIVATE KEY"));
+  std::shared_ptr<ServerCertificate> c(new ServerCertificate());
+  c->cert_pem_ = std::move(cert_pem);
+  c->key_pem_ = std::move(key_pem);
+
+  gnutls_x509_crt_t* crts = nullptr;
+  unsigned n = 0;
+  const gnutls_datum_t cert_data = Datum(c->cert_pem_);
+  int rc = gnutls_x509_crt_list_import2(&crts, &n, &cert_data, GNUTLS_X509_FMT_PEM, 0);
+  if (rc < 0) return GnutlsError("--tls-cert", "not a PEM certificate chain", rc);
+  // The pcerts keep what they need: the parsed certificates go whatever happens below.
+  struct Crts {
+    gnutls_x509_crt_t* list;
+    unsigned n;
+    ~Crts() {
+      for (unsigned i = 0; i < n; ++i) gnutls_x509_crt_deinit(list[i]);
+      gnutls_free(list);
+    }
+  } owned{crts, n};
+  if (n == 0) return InvalidArgument("--tls-cert: holds no certificate");
+  const time_t not_after = gnutls_x509_crt_get_expiration_time(crts[0]);
+  if (not_after == static_cast<time_t>(-1)) {
+    return InvalidArgument("--tls-cert: the first certificate has no readable expiry");
+  }
+  c->not_after_ = static_cast<int64_t>(not_after);
+  gnutls_datum_t dn{nullptr, 0};
+  if (gnutls_x509_crt_get_dn3(crts[0], &dn, 0) >= 0) {
+    c->subject_.assign(reinterpret_cast<const char*>(dn.data), dn.size);
+    gnutls_free(dn.data);
+  }
+  std::vector<gnutls_pcert_st> chain(n);
+  unsigned imported = n;
+  rc = gnutls_pcert_import_x509_list(chain.data(), crts, &imported, 0);
+  if (rc < 0) return GnutlsError("--tls-cert", "cannot use the certificate chain", rc);
+  chain.resize(imported);
+  c->chain_ = std::move(chain);  // deinitialised by the destructor from here on
+
+  rc = gnutls_privkey_init(&c->key_);
+  if (rc < 0) return GnutlsError("--tls-key", "cannot allocate a key", rc);
+  const gnutls_datum_t key_data = Datum(c->key_pem_);
+  rc = gnutls_privkey_import_x509_raw(c->key_, &key_data, GNUTLS_X509_FMT_PEM, nullptr, 0);
+  if (rc < 0) return GnutlsError("--tls-key", "not an unencrypted PEM private key", rc);
+
+  gnutls_pubkey_t pub = nullptr;
+  std::string key_id;
+  if (gnutls_pubkey_init(&pub) >= 0) {
+    if (gnutls_pubkey_import_privkey(pub, c->key_, 0, 0) >= 0) key_id = KeyId(pub);
+    gnutls_pubkey_deinit(pub);
+  }
+  if (key_id.empty() || key_id != KeyId(c->chain_[0].pubkey)) {
+    return InvalidArgument("--tls-key: not the private key of --tls-cert's first certificate (" +
+                           c->subject_ + ")");
+  }
+  return std::shared_ptr<const ServerCertificate>(std::move(c));
+}
+
+std::string ServerCertificate::not_after_text() const {
+  const time_t t = static_cast<time_t>(not_after_);
+  tm utc{};
+  char buf[32];
+  if (gmtime_r(&t, &utc) == nullptr || strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &utc) == 0) {
+    return std::to_string(not_after_);
+  }
+  return buf;
+}
+
+StatusOr<std::shared_ptr<const ServerCertificate>> ServerCertificate::Read(
+    const std::string& cert_path, const std::string& key_path) {
+  StatusOr<std::string> cert = ReadFile(cert_path);
+  if (!cert.ok()) return InvalidArgument("--tls-cert: " + cert.status().message());
+  StatusOr<std::string> key = ReadFile(key_path);
+  if (!key.ok()) return InvalidArgument("--tls-key: " + key.status().message());
+  return Parse(std::move(cert).value(), std::move(key).value());
+}
+
+}  // namespace imagegen::server
+
+namespace imagegen::server {
+
+Status CheckCaBundle(const std::string& pem) {
+  if (pem.find("-----BEGIN CERTIFICATE-----") == std::string::npos) {
+    return InvalidArgument("--tls-client-ca: holds no PEM CERTIFICATE");
+  }
+  gnutls_x509_crt_t* crts = nullptr;
+  unsigned n = 0;
+  const gnutls_datum_t data = Datum(pem);
+  const int rc = gnutls_x509_crt_list_import2(&crts, &n, &data, GNUTLS_X509_FMT_PEM, 0);
+  if (rc < 0) return GnutlsError("--tls-client-ca", "not a PEM certificate bundle", rc);
+  for (unsigned i = 0; i < n; ++i) gnutls_x509_crt_deinit(crts[i]);
+  gnutls_free(crts);
+  return n > 0 ? OkStatus() : InvalidArgument("--tls-client-ca: holds no certificate");
+}
+
+namespace {
+
+std::string Errno(const std::string& what) { return what + ": " + std::strerror(errno); }
+
+// `data` into a new file of mode 0600 whose modification time is `mtime` seconds.
+Status WritePrivate(const std::string& path, const std::string& data, int64_t mtime) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) return Unavailable(Errno("cannot create " + path));
+  size_t done = 0;
+  while (done < data.size()) {
+    const ssize_t n = ::write(fd, data.data() + done, data.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const Status st = Unavailable(Errno("cannot write " + path));
+      ::close(fd);
+      return st;
+    }
+    done += static_cast<size_t>(n);
+  }
+  const timespec times[2] = {{static_cast<time_t>(mtime), 0}, {static_cast<time_t>(mtime), 0}};
+  const bool timed = ::futimens(fd, times) == 0;
+  const Status st = timed ? OkStatus() : Unavailable(Errno("cannot set the time of " + path));
+  ::close(fd);
+  return st;
+}
+
+}  // namespace
+
+StatusOr<std::unique_ptr<CertificateMirror>> CertificateMirror::Create(
+    const ServerCertificate& certificate, const std::string& client_ca) {
+  const char* tmp = std::getenv("TMPDIR");
+  std::string pattern =
+      std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/imagegen-tls-XXXXXX";
+  if (::mkdtemp(pattern.data()) == nullptr) {
+    return FailedPrecondition(
+        Errno("--tls-cert: cannot make a private directory for the certificate gRPC reads (" +
+              pattern + ")") +
+        "; set TMPDIR to a writable directory (on Kubernetes, an emptyDir on /tmp)");
+  }
+  std::unique_ptr<CertificateMirror> m(new CertificateMirror(pattern));
+  RETURN_IF_ERROR(m->Publish(certificate, client_ca));
+  return m;
+}
+
+Status CertificateMirror::Publish(const ServerCertificate& certificate,
+                                  const std::string& client_ca) {
+  const int64_t g = generation_ + 1;
+  const std::string name = "g" + std::to_string(g);
+  const std::string gen = dir_ + "/" + name;
+  RemoveGeneration(g);  // a leftover of a publication that failed half-way
+  if (::mkdir(gen.c_str(), 0700) != 0) return Unavailable(Errno("cannot create " + gen));
+  Status st = WritePrivate(gen + "/key.pem", certificate.key_pem(), g);
+  if (st.ok()) st = WritePrivate(gen + "/cert.pem", certificate.cert_pem(), g);
+  if (st.ok() && !client_ca.empty()) st = WritePrivate(gen + "/ca.pem", client_ca, g);
+  const std::string link = dir_ + "/current.new";
+  ::unlink(link.c_str());
+  if (st.ok() && ::symlink(name.c_str(), link.c_str()) != 0) {
+    st = Unavailable(Errno("cannot link " + link));
+  }
+  if (st.ok() && ::rename(link.c_str(), (dir_ + "/current").c_str()) != 0) {
+    st = Unavailable(Errno("cannot replace " + dir_ + "/current"));
+  }
+  if (!st.ok()) {
+    RemoveGeneration(g);
+    return st;
+  }
+  generation_ = g;
+  RemoveGeneration(g - 2);
+  return OkStatus();
+}
+
+void CertificateMirror::RemoveGeneration(int64_t generation) const {
+  if (generation < 1) return;
+  const std::string gen = dir_ + "/g" + std::to_string(generation);
+  for (const char* f : {"/key.pem", "/cert.pem", "/ca.pem"}) ::unlink((gen + f).c_str());
+  ::rmdir(gen.c_str());
+}
+
+CertificateMirror::~CertificateMirror() {
+  for (int64_t g = generation_; g >= generation_ - 1; --g) RemoveGeneration(g);
+  ::unlink((dir_ + "/current").c_str());
+  ::unlink((dir_ + "/current.new").c_str());
+  ::rmdir(dir_.c_str());
+}
+
+}  // namespace imagegen::server

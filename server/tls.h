@@ -1,0 +1,95 @@
+// The daemon's server certificate (--tls-cert, --tls-key): read from PEM files and checked with
+// GnuTLS (each file holds its kind of PEM block, the chain parses, the key parses and is the
+// key of the chain's first certificate), in the form GnuTLS's handshake callback hands out (the
+// HTTP API's port), with the subject and expiry the log and /metrics report.
+//
+// Rotation (docs/serving.md, "Security"): the daemon checks the files every --tls-poll-seconds
+// and on SIGHUP; when their bytes differ from what it serves it reads them again, and a pair
+// (and client CA) that passes these checks is served on both ports from the next handshake: the
+// HTTP API's callback hands out the new ServerCertificate, and gRPC's file watcher reads it from
+// the CertificateMirror. A pair that fails them is refused, and both ports keep the last good
+// one (gRPC's watcher, pointed at the operator's files, would take a broken or half-written
+// pair as it is and fail every handshake until it is fixed).
+#pragma once
+
+#include <gnutls/abstract.h>
+#include <gnutls/gnutls.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/util/status.h"
+
+namespace imagegen::server {
+
+class ServerCertificate {
+ public:
+  // From PEM text. Errors name the flag of the part at fault ("--tls-cert: ...", "--tls-key:
+  // ..."), as the start-up check reports them.
+  static StatusOr<std::shared_ptr<const ServerCertificate>> Parse(std::string cert_pem,
+                                                                  std::string key_pem);
+  // Reads both files, then Parse. A file that cannot be read names its flag too.
+  static StatusOr<std::shared_ptr<const ServerCertificate>> Read(const std::string& cert_path,
+                                                                 const std::string& key_path);
+  ~ServerCertificate();
+  ServerCertificate(const ServerCertificate&) = delete;
+  ServerCertificate& operator=(const ServerCertificate&) = delete;
+
+  const std::string& cert_pem() const { return cert_pem_; }
+  const std::string& key_pem() const { return key_pem_; }
+  // The first certificate's subject (RFC 4514) and end of validity (Unix seconds).
+  const std::string& subject() const { return subject_; }
+  int64_t not_after() const { return not_after_; }
+  std::string not_after_text() const;  // 2026-12-31T23:59:59Z
+
+  // For gnutls_certificate_retrieve_function2: valid while this object lives; GnuTLS does not
+  // free them.
+  gnutls_pcert_st* chain() const { return chain_.data(); }
+  unsigned chain_length() const { return static_cast<unsigned>(chain_.size()); }
+  gnutls_privkey_t key() const { return key_; }
+
+ private:
+  ServerCertificate() = default;
+  std::string cert_pem_, key_pem_, subject_;
+  int64_t not_after_ = 0;
+  mutable std::vector<gnutls_pcert_st> chain_;
+  gnutls_privkey_t key_ = nullptr;
+};
+
+// Checks a CA bundle (--tls-client-ca): PEM certificates that GnuTLS parses.
+Status CheckCaBundle(const std::string& pem);
+
+// The checked TLS files that gRPC's file watcher reads (FileWatcherCertificateProvider on
+// key_path(), cert_path(), ca_path(), every second): a private directory (mode 0700, files 0600,
+// under $TMPDIR or /tmp) that holds one generation of files per published certificate behind a
+// symbolic link swapped atomically. Each generation's files carry a modification time of their
+// own (the generation's number, in seconds): gRPC reads a key and certificate again when either
+// time changed while it read them, so it never pairs one generation's key with another's
+// certificate. The two latest generations are kept (gRPC may be reading the previous one).
+class CertificateMirror {
+ public:
+  // Makes the directory and publishes the first generation. `client_ca` empty: no CA file.
+  static StatusOr<std::unique_ptr<CertificateMirror>> Create(const ServerCertificate& certificate,
+                                                             const std::string& client_ca);
+  ~CertificateMirror();  // removes the directory
+  CertificateMirror(const CertificateMirror&) = delete;
+  CertificateMirror& operator=(const CertificateMirror&) = delete;
+
+  // A new generation, served by gRPC from its watcher's next read (within a second).
+  Status Publish(const ServerCertificate& certificate, const std::string& client_ca);
+
+  std::string key_path() const { return dir_ + "/current/key.pem"; }
+  std::string cert_path() const { return dir_ + "/current/cert.pem"; }
+  std::string ca_path() const { return dir_ + "/current/ca.pem"; }
+  const std::string& dir() const { return dir_; }
+
+ private:
+  explicit CertificateMirror(std::string dir) : dir_(std::move(dir)) {}
+  void RemoveGeneration(int64_t generation) const;
+  const std::string dir_;
+  int64_t generation_ = 0;
+};
+
+}  // namespace imagegen::server

@@ -1,0 +1,213 @@
+// The daemon's TLS files (server/tls.h): the checks of a certificate and its key, and the
+// mirror that gRPC's file watcher reads (one generation per certificate, swapped atomically,
+// each with a modification time of its own).
+#include "server/tls.h"
+
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <string>
+
+#include "server/http_api.h"
+#include "server/metrics.h"
+#include "server/service.h"
+#include "tests/e2e/process.h"
+#include "tests/temp_dir.h"
+
+namespace imagegen {
+namespace {
+
+using server::CertificateMirror;
+using server::ServerCertificate;
+using testing::RunCommand;
+using testing::Slurp;
+using testing::TempDir;
+
+// Two CAs, each with a server certificate for 127.0.0.1 (openssl); `ca_a.pem` + `a.pem` is a
+// chain of two. Returns the directory; `a_end` gets a.pem's notAfter in Unix seconds.
+std::string MakeCertificates(const std::string& name, int64_t* a_end) {
+  const std::string d = TempDir(name);
+  const std::string script =
+      "set -e; cd '" + d +
+      "'; for x in a b; do "
+      "openssl req -x509 -newkey rsa:2048 -nodes -keyout ca_$x.key -out ca_$x.pem -days 2 "
+      "-subj /CN=test-ca-$x 2>/dev/null; "
+      "openssl req -newkey rsa:2048 -nodes -keyout $x.key -out $x.csr -subj /CN=server-$x "
+      "2>/dev/null; printf 'subjectAltName=IP:127.0.0.1\\n' > $x.ext; "
+      "openssl x509 -req -in $x.csr -CA ca_$x.pem -CAkey ca_$x.key -CAcreateserial -out $x.pem "
+      "-days 3 -extfile $x.ext 2>/dev/null; done; cat a.pem ca_a.pem > chain_a.pem; "
+      "date -d \"$(openssl x509 -enddate -noout -in a.pem | cut -d= -f2)\" +%s > a.end";
+  std::string out;
+  if (RunCommand({"/bin/bash", "-c", script}, &out, d + "/openssl.log") != 0) {
+    throw std::runtime_error("openssl failed: " + out);
+  }
+  *a_end = std::stoll(Slurp(d + "/a.end"));
+  return d;
+}
+
+class TlsTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() { dir_ = MakeCertificates("tls_unit", &a_end_); }
+  static std::string dir_;
+  static int64_t a_end_;
+};
+std::string TlsTest::dir_;
+int64_t TlsTest::a_end_ = 0;
+
+TEST_F(TlsTest, AGoodPairIsReadWithItsSubjectExpiryAndChain) {
+  auto c = ServerCertificate::Read(dir_ + "/chain_a.pem", dir_ + "/a.key");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ((*c)->subject(), "CN=server-a");
+  EXPECT_EQ((*c)->not_after(), a_end_);
+  EXPECT_EQ((*c)->chain_length(), 2u);  // the server's certificate, then its CA's
+  EXPECT_EQ((*c)->cert_pem(), Slurp(dir_ + "/chain_a.pem"));
+  EXPECT_EQ((*c)->key_pem(), Slurp(dir_ + "/a.key"));
+  EXPECT_EQ((*c)->not_after_text().size(), 20u) << (*c)->not_after_text();
+  EXPECT_NE((*c)->key(), nullptr);
+}
+
+TEST_F(TlsTest, WhatIsNotACertificateAndItsKeyIsRefusedNamingTheFlag) {
+  const std::string cert = Slurp(dir_ + "/a.pem"), key = Slurp(dir_ + "/a.key");
+  auto refused = [](const std::string& c, const std::string& k) {
+    auto r = ServerCertificate::Parse(c, k);
+    return r.ok() ? std::string("accepted") : r.status().message();
+  };
+  EXPECT_EQ(refused("junk\n", key), "--tls-cert: holds no PEM CERTIFICATE");
+  EXPECT_EQ(refused(cert, "junk\n"), "--tls-key: holds no PEM PRIVATE KEY");
+  // A PEM block whose body is not a certificate.
+  std::string bent = cert;
+  bent.replace(bent.find('\n') + 1, 16, "AAAAAAAAAAAAAAAA");
+  EXPECT_EQ(refused(bent, key).rfind("--tls-cert: not a PEM certificate chain", 0), 0u)
+      << refused(bent, key);
+  // The other server's key: a pair that TLS could not serve.
+  EXPECT_EQ(refused(cert, Slurp(dir_ + "/b.key")),
+            "--tls-key: not the private key of --tls-cert's first certificate (CN=server-a)");
+  // The CA first: its certificate is not the key's.
+  EXPECT_EQ(refused(Slurp(dir_ + "/ca_a.pem") + cert, key).rfind("--tls-key: not the", 0), 0u);
+  // A file that cannot be read names its flag too.
+  auto missing = ServerCertificate::Read(dir_ + "/none.pem", dir_ + "/a.key");
+  ASSERT_FALSE(missing.ok());
+  EXPECT_EQ(missing.status().message().rfind("--tls-cert: ", 0), 0u) << missing.status().message();
+  missing = ServerCertificate::Read(dir_ + "/a.pem", dir_ + "/none.key");
+  ASSERT_FALSE(missing.ok());
+  EXPECT_EQ(missing.status().message().rfind("--tls-key: ", 0), 0u) << missing.status().message();
+  // The good pair passes the same checks (the refusals above are not everything refused).
+  EXPECT_EQ(refused(cert, key), "accepted");
+}
+
+TEST_F(TlsTest, ACaBundleMustParse) {
+  EXPECT_TRUE(server::CheckCaBundle(Slurp(dir_ + "/ca_a.pem")).ok());
+  EXPECT_TRUE(server::CheckCaBundle(Slurp(dir_ + "/ca_a.pem") + Slurp(dir_ + "/ca_b.pem")).ok());
+  EXPECT_EQ(server::CheckCaBundle("junk").message(), "--tls-client-ca: holds no PEM CERTIFICATE");
+  std::string bent = Slurp(dir_ + "/ca_a.pem");
+  bent.replace(bent.find('\n') + 1, 16, "AAAAAAAAAAAAAAAA");
+  EXPECT_FALSE(server::CheckCaBundle(bent).ok());
+}
+
+mode_t Mode(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 ? (st.st_mode & 07777) : 0;
+}
+time_t Mtime(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 ? st.st_mtime : -1;
+}
+
+TEST_F(TlsTest, TheMirrorPublishesGenerationsBehindOneLinkAndRemovesItself) {
+  const std::string tmp = TempDir("tls_mirror");
+  ASSERT_EQ(::setenv("TMPDIR", tmp.c_str(), 1), 0);
+  auto a = ServerCertificate::Read(dir_ + "/a.pem", dir_ + "/a.key");
+  auto b = ServerCertificate::Read(dir_ + "/b.pem", dir_ + "/b.key");
+  ASSERT_TRUE(a.ok() && b.ok());
+  const std::string ca = Slurp(dir_ + "/ca_a.pem");
+  std::string root;
+  {
+    auto made = CertificateMirror::Create(**a, ca);
+    ::unsetenv("TMPDIR");
+    ASSERT_TRUE(made.ok()) << made.status().ToString();
+    CertificateMirror& m = **made;
+    root = m.dir();
+    EXPECT_EQ(root.rfind(tmp + "/imagegen-tls-", 0), 0u) << root;
+    EXPECT_EQ(Mode(root), 0700u);
+    EXPECT_EQ(Slurp(m.key_path()), (*a)->key_pem());
+    EXPECT_EQ(Slurp(m.cert_path()), (*a)->cert_pem());
+    EXPECT_EQ(Slurp(m.ca_path()), ca);
+    EXPECT_EQ(Mode(m.key_path()), 0600u);
+    EXPECT_EQ(Mode(m.cert_path()), 0600u);
+    // gRPC pairs a key with a certificate only when neither's time changed while it read
+    // them: every generation has times of its own (and never 0, which gRPC takes for an
+    // error).
+    const time_t first = Mtime(m.key_path());
+    EXPECT_GT(first, 0);
+    EXPECT_EQ(Mtime(m.cert_path()), first);
+    for (int i = 0; i < 3; ++i) {
+      const ServerCertificate& next = i % 2 == 0 ? **b : **a;
+      ASSERT_TRUE(m.Publish(next, i == 2 ? "" : ca).ok());
+      EXPECT_EQ(Slurp(m.key_path()), next.key_pem());
+      EXPECT_EQ(Slurp(m.cert_path()), next.cert_pem());
+      EXPECT_EQ(Mtime(m.key_path()), first + i + 1);
+      EXPECT_EQ(Mtime(m.cert_path()), first + i + 1);
+    }
+    EXPECT_EQ(Mtime(m.ca_path()), -1);  // published without a CA the last time
+    // The two latest generations stay (gRPC may still be reading the one before), no more.
+    char target[64] = {};
+    ASSERT_GT(::readlink((root + "/current").c_str(), target, sizeof target - 1), 0);
+    EXPECT_STREQ(target, "g4");
+    EXPECT_EQ(Mode(root + "/g3"), 0700u);
+    EXPECT_EQ(Mode(root + "/g2"), 0u);
+    EXPECT_EQ(Mode(root + "/g1"), 0u);
+  }
+  EXPECT_EQ(Mode(root), 0u) << "the mirror's directory outlived it";
+
+  // Nowhere to write: refused, saying what to do.
+  ASSERT_EQ(::setenv("TMPDIR", "/nonexistent/dir", 1), 0);
+  auto nowhere = CertificateMirror::Create(**a, "");
+  ::unsetenv("TMPDIR");
+  ASSERT_FALSE(nowhere.ok());
+  EXPECT_NE(nowhere.status().message().find("set TMPDIR to a writable directory"),
+            std::string::npos)
+      << nowhere.status().message();
+  testing::RemoveTree(tmp);
+}
+
+// The HTTP API's handshakes ask a callback for the current certificate. With two HTTPS servers
+// in one process (the daemon has one; tests may have more) each serves its own, and
+// SetCertificate changes the next handshakes' of that server only.
+TEST_F(TlsTest, EachHttpsServerServesItsOwnCertificateAndSetCertificateReplacesIt) {
+  auto a = ServerCertificate::Read(dir_ + "/a.pem", dir_ + "/a.key");
+  auto b = ServerCertificate::Read(dir_ + "/b.pem", dir_ + "/b.key");
+  ASSERT_TRUE(a.ok() && b.ok());
+  server::Metrics metrics;
+  server::ImageGenerationService service(&metrics, server::TokenAuth(), server::ServiceOptions());
+  auto one = server::HttpApi::Start("127.0.0.1:0", &service, *a);
+  auto two = server::HttpApi::Start("127.0.0.1:0", &service, *b);
+  ASSERT_TRUE(one.ok() && two.ok());
+  // Whether a TLS handshake with the server on `port` succeeds trusting only `ca` (curl
+  // prints 000 for a connection that got no HTTP answer; while the models load it is 503).
+  auto trusts = [&](int port, const std::string& ca) {
+    std::string out;
+    RunCommand(
+        {"/usr/bin/curl", "-sS", "--noproxy", "*", "--cacert", dir_ + "/" + ca, "-o", "/dev/null",
+         "-w", "%{http_code}", "https://127.0.0.1:" + std::to_string(port) + "/health/live"},
+        &out, dir_ + "/curl.log");
+    return out.size() == 3 && out != "000";
+  };
+  const int p1 = (*one)->port(), p2 = (*two)->port();
+  EXPECT_TRUE(trusts(p1, "ca_a.pem"));
+  EXPECT_FALSE(trusts(p1, "ca_b.pem"));
+  EXPECT_TRUE(trusts(p2, "ca_b.pem"));
+  EXPECT_FALSE(trusts(p2, "ca_a.pem"));
+  (*one)->SetCertificate(*b);
+  EXPECT_TRUE(trusts(p1, "ca_b.pem"));
+  EXPECT_FALSE(trusts(p1, "ca_a.pem"));
+  EXPECT_TRUE(trusts(p2, "ca_b.pem"));
+  (*two)->Stop(std::chrono::system_clock::now());
+  // Alone again, the first server still serves.
+  EXPECT_TRUE(trusts(p1, "ca_b.pem"));
+}
+
+}  // namespace
+}  // namespace imagegen
