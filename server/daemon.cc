@@ -24,7 +24,7 @@ constexpr char kServiceName[] = "imagegen.v1.ImageGeneration";
 
 // TLS material, with the flag that named it in the error.
 StatusOr<std::string> ReadFile(const std::string& flag, const std::string& path) {
-  StatusOr<std::string> data = imagegen::ReadFile(path);
+  StatusOr<std::string> data = imagegen::ReadFile(path, kMaxTlsFileBytes);
   if (!data.ok()) return InvalidArgument(flag + ": " + data.status().message());
   return data;
 }

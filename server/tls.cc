@@ -119,9 +119,9 @@ std::string ServerCertificate::not_after_text() const {
 
 StatusOr<std::shared_ptr<const ServerCertificate>> ServerCertificate::Read(
     const std::string& cert_path, const std::string& key_path) {
-  StatusOr<std::string> cert = ReadFile(cert_path);
+  StatusOr<std::string> cert = ReadFile(cert_path, kMaxTlsFileBytes);
   if (!cert.ok()) return InvalidArgument("--tls-cert: " + cert.status().message());
-  StatusOr<std::string> key = ReadFile(key_path);
+  StatusOr<std::string> key = ReadFile(key_path, kMaxTlsFileBytes);
   if (!key.ok()) return InvalidArgument("--tls-key: " + key.status().message());
   return Parse(std::move(cert).value(), std::move(key).value());
 }
@@ -195,9 +195,10 @@ Status CertificateMirror::Publish(const ServerCertificate& certificate,
   const std::string gen = dir_ + "/" + name;
   RemoveGeneration(g);  // a leftover of a publication that failed half-way
   if (::mkdir(gen.c_str(), 0700) != 0) return Unavailable(Errno("cannot create " + gen));
-  Status st = WritePrivate(gen + "/key.pem", certificate.key_pem(), g);
-  if (st.ok()) st = WritePrivate(gen + "/cert.pem", certificate.cert_pem(), g);
-  if (st.ok() && !client_ca.empty()) st = WritePrivate(gen + "/ca.pem", client_ca, g);
+  const int64_t mtime = epoch_ + g;  // distinct per generation, never 0, near the present
+  Status st = WritePrivate(gen + "/key.pem", certificate.key_pem(), mtime);
+  if (st.ok()) st = WritePrivate(gen + "/cert.pem", certificate.cert_pem(), mtime);
+  if (st.ok() && !client_ca.empty()) st = WritePrivate(gen + "/ca.pem", client_ca, mtime);
   const std::string link = dir_ + "/current.new";
   ::unlink(link.c_str());
   if (st.ok() && ::symlink(name.c_str(), link.c_str()) != 0) {

@@ -15,7 +15,9 @@
 #include <gnutls/abstract.h>
 #include <gnutls/gnutls.h>
 
+#include <cstddef>
 #include <cstdint>
+#include <ctime>
 #include <memory>
 #include <string>
 #include <vector>
@@ -23,6 +25,10 @@
 #include "engine/util/status.h"
 
 namespace imagegen::server {
+
+// The largest TLS file read (a certificate chain, a key, a CA bundle): a bound on what a wrong
+// path (a device file) makes the daemon allocate.
+inline constexpr size_t kMaxTlsFileBytes = 4 << 20;
 
 class ServerCertificate {
  public:
@@ -65,9 +71,10 @@ Status CheckCaBundle(const std::string& pem);
 // key_path(), cert_path(), ca_path(), every second): a private directory (mode 0700, files 0600,
 // under $TMPDIR or /tmp) that holds one generation of files per published certificate behind a
 // symbolic link swapped atomically. Each generation's files carry a modification time of their
-// own (the generation's number, in seconds): gRPC reads a key and certificate again when either
-// time changed while it read them, so it never pairs one generation's key with another's
-// certificate. The two latest generations are kept (gRPC may be reading the previous one).
+// own (the mirror's creation time plus the generation's number, in seconds): gRPC reads a key
+// and certificate again when either time changed while it read them, so it never pairs one
+// generation's key with another's certificate. The two latest generations are kept (gRPC may
+// be reading the previous one).
 class CertificateMirror {
  public:
   // Makes the directory and publishes the first generation. `client_ca` empty: no CA file.
@@ -86,9 +93,11 @@ class CertificateMirror {
   const std::string& dir() const { return dir_; }
 
  private:
-  explicit CertificateMirror(std::string dir) : dir_(std::move(dir)) {}
+  explicit CertificateMirror(std::string dir)
+      : dir_(std::move(dir)), epoch_(static_cast<int64_t>(::time(nullptr))) {}
   void RemoveGeneration(int64_t generation) const;
   const std::string dir_;
+  const int64_t epoch_;
   int64_t generation_ = 0;
 };
 

@@ -6,6 +6,7 @@ client can, for a while; then checks that nothing leaked.
         --streams 64 --seconds 600            # the long form (about 11 minutes)
     ... --streams 16 --seconds 60             # the short form (CI)
     ... --leak-control                        # the negative control: must report the leak
+    ... --tls                                 # over TLS, the certificate rotated (ctest's form)
 
 Each of --streams client threads loops over scenarios drawn with a fixed seed: a stream read to
 the end, a unary call, a stream with previews (every 1-10 steps, scale 1-16), a stream
@@ -35,14 +36,25 @@ the longest wait its threads' work saw (imagegen_engine_stalled_seconds, sampled
 --leak-control adds clients that stop reading and never cancel while the daemon's stall limit
 is off (an hour): their calls stay open, so the check must fail. The script then exits 0 only
 if the check caught it.
+
+--tls serves both ports over TLS (a test CA made with openssl; every client trusts it) and
+rotates the certificate under the load (server/tls.h): every 1-3 s another certificate of that
+CA replaces the files (the key first, then the certificate, each by a rename, so the daemon may
+see a pair that does not match for a moment), and one change in five is a broken pair (one
+certificate's key beside another's certificate) left for 2-3 s before it is fixed. A handshake
+that fails is an unintended error (UNAVAILABLE, an SSL error); the verdict also wants the
+daemon to have served rotations (imagegen_tls_certificate_reloads_total{outcome="ok"}) and
+refused the broken pairs (outcome="error").
 """
 import argparse
 import http.client
 import json
 import os
 import random
+import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -87,13 +99,30 @@ HTTP_IDLE_SECONDS = 30  # HttpApi::kIdleTimeoutSeconds
 KILLED_CHILD = r"""
 import sys, grpc
 from imagegen.v1 import imagegen_pb2, imagegen_pb2_grpc
-ch = grpc.insecure_channel(sys.argv[1])
+if len(sys.argv) > 4:
+    ca = open(sys.argv[4], "rb").read()
+    ch = grpc.secure_channel(sys.argv[1], grpc.ssl_channel_credentials(root_certificates=ca))
+else:
+    ch = grpc.insecure_channel(sys.argv[1])
 stub = imagegen_pb2_grpc.ImageGenerationStub(ch)
 req = imagegen_pb2.GenerateRequest(class_id=int(sys.argv[2]), seed=int(sys.argv[3]),
                                    method="sjd", preview_every=2)
 for m in stub.GenerateStream(req):
     print("step", flush=True)
 """
+
+
+def make_pki(d):
+    """A CA and three server certificates for 127.0.0.1 it signed (openssl), in `d`."""
+    os.makedirs(d)
+    subprocess.run(
+        ["bash", "-c",
+         "set -e; openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 2 "
+         "-subj /CN=soak-ca 2>/dev/null; printf 'subjectAltName=IP:127.0.0.1\\n' > ext; "
+         "for x in 0 1 2; do openssl req -newkey rsa:2048 -nodes -keyout $x.key -out $x.csr "
+         "-subj /CN=soak-$x 2>/dev/null; openssl x509 -req -in $x.csr -CA ca.pem -CAkey ca.key "
+         "-CAcreateserial -out $x.pem -days 2 -extfile ext 2>/dev/null; done"],
+        cwd=d, check=True)
 
 
 def metrics(mport):
@@ -125,13 +154,27 @@ class Soak:
         self.dir = tempfile.mkdtemp(prefix="imagegen-soak-")
         stall = "3600" if args.leak_control else str(args.stream_stall_seconds)
         ports = os.path.join(self.dir, "ports")
+        self.ca = None
+        tls_flags = []
+        if args.tls:
+            self.pki = os.path.join(self.dir, "pki")
+            make_pki(self.pki)
+            self.ca = os.path.join(self.pki, "ca.pem")
+            self.live = os.path.join(self.dir, "live")
+            os.makedirs(self.live)
+            self.install(0, 0)
+            tls_flags = ["--tls-cert", os.path.join(self.live, "cert.pem"), "--tls-key",
+                         os.path.join(self.live, "key.pem"), "--tls-poll-seconds", "1"]
+            self.ssl = ssl.create_default_context(cafile=self.ca)
+            self.creds = grpc.ssl_channel_credentials(root_certificates=open(self.ca, "rb").read())
+        self.rotations = {"good": 0, "broken": 0}
         self.log = open(os.path.join(self.dir, "server.log"), "w")
         self.server = subprocess.Popen(
             [args.server, "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
              "--port-file", ports, "--max-slots", str(2 * args.streams + 16), "--max-queue",
              str(4 * args.streams), "--stream-stall-seconds", stall,
              "--engine-stall-seconds", str(args.engine_stall_seconds)]
-            + (["--http-listen", "127.0.0.1:0"] if args.http else []),
+            + (["--http-listen", "127.0.0.1:0"] if args.http else []) + tls_flags,
             stdout=self.log, stderr=subprocess.STDOUT)
         for _ in range(1200):
             if os.path.exists(ports) and open(ports).read().strip():
@@ -141,7 +184,7 @@ class Soak:
         self.port, self.mport = numbers[:2]
         self.hport = numbers[2] if args.http else 0
         self.target = f"127.0.0.1:{self.port}"
-        self.channel = grpc.insecure_channel(self.target)
+        self.channel = self.new_channel()
         self.stub = imagegen_pb2_grpc.ImageGenerationStub(self.channel)
         end = time.time() + 300
         while True:
@@ -163,6 +206,33 @@ class Soak:
         self.samples = []  # (t, rss MB, fds, threads, slots, opened, closed, waited s, stalls)
         self.stop = threading.Event()
         self.held = []  # leak-control calls, kept open to the end
+
+    def new_channel(self, options=None):
+        if self.ca:
+            return grpc.secure_channel(self.target, self.creds, options=options)
+        return grpc.insecure_channel(self.target, options=options)
+
+    def install(self, cert, key):
+        """Certificate `cert`'s file and key `key`'s in the live files, each by a rename."""
+        for name, src in (("key.pem", f"{key}.key"), ("cert.pem", f"{cert}.pem")):
+            tmp = os.path.join(self.live, name + ".new")
+            shutil.copyfile(os.path.join(self.pki, src), tmp)
+            os.replace(tmp, os.path.join(self.live, name))
+
+    def rotator(self):
+        rng = random.Random(7)
+        current = 0
+        while not self.stop.wait(rng.uniform(1, 3)):
+            if rng.random() < 0.2:
+                self.install(current, (current + 1) % 3)  # a key of another certificate
+                self.rotations["broken"] += 1
+                if self.stop.wait(rng.uniform(2, 3)):
+                    break
+                self.install(current, current)
+            else:
+                current = (current + 1) % 3
+                self.install(current, current)
+                self.rotations["good"] += 1
 
     def record(self, scenario, code, detail=""):
         with self.lock:
@@ -217,7 +287,7 @@ class Soak:
                     time.sleep(rng.uniform(0.05, 0.2))
             elif kind == "stalled":
                 opts = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
-                with grpc.insecure_channel(self.target, options=opts) as ch:
+                with self.new_channel(opts) as ch:
                     stub = imagegen_pb2_grpc.ImageGenerationStub(ch)
                     r = self.request(rng, preview_every=1)
                     r.output.scale = 16
@@ -244,7 +314,7 @@ class Soak:
 
     def http(self, verb, path, body=None, timeout=600):
         """One HTTP request on a connection of its own: (status, body as text)."""
-        c = http.client.HTTPConnection("127.0.0.1", self.hport, timeout=timeout)
+        c = self.http_connection(timeout)
         try:
             c.request(verb, path, body=None if body is None else json.dumps(body),
                       headers={"Content-Type": "application/json"})
@@ -252,6 +322,12 @@ class Soak:
             return r.status, r.read().decode()
         finally:
             c.close()
+
+    def http_connection(self, timeout=600):
+        if self.ca:
+            return http.client.HTTPSConnection("127.0.0.1", self.hport, timeout=timeout,
+                                               context=self.ssl)
+        return http.client.HTTPConnection("127.0.0.1", self.hport, timeout=timeout)
 
     def http_body(self, rng, **kw):
         b = {"model": "fmnist-gpt", "prompt": rng.choice(self.classes),
@@ -267,6 +343,8 @@ class Soak:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
         s.settimeout(600)
         s.connect(("127.0.0.1", self.hport))
+        if self.ca:
+            s = self.ssl.wrap_socket(s, server_hostname="127.0.0.1")
         data = json.dumps(body).encode()
         s.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: soak\r\n"
                   b"Content-Type: application/json\r\nContent-Length: "
@@ -275,7 +353,7 @@ class Soak:
 
     def sse_events(self, body, pause=None):
         """The event names of a stream read to its end (sleeping `pause()` s after each)."""
-        c = http.client.HTTPConnection("127.0.0.1", self.hport, timeout=600)
+        c = self.http_connection()
         try:
             c.request("POST", "/v1/images/generations", body=json.dumps(body),
                       headers={"Content-Type": "application/json"})
@@ -374,7 +452,8 @@ class Soak:
         env = dict(os.environ)
         while not self.stop.is_set():
             p = subprocess.Popen([sys.executable, "-c", KILLED_CHILD, self.target,
-                                  str(rng.randrange(10)), str(rng.randrange(1 << 30))],
+                                  str(rng.randrange(10)), str(rng.randrange(1 << 30))]
+                                 + ([self.ca] if self.ca else []),
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
             time.sleep(rng.uniform(0.5, 3.0))
             if p.poll() is None:
@@ -389,7 +468,7 @@ class Soak:
         # Clients that stop reading and never cancel, on channels kept open to the end.
         opts = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
         for i in range(4):
-            ch = grpc.insecure_channel(self.target, options=opts)
+            ch = self.new_channel(opts)
             r = imagegen_pb2.GenerateRequest(class_id=i, seed=i, method="ar", preview_every=1)
             r.output.scale = 16
             self.held.append((ch, imagegen_pb2_grpc.ImageGenerationStub(ch).GenerateStream(r)))
@@ -415,6 +494,8 @@ class Soak:
         threads = [threading.Thread(target=self.worker, args=(1000 + i,), daemon=True)
                    for i in range(a.streams)]
         threads.append(threading.Thread(target=self.killer, daemon=True))
+        if a.tls:
+            threads.append(threading.Thread(target=self.rotator, daemon=True))
         for t in threads:
             t.start()
         if a.leak_control:
@@ -457,6 +538,19 @@ class Soak:
              last[8] == 0, f"{last[8]:.0f} times; longest wait sampled "
              f"{max(s[7] for s in self.samples):.2f} s"),
         ]
+        if a.tls:
+            # Each good change lasts 1-3 s and each broken pair 2-3 s, against the daemon's 1-s
+            # poll: it sees most changes (two within one poll count as one), and every broken
+            # pair at least once (and a good change's key beside the old certificate, sometimes).
+            m = metrics(self.mport)
+            served = m.get('imagegen_tls_certificate_reloads_total{outcome="ok"}', 0)
+            refused = m.get('imagegen_tls_certificate_reloads_total{outcome="error"}', 0)
+            good, broken = self.rotations["good"], self.rotations["broken"]
+            checks.append(("TLS rotations served (at least half of the changes)",
+                           served >= 0.5 * good and good > 0,
+                           f"{served:.0f} served for {good} changes"))
+            checks.append(("TLS broken pairs refused", refused >= broken and broken > 0,
+                           f"{refused:.0f} refusals (polls) for {broken} broken pairs"))
         stalled = sum(n for (kind, _), n in self.outcomes.items() if kind == "stalled")
         stalled_ok = self.outcomes.get(("stalled", "OK"), 0)
         checks.append(("stalled streams ended by the daemon (at most a tenth + 1 complete)",
@@ -496,6 +590,8 @@ def main():
     ap.add_argument("--leak-control", action="store_true")
     ap.add_argument("--http", action=argparse.BooleanOptionalAction, default=True,
                     help="half the clients' calls through the HTTP API (--http-listen)")
+    ap.add_argument("--tls", action="store_true",
+                    help="TLS on both ports, its certificate rotated under the load")
     ap.add_argument("--max-rss-growth-mb", type=float, default=50,
                     help="the RSS bound (tests/tsan.sh --soak widens it: TSan's own memory grows)")
     args = ap.parse_args()
