@@ -849,6 +849,7 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
       r = record_;
     }
     r.request_id = request_id_;
+    r.trace = trace_;
     r.api = stream_ ? "http-stream" : "http";
     r.peer = peer_;
     r.model = svc_->ModelName(model_);
@@ -884,6 +885,7 @@ class HttpCall : public std::enable_shared_from_this<HttpCall> {
   int partial_images_ = 0, scale_ = 1, n_ = 1;
   bool started_ = false;  // a generation request (counted as a call)
   std::string request_id_, peer_;
+  std::optional<TraceParent> trace_;  // the caller's traceparent, for the log line
   Caller caller_;
   int32_t priority_ = 0;
   Engine* engine_ = nullptr;
@@ -948,6 +950,7 @@ MHD_Result HttpCall::Start() {
     }
   }
   parsed = ImageGenerationService::CheckRequestId(Header("X-Request-Id"), parsed, &request_id_);
+  trace_ = ParseTraceparent(Header("traceparent"));
   peer_ = HttpPeer(conn_);
   req_ = ir.req;
   model_ = req_.model();

@@ -143,6 +143,33 @@ bool ValidRequestId(const std::string& id) {
   return true;
 }
 
+std::optional<TraceParent> ParseTraceparent(std::string_view v) {
+  auto hex = [&](size_t from, size_t n, bool nonzero) {
+    bool any = false;
+    for (size_t i = from; i < from + n; ++i) {
+      const char c = v[i];
+      if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
+      any |= c != '0';
+    }
+    return any || !nonzero;
+  };
+  constexpr size_t kLength = 55;  // 00-<32>-<16>-<2>
+  if (v.size() < kLength || !hex(0, 2, false) || v.substr(0, 2) == "ff") return std::nullopt;
+  if (v.substr(0, 2) == "00" ? v.size() != kLength : (v.size() > kLength && v[kLength] != '-')) {
+    return std::nullopt;
+  }
+  if (v[2] != '-' || v[35] != '-' || v[52] != '-' || !hex(3, 32, true) || !hex(36, 16, true) ||
+      !hex(53, 2, false)) {
+    return std::nullopt;
+  }
+  TraceParent t;
+  t.trace_id = std::string(v.substr(3, 32));
+  t.parent_id = std::string(v.substr(36, 16));
+  const char flags = v[54];
+  t.sampled = ((flags >= 'a' ? flags - 'a' + 10 : flags - '0') & 1) != 0;
+  return t;
+}
+
 std::string RequestIdError(const std::string& id) {
   return "must be 1 to " + std::to_string(kMaxRequestIdLength) +
          " characters of A-Z, a-z, 0-9 and -_.:/+=@ (got " + std::to_string(id.size()) +
@@ -200,6 +227,9 @@ std::string FormatCall(LogFormat format, const CallRecord& r) {
   };
   Line l(format, "request");
   l.Str("request_id", r.request_id).Str("api", r.api);
+  if (r.trace.has_value()) {
+    l.Str("trace_id", r.trace->trace_id).Str("parent_span_id", r.trace->parent_id);
+  }
   if (!r.peer.empty()) l.Str("peer", r.peer);
   if (!r.address.empty()) l.Str("addr", r.address);
   if (!r.key.empty()) l.Str("key", r.key);

@@ -2,7 +2,8 @@
 // `kubectl logs`):
 //
 //   - one `request` line per generation call, from either front (gRPC or the HTTP API), when
-//     the call ends: its request id, front, peer, model, method, images, outcome (the
+//     the call ends: its request id, the caller's trace (W3C traceparent), front, peer, model,
+//     method, images, outcome (the
 //     imagegen_requests_total label) and error message, seconds, and over its images the
 //     tokens, NFE, acceptance, the longest queue wait and the first image's seed;
 //   - every --log-stats-seconds, one `stats` line per model that had work in the interval
@@ -26,6 +27,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 
 #include "engine/scheduler/engine.h"
@@ -46,11 +48,25 @@ std::string RequestIdError(const std::string& id);
 // within the process and, with overwhelming probability, across processes.
 std::string NewRequestId();
 
+// The caller's W3C Trace Context (gRPC metadata or HTTP header `traceparent`,
+// https://www.w3.org/TR/trace-context/), logged so that the call's line can be found from the
+// caller's trace (Loki's derived fields to Tempo, say). The daemon makes no spans of its own.
+struct TraceParent {
+  std::string trace_id;   // 32 lowercase hex digits, not all zero
+  std::string parent_id;  // the caller's span: 16 lowercase hex digits, not all zero
+  bool sampled = false;   // trace-flags bit 0
+};
+// As the specification parses it: version 00 exactly 55 characters; a later version (not ff)
+// at least 55, its first 55 read as version 00's and then "-" or the end. Anything else is no
+// trace context (nullopt), which the specification says to ignore rather than refuse.
+std::optional<TraceParent> ParseTraceparent(std::string_view value);
+
 // One generation call, as its `request` line says it.
 struct CallRecord {
   std::string request_id;
-  std::string api;   // grpc, grpc-stream, http, http-stream
-  std::string peer;  // "ipv4:127.0.0.1:41234", "ipv6:[::1]:41234"
+  std::optional<TraceParent> trace;  // the caller's, when it sent a valid one
+  std::string api;                   // grpc, grpc-stream, http, http-stream
+  std::string peer;                  // "ipv4:127.0.0.1:41234", "ipv6:[::1]:41234"
   std::string model, method;
   std::string user;     // the request's own (empty: none named)
   std::string key;      // the name of the caller's API key (empty: unnamed, or no auth)

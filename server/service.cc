@@ -104,6 +104,7 @@ class Call : public std::enable_shared_from_this<Call> {
   std::string model, method = "unknown";
   int scale = 1;
   std::string request_id, peer;  // for the request log
+  std::optional<TraceParent> trace;
   Caller caller;
   int32_t priority = 0;  // the request's, or its key's (after Resolve)
 
@@ -278,6 +279,7 @@ class Call : public std::enable_shared_from_this<Call> {
     RequestLog* log = svc_->options_.request_log;
     if (log == nullptr) return;
     record_.request_id = request_id;
+    record_.trace = trace;
     record_.api = streaming() ? "grpc-stream" : "grpc";
     record_.peer = peer;
     record_.model = svc_->ModelName(model);
@@ -782,6 +784,9 @@ grpc::Status ImageGenerationService::Begin(const std::shared_ptr<Call>& call,
   // UNAVAILABLE of a draining replica not retried (2 runs of 8). Errors are answered as
   // before; their id is in the server's log line.
   call->peer = ctx->peer();
+  if (auto t = md.find("traceparent"); t != md.end()) {
+    call->trace = ParseTraceparent(std::string_view(t->second.data(), t->second.size()));
+  }
   std::string authorization, forwarded_for;
   if (auto a = md.find("authorization"); a != md.end()) {
     authorization.assign(a->second.data(), a->second.size());

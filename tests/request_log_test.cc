@@ -145,6 +145,55 @@ TEST(RequestLogTest, ACallIsOneLineOfKeyValuesOrOneJsonObject) {
   EXPECT_EQ(lj["user"], std::string(server::kMaxLoggedName, 'u') + "...(1048576 bytes)");
 }
 
+// W3C Trace Context's traceparent, parsed as its specification says (the examples are its own
+// shapes): version 00 exactly, a later version's first fields, and everything it says to
+// ignore.
+TEST(RequestLogTest, TraceparentIsParsedAsTheSpecificationSaysAndLogged) {
+  const std::string tid = "4bf92f3577b34da6a3ce929d0e0e4736", pid = "00f067aa0ba902b7";
+  auto t = server::ParseTraceparent("00-" + tid + "-" + pid + "-01");
+  ASSERT_TRUE(t.has_value());
+  EXPECT_EQ(t->trace_id, tid);
+  EXPECT_EQ(t->parent_id, pid);
+  EXPECT_TRUE(t->sampled);
+  t = server::ParseTraceparent("00-" + tid + "-" + pid + "-00");
+  ASSERT_TRUE(t.has_value());
+  EXPECT_FALSE(t->sampled);
+  EXPECT_TRUE(server::ParseTraceparent("00-" + tid + "-" + pid + "-0b")->sampled);
+  // A later version: its first fields as 00's, then "-" and whatever it adds, or the end.
+  EXPECT_TRUE(server::ParseTraceparent("cc-" + tid + "-" + pid + "-01").has_value());
+  EXPECT_TRUE(
+      server::ParseTraceparent("cc-" + tid + "-" + pid + "-01-what-the-future-adds").has_value());
+  EXPECT_FALSE(server::ParseTraceparent("cc-" + tid + "-" + pid + "-01x").has_value());
+  // What is to be ignored.
+  for (const std::string& bad : {
+           std::string(""),
+           "ff-" + tid + "-" + pid + "-01",                       // version ff
+           "00-" + tid + "-" + pid + "-01-extra",                 // 00 has no more fields
+           "00-" + tid + "-" + pid + "-1",                        // short flags
+           "00-00000000000000000000000000000000-" + pid + "-01",  // zero trace id
+           "00-" + tid + "-0000000000000000-01",                  // zero parent id
+           "00-4BF92F3577B34DA6A3CE929D0E0E4736-" + pid + "-01",  // uppercase
+           "00-" + tid.substr(1) + "-" + pid + "0-01",            // fields shifted
+           "00_" + tid + "-" + pid + "-01",                       // separator
+           "0g-" + tid + "-" + pid + "-01",                       // version not hex
+           "00-" + tid + "-" + pid.substr(0, 15) + "z-01",        // parent id not hex
+       }) {
+    EXPECT_FALSE(server::ParseTraceparent(bad).has_value()) << bad;
+  }
+  // Logged beside the request id, in both formats; absent without one.
+  CallRecord r = Sample();
+  r.trace = server::ParseTraceparent("00-" + tid + "-" + pid + "-01");
+  EXPECT_NE(
+      FormatCall(LogFormat::kText, r)
+          .find("request_id=req_1 api=http trace_id=" + tid + " parent_span_id=" + pid + " peer="),
+      std::string::npos)
+      << FormatCall(LogFormat::kText, r);
+  const nlohmann::json j = nlohmann::json::parse(FormatCall(LogFormat::kJson, r));
+  EXPECT_EQ(j["trace_id"], tid);
+  EXPECT_EQ(j["parent_span_id"], pid);
+  EXPECT_FALSE(nlohmann::json::parse(FormatCall(LogFormat::kJson, Sample())).contains("trace_id"));
+}
+
 TEST(RequestLogTest, AStatsLineGivesRatesOverItsInterval) {
   StatsRecord s;
   s.model = "fmnist-gpt";

@@ -1285,8 +1285,9 @@ TEST(E2eTest, RequestLogNamesEveryCallByTheIdItEchoes) {
   };
   const std::regex server_id("req_[0-9a-f]{32}");
 
-  grpc::ClientContext c1;  // the client's id; a user and a priority
+  grpc::ClientContext c1;  // the client's id; a user and a priority; the caller's trace
   c1.AddMetadata("x-request-id", "e2e-grpc-1");
+  c1.AddMetadata("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01");
   v1::GenerateResponse r1;
   v1::GenerateRequest q1 = Request("bag", 11, "sjd");
   q1.set_user("e2e-user");
@@ -1310,8 +1311,9 @@ TEST(E2eTest, RequestLogNamesEveryCallByTheIdItEchoes) {
   EXPECT_EQ(br.field_violations(0).field(), "x-request-id");
   EXPECT_EQ(id_of(c3), "");  // an error carries no metadata (it stays retryable)
 
-  grpc::ClientContext c4;  // a stream
+  grpc::ClientContext c4;  // a stream; a traceparent to ignore (version ff)
   c4.AddMetadata("x-request-id", "e2e-stream-1");
+  c4.AddMetadata("traceparent", "ff-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01");
   auto reader = stub->GenerateStream(&c4, Request("trouser", 14, "scd-mc"));
   v1::GenerateStreamResponse msg;
   int64_t stream_nfe = 0;
@@ -1326,7 +1328,8 @@ TEST(E2eTest, RequestLogNamesEveryCallByTheIdItEchoes) {
   const std::string http = Fetch(d.http_port(),
                                  "POST /v1/images/generations HTTP/1.0\r\nHost: 127.0.0.1\r\n"
                                  "Content-Type: application/json\r\nX-Request-Id: e2e-http-1\r\n"
-                                 "Content-Length: " +
+                                 "traceparent: 00-4bf92f3577b34da6a3ce929d0e0e4736-"
+                                 "00f067aa0ba902b7-00\r\nContent-Length: " +
                                      std::to_string(body.size()) + "\r\n\r\n" + body);
   ASSERT_EQ(http.rfind("HTTP/1.1 200", 0), 0u) << http.substr(0, 300);
   EXPECT_NE(http.find("\r\nx-request-id: e2e-http-1\r\n"), std::string::npos)
@@ -1370,6 +1373,10 @@ TEST(E2eTest, RequestLogNamesEveryCallByTheIdItEchoes) {
   EXPECT_EQ(g1["peer"].get<std::string>().rfind("ipv4:127.0.0.1:", 0), 0u) << g1;
   EXPECT_EQ(g1["user"], "e2e-user");
   EXPECT_EQ(g1["priority"], -2);
+  EXPECT_EQ(g1["trace_id"], "0af7651916cd43dd8448eb211c80319c");
+  EXPECT_EQ(g1["parent_span_id"], "b7ad6b7169203331");
+  EXPECT_FALSE(calls[id2].contains("trace_id"));
+  EXPECT_FALSE(calls["e2e-stream-1"].contains("trace_id"));  // ignored, as the spec says
   EXPECT_FALSE(calls[id2].contains("user"));  // none named, priority 0: neither is written
   EXPECT_FALSE(calls[id2].contains("priority"));
   EXPECT_EQ(calls[id2]["method"], "ar");
@@ -1390,6 +1397,8 @@ TEST(E2eTest, RequestLogNamesEveryCallByTheIdItEchoes) {
   EXPECT_EQ(h1["outcome"], "ok");
   EXPECT_EQ(h1["seed"], "15");
   EXPECT_EQ(h1["nfe"], 196);
+  EXPECT_EQ(h1["trace_id"], "4bf92f3577b34da6a3ce929d0e0e4736");
+  EXPECT_EQ(h1["parent_span_id"], "00f067aa0ba902b7");
   ASSERT_FALSE(stats_line.is_null()) << d.proc().Log();
   EXPECT_EQ(stats_line["model"], "fmnist-gpt");
   EXPECT_GT(stats_line["tokens_per_second"].get<double>(), 0);
