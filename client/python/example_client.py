@@ -12,6 +12,8 @@ then put OUT on PYTHONPATH). Runs with Debian's python3-grpcio.
     ... --model janus-pro-1b --prompt "a red bag on a table" --out bag.png   (text-to-image)
     ... --model fmnist-t2i --prompt "a bag" --negative-prompt "a dark bag" --n 4 --seed 1 \
         --out bag.png   (bag_0.png .. bag_3.png, seeds 1 .. 4)
+    ... --tls-ca ca.pem [--tls-cert client.pem --tls-key client.key] [--token ...]
+        (a daemon with --tls-cert; mutual TLS when it has --tls-client-ca)
 """
 import argparse
 import os
@@ -36,6 +38,13 @@ def main():
                     help="LlamaGen's cfg_interval: guide only image tokens 0..N+1")
     ap.add_argument("--n", type=int, default=1, help="images (seeds seed, seed + 1, ...)")
     ap.add_argument("--token", help="bearer token, if the server wants one")
+    ap.add_argument("--tls-ca", help="PEM CA bundle that signed the server's certificate (TLS; "
+                    "any --tls-* flag turns TLS on, and without this one the system's roots check "
+                    "the server)")
+    ap.add_argument("--tls-cert", help="PEM client certificate chain (mutual TLS)")
+    ap.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    ap.add_argument("--tls-server-name", help="the name to check the server's certificate for "
+                    "(default: the host of --target)")
     ap.add_argument("--out", default="image.png")
     args = ap.parse_args()
 
@@ -45,9 +54,33 @@ def main():
         sys.exit(f"{e.code().name}: {e.details()}")
 
 
+def channel_for(args):
+    """A plaintext channel, or a TLS one when any --tls-* flag is given."""
+    if not (args.tls_ca or args.tls_cert or args.tls_key or args.tls_server_name):
+        return grpc.insecure_channel(args.target)
+    if bool(args.tls_cert) != bool(args.tls_key):
+        sys.exit("--tls-cert and --tls-key go together")
+
+    def read(flag, path):
+        if not path:
+            return None
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except OSError as e:
+            sys.exit(f"{flag}: {e}")
+
+    creds = grpc.ssl_channel_credentials(root_certificates=read("--tls-ca", args.tls_ca),
+                                         private_key=read("--tls-key", args.tls_key),
+                                         certificate_chain=read("--tls-cert", args.tls_cert))
+    options = ([("grpc.ssl_target_name_override", args.tls_server_name)]
+               if args.tls_server_name else [])
+    return grpc.secure_channel(args.target, creds, options=options)
+
+
 def run(args):
     metadata = [("authorization", f"Bearer {args.token}")] if args.token else []
-    with grpc.insecure_channel(args.target) as channel:
+    with channel_for(args) as channel:
         stub = imagegen_pb2_grpc.ImageGenerationStub(channel)
         models = stub.ListModels(imagegen_pb2.ListModelsRequest(), metadata=metadata, timeout=10)
         names = [m.name for m in models.models]

@@ -800,8 +800,9 @@ TEST(E2eTest, TlsCertificatesRotateOnBothPortsAndABrokenPairIsRefused) {
   install(a + "/server.pem", a + "/server.key");
   Daemon d("tls_rotation", {"--tls-cert", live + "/cert.pem", "--tls-key", live + "/key.pem",
                             "--tls-poll-seconds", "1", "--http-listen", "127.0.0.1:0"});
-  // A new connection (a new handshake) that trusts only `ca`, on each port.
-  auto grpc_ok = [&](const std::string& ca) {
+  // A new connection (a new handshake) that trusts only `ca`, on each port; `service` SERVING
+  // (the process's "" answers while the models load).
+  auto grpc_ok = [&](const std::string& ca, const std::string& service = "") {
     grpc::SslCredentialsOptions o;
     o.pem_root_certs = Slurp(ca + "/ca.pem");
     grpc::ChannelArguments args;
@@ -811,8 +812,9 @@ TEST(E2eTest, TlsCertificatesRotateOnBothPortsAndABrokenPairIsRefused) {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + seconds(20));
     HealthCheckRequest hq;
+    hq.set_service(service);
     HealthCheckResponse hr;
-    return health->Check(&ctx, hq, &hr).ok();
+    return health->Check(&ctx, hq, &hr).ok() && hr.status() == HealthCheckResponse::SERVING;
   };
   auto https_ok = [&](const std::string& ca) {
     std::string out;
@@ -852,6 +854,36 @@ TEST(E2eTest, TlsCertificatesRotateOnBothPortsAndABrokenPairIsRefused) {
   EXPECT_NE(d.proc().Log().find("TLS certificate read again: CN=server, valid until "),
             std::string::npos)
       << d.proc().Log();
+  // The Python client over TLS (--tls-ca) draws an image once the models are loaded.
+  bool ready = false;
+  for (int i = 0; i < 600 && !ready; ++i) {
+    ready = grpc_ok(b, kService);
+    if (!ready) std::this_thread::sleep_for(milliseconds(200));
+  }
+  ASSERT_TRUE(ready) << d.proc().Log();
+  auto python = [&](const std::string& target, std::vector<std::string> flags,
+                    const std::string& log) {
+    std::vector<std::string> argv = {"/usr/bin/python3",
+                                     std::string(SourceDir()) + "/client/python/example_client.py",
+                                     "--target",
+                                     target,
+                                     "--class-name",
+                                     "trouser",
+                                     "--seed",
+                                     "21",
+                                     "--out",
+                                     live + "/" + log + ".png"};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    std::string out;
+    const int code = RunCommand(argv, &out, live + "/" + log + ".log",
+                                {"PYTHONPATH=" + std::string(PythonStubs())});
+    return std::pair{code, out};
+  };
+  auto [py_code, py_out] = python(d.target(), {"--tls-ca", b + "/ca.pem"}, "py_tls");
+  ASSERT_EQ(py_code, 0) << py_out;
+  std::string err;
+  EXPECT_EQ(ClassifyPng(Slurp(live + "/py_tls.png"), &err), 1) << err;
+  EXPECT_NE(python(d.target(), {"--tls-ca", a + "/ca.pem"}, "py_old_ca").first, 0);
 
   // Broken pairs: refused (counted each poll), and B is still served on both ports.
   const std::string errors = "imagegen_tls_certificate_reloads_total{outcome=\"error\"}";
@@ -919,6 +951,21 @@ TEST(E2eTest, TlsCertificatesRotateOnBothPortsAndABrokenPairIsRefused) {
   EXPECT_NE(h.proc().Log().find("SIGHUP: TLS certificate read again"), std::string::npos)
       << h.proc().Log();
   EXPECT_FALSE(mtls_ok(b, a));  // A's client certificate: not signed by the CA served now
+  // The Python client over mutual TLS (--tls-cert, --tls-key), and without its certificate.
+  for (int i = 0; i < 600; ++i) {  // until the models are loaded
+    auto [code, out] = python(h.target(),
+                              {"--tls-ca", b + "/ca.pem", "--tls-cert", b + "/client.pem",
+                               "--tls-key", b + "/client.key"},
+                              "py_mtls");
+    if (code == 0 || out.find("UNAVAILABLE: models are loading") == std::string::npos) {
+      EXPECT_EQ(code, 0) << out;
+      break;
+    }
+    std::this_thread::sleep_for(milliseconds(200));
+  }
+  EXPECT_EQ(ClassifyPng(Slurp(live + "/py_mtls.png"), &err), 1) << err;
+  auto [no_cert, no_cert_out] = python(h.target(), {"--tls-ca", b + "/ca.pem"}, "py_no_cert");
+  EXPECT_NE(no_cert, 0) << no_cert_out;
 }
 
 // Named API keys (server/auth.h) and trusted proxies (server/forwarded.h): a key's name is in
