@@ -16,6 +16,7 @@
 
 #include "engine/decoding/policy.h"
 #include "engine/util/read_file.h"
+#include "server/process_metrics.h"
 
 namespace imagegen::server {
 namespace {
@@ -168,8 +169,9 @@ StatusOr<std::unique_ptr<Daemon>> Daemon::Listen(const DaemonOptions& options) {
   d->mirror_ = std::move(mirror);
   if (certificate != nullptr) d->metrics_.OnTlsCertificate(certificate->not_after());
   if (!options.metrics_listen.empty()) {
-    auto started = MetricsHttpServer::Start(options.metrics_listen,
-                                            {d->metrics_.registry(), d->metrics_.engine_gauges()});
+    auto started = MetricsHttpServer::Start(
+        options.metrics_listen,
+        {d->metrics_.registry(), d->metrics_.engine_gauges(), std::make_shared<ProcessMetrics>()});
     if (!started.ok()) {
       return Status(started.status().code(), "--metrics-listen: " + started.status().message());
     }

@@ -1492,6 +1492,13 @@ TEST(E2eTest, PrometheusScrapesAcceptanceRateAndNfe) {
   EXPECT_EQ(lint, "");
   // The goodput controller's series (the default window policy).
   const std::string text = Slurp(dir + "/metrics.txt");
+  // The process's own (server/process_metrics.h): its memory is at least the models' hundreds
+  // of MB, its descriptors count the listening sockets, it started before the scrape.
+  EXPECT_GT(MetricValue(text, "process_resident_memory_bytes"), 100e6) << text.size();
+  EXPECT_GT(MetricValue(text, "process_open_fds"), 3);
+  EXPECT_GT(MetricValue(text, "process_cpu_seconds_total"), 0);
+  EXPECT_LE(MetricValue(text, "process_start_time_seconds"),
+            static_cast<double>(std::time(nullptr)));
   for (const char* series : {"imagegen_step_cost_ratio_count{model=\"fmnist-gpt\"}",
                              "imagegen_step_predicted_seconds_total{model=\"fmnist-gpt\"}",
                              "imagegen_controller_expected_tokens_total{model=\"fmnist-gpt\"}",
