@@ -7,7 +7,8 @@
 # CLI and Python client with streams, cancels, deadlines, a full queue, stalled readers, TLS,
 # SIGTERM drain). CI runs the short form (--short: the engine's threads only); `--soak` adds the
 # soak (tests/soak/soak.py: gRPC and HTTP clients that stream, cancel, time out, read slowly,
-# stop reading, hang up, get SIGKILLed) against the TSan daemon. Any report from any of these processes fails
+# stop reading, hang up, get SIGKILLed, over TLS whose certificate is rotated meanwhile) against
+# the TSan daemon. Any report from any of these processes fails
 # the script.
 #
 # TSan sees a lock only if the code taking it is instrumented. Debian's gRPC and Abseil are not
@@ -196,7 +197,7 @@ if [ $soak = 1 ]; then
   # checks that matter (slots, calls, file descriptors, threads) are unchanged.
   PYTHONPATH=$build/python /usr/bin/python3 tests/soak/soak.py \
     --server "$build/server/imagegen-server" --streams "${SOAK_STREAMS:-16}" \
-    --seconds "${SOAK_SECONDS:-120}" --max-rss-growth-mb 1024 || status=1
+    --seconds "${SOAK_SECONDS:-120}" --max-rss-growth-mb 1024 --tls || status=1
 fi
 end=$(date +%s)
 
