@@ -25,6 +25,7 @@ APT_PACKAGES=(
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc libabsl-dev
   libprotoc-dev dpkg-dev
   prometheus-cpp-dev libmicrohttpd-dev prometheus openssl
+  libgnutls28-dev  # the server's certificate checks and HTTPS callback (libmicrohttpd-dev's too)
   libgtest-dev libgmock-dev
   libpng-dev nlohmann-json3-dev libpcre2-dev libicu-dev
   dataset-fashion-mnist
