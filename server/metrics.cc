@@ -349,10 +349,11 @@ Metrics::Metrics()
                          .Register(*registry_)),
       tls_reloads_(BuildCounter()
                        .Name("imagegen_tls_certificate_reloads_total")
-                       .Help("Reads of changed --tls-cert/--tls-key files (checked every "
-                             "--tls-poll-seconds), by outcome: ok (the certificate served from "
-                             "then on), error (refused: not a certificate and its key; the one "
-                             "served stays, and the read is tried again each poll)")
+                       .Help("Reads of changed --tls-cert, --tls-key or --tls-client-ca "
+                             "files (checked every --tls-poll-seconds and on SIGHUP), by "
+                             "outcome: ok (served from then on), error (refused: not a "
+                             "certificate and its key, or a CA bundle that does not parse; the "
+                             "last good one stays, and the read is tried again each poll)")
                        .Register(*registry_)) {
   info_.Add({{"version", "0.1.0"}}).Set(1);
   for (const char* reason : {"stalled", "failing"}) engine_unhealthy_.Add({{"reason", reason}});
