@@ -15,20 +15,12 @@
 #include <grpcpp/health_check_service_interface.h>
 
 #include "engine/decoding/policy.h"
-#include "engine/util/read_file.h"
 #include "server/process_metrics.h"
 
 namespace imagegen::server {
 namespace {
 
 constexpr char kServiceName[] = "imagegen.v1.ImageGeneration";
-
-// TLS material, with the flag that named it in the error.
-StatusOr<std::string> ReadFile(const std::string& flag, const std::string& path) {
-  StatusOr<std::string> data = imagegen::ReadFile(path, kMaxTlsFileBytes);
-  if (!data.ok()) return InvalidArgument(flag + ": " + data.status().message());
-  return data;
-}
 
 // The failing check's probe (DaemonOptions::engine_probe_seconds). It reports once how it
 // went: "ok" from its first step, before the engine publishes that the model's failed steps
@@ -129,7 +121,7 @@ StatusOr<std::unique_ptr<Daemon>> Daemon::Listen(const DaemonOptions& options) {
     if (!read.ok()) return read.status();
     certificate = *read;
     if (!options.tls_client_ca.empty()) {
-      auto ca = ReadFile("--tls-client-ca", options.tls_client_ca);
+      auto ca = ReadTlsFile("--tls-client-ca", options.tls_client_ca);
       if (!ca.ok()) return ca.status();
       RETURN_IF_ERROR(CheckCaBundle(*ca));
       // libmicrohttpd asks for a client certificate but leaves checking it to the
@@ -231,11 +223,11 @@ void Daemon::WatchCertificate() {
     const bool hup = tls_check_now_;
     tls_check_now_ = false;
     l.unlock();
-    StatusOr<std::string> cert = ReadFile("--tls-cert", options_.tls_cert);
-    StatusOr<std::string> key = ReadFile("--tls-key", options_.tls_key);
+    StatusOr<std::string> cert = ReadTlsFile("--tls-cert", options_.tls_cert);
+    StatusOr<std::string> key = ReadTlsFile("--tls-key", options_.tls_key);
     StatusOr<std::string> ca = options_.tls_client_ca.empty()
                                    ? StatusOr<std::string>(std::string())
-                                   : ReadFile("--tls-client-ca", options_.tls_client_ca);
+                                   : ReadTlsFile("--tls-client-ca", options_.tls_client_ca);
     const bool same = cert.ok() && key.ok() && ca.ok() && *cert == certificate_->cert_pem() &&
                       *key == certificate_->key_pem() && *ca == client_ca_;
     if (same) {
@@ -244,16 +236,17 @@ void Daemon::WatchCertificate() {
     } else {
       // A pair that is not a certificate and its key (or a CA bundle that does not parse)
       // is refused: both ports keep serving the last good one.
-      StatusOr<std::shared_ptr<const ServerCertificate>> next =
-          !cert.ok()  ? StatusOr<std::shared_ptr<const ServerCertificate>>(cert.status())
-          : !key.ok() ? StatusOr<std::shared_ptr<const ServerCertificate>>(key.status())
-          : !ca.ok()  ? StatusOr<std::shared_ptr<const ServerCertificate>>(ca.status())
-                      : ServerCertificate::Parse(*cert, *key);
-      Status st = next.status();
-      if (st.ok() && !ca->empty()) st = CheckCaBundle(*ca);
-      if (st.ok()) st = mirror_->Publish(**next, *ca);
+      Status st = !cert.ok() ? cert.status() : !key.ok() ? key.status() : ca.status();
+      std::shared_ptr<const ServerCertificate> next;
       if (st.ok()) {
-        certificate_ = *next;
+        auto parsed = ServerCertificate::Parse(*cert, *key);
+        st = parsed.status();
+        if (parsed.ok()) next = *parsed;
+      }
+      if (st.ok() && !ca->empty()) st = CheckCaBundle(*ca);
+      if (st.ok()) st = mirror_->Publish(*next, *ca);
+      if (st.ok()) {
+        certificate_ = next;
         client_ca_ = *ca;
         if (http_ != nullptr) http_->SetCertificate(certificate_);
         metrics_.OnTlsReload(true);

@@ -407,10 +407,9 @@ class HttpCall;
 
 struct HttpApi::Shared : std::enable_shared_from_this<HttpApi::Shared> {
   ImageGenerationService* service = nullptr;
-  // HTTPS (HttpApi::SetCertificate): what GnuTLS's handshake callback hands out, and every
-  // certificate served so far (GnuTLS does not copy them).
+  // HTTPS (HttpApi::SetCertificate): every certificate served so far (GnuTLS does not copy
+  // them); the last is what the handshake callback hands out. Empty: plain HTTP.
   std::mutex cert_mu;
-  std::shared_ptr<const ServerCertificate> certificate;
   std::vector<std::shared_ptr<const ServerCertificate>> served;
   MHD_Daemon* daemon = nullptr;  // set once started (the registry's lookup)
   std::mutex mu;
@@ -1110,9 +1109,10 @@ int RetrieveCertificate(gnutls_session_t session, const gnutls_datum_t*, int,
   }
   if (shared == nullptr) return -1;  // the handshake fails
   std::lock_guard<std::mutex> l(shared->cert_mu);
-  *chain = shared->certificate->chain();
-  *chain_length = shared->certificate->chain_length();
-  *key = shared->certificate->key();
+  const ServerCertificate& current = *shared->served.back();
+  *chain = current.chain();
+  *chain_length = current.chain_length();
+  *key = current.key();
   return 0;
 }
 
@@ -1121,8 +1121,7 @@ int RetrieveCertificate(gnutls_session_t session, const gnutls_datum_t*, int,
 void HttpApi::SetCertificate(std::shared_ptr<const ServerCertificate> certificate) {
   if (certificate == nullptr) return;
   std::lock_guard<std::mutex> l(shared_->cert_mu);
-  if (shared_->certificate == nullptr) return;  // plain HTTP
-  shared_->certificate = certificate;
+  if (shared_->served.empty()) return;  // plain HTTP
   shared_->served.push_back(std::move(certificate));
 }
 
@@ -1142,8 +1141,7 @@ StatusOr<std::unique_ptr<HttpApi>> HttpApi::Start(
           "this libmicrohttpd has no TLS or no certificate callback; HTTPS is not available");
     }
     flags |= MHD_USE_TLS;
-    s->shared_->served.push_back(certificate);
-    s->shared_->certificate = std::move(certificate);
+    s->shared_->served.push_back(std::move(certificate));
     // Every handshake asks RetrieveCertificate, which hands out the current certificate
     // (SetCertificate replaces it when the files change).
     tls_options.push_back(

@@ -119,10 +119,10 @@ std::string ServerCertificate::not_after_text() const {
 
 StatusOr<std::shared_ptr<const ServerCertificate>> ServerCertificate::Read(
     const std::string& cert_path, const std::string& key_path) {
-  StatusOr<std::string> cert = ReadFile(cert_path, kMaxTlsFileBytes);
-  if (!cert.ok()) return InvalidArgument("--tls-cert: " + cert.status().message());
-  StatusOr<std::string> key = ReadFile(key_path, kMaxTlsFileBytes);
-  if (!key.ok()) return InvalidArgument("--tls-key: " + key.status().message());
+  StatusOr<std::string> cert = ReadTlsFile("--tls-cert", cert_path);
+  if (!cert.ok()) return cert.status();
+  StatusOr<std::string> key = ReadTlsFile("--tls-key", key_path);
+  if (!key.ok()) return key.status();
   return Parse(std::move(cert).value(), std::move(key).value());
 }
 
@@ -130,10 +130,14 @@ StatusOr<std::shared_ptr<const ServerCertificate>> ServerCertificate::Read(
 
 namespace imagegen::server {
 
+StatusOr<std::string> ReadTlsFile(const std::string& flag, const std::string& path) {
+  StatusOr<std::string> data = ReadFile(path, kMaxTlsFileBytes);
+  if (!data.ok()) return InvalidArgument(flag + ": " + data.status().message());
+  return data;
+}
+
 Status CheckCaBundle(const std::string& pem) {
-  if (pem.find("-----BEGIN CERTIFICATE-----") == std::string::npos) {
-    return InvalidArgument("--tls-client-ca: holds no PEM CERTIFICATE");
-  }
+  RETURN_IF_ERROR(HasPem("--tls-client-ca", pem, "CERTIFICATE"));
   gnutls_x509_crt_t* crts = nullptr;
   unsigned n = 0;
   const gnutls_datum_t data = Datum(pem);

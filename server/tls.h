@@ -64,6 +64,9 @@ class ServerCertificate {
   gnutls_privkey_t key_ = nullptr;
 };
 
+// A TLS file (at most kMaxTlsFileBytes), errors naming `flag` ("--tls-cert: <path>: ...").
+StatusOr<std::string> ReadTlsFile(const std::string& flag, const std::string& path);
+
 // Checks a CA bundle (--tls-client-ca): PEM certificates that GnuTLS parses.
 Status CheckCaBundle(const std::string& pem);
 
