@@ -407,10 +407,21 @@ class HttpCall;
 
 struct HttpApi::Shared : std::enable_shared_from_this<HttpApi::Shared> {
   ImageGenerationService* service = nullptr;
-  // HTTPS (HttpApi::SetCertificate): every certificate served so far (GnuTLS does not copy
-  // them); the last is what the handshake callback hands out. Empty: plain HTTP.
+  // HTTPS (HttpApi::SetCertificate): the certificates by generation (1, 2, ... per change);
+  // the last is what the handshake callback hands out. Empty: plain HTTP. A connection's
+  // handshake takes the certificate current then, which is no older than the one current
+  // when it was accepted (`accepted_at`, one entry per open connection): those older than
+  // every open connection's are freed (GnuTLS does not copy them, so not before).
   std::mutex cert_mu;
-  std::vector<std::shared_ptr<const ServerCertificate>> served;
+  std::map<int64_t, std::shared_ptr<const ServerCertificate>> served;
+  std::multiset<int64_t> accepted_at;
+  void FreeUnusedCertificates() {  // under cert_mu
+    if (served.empty()) return;
+    const int64_t oldest = accepted_at.empty()
+                               ? served.rbegin()->first
+                               : std::min(*accepted_at.begin(), served.rbegin()->first);
+    served.erase(served.begin(), served.lower_bound(oldest));
+  }
   MHD_Daemon* daemon = nullptr;  // set once started (the registry's lookup)
   std::mutex mu;
   std::condition_variable cv;
@@ -1109,11 +1120,31 @@ int RetrieveCertificate(gnutls_session_t session, const gnutls_datum_t*, int,
   }
   if (shared == nullptr) return -1;  // the handshake fails
   std::lock_guard<std::mutex> l(shared->cert_mu);
-  const ServerCertificate& current = *shared->served.back();
+  const ServerCertificate& current = *shared->served.rbegin()->second;
   *chain = current.chain();
   *chain_length = current.chain_length();
   *key = current.key();
   return 0;
+}
+
+// HTTPS: each connection notes the certificate generation current when it was accepted
+// (before its handshake), so that no certificate it may use is freed while it is open.
+void ConnectionNotified(void* cls, MHD_Connection* /*c*/, void** socket_context,
+                        MHD_ConnectionNotificationCode toe) {
+  auto* shared = static_cast<HttpApi::Shared*>(cls);
+  std::lock_guard<std::mutex> l(shared->cert_mu);
+  if (toe == MHD_CONNECTION_NOTIFY_STARTED) {
+    if (shared->served.empty()) return;
+    const int64_t generation = shared->served.rbegin()->first;
+    shared->accepted_at.insert(generation);
+    *socket_context = reinterpret_cast<void*>(static_cast<intptr_t>(generation));
+  } else if (*socket_context != nullptr) {  // closed (also when accepted but never started)
+    const auto generation = static_cast<int64_t>(reinterpret_cast<intptr_t>(*socket_context));
+    *socket_context = nullptr;
+    auto it = shared->accepted_at.find(generation);
+    if (it != shared->accepted_at.end()) shared->accepted_at.erase(it);
+    shared->FreeUnusedCertificates();
+  }
 }
 
 }  // namespace
@@ -1122,7 +1153,14 @@ void HttpApi::SetCertificate(std::shared_ptr<const ServerCertificate> certificat
   if (certificate == nullptr) return;
   std::lock_guard<std::mutex> l(shared_->cert_mu);
   if (shared_->served.empty()) return;  // plain HTTP
-  shared_->served.push_back(std::move(certificate));
+  const int64_t generation = shared_->served.rbegin()->first + 1;
+  shared_->served.emplace(generation, std::move(certificate));
+  shared_->FreeUnusedCertificates();
+}
+
+int64_t HttpApi::certificates_held() const {
+  std::lock_guard<std::mutex> l(shared_->cert_mu);
+  return static_cast<int64_t>(shared_->served.size());
 }
 
 StatusOr<std::unique_ptr<HttpApi>> HttpApi::Start(
@@ -1141,11 +1179,14 @@ StatusOr<std::unique_ptr<HttpApi>> HttpApi::Start(
           "this libmicrohttpd has no TLS or no certificate callback; HTTPS is not available");
     }
     flags |= MHD_USE_TLS;
-    s->shared_->served.push_back(std::move(certificate));
+    s->shared_->served.emplace(1, std::move(certificate));
     // Every handshake asks RetrieveCertificate, which hands out the current certificate
-    // (SetCertificate replaces it when the files change).
+    // (SetCertificate replaces it when the files change); ConnectionNotified keeps those that
+    // open connections may use.
     tls_options.push_back(
         {MHD_OPTION_HTTPS_CERT_CALLBACK, 0, reinterpret_cast<void*>(&RetrieveCertificate)});
+    tls_options.push_back({MHD_OPTION_NOTIFY_CONNECTION,
+                           reinterpret_cast<intptr_t>(&ConnectionNotified), s->shared_.get()});
     std::lock_guard<std::mutex> registry(https_mu);
     HttpsServers().push_back(s->shared_.get());
   }

@@ -72,10 +72,13 @@ class HttpApi {
 
   int port() const { return port_; }
   // HTTPS: the certificate for the handshakes that begin from now on (connections already set
-  // up keep theirs). Every certificate served stays in memory until the server stops: GnuTLS
-  // does not copy it, and a session may refer to it while it lasts (one per change of the
-  // files). Does nothing on a plain-HTTP server.
+  // up keep theirs). GnuTLS does not copy a certificate, and a session may refer to it while it
+  // lasts, so one that was replaced stays in memory until every connection accepted before it
+  // was replaced has closed (a connection's handshake takes the certificate current then, never
+  // an older one). Does nothing on a plain-HTTP server.
   void SetCertificate(std::shared_ptr<const ServerCertificate> certificate);
+  // HTTPS: the certificates in memory (the current one and those connections may still use).
+  int64_t certificates_held() const;
   // Requests whose connection is still open (the accounting check of the tests).
   int64_t open_requests() const;
   // Waits up to `deadline` for the open requests to be answered, then ends the rest (their
