@@ -159,6 +159,11 @@ StatusOr<std::unique_ptr<Daemon>> Daemon::Listen(const DaemonOptions& options) {
   d->certificate_ = certificate;
   d->client_ca_ = client_ca;
   d->mirror_ = std::move(mirror);
+  if (d->mirror_ != nullptr) {
+    for (const std::string& dir : d->mirror_->abandoned_removed()) {
+      d->log_->Message("removed the TLS mirror of a daemon that is gone: " + dir);
+    }
+  }
   if (certificate != nullptr) d->metrics_.OnTlsCertificate(certificate->not_after());
   if (!options.metrics_listen.empty()) {
     auto started = MetricsHttpServer::Start(

@@ -1,15 +1,20 @@
 #include "server/tls.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <gnutls/x509.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
+#include <cstdio>
 #include <cstring>
 #include <ctime>
+#include <optional>
 #include <utility>
+#include <vector>
 
 #include "engine/util/read_file.h"
 
@@ -174,13 +179,146 @@ Status WritePrivate(const std::string& path, const std::string& data, int64_t mt
   return st;
 }
 
+constexpr char kMirrorPrefix[] = "imagegen-tls-";
+constexpr char kOwnerFile[] = "owner";
+
+std::string FirstLine(const std::string& path) {
+  StatusOr<std::string> text = ReadFile(path, 4096);
+  if (!text.ok()) return "";
+  return text->substr(0, text->find('\n'));
+}
+
+// What names a live process across pid reuse: its pid namespace and boot (a mirror made in
+// another namespace or before a reboot cannot be judged from here), and the process's start
+// time (field 22 of /proc/<pid>/stat, in clock ticks since boot). "" when there is none.
+std::string ProcessStart(long pid) {
+  const std::string stat = FirstLine("/proc/" + std::to_string(pid) + "/stat");
+  const size_t comm_end = stat.rfind(')');  // the command name may hold spaces and ')'
+  if (comm_end == std::string::npos) return "";
+  size_t at = comm_end + 1;
+  for (int field = 3; field <= 22; ++field) {
+    at = stat.find_first_not_of(' ', at);
+    if (at == std::string::npos) return "";
+    const size_t end = std::min(stat.find(' ', at), stat.size());
+    if (field == 22) return stat.substr(at, end - at);
+    at = end;
+  }
+  return "";
+}
+
+std::string Namespace() {
+  char target[128] = {};
+  const ssize_t n = ::readlink("/proc/self/ns/pid", target, sizeof target - 1);
+  return n > 0 ? std::string(target, static_cast<size_t>(n)) : "";
+}
+
+std::string BootId() { return FirstLine("/proc/sys/kernel/random/boot_id"); }
+
+// The owner line of this process's mirrors: "<pid namespace> <boot id> <pid> <start time>".
+std::string OwnerLine() {
+  const long pid = static_cast<long>(::getpid());
+  return Namespace() + " " + BootId() + " " + std::to_string(pid) + " " + ProcessStart(pid);
+}
+
+// Whether an owner line names a process of this namespace and boot that is gone.
+bool OwnerIsGone(const std::string& line) {
+  char ns[128] = {}, boot[64] = {}, start[32] = {};
+  long pid = 0;
+  if (std::sscanf(line.c_str(), "%127s %63s %ld %31s", ns, boot, &pid, start) != 4) return false;
+  if (pid <= 0 || ns != Namespace() || boot != BootId() || BootId().empty()) return false;
+  return ProcessStart(pid) != start;
+}
+
+// The entries of the directory open at `fd` (closed by the call), or nullopt on error.
+std::optional<std::vector<std::string>> Entries(int fd) {
+  DIR* d = ::fdopendir(fd);
+  if (d == nullptr) {
+    ::close(fd);
+    return std::nullopt;
+  }
+  std::vector<std::string> names;
+  while (const dirent* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    if (name != "." && name != "..") names.push_back(name);
+  }
+  ::closedir(d);
+  return names;
+}
+
+bool IsGenerationName(const std::string& name) {
+  return name.size() > 1 && name[0] == 'g' &&
+         name.find_first_not_of("0123456789", 1) == std::string::npos;
+}
+
+// Removes the mirror `name` under the directory open at `parent` when it is this user's, holds
+// only what a mirror holds, and its owner is gone. Relative to open directories, never
+// following a link.
+bool RemoveIfAbandoned(int parent, const std::string& name) {
+  const int fd = ::openat(parent, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) return false;
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || st.st_uid != ::geteuid()) {
+    ::close(fd);
+    return false;
+  }
+  const int owner = ::openat(fd, kOwnerFile, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  char line[256] = {};
+  const ssize_t n = owner < 0 ? -1 : ::read(owner, line, sizeof line - 1);
+  if (owner >= 0) ::close(owner);
+  const int dup = ::dup(fd);
+  auto names = dup < 0 ? std::nullopt : Entries(dup);
+  bool remove = n > 0 && names.has_value() && OwnerIsGone(std::string(line, line + n));
+  // What it holds: its generations (a key, a certificate, a CA), the links, the owner.
+  std::vector<std::pair<std::string, std::vector<std::string>>> generations;
+  for (size_t i = 0; remove && i < names->size(); ++i) {
+    const std::string& entry = (*names)[i];
+    if (entry == kOwnerFile || entry == "current" || entry == "current.new") continue;
+    const int g = IsGenerationName(entry)
+                      ? ::openat(fd, entry.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
+                      : -1;
+    auto files = g < 0 ? std::nullopt : Entries(g);
+    remove = files.has_value();
+    for (const std::string& f : files.value_or(std::vector<std::string>())) {
+      remove = remove && (f == "key.pem" || f == "cert.pem" || f == "ca.pem");
+    }
+    if (remove) generations.emplace_back(entry, *std::move(files));
+  }
+  if (remove) {
+    for (const auto& [g, files] : generations) {
+      const int gfd = ::openat(fd, g.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+      if (gfd < 0) continue;
+      for (const std::string& f : files) ::unlinkat(gfd, f.c_str(), 0);
+      ::close(gfd);
+      ::unlinkat(fd, g.c_str(), AT_REMOVEDIR);
+    }
+    for (const char* f : {"current", "current.new", kOwnerFile}) ::unlinkat(fd, f, 0);
+  }
+  ::close(fd);
+  return remove && ::unlinkat(parent, name.c_str(), AT_REMOVEDIR) == 0;
+}
+
 }  // namespace
+
+std::vector<std::string> CertificateMirror::RemoveAbandoned(const std::string& parent) {
+  std::vector<std::string> removed;
+  const int fd = ::open(parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return removed;
+  const int dup = ::dup(fd);
+  for (const std::string& name : Entries(dup).value_or(std::vector<std::string>())) {
+    if (name.rfind(kMirrorPrefix, 0) == 0 && RemoveIfAbandoned(fd, name)) {
+      removed.push_back(parent + "/" + name);
+    }
+  }
+  ::close(fd);
+  return removed;
+}
 
 StatusOr<std::unique_ptr<CertificateMirror>> CertificateMirror::Create(
     const ServerCertificate& certificate, const std::string& client_ca) {
   const char* tmp = std::getenv("TMPDIR");
-  std::string pattern =
-      std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/imagegen-tls-XXXXXX";
+  const std::string parent = tmp != nullptr && *tmp != '\0' ? tmp : "/tmp";
+  std::vector<std::string> abandoned = RemoveAbandoned(parent);
+  std::string pattern = parent + "/" + kMirrorPrefix + "XXXXXX";
   if (::mkdtemp(pattern.data()) == nullptr) {
     return FailedPrecondition(
         Errno("--tls-cert: cannot make a private directory for the certificate gRPC reads (" +
@@ -188,6 +326,10 @@ StatusOr<std::unique_ptr<CertificateMirror>> CertificateMirror::Create(
         "; set TMPDIR to a writable directory (on Kubernetes, an emptyDir on /tmp)");
   }
   std::unique_ptr<CertificateMirror> m(new CertificateMirror(pattern));
+  m->abandoned_removed_ = std::move(abandoned);
+  // The owner first: a mirror that holds a key always names its owner.
+  RETURN_IF_ERROR(WritePrivate(pattern + "/" + kOwnerFile, OwnerLine() + "\n",
+                               static_cast<int64_t>(::time(nullptr))));
   RETURN_IF_ERROR(m->Publish(certificate, client_ca));
   return m;
 }
@@ -231,6 +373,7 @@ CertificateMirror::~CertificateMirror() {
   for (int64_t g = generation_; g >= generation_ - 1; --g) RemoveGeneration(g);
   ::unlink((dir_ + "/current").c_str());
   ::unlink((dir_ + "/current.new").c_str());
+  ::unlink((dir_ + "/" + kOwnerFile).c_str());
   ::rmdir(dir_.c_str());
 }
 

@@ -77,12 +77,21 @@ Status CheckCaBundle(const std::string& pem);
 // own (the mirror's creation time plus the generation's number, in seconds): gRPC reads a key
 // and certificate again when either time changed while it read them, so it never pairs one
 // generation's key with another's certificate. The two latest generations are kept (gRPC may
-// be reading the previous one).
+// be reading the previous one). The directory names its owner (pid, process start time, boot
+// id): the mirrors of daemons that died without removing theirs (SIGKILL, the OOM killer) are
+// removed by the next daemon that makes one in the same place (a pod's emptyDir /tmp outlives
+// its container, and the new daemon may have the same pid).
 class CertificateMirror {
  public:
   // Makes the directory and publishes the first generation. `client_ca` empty: no CA file.
   static StatusOr<std::unique_ptr<CertificateMirror>> Create(const ServerCertificate& certificate,
                                                              const std::string& client_ca);
+  // The mirrors of dead daemons under `parent` (imagegen-tls-*, this user's, whose owner is
+  // gone) removed; returns their paths. Only what a mirror holds is removed: a directory with
+  // anything else in it, or that names no owner (one being made), is left. Create calls it.
+  static std::vector<std::string> RemoveAbandoned(const std::string& parent);
+  // What Create's RemoveAbandoned removed (the daemon logs it).
+  const std::vector<std::string>& abandoned_removed() const { return abandoned_removed_; }
   ~CertificateMirror();  // removes the directory
   CertificateMirror(const CertificateMirror&) = delete;
   CertificateMirror& operator=(const CertificateMirror&) = delete;
@@ -102,6 +111,7 @@ class CertificateMirror {
   const std::string dir_;
   const int64_t epoch_;
   int64_t generation_ = 0;
+  std::vector<std::string> abandoned_removed_;
 };
 
 }  // namespace imagegen::server

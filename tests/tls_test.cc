@@ -180,6 +180,75 @@ TEST_F(TlsTest, TheMirrorPublishesGenerationsBehindOneLinkAndRemovesItself) {
   testing::RemoveTree(tmp);
 }
 
+// A daemon killed with SIGKILL leaves its mirror (a copy of the key); the next one to make a
+// mirror in the same place removes it, and nothing that is not plainly such a leftover: a
+// live daemon's (here, this process's, the Kubernetes case of a restarted container that has
+// its predecessor's pid is the start-time check), one that names no owner yet, one made in
+// another pid namespace, one holding a file of someone else's, a link.
+TEST_F(TlsTest, AMirrorLeftByADaemonThatIsGoneIsRemovedByTheNextOne) {
+  const std::string tmp = TempDir("tls_abandoned");
+  auto a = ServerCertificate::Read(dir_ + "/a.pem", dir_ + "/a.key");
+  ASSERT_TRUE(a.ok());
+  char ns[128] = {};
+  ASSERT_GT(::readlink("/proc/self/ns/pid", ns, sizeof ns - 1), 0);
+  std::string boot = Slurp("/proc/sys/kernel/random/boot_id");
+  boot = boot.substr(0, boot.find('\n'));
+  // A child that has exited and been waited for: its pid names no process.
+  std::string out;
+  ASSERT_EQ(RunCommand({"/bin/bash", "-c", "echo $$"}, &out, tmp + "/child.log"), 0);
+  const std::string dead_pid = out.substr(0, out.find('\n'));
+  const std::string self = std::to_string(::getpid());
+  // A mirror as a daemon leaves it: two generations, the link, the owner line.
+  auto leftover = [&](const std::string& name, const std::string& owner) {
+    const std::string d = tmp + "/" + name;
+    for (const std::string& sub : {d, d + "/g3", d + "/g4"})
+      ASSERT_EQ(::mkdir(sub.c_str(), 0700), 0);
+    for (const char* f :
+         {"/g3/key.pem", "/g3/cert.pem", "/g4/key.pem", "/g4/cert.pem", "/g4/ca.pem"}) {
+      std::ofstream(d + f) << "secret";
+    }
+    ASSERT_EQ(::symlink("g4", (d + "/current").c_str()), 0);
+    if (!owner.empty()) std::ofstream(d + "/owner") << owner << "\n";
+  };
+  const std::string here = std::string(ns) + " " + boot + " ";
+  leftover("imagegen-tls-dead", here + dead_pid + " 12345");
+  leftover("imagegen-tls-pidreused", here + self + " 1");  // this pid, another start time
+  leftover("imagegen-tls-noowner", "");
+  leftover("imagegen-tls-otherns", "pid:[1] " + boot + " " + dead_pid + " 12345");
+  leftover("imagegen-tls-otherboot", std::string(ns) + " 0-0 " + dead_pid + " 12345");
+  leftover("imagegen-tls-extra", here + dead_pid + " 12345");
+  std::ofstream(tmp + "/imagegen-tls-extra/g3/notes.txt") << "not the daemon's";
+  leftover("other-dead", here + dead_pid + " 12345");
+  leftover("target", here + dead_pid + " 12345");
+  ASSERT_EQ(::symlink("target", (tmp + "/imagegen-tls-link").c_str()), 0);
+
+  ASSERT_EQ(::setenv("TMPDIR", tmp.c_str(), 1), 0);
+  auto live = CertificateMirror::Create(**a, "");
+  ASSERT_TRUE(live.ok()) << live.status().ToString();
+  auto next = CertificateMirror::Create(**a, "");
+  ::unsetenv("TMPDIR");
+  ASSERT_TRUE(next.ok()) << next.status().ToString();
+  std::vector<std::string> removed = (*live)->abandoned_removed();
+  std::sort(removed.begin(), removed.end());
+  EXPECT_EQ(removed, (std::vector<std::string>{tmp + "/imagegen-tls-dead",
+                                               tmp + "/imagegen-tls-pidreused"}));
+  EXPECT_TRUE((*next)->abandoned_removed().empty()) << "a live mirror was taken for a leftover";
+  EXPECT_EQ(Mode(tmp + "/imagegen-tls-dead"), 0u);
+  EXPECT_EQ(Mode(tmp + "/imagegen-tls-pidreused"), 0u);
+  for (const char* kept : {"imagegen-tls-noowner", "imagegen-tls-otherns", "imagegen-tls-otherboot",
+                           "other-dead", "target"}) {
+    EXPECT_EQ(Slurp(tmp + "/" + kept + "/g4/key.pem"), "secret") << kept;
+  }
+  EXPECT_EQ(Slurp(tmp + "/imagegen-tls-extra/g3/notes.txt"), "not the daemon's");
+  EXPECT_EQ(Slurp(tmp + "/imagegen-tls-extra/g4/key.pem"), "secret");
+  EXPECT_EQ(Slurp((*live)->key_path()), (*a)->key_pem());
+  const std::string live_dir = (*live)->dir();
+  live->reset();
+  EXPECT_EQ(Mode(live_dir), 0u) << "the owner line kept the mirror's directory";
+  next->reset();
+  testing::RemoveTree(tmp);
+}
+
 // The HTTP API's handshakes ask a callback for the current certificate. With two HTTPS servers
 // in one process (the daemon has one; tests may have more) each serves its own, and
 // SetCertificate changes the next handshakes' of that server only.

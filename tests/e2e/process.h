@@ -41,8 +41,15 @@ class Process {
     std::vector<std::string> a = argv;
     for (auto& s : a) args.push_back(s.data());
     args.push_back(nullptr);
+    // `env_extra`'s NAME=value entries replace the inherited ones of the same name.
     std::vector<std::string> env;
-    for (char** e = environ; *e != nullptr; ++e) env.emplace_back(*e);
+    for (char** e = environ; *e != nullptr; ++e) {
+      const std::string entry = *e;
+      const std::string name = entry.substr(0, entry.find('=') + 1);
+      bool replaced = false;
+      for (const auto& x : env_extra) replaced = replaced || x.rfind(name, 0) == 0;
+      if (!replaced) env.push_back(entry);
+    }
     for (const auto& e : env_extra) env.push_back(e);
     std::vector<char*> envp;
     for (auto& s : env) envp.push_back(s.data());

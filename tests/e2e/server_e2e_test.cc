@@ -47,8 +47,9 @@ constexpr char kService[] = "imagegen.v1.ImageGeneration";
 // default (the bundled fmnist-gpt and fmnist-t2i).
 class Daemon {
  public:
+  // `env`: NAME=value entries that replace the inherited ones.
   explicit Daemon(const std::string& name, std::vector<std::string> flags = {},
-                  bool default_models = false)
+                  bool default_models = false, std::vector<std::string> env = {})
       : dir_(TempDir(name)) {
     std::vector<std::string> argv = {
         ServerBinary(), "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", "--port-file",
@@ -57,7 +58,7 @@ class Daemon {
         "--cache-dir", SharedStepCostCache()};
     if (!default_models) argv.insert(argv.end(), {"--models", "fmnist-gpt"});
     argv.insert(argv.end(), flags.begin(), flags.end());
-    proc_ = std::make_unique<Process>(argv, dir_ + "/server.log");
+    proc_ = std::make_unique<Process>(argv, dir_ + "/server.log", env);
     for (int i = 0; i < 600 && port_ == 0; ++i) {
       std::this_thread::sleep_for(milliseconds(50));
       std::istringstream in(Slurp(dir_ + "/ports"));
@@ -966,6 +967,42 @@ TEST(E2eTest, TlsCertificatesRotateOnBothPortsAndABrokenPairIsRefused) {
   EXPECT_EQ(ClassifyPng(Slurp(live + "/py_mtls.png"), &err), 1) << err;
   auto [no_cert, no_cert_out] = python(h.target(), {"--tls-ca", b + "/ca.pem"}, "py_no_cert");
   EXPECT_NE(no_cert, 0) << no_cert_out;
+}
+
+// A daemon killed with SIGKILL cannot remove the copy of its key that gRPC reads (the mirror
+// under $TMPDIR, server/tls.h); the next daemon to start there removes it and says so (on
+// Kubernetes the pod's emptyDir /tmp outlives a killed container).
+TEST(E2eTest, TheKeyCopyOfAKilledTlsDaemonIsRemovedByTheNextOne) {
+  const std::string pki = MakeCertificates("pki_killed");
+  const std::string tmp = TempDir("tls_killed_tmp");
+  const std::vector<std::string> flags = {"--tls-cert", pki + "/server.pem", "--tls-key",
+                                          pki + "/server.key"};
+  auto mirrors = [&] {
+    std::vector<std::string> names;
+    for (const auto& e : std::filesystem::directory_iterator(tmp)) {
+      const std::string name = e.path().filename().string();
+      if (name.rfind("imagegen-tls-", 0) == 0) names.push_back(name);
+    }
+    return names;
+  };
+  std::string first;
+  {
+    Daemon killed("tls_killed_1", flags, false, {"TMPDIR=" + tmp});
+    ASSERT_EQ(mirrors().size(), 1u);
+    first = mirrors()[0];
+    EXPECT_EQ(Slurp(tmp + "/" + first + "/current/key.pem"), Slurp(pki + "/server.key"));
+    killed.proc().Signal(SIGKILL);
+    ASSERT_GE(killed.proc().Wait(seconds(60)), 0);
+  }
+  ASSERT_EQ(mirrors(), std::vector<std::string>{first}) << "SIGKILL left nothing behind?";
+  Daemon next("tls_killed_2", flags, false, {"TMPDIR=" + tmp});
+  const std::vector<std::string> now = mirrors();
+  ASSERT_EQ(now.size(), 1u);
+  EXPECT_NE(now[0], first);
+  EXPECT_NE(next.proc().Log().find("removed the TLS mirror of a daemon that is gone: " + tmp + "/" +
+                                   first),
+            std::string::npos)
+      << next.proc().Log();
 }
 
 // Named API keys (server/auth.h) and trusted proxies (server/forwarded.h): a key's name is in
