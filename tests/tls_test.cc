@@ -21,6 +21,7 @@
 #include "server/http_api.h"
 #include "server/metrics.h"
 #include "server/service.h"
+#include "tests/build_paths.h"
 #include "tests/e2e/process.h"
 #include "tests/temp_dir.h"
 
@@ -33,23 +34,19 @@ using testing::RunCommand;
 using testing::Slurp;
 using testing::TempDir;
 
-// Two CAs, each with a server certificate for 127.0.0.1 (openssl); `ca_a.pem` + `a.pem` is a
-// chain of two. Returns the directory; `a_end` gets a.pem's notAfter in Unix seconds.
+// Two CAs, each with a server certificate for 127.0.0.1 (tests/make_test_pki.sh): a/ca.pem and
+// a/server-a.pem, b/...; chain_a.pem is a/server-a.pem + a/ca.pem. Returns the directory;
+// `a_end` gets server-a's notAfter in Unix seconds.
 std::string MakeCertificates(const std::string& name, int64_t* a_end) {
   const std::string d = TempDir(name);
-  const std::string script =
-      "set -e; cd '" + d +
-      "'; for x in a b; do "
-      "openssl req -x509 -newkey rsa:2048 -nodes -keyout ca_$x.key -out ca_$x.pem -days 2 "
-      "-subj /CN=test-ca-$x 2>/dev/null; "
-      "openssl req -newkey rsa:2048 -nodes -keyout $x.key -out $x.csr -subj /CN=server-$x "
-      "2>/dev/null; printf 'subjectAltName=IP:127.0.0.1\\n' > $x.ext; "
-      "openssl x509 -req -in $x.csr -CA ca_$x.pem -CAkey ca_$x.key -CAcreateserial -out $x.pem "
-      "-days 3 -extfile $x.ext 2>/dev/null; done; cat a.pem ca_a.pem > chain_a.pem; "
-      "date -d \"$(openssl x509 -enddate -noout -in a.pem | cut -d= -f2)\" +%s > a.end";
+  const std::string pki = std::string(testing::SourceDir()) + "/tests/make_test_pki.sh";
+  const std::string script = "set -e; cd '" + d + "'; for x in a b; do '" + pki +
+                             "' $x server-$x; done; cat a/server-a.pem a/ca.pem > chain_a.pem; "
+                             "date -d \"$(openssl x509 -enddate -noout -in a/server-a.pem | "
+                             "cut -d= -f2)\" +%s > a.end";
   std::string out;
   if (RunCommand({"/bin/bash", "-c", script}, &out, d + "/openssl.log") != 0) {
-    throw std::runtime_error("openssl failed: " + out);
+    throw std::runtime_error("openssl failed: " + out + Slurp(d + "/openssl.log"));
   }
   *a_end = std::stoll(Slurp(d + "/a.end"));
   return d;
@@ -65,19 +62,19 @@ std::string TlsTest::dir_;
 int64_t TlsTest::a_end_ = 0;
 
 TEST_F(TlsTest, AGoodPairIsReadWithItsSubjectExpiryAndChain) {
-  auto c = ServerCertificate::Read(dir_ + "/chain_a.pem", dir_ + "/a.key");
+  auto c = ServerCertificate::Read(dir_ + "/chain_a.pem", dir_ + "/a/server-a.key");
   ASSERT_TRUE(c.ok()) << c.status().ToString();
   EXPECT_EQ((*c)->subject(), "CN=server-a");
   EXPECT_EQ((*c)->not_after(), a_end_);
   EXPECT_EQ((*c)->chain_length(), 2u);  // the server's certificate, then its CA's
   EXPECT_EQ((*c)->cert_pem(), Slurp(dir_ + "/chain_a.pem"));
-  EXPECT_EQ((*c)->key_pem(), Slurp(dir_ + "/a.key"));
+  EXPECT_EQ((*c)->key_pem(), Slurp(dir_ + "/a/server-a.key"));
   EXPECT_EQ((*c)->not_after_text().size(), 20u) << (*c)->not_after_text();
   EXPECT_NE((*c)->key(), nullptr);
 }
 
 TEST_F(TlsTest, WhatIsNotACertificateAndItsKeyIsRefusedNamingTheFlag) {
-  const std::string cert = Slurp(dir_ + "/a.pem"), key = Slurp(dir_ + "/a.key");
+  const std::string cert = Slurp(dir_ + "/a/server-a.pem"), key = Slurp(dir_ + "/a/server-a.key");
   auto refused = [](const std::string& c, const std::string& k) {
     auto r = ServerCertificate::Parse(c, k);
     return r.ok() ? std::string("accepted") : r.status().message();
@@ -90,15 +87,15 @@ TEST_F(TlsTest, WhatIsNotACertificateAndItsKeyIsRefusedNamingTheFlag) {
   EXPECT_EQ(refused(bent, key).rfind("--tls-cert: not a PEM certificate chain", 0), 0u)
       << refused(bent, key);
   // The other server's key: a pair that TLS could not serve.
-  EXPECT_EQ(refused(cert, Slurp(dir_ + "/b.key")),
+  EXPECT_EQ(refused(cert, Slurp(dir_ + "/b/server-b.key")),
             "--tls-key: not the private key of --tls-cert's first certificate (CN=server-a)");
   // The CA first: its certificate is not the key's.
-  EXPECT_EQ(refused(Slurp(dir_ + "/ca_a.pem") + cert, key).rfind("--tls-key: not the", 0), 0u);
+  EXPECT_EQ(refused(Slurp(dir_ + "/a/ca.pem") + cert, key).rfind("--tls-key: not the", 0), 0u);
   // A file that cannot be read names its flag too.
-  auto missing = ServerCertificate::Read(dir_ + "/none.pem", dir_ + "/a.key");
+  auto missing = ServerCertificate::Read(dir_ + "/none.pem", dir_ + "/a/server-a.key");
   ASSERT_FALSE(missing.ok());
   EXPECT_EQ(missing.status().message().rfind("--tls-cert: ", 0), 0u) << missing.status().message();
-  missing = ServerCertificate::Read(dir_ + "/a.pem", dir_ + "/none.key");
+  missing = ServerCertificate::Read(dir_ + "/a/server-a.pem", dir_ + "/none.key");
   ASSERT_FALSE(missing.ok());
   EXPECT_EQ(missing.status().message().rfind("--tls-key: ", 0), 0u) << missing.status().message();
   // The good pair passes the same checks (the refusals above are not everything refused).
@@ -106,10 +103,10 @@ TEST_F(TlsTest, WhatIsNotACertificateAndItsKeyIsRefusedNamingTheFlag) {
 }
 
 TEST_F(TlsTest, ACaBundleMustParse) {
-  EXPECT_TRUE(server::CheckCaBundle(Slurp(dir_ + "/ca_a.pem")).ok());
-  EXPECT_TRUE(server::CheckCaBundle(Slurp(dir_ + "/ca_a.pem") + Slurp(dir_ + "/ca_b.pem")).ok());
+  EXPECT_TRUE(server::CheckCaBundle(Slurp(dir_ + "/a/ca.pem")).ok());
+  EXPECT_TRUE(server::CheckCaBundle(Slurp(dir_ + "/a/ca.pem") + Slurp(dir_ + "/b/ca.pem")).ok());
   EXPECT_EQ(server::CheckCaBundle("junk").message(), "--tls-client-ca: holds no PEM CERTIFICATE");
-  std::string bent = Slurp(dir_ + "/ca_a.pem");
+  std::string bent = Slurp(dir_ + "/a/ca.pem");
   bent.replace(bent.find('\n') + 1, 16, "AAAAAAAAAAAAAAAA");
   EXPECT_FALSE(server::CheckCaBundle(bent).ok());
 }
@@ -126,10 +123,10 @@ time_t Mtime(const std::string& path) {
 TEST_F(TlsTest, TheMirrorPublishesGenerationsBehindOneLinkAndRemovesItself) {
   const std::string tmp = TempDir("tls_mirror");
   ASSERT_EQ(::setenv("TMPDIR", tmp.c_str(), 1), 0);
-  auto a = ServerCertificate::Read(dir_ + "/a.pem", dir_ + "/a.key");
-  auto b = ServerCertificate::Read(dir_ + "/b.pem", dir_ + "/b.key");
+  auto a = ServerCertificate::Read(dir_ + "/a/server-a.pem", dir_ + "/a/server-a.key");
+  auto b = ServerCertificate::Read(dir_ + "/b/server-b.pem", dir_ + "/b/server-b.key");
   ASSERT_TRUE(a.ok() && b.ok());
-  const std::string ca = Slurp(dir_ + "/ca_a.pem");
+  const std::string ca = Slurp(dir_ + "/a/ca.pem");
   std::string root;
   {
     auto made = CertificateMirror::Create(**a, ca);
@@ -187,7 +184,7 @@ TEST_F(TlsTest, TheMirrorPublishesGenerationsBehindOneLinkAndRemovesItself) {
 // another pid namespace, one holding a file of someone else's, a link.
 TEST_F(TlsTest, AMirrorLeftByADaemonThatIsGoneIsRemovedByTheNextOne) {
   const std::string tmp = TempDir("tls_abandoned");
-  auto a = ServerCertificate::Read(dir_ + "/a.pem", dir_ + "/a.key");
+  auto a = ServerCertificate::Read(dir_ + "/a/server-a.pem", dir_ + "/a/server-a.key");
   ASSERT_TRUE(a.ok());
   char ns[128] = {};
   ASSERT_GT(::readlink("/proc/self/ns/pid", ns, sizeof ns - 1), 0);
@@ -253,8 +250,8 @@ TEST_F(TlsTest, AMirrorLeftByADaemonThatIsGoneIsRemovedByTheNextOne) {
 // in one process (the daemon has one; tests may have more) each serves its own, and
 // SetCertificate changes the next handshakes' of that server only.
 TEST_F(TlsTest, EachHttpsServerServesItsOwnCertificateAndSetCertificateReplacesIt) {
-  auto a = ServerCertificate::Read(dir_ + "/a.pem", dir_ + "/a.key");
-  auto b = ServerCertificate::Read(dir_ + "/b.pem", dir_ + "/b.key");
+  auto a = ServerCertificate::Read(dir_ + "/a/server-a.pem", dir_ + "/a/server-a.key");
+  auto b = ServerCertificate::Read(dir_ + "/b/server-b.pem", dir_ + "/b/server-b.key");
   ASSERT_TRUE(a.ok() && b.ok());
   server::Metrics metrics;
   server::ImageGenerationService service(&metrics, server::TokenAuth(), server::ServiceOptions());
@@ -272,17 +269,17 @@ TEST_F(TlsTest, EachHttpsServerServesItsOwnCertificateAndSetCertificateReplacesI
     return out.size() == 3 && out != "000";
   };
   const int p1 = (*one)->port(), p2 = (*two)->port();
-  EXPECT_TRUE(trusts(p1, "ca_a.pem"));
-  EXPECT_FALSE(trusts(p1, "ca_b.pem"));
-  EXPECT_TRUE(trusts(p2, "ca_b.pem"));
-  EXPECT_FALSE(trusts(p2, "ca_a.pem"));
+  EXPECT_TRUE(trusts(p1, "a/ca.pem"));
+  EXPECT_FALSE(trusts(p1, "b/ca.pem"));
+  EXPECT_TRUE(trusts(p2, "b/ca.pem"));
+  EXPECT_FALSE(trusts(p2, "a/ca.pem"));
   (*one)->SetCertificate(*b);
-  EXPECT_TRUE(trusts(p1, "ca_b.pem"));
-  EXPECT_FALSE(trusts(p1, "ca_a.pem"));
-  EXPECT_TRUE(trusts(p2, "ca_b.pem"));
+  EXPECT_TRUE(trusts(p1, "b/ca.pem"));
+  EXPECT_FALSE(trusts(p1, "a/ca.pem"));
+  EXPECT_TRUE(trusts(p2, "b/ca.pem"));
   (*two)->Stop(std::chrono::system_clock::now());
   // Alone again, the first server still serves.
-  EXPECT_TRUE(trusts(p1, "ca_b.pem"));
+  EXPECT_TRUE(trusts(p1, "b/ca.pem"));
 }
 
 // GnuTLS does not copy the certificate the handshake callback hands it, so the HTTPS API keeps
@@ -290,8 +287,8 @@ TEST_F(TlsTest, EachHttpsServerServesItsOwnCertificateAndSetCertificateReplacesI
 // if it has not had it yet, may still take it), and frees it once no such connection is left:
 // rotations do not pile up in memory.
 TEST_F(TlsTest, AReplacedCertificateIsFreedOnceNoConnectionThatMayUseItIsOpen) {
-  auto a = ServerCertificate::Read(dir_ + "/a.pem", dir_ + "/a.key");
-  auto b = ServerCertificate::Read(dir_ + "/b.pem", dir_ + "/b.key");
+  auto a = ServerCertificate::Read(dir_ + "/a/server-a.pem", dir_ + "/a/server-a.key");
+  auto b = ServerCertificate::Read(dir_ + "/b/server-b.pem", dir_ + "/b/server-b.key");
   ASSERT_TRUE(a.ok() && b.ok());
   server::Metrics metrics;
   server::ImageGenerationService service(&metrics, server::TokenAuth(), server::ServiceOptions());
@@ -318,7 +315,7 @@ TEST_F(TlsTest, AReplacedCertificateIsFreedOnceNoConnectionThatMayUseItIsOpen) {
   // With no connection open, a replaced certificate goes at once.
   for (int i = 0; i < 4; ++i) https.SetCertificate(i % 2 == 0 ? *b : *a);
   EXPECT_EQ(https.certificates_held(), 1);
-  EXPECT_TRUE(served("ca_a.pem"));
+  EXPECT_TRUE(served("a/ca.pem"));
   EXPECT_TRUE(held_becomes(1));
 
   // A connection accepted now (no handshake yet) holds the current certificate and every later
@@ -342,11 +339,11 @@ TEST_F(TlsTest, AReplacedCertificateIsFreedOnceNoConnectionThatMayUseItIsOpen) {
   https.SetCertificate(changes++ % 2 == 0 ? *b : *a);
   EXPECT_EQ(https.certificates_held(), 4);
   // Connections that begin and end meanwhile free nothing the open one may use.
-  EXPECT_TRUE(served(changes % 2 == 0 ? "ca_a.pem" : "ca_b.pem"));
+  EXPECT_TRUE(served(changes % 2 == 0 ? "a/ca.pem" : "b/ca.pem"));
   EXPECT_EQ(https.certificates_held(), 4);
   ::close(fd);
   EXPECT_TRUE(held_becomes(1)) << https.certificates_held() << " certificates held";
-  EXPECT_TRUE(served(changes % 2 == 0 ? "ca_a.pem" : "ca_b.pem"));
+  EXPECT_TRUE(served(changes % 2 == 0 ? "a/ca.pem" : "b/ca.pem"));
 }
 
 }  // namespace

@@ -662,24 +662,15 @@ TEST(E2eTest, AStreamWhoseClientStopsReadingIsEndedAndOthersGoOn) {
   EXPECT_EQ(MetricValue(d.Metrics(), "imagegen_calls_opened_total"), 5);
 }
 
-// A CA, a server certificate for 127.0.0.1 and a client certificate, made with openssl, in the
-// directory `name` (under the test's temporary directory).
+// A CA, a server certificate for 127.0.0.1 and a client certificate (tests/make_test_pki.sh), in
+// the directory `name` (under the test's temporary directory).
 std::string MakeCertificates(const std::string& name = "pki") {
   const std::string d = TempDir(name);
-  const std::string script =
-      "set -e; cd '" + d +
-      "'; "
-      "openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 2 "
-      "-subj /CN=imagegen-test-ca 2>/dev/null; "
-      "for who in server client; do "
-      "openssl req -newkey rsa:2048 -nodes -keyout $who.key -out $who.csr -subj /CN=$who "
-      "2>/dev/null; "
-      "printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\\n' > $who.ext; "
-      "openssl x509 -req -in $who.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out $who.pem "
-      "-days 2 -extfile $who.ext 2>/dev/null; done";
   std::string out;
-  if (RunCommand({"/bin/bash", "-c", script}, &out, d + "/openssl.log") != 0) {
-    throw std::runtime_error("openssl failed: " + out);
+  if (RunCommand(
+          {std::string(testing::SourceDir()) + "/tests/make_test_pki.sh", d, "server", "client"},
+          &out, d + "/openssl.log") != 0) {
+    throw std::runtime_error("openssl failed: " + Slurp(d + "/openssl.log"));
   }
   return d;
 }

@@ -113,16 +113,9 @@ for m in stub.GenerateStream(req):
 
 
 def make_pki(d):
-    """A CA and three server certificates for 127.0.0.1 it signed (openssl), in `d`."""
-    os.makedirs(d)
-    subprocess.run(
-        ["bash", "-c",
-         "set -e; openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 2 "
-         "-subj /CN=soak-ca 2>/dev/null; printf 'subjectAltName=IP:127.0.0.1\\n' > ext; "
-         "for x in 0 1 2; do openssl req -newkey rsa:2048 -nodes -keyout $x.key -out $x.csr "
-         "-subj /CN=soak-$x 2>/dev/null; openssl x509 -req -in $x.csr -CA ca.pem -CAkey ca.key "
-         "-CAcreateserial -out $x.pem -days 2 -extfile ext 2>/dev/null; done"],
-        cwd=d, check=True)
+    """A CA and three server certificates for 127.0.0.1 it signed (0, 1, 2), in `d`."""
+    subprocess.run([os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                 "make_test_pki.sh"), d, "0", "1", "2"], check=True)
 
 
 def metrics(mport):
