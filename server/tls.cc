@@ -316,22 +316,33 @@ std::vector<std::string> CertificateMirror::RemoveAbandoned(const std::string& p
 StatusOr<std::unique_ptr<CertificateMirror>> CertificateMirror::Create(
     const ServerCertificate& certificate, const std::string& client_ca) {
   const char* tmp = std::getenv("TMPDIR");
-  const std::string parent = tmp != nullptr && *tmp != '\0' ? tmp : "/tmp";
-  std::vector<std::string> abandoned = RemoveAbandoned(parent);
-  std::string pattern = parent + "/" + kMirrorPrefix + "XXXXXX";
-  if (::mkdtemp(pattern.data()) == nullptr) {
-    return FailedPrecondition(
-        Errno("--tls-cert: cannot make a private directory for the certificate gRPC reads (" +
-              pattern + ")") +
-        "; set TMPDIR to a writable directory (on Kubernetes, an emptyDir on /tmp)");
+  if (tmp != nullptr && *tmp != '\0') return CreateIn({tmp}, certificate, client_ca);
+  // /dev/shm: a read-only root without a writable /tmp usually still has it (its own mount).
+  return CreateIn({"/tmp", "/dev/shm"}, certificate, client_ca);
+}
+
+StatusOr<std::unique_ptr<CertificateMirror>> CertificateMirror::CreateIn(
+    const std::vector<std::string>& parents, const ServerCertificate& certificate,
+    const std::string& client_ca) {
+  std::string tried;
+  for (const std::string& parent : parents) {
+    std::string pattern = parent + "/" + kMirrorPrefix + "XXXXXX";
+    std::vector<std::string> abandoned = RemoveAbandoned(parent);
+    if (::mkdtemp(pattern.data()) == nullptr) {
+      tried += (tried.empty() ? "" : ", ") + Errno(pattern);
+      continue;
+    }
+    std::unique_ptr<CertificateMirror> m(new CertificateMirror(pattern));
+    m->abandoned_removed_ = std::move(abandoned);
+    // The owner first: a mirror that holds a key always names its owner.
+    RETURN_IF_ERROR(WritePrivate(pattern + "/" + kOwnerFile, OwnerLine() + "\n",
+                                 static_cast<int64_t>(::time(nullptr))));
+    RETURN_IF_ERROR(m->Publish(certificate, client_ca));
+    return m;
   }
-  std::unique_ptr<CertificateMirror> m(new CertificateMirror(pattern));
-  m->abandoned_removed_ = std::move(abandoned);
-  // The owner first: a mirror that holds a key always names its owner.
-  RETURN_IF_ERROR(WritePrivate(pattern + "/" + kOwnerFile, OwnerLine() + "\n",
-                               static_cast<int64_t>(::time(nullptr))));
-  RETURN_IF_ERROR(m->Publish(certificate, client_ca));
-  return m;
+  return FailedPrecondition(
+      "--tls-cert: cannot make a private directory for the certificate gRPC reads (" + tried +
+      "); set TMPDIR to a writable directory (on Kubernetes, an emptyDir on /tmp)");
 }
 
 Status CertificateMirror::Publish(const ServerCertificate& certificate,

@@ -72,20 +72,25 @@ Status CheckCaBundle(const std::string& pem);
 
 // The checked TLS files that gRPC's file watcher reads (FileWatcherCertificateProvider on
 // key_path(), cert_path(), ca_path(), every second): a private directory (mode 0700, files 0600,
-// under $TMPDIR or /tmp) that holds one generation of files per published certificate behind a
-// symbolic link swapped atomically. Each generation's files carry a modification time of their
-// own (the mirror's creation time plus the generation's number, in seconds): gRPC reads a key
-// and certificate again when either time changed while it read them, so it never pairs one
-// generation's key with another's certificate. The two latest generations are kept (gRPC may
-// be reading the previous one). The directory names its owner (pid, process start time, boot
-// id): the mirrors of daemons that died without removing theirs (SIGKILL, the OOM killer) are
-// removed by the next daemon that makes one in the same place (a pod's emptyDir /tmp outlives
-// its container, and the new daemon may have the same pid).
+// under $TMPDIR when it is set, else /tmp, or /dev/shm where /tmp is not writable) that holds one
+// generation of files per published certificate behind a symbolic link swapped atomically. Each
+// generation's files carry a modification time of their own (the mirror's creation time plus the
+// generation's number, in seconds): gRPC reads a key and certificate again when either time changed
+// while it read them, so it never pairs one generation's key with another's certificate. The two
+// latest generations are kept (gRPC may be reading the previous one). The directory names its owner
+// (pid, process start time, boot id): the mirrors of daemons that died without removing theirs
+// (SIGKILL, the OOM killer) are removed by the next daemon that makes one in the same place (a
+// pod's emptyDir /tmp outlives its container, and the new daemon may have the same pid).
 class CertificateMirror {
  public:
   // Makes the directory and publishes the first generation. `client_ca` empty: no CA file.
   static StatusOr<std::unique_ptr<CertificateMirror>> Create(const ServerCertificate& certificate,
                                                              const std::string& client_ca);
+  // The same in the first of `parents` where a directory can be made (Create's are $TMPDIR, or
+  // /tmp and /dev/shm); FAILED_PRECONDITION naming each when none takes one.
+  static StatusOr<std::unique_ptr<CertificateMirror>> CreateIn(
+      const std::vector<std::string>& parents, const ServerCertificate& certificate,
+      const std::string& client_ca);
   // The mirrors of dead daemons under `parent` (imagegen-tls-*, this user's, whose owner is
   // gone) removed; returns their paths. Only what a mirror holds is removed: a directory with
   // anything else in it, or that names no owner (one being made), is left. Create calls it.

@@ -174,6 +174,15 @@ TEST_F(TlsTest, TheMirrorPublishesGenerationsBehindOneLinkAndRemovesItself) {
   EXPECT_NE(nowhere.status().message().find("set TMPDIR to a writable directory"),
             std::string::npos)
       << nowhere.status().message();
+  EXPECT_NE(nowhere.status().message().find("/nonexistent/dir/imagegen-tls-"), std::string::npos)
+      << nowhere.status().message();
+  // Without TMPDIR the daemon tries /tmp, then /dev/shm (a read-only root without a writable
+  // /tmp): the first place that takes a directory has the mirror.
+  auto second = CertificateMirror::CreateIn({"/nonexistent/dir", tmp}, **a, "");
+  ASSERT_TRUE(second.ok()) << second.status().ToString();
+  EXPECT_EQ((*second)->dir().rfind(tmp + "/imagegen-tls-", 0), 0u) << (*second)->dir();
+  EXPECT_EQ(Slurp((*second)->key_path()), (*a)->key_pem());
+  second->reset();
   testing::RemoveTree(tmp);
 }
 
