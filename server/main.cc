@@ -368,6 +368,7 @@ int main(int argc, char** argv) {
         }
         Log(std::string("received ") + (s == SIGTERM ? "SIGTERM" : "SIGINT") +
             " while loading the models: exiting, nothing was in flight");
+        daemon->RemoveTlsCopyBeforeQuickExit();
         std::fflush(stderr);
         std::_Exit(0);
       }

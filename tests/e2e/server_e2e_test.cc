@@ -1280,6 +1280,33 @@ TEST(E2eTest, SigtermWhileLoadingExitsAtOnceWithoutBecomingReady) {
   EXPECT_EQ(log.find("warm-up:"), std::string::npos) << log;  // it never finished
 }
 
+// The quick exit of a SIGTERM while the models load skips the destructors, which remove the
+// copy of the TLS files that gRPC reads (server/tls.h): it removes that copy itself. Power:
+// without it the copy (a key) stays in $TMPDIR.
+TEST(E2eTest, ATlsDaemonStoppedWhileLoadingLeavesNoKeyCopy) {
+  const std::string pki = MakeCertificates("pki_loading");
+  const std::string tmp = TempDir("tls_loading_tmp");
+  auto mirrors = [&] {
+    int n = 0;
+    for (const auto& e : std::filesystem::directory_iterator(tmp)) {
+      n += e.path().filename().string().rfind("imagegen-tls-", 0) == 0 ? 1 : 0;
+    }
+    return n;
+  };
+  Daemon d(
+      "tls_loading",
+      {"--warmup=1", "--warmup_methods=ar,sjd,scd-mc,sjd-pac", "--warmup_concurrency=1,2,4,8,16",
+       "--tls-cert", pki + "/server.pem", "--tls-key", pki + "/server.key"},
+      false, {"TMPDIR=" + tmp});
+  ASSERT_EQ(mirrors(), 1);
+  d.proc().Signal(SIGTERM);
+  EXPECT_EQ(d.proc().Wait(seconds(120)), 0) << d.proc().Log();
+  EXPECT_NE(d.proc().Log().find("received SIGTERM while loading the models: exiting"),
+            std::string::npos)
+      << d.proc().Log();
+  EXPECT_EQ(mirrors(), 0) << d.proc().Log();
+}
+
 // SIGTERM as soon as the daemon is ready, with a stream in flight, is a drain: the stream ends
 // with its image and the daemon exits 0 once it has. The thread that watches for signals while
 // the models load must not take it for one that came before (it once did for up to 0.1 s after
