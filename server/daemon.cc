@@ -214,16 +214,6 @@ void Daemon::CheckCertificateNow() {
   stats_cv_.notify_all();
 }
 
-void Daemon::RemoveTlsCopyBeforeQuickExit() {
-  {
-    std::lock_guard<std::mutex> l(stats_mu_);
-    stats_stop_ = true;
-  }
-  stats_cv_.notify_all();
-  if (tls_watch_.joinable()) tls_watch_.join();  // the only other user of the mirror
-  mirror_.reset();
-}
-
 void Daemon::WatchCertificate() {
   std::string last_error;  // logged once until it changes
   std::unique_lock<std::mutex> l(stats_mu_);

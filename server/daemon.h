@@ -102,10 +102,6 @@ class Daemon {
   // With TLS, has the TLS files checked now (SIGHUP) rather than at the next poll; their watch
   // logs what it found.
   void CheckCertificateNow();
-  // Before a quick exit (SIGTERM while the models load, std::_Exit): stops the certificate
-  // watch and removes the copy of the TLS files that gRPC reads (server/tls.h), which the
-  // destructor would have removed. Nothing else may run the daemon afterwards.
-  void RemoveTlsCopyBeforeQuickExit();
 
   // Starts the engine with `starter` (blocking while the models load), checks that it serves
   // the default method (else INVALID_ARGUMENT with field() "--default-method"), and turns the

@@ -30,6 +30,7 @@
 #include "engine/util/read_file.h"
 #include "engine/scheduler/engine.h"
 #include "server/daemon.h"
+#include "server/tls.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
           "gRPC address (host:port; port 0 picks a free one, see --port-file)");
@@ -368,7 +369,7 @@ int main(int argc, char** argv) {
         }
         Log(std::string("received ") + (s == SIGTERM ? "SIGTERM" : "SIGINT") +
             " while loading the models: exiting, nothing was in flight");
-        daemon->RemoveTlsCopyBeforeQuickExit();
+        server::CertificateMirror::RemoveAllBeforeQuickExit();  // the destructors do not run
         std::fflush(stderr);
         std::_Exit(0);
       }
@@ -473,6 +474,7 @@ int main(int argc, char** argv) {
       Log("SIGHUP while draining: the keys stay as they are");
     }
     Log("second signal: exiting now");
+    server::CertificateMirror::RemoveAllBeforeQuickExit();
     std::_Exit(1);
   });
   force.detach();
@@ -493,6 +495,7 @@ int main(int argc, char** argv) {
       " failed");
   if (watcher_stuck) {
     Log("the --token-file watcher is stuck in a read (a hung mount?): exiting without it");
+    server::CertificateMirror::RemoveAllBeforeQuickExit();
     std::fflush(stderr);
     std::_Exit(0);
   }

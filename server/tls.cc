@@ -12,7 +12,9 @@
 #include <cstdio>
 #include <cstring>
 #include <ctime>
+#include <mutex>
 #include <optional>
+#include <set>
 #include <utility>
 #include <vector>
 
@@ -333,6 +335,7 @@ StatusOr<std::unique_ptr<CertificateMirror>> CertificateMirror::CreateIn(
       continue;
     }
     std::unique_ptr<CertificateMirror> m(new CertificateMirror(pattern));
+    m->Register();
     m->abandoned_removed_ = std::move(abandoned);
     // The owner first: a mirror that holds a key always names its owner.
     RETURN_IF_ERROR(WritePrivate(pattern + "/" + kOwnerFile, OwnerLine() + "\n",
@@ -345,8 +348,30 @@ StatusOr<std::unique_ptr<CertificateMirror>> CertificateMirror::CreateIn(
       "); set TMPDIR to a writable directory (on Kubernetes, an emptyDir on /tmp)");
 }
 
+namespace {
+// The process's mirrors, for RemoveAllBeforeQuickExit; the mutex also orders every mirror's
+// publications and removal (both rare).
+std::mutex mirrors_mu;
+std::set<CertificateMirror*>& Mirrors() {
+  static auto* mirrors = new std::set<CertificateMirror*>();
+  return *mirrors;
+}
+}  // namespace
+
+void CertificateMirror::Register() {
+  std::lock_guard<std::mutex> l(mirrors_mu);
+  Mirrors().insert(this);
+}
+
+void CertificateMirror::RemoveAllBeforeQuickExit() {
+  std::lock_guard<std::mutex> l(mirrors_mu);
+  for (CertificateMirror* m : Mirrors()) m->RemoveFiles();
+}
+
 Status CertificateMirror::Publish(const ServerCertificate& certificate,
                                   const std::string& client_ca) {
+  std::lock_guard<std::mutex> l(mirrors_mu);
+  if (removed_) return FailedPrecondition("the TLS mirror was removed (the process is exiting)");
   const int64_t g = generation_ + 1;
   const std::string name = "g" + std::to_string(g);
   const std::string gen = dir_ + "/" + name;
@@ -380,12 +405,20 @@ void CertificateMirror::RemoveGeneration(int64_t generation) const {
   ::rmdir(gen.c_str());
 }
 
-CertificateMirror::~CertificateMirror() {
+void CertificateMirror::RemoveFiles() {
+  if (removed_) return;
+  removed_ = true;
   for (int64_t g = generation_; g >= generation_ - 1; --g) RemoveGeneration(g);
   ::unlink((dir_ + "/current").c_str());
   ::unlink((dir_ + "/current.new").c_str());
   ::unlink((dir_ + "/" + kOwnerFile).c_str());
   ::rmdir(dir_.c_str());
+}
+
+CertificateMirror::~CertificateMirror() {
+  std::lock_guard<std::mutex> l(mirrors_mu);
+  Mirrors().erase(this);
+  RemoveFiles();
 }
 
 }  // namespace imagegen::server

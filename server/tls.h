@@ -97,6 +97,10 @@ class CertificateMirror {
   static std::vector<std::string> RemoveAbandoned(const std::string& parent);
   // What Create's RemoveAbandoned removed (the daemon logs it).
   const std::vector<std::string>& abandoned_removed() const { return abandoned_removed_; }
+  // Removes every mirror of the process now, for an exit that skips the destructors
+  // (std::_Exit: a SIGTERM while the models load, a second signal while draining); safe from
+  // any thread at any time. A mirror removed refuses later publications.
+  static void RemoveAllBeforeQuickExit();
   ~CertificateMirror();  // removes the directory
   CertificateMirror(const CertificateMirror&) = delete;
   CertificateMirror& operator=(const CertificateMirror&) = delete;
@@ -112,11 +116,14 @@ class CertificateMirror {
  private:
   explicit CertificateMirror(std::string dir)
       : dir_(std::move(dir)), epoch_(static_cast<int64_t>(::time(nullptr))) {}
+  void Register();
+  void RemoveFiles();  // under the mirrors' mutex
   void RemoveGeneration(int64_t generation) const;
   const std::string dir_;
   const int64_t epoch_;
   int64_t generation_ = 0;
   std::vector<std::string> abandoned_removed_;
+  bool removed_ = false;
 };
 
 }  // namespace imagegen::server

@@ -165,6 +165,20 @@ TEST_F(TlsTest, TheMirrorPublishesGenerationsBehindOneLinkAndRemovesItself) {
     EXPECT_EQ(Mode(root + "/g1"), 0u);
   }
   EXPECT_EQ(Mode(root), 0u) << "the mirror's directory outlived it";
+  // An exit that skips the destructors (std::_Exit) removes the mirrors first; a mirror
+  // removed so refuses to publish again.
+  {
+    ASSERT_EQ(::setenv("TMPDIR", tmp.c_str(), 1), 0);
+    auto made = CertificateMirror::Create(**a, ca);
+    ::unsetenv("TMPDIR");
+    ASSERT_TRUE(made.ok()) << made.status().ToString();
+    root = (*made)->dir();
+    ASSERT_EQ(Mode(root), 0700u);
+    CertificateMirror::RemoveAllBeforeQuickExit();
+    EXPECT_EQ(Mode(root), 0u);
+    EXPECT_FALSE((*made)->Publish(**b, ca).ok());
+    EXPECT_EQ(Mode(root), 0u);
+  }
 
   // Nowhere to write: refused, saying what to do.
   ASSERT_EQ(::setenv("TMPDIR", "/nonexistent/dir", 1), 0);
