@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <numeric>
 #include <string>
 #include <utility>
 
@@ -41,6 +42,7 @@ struct Method {
   CspdRuleOptions rule;
   int64_t rounds = 64;      // residual bound (0.83^64 < 1e-5 on the far toy)
   bool draft_mean = false;  // the authors' draft token: q's mean, not a sample of q
+  int64_t continue_to = 0;  // > rounds: CspdContinueResidual in chunks of `rounds` up to it
 };
 
 struct Outcome {
@@ -64,7 +66,19 @@ Outcome Run(const Toy& toy, const Method& m, uint64_t seed) {
     if (!m.draft_mean) x = q.mean + q.std * at::randn({n, kDims}, gen);
     CspdNoise noise{at::rand({n}, gen), at::randn({n, m.rounds, kDims}, gen),
                     at::rand({n, m.rounds}, gen)};
-    const CspdVerdict v = CspdVerify(x, q, p, noise, m.rule);
+    CspdVerdict v = CspdVerify(x, q, p, noise, m.rule);
+    if (m.continue_to > m.rounds) {
+      std::vector<int64_t> rows(static_cast<size_t>(n));
+      std::iota(rows.begin(), rows.end(), 0);
+      CspdContinueResidual(
+          q, p, m.rule, rows, m.continue_to,
+          [&](int64_t, const std::vector<int64_t>& open) {
+            const auto k = static_cast<int64_t>(open.size());
+            return CspdNoise{at::Tensor(), at::randn({k, m.rounds, kDims}, gen),
+                             at::rand({k, m.rounds}, gen)};
+          },
+          &v);
+    }
     accepted += v.accepted.sum().item<int64_t>();
     fell_back += v.fell_back.sum().item<int64_t>();
     // Probability integral transform through the target's CDF, then a 10 x 10 grid.
@@ -103,6 +117,77 @@ TEST(CspdRuleTest, PaperRuleMatchesTheTargetOnBothToys) {
   served.rounds = 256;
   const Outcome o = RunAndLog("paper, 256 rounds", Close(), served);
   EXPECT_GT(o.chi.p_value, 1e-3);
+}
+
+// A small first chunk continued (CspdContinueResidual, what the engine does past its
+// residual_rounds) follows the target with no fallback left, where the same chunk alone falls
+// back for most rejected tokens on the close toy and fails the test.
+TEST(CspdRuleTest, AResidualContinuedInChunksMatchesTheTargetWithoutFallingBack) {
+  Method alone, continued;
+  alone.rounds = continued.rounds = 4;
+  continued.continue_to = kCspdMaxResidualRounds;
+  const Outcome a = RunAndLog("4 rounds, no more", Close(), alone);
+  const Outcome o = RunAndLog("4 rounds, continued", Close(), continued);
+  // About 1% rejected, nearly all of them falling back to a sample of the target: a bias the
+  // test sees (the chi-square has the power to), and the continuation removes.
+  EXPECT_GT(a.fallback_rate, 0.005);
+  EXPECT_LT(a.chi.p_value, 1e-4);
+  EXPECT_EQ(o.fallback_rate, 0.0);
+  EXPECT_GT(o.chi.p_value, 1e-3);
+  EXPECT_LT(o.accept_rate, 1.0);
+}
+
+// With the draws keyed by round, chunks give exactly what one draw of all their rounds gives:
+// the same tokens, rounds and fallbacks, token for token (the engine's lossless claim for its
+// chunked residual rests on it).
+TEST(CspdRuleTest, ChunkedResidualEqualsOneDrawOfAllItsRounds) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(77);
+  const int64_t n = 4000, chunk = 8, chunks = 6;
+  const Toy toy = Close();
+  CspdHeads q{Row(toy.mean_q, n), Row(toy.std_q, n), at::zeros({n})};
+  CspdHeads p{Row(toy.mean_p, n), Row(toy.std_p, n), at::zeros({n})};
+  const at::Tensor x = q.mean + q.std * at::randn({n, kDims}, gen);
+  const CspdNoise all{at::rand({n}, gen), at::randn({n, chunk * chunks, kDims}, gen),
+                      at::rand({n, chunk * chunks}, gen)};
+  const CspdVerdict once = CspdVerify(x, q, p, all, {});
+  CspdVerdict v = CspdVerify(
+      x, q, p, {all.accept_u, all.proposal.narrow(1, 0, chunk), all.proposal_u.narrow(1, 0, chunk)},
+      {});
+  const int64_t fell_first = v.fell_back.sum().item<int64_t>();
+  std::vector<int64_t> rows(static_cast<size_t>(n));
+  std::iota(rows.begin(), rows.end(), 0);
+  int64_t asked = 0;
+  CspdContinueResidual(
+      q, p, {}, rows, chunk * chunks,
+      [&](int64_t k, const std::vector<int64_t>& open) {
+        asked += 1;
+        const at::Tensor ids = at::tensor(open, at::kLong);
+        return CspdNoise{at::Tensor(),
+                         all.proposal.index_select(0, ids).narrow(1, k * chunk, chunk),
+                         all.proposal_u.index_select(0, ids).narrow(1, k * chunk, chunk)};
+      },
+      &v);
+  EXPECT_GT(fell_first, v.fell_back.sum().item<int64_t>());  // the continuation did something
+  EXPECT_GT(v.fell_back.sum().item<int64_t>(), 0);           // and the bound was reached too
+  EXPECT_EQ(asked, chunks - 1);
+  EXPECT_TRUE(at::equal(v.tokens, once.tokens));
+  EXPECT_TRUE(at::equal(v.rounds, once.rounds));
+  EXPECT_TRUE(at::equal(v.fell_back, once.fell_back));
+  // The authors' zero fallback keeps its bound: nothing is continued.
+  CspdRuleOptions zero;
+  zero.fallback = CspdFallback::kZero;
+  CspdVerdict z = CspdVerify(
+      x, q, p, {all.accept_u, all.proposal.narrow(1, 0, chunk), all.proposal_u.narrow(1, 0, chunk)},
+      zero);
+  const at::Tensor before = z.tokens.clone();
+  CspdContinueResidual(
+      q, p, zero, rows, chunk * chunks,
+      [&](int64_t, const std::vector<int64_t>&) -> CspdNoise {
+        ADD_FAILURE() << "continued with the zero fallback";
+        return {};
+      },
+      &z);
+  EXPECT_TRUE(at::equal(z.tokens, before));
 }
 
 TEST(CspdRuleTest, PlainProductsAgreeWithLogSpaceWhereTheyDoNotOverflow) {

@@ -285,6 +285,36 @@ TEST(MarEngineTest, CspdDeparturesAndCancellation) {
   EXPECT_EQ(e->Stats().models[0].slots_used, 0);
 }
 
+// A rejected token's residual draw goes on past its first residual_rounds proposals when none
+// was kept (CspdContinueResidual, up to kCspdMaxResidualRounds), with the next rounds of the
+// same keyed streams: a request drawn one proposal at a time is the request drawn 256 at a
+// time (the default), pixel for pixel, with no fallback. At temperature 0.01 the target drafting
+// for itself rejects a few tokens whose residuals keep few proposals (one took over 256 here).
+// Power: with the draw stopped at the first chunk, one proposal per chunk falls back and
+// changes the image.
+TEST(MarEngineTest, CspdResidualGoesOnPastItsFirstChunkAsOneDrawOfAllItsRounds) {
+  auto e = Start({"mar-self"});
+  ASSERT_NE(e, nullptr);
+  std::vector<RequestResult> runs;
+  for (int rounds : {1, 256}) {
+    GenerateParams p = Params("mar-self", "cspd");
+    p.policy.window = 8;
+    p.temperature = kCspdMinTemperature;
+    p.seed = 12;
+    p.policy.cont.residual_rounds = rounds;
+    runs.push_back(Generate(*e, p));
+  }
+  const RequestResult& one = runs[0];
+  const int64_t rejected = one.stats.counters.drafts_verified - one.stats.counters.drafts_accepted;
+  ASSERT_GT(rejected, 0);
+  EXPECT_GT(one.stats.residual_rounds, rejected);  // some residual needed more than one round
+  for (const RequestResult& r : runs) {
+    EXPECT_EQ(r.stats.residual_fallbacks, 0);
+    EXPECT_EQ(r.stats.residual_rounds, one.stats.residual_rounds);
+    EXPECT_TRUE(r.image.pixels == one.image.pixels) << "the images differ";
+  }
+}
+
 // What the server cannot run is refused when submitted, naming the field, not after a wait in
 // the queue: a cspd window whose rows (window + 1 contexts, two each with CFG) exceed the
 // server's, and cspd tokens taken at the mean (its acceptance test needs a draw).

@@ -14,6 +14,8 @@
 #include <ATen/Tensor.h>
 
 #include <cstdint>
+#include <functional>
+#include <vector>
 
 namespace imagegen {
 
@@ -58,5 +60,27 @@ at::Tensor CspdLogRatio(const at::Tensor& x, const CspdHeads& q, const CspdHeads
 
 CspdVerdict CspdVerify(const at::Tensor& x, const CspdHeads& q, const CspdHeads& p,
                        const CspdNoise& noise, const CspdRuleOptions& opts);
+
+// The residual draws' bound: CspdVerify draws one chunk of proposals per token, and a token
+// none of whose proposals was kept (its residual's acceptance rate z is small) goes on with
+// further chunks, up to this many proposals in all. The error of the fallback at the bound is
+// at most max over z of z (1 - z)^N < 1 / (e N) per verified token: 5.6e-6 (it was 0.0014 with
+// 256 proposals and no more). The expected work is at most one proposal per verified token
+// however small z is: a token reaches the residual with probability z and then needs 1 / z.
+constexpr int64_t kCspdMaxResidualRounds = 65536;
+
+// Chunk `chunk` (>= 1) of residual noise for the token rows `rows`: [rows, R, C] proposals and
+// [rows, R] uniforms, R the first chunk's size; the caller's draws keyed by round, so that
+// chunk k holds rounds [k R, (k + 1) R) of the same streams as the first.
+using CspdMoreNoise = std::function<CspdNoise(int64_t chunk, const std::vector<int64_t>& rows)>;
+
+// Continues the residual sampling of those of `rows` that fell back in `v` (CspdVerify's
+// verdict; its tokens, rounds and fell_back are updated) with further chunks from `more`, until
+// a proposal is kept or `max_rounds` rounds were drawn in all. With the draws keyed by round
+// the result equals one CspdVerify given all the rounds at once. Only with the target-sample
+// fallback: the authors' zero fallback keeps their bound (residual_rounds).
+void CspdContinueResidual(const CspdHeads& q, const CspdHeads& p, const CspdRuleOptions& opts,
+                          const std::vector<int64_t>& rows, int64_t max_rounds,
+                          const CspdMoreNoise& more, CspdVerdict* v);
 
 }  // namespace imagegen

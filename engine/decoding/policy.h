@@ -41,10 +41,12 @@ struct ContinuousPolicy {
   // The authors' departures from the paper (shared/docs/algorithms.md 6), off by default.
   double inner_temperature = 1.0;  // 42 in their code
   bool invert_sigma = false;       // prod sigma_p / sigma_q
-  int64_t residual_rounds = 256;   // 100 in their code
-  bool zero_fallback = false;      // a token no residual proposal passed: all-zero latent
-  bool draft_mean = false;         // the draft's token is its final mean (no final noise)
-  bool verified_context = false;   // the target sees verified tokens only (no drafts)
+  // Residual proposals drawn at once; more follow in chunks of as many (cspd_rule.h,
+  // kCspdMaxResidualRounds in all), except with zero_fallback, where it is the bound (their 100).
+  int64_t residual_rounds = 256;
+  bool zero_fallback = false;     // a token no residual proposal passed: all-zero latent
+  bool draft_mean = false;        // the draft's token is its final mean (no final noise)
+  bool verified_context = false;  // the target sees verified tokens only (no drafts)
 };
 
 // The least temperature a cspd request may have. The head's standard deviations scale with

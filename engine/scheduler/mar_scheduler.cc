@@ -447,12 +447,39 @@ Status MarScheduler::StepImpl() {
       ro.invert_sigma = cp.invert_sigma;
       ro.fallback = cp.zero_fallback ? CspdFallback::kZero : CspdFallback::kTargetSample;
       const at::Tensor drafts = at::stack(d->x);
-      const CspdVerdict v = CspdVerify(drafts, qh, ph, noise, ro);
+      CspdVerdict v = CspdVerify(drafts, qh, ph, noise, ro);
       a.sq_dist += (drafts - p.x0.index({ids})).pow(2).sum().item<double>();
       a.dist_n += g;
       const at::Tensor acc = v.accepted.to(at::kCPU);
       std::vector<uint8_t> accepted(static_cast<size_t>(g));
       for (int64_t i = 0; i < g; ++i) accepted[i] = acc[i].item<bool>() ? 1 : 0;
+      // The rejected tokens whose residual draw is used (each one with the authors' verified
+      // context, else the first) go on past the first chunk of proposals if none was kept,
+      // with the next rounds of the same streams.
+      std::vector<int64_t> used;
+      for (int64_t i = 0; i < g; ++i) {
+        if (accepted[i]) continue;
+        used.push_back(i);
+        if (!cp.verified_context) break;
+      }
+      CspdContinueResidual(
+          qh, ph, ro, used, kCspdMaxResidualRounds,
+          [&](int64_t chunk, const std::vector<int64_t>& rows) {
+            const auto k = static_cast<int64_t>(rows.size());
+            CspdNoise more{at::Tensor(), at::empty({k, rounds, c}), at::empty({k, rounds})};
+            for (int64_t m = 0; m < k; ++m) {
+              const auto pos = static_cast<uint32_t>(a.order[a.committed + rows[m]]);
+              const auto first = static_cast<uint32_t>(chunk * rounds);
+              Normals(seed, pos, 0, Purpose::kResidualProposal, more.proposal[m].data_ptr<float>(),
+                      rounds * c, first * c);
+              for (int64_t r = 0; r < rounds; ++r) {
+                more.proposal_u[m][r] =
+                    Uniform(seed, pos, 0, Purpose::kResample, first + static_cast<uint32_t>(r));
+              }
+            }
+            return more;
+          },
+          &v);
       if (a.verified_at_depth.size() < static_cast<size_t>(g)) {
         a.verified_at_depth.resize(static_cast<size_t>(g), 0);
         a.accepted_at_depth.resize(static_cast<size_t>(g), 0);
