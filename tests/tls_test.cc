@@ -55,8 +55,29 @@ std::string MakeCertificates(const std::string& name, int64_t* a_end) {
 class TlsTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() { dir_ = MakeCertificates("tls_unit", &a_end_); }
+  // The server certificate of CA `x` ('a' or 'b') and its key.
+  static std::shared_ptr<const ServerCertificate> Cert(char x) {
+    const std::string base = dir_ + "/" + x + "/server-" + x;
+    auto c = ServerCertificate::Read(base + ".pem", base + ".key");
+    if (!c.ok()) throw std::runtime_error(c.status().ToString());
+    return *c;
+  }
+  // Whether a new TLS handshake with the HTTPS server on `port` succeeds trusting only `ca` (a
+  // file under dir_; curl prints 000 for a connection that got no HTTP answer, and while the
+  // models load the answer is 503).
+  static bool HttpsTrusts(int port, const std::string& ca) {
+    std::string out;
+    RunCommand(
+        {"/usr/bin/curl", "-sS", "--noproxy", "*", "--cacert", dir_ + "/" + ca, "-o", "/dev/null",
+         "-w", "%{http_code}", "https://127.0.0.1:" + std::to_string(port) + "/health/live"},
+        &out, dir_ + "/curl.log");
+    return out.size() == 3 && out != "000";
+  }
   static std::string dir_;
   static int64_t a_end_;
+  // For the HTTPS servers of the tests that start one.
+  server::Metrics metrics_;
+  server::ImageGenerationService service_{&metrics_, server::TokenAuth(), server::ServiceOptions()};
 };
 std::string TlsTest::dir_;
 int64_t TlsTest::a_end_ = 0;
@@ -273,30 +294,17 @@ TEST_F(TlsTest, AMirrorLeftByADaemonThatIsGoneIsRemovedByTheNextOne) {
 // in one process (the daemon has one; tests may have more) each serves its own, and
 // SetCertificate changes the next handshakes' of that server only.
 TEST_F(TlsTest, EachHttpsServerServesItsOwnCertificateAndSetCertificateReplacesIt) {
-  auto a = ServerCertificate::Read(dir_ + "/a/server-a.pem", dir_ + "/a/server-a.key");
-  auto b = ServerCertificate::Read(dir_ + "/b/server-b.pem", dir_ + "/b/server-b.key");
-  ASSERT_TRUE(a.ok() && b.ok());
-  server::Metrics metrics;
-  server::ImageGenerationService service(&metrics, server::TokenAuth(), server::ServiceOptions());
-  auto one = server::HttpApi::Start("127.0.0.1:0", &service, *a);
-  auto two = server::HttpApi::Start("127.0.0.1:0", &service, *b);
+  const auto a = Cert('a'), b = Cert('b');
+  auto one = server::HttpApi::Start("127.0.0.1:0", &service_, a);
+  auto two = server::HttpApi::Start("127.0.0.1:0", &service_, b);
   ASSERT_TRUE(one.ok() && two.ok());
-  // Whether a TLS handshake with the server on `port` succeeds trusting only `ca` (curl
-  // prints 000 for a connection that got no HTTP answer; while the models load it is 503).
-  auto trusts = [&](int port, const std::string& ca) {
-    std::string out;
-    RunCommand(
-        {"/usr/bin/curl", "-sS", "--noproxy", "*", "--cacert", dir_ + "/" + ca, "-o", "/dev/null",
-         "-w", "%{http_code}", "https://127.0.0.1:" + std::to_string(port) + "/health/live"},
-        &out, dir_ + "/curl.log");
-    return out.size() == 3 && out != "000";
-  };
+  auto trusts = [](int port, const std::string& ca) { return HttpsTrusts(port, ca); };
   const int p1 = (*one)->port(), p2 = (*two)->port();
   EXPECT_TRUE(trusts(p1, "a/ca.pem"));
   EXPECT_FALSE(trusts(p1, "b/ca.pem"));
   EXPECT_TRUE(trusts(p2, "b/ca.pem"));
   EXPECT_FALSE(trusts(p2, "a/ca.pem"));
-  (*one)->SetCertificate(*b);
+  (*one)->SetCertificate(b);
   EXPECT_TRUE(trusts(p1, "b/ca.pem"));
   EXPECT_FALSE(trusts(p1, "a/ca.pem"));
   EXPECT_TRUE(trusts(p2, "b/ca.pem"));
@@ -310,22 +318,11 @@ TEST_F(TlsTest, EachHttpsServerServesItsOwnCertificateAndSetCertificateReplacesI
 // if it has not had it yet, may still take it), and frees it once no such connection is left:
 // rotations do not pile up in memory.
 TEST_F(TlsTest, AReplacedCertificateIsFreedOnceNoConnectionThatMayUseItIsOpen) {
-  auto a = ServerCertificate::Read(dir_ + "/a/server-a.pem", dir_ + "/a/server-a.key");
-  auto b = ServerCertificate::Read(dir_ + "/b/server-b.pem", dir_ + "/b/server-b.key");
-  ASSERT_TRUE(a.ok() && b.ok());
-  server::Metrics metrics;
-  server::ImageGenerationService service(&metrics, server::TokenAuth(), server::ServiceOptions());
-  auto api = server::HttpApi::Start("127.0.0.1:0", &service, *a);
+  const auto a = Cert('a'), b = Cert('b');
+  auto api = server::HttpApi::Start("127.0.0.1:0", &service_, a);
   ASSERT_TRUE(api.ok()) << api.status().ToString();
   server::HttpApi& https = **api;
-  auto served = [&](const std::string& ca) {
-    std::string out;
-    RunCommand({"/usr/bin/curl", "-sS", "--noproxy", "*", "--cacert", dir_ + "/" + ca, "-o",
-                "/dev/null", "-w", "%{http_code}",
-                "https://127.0.0.1:" + std::to_string(https.port()) + "/health/live"},
-               &out, dir_ + "/curl.log");
-    return out.size() == 3 && out != "000";
-  };
+  auto served = [&](const std::string& ca) { return HttpsTrusts(https.port(), ca); };
   // Polls (the library notes a closed connection on its own thread), generously.
   auto held_becomes = [&](int64_t n) {
     const auto limit = std::chrono::steady_clock::now() + std::chrono::seconds(60);
@@ -336,7 +333,7 @@ TEST_F(TlsTest, AReplacedCertificateIsFreedOnceNoConnectionThatMayUseItIsOpen) {
   };
   EXPECT_EQ(https.certificates_held(), 1);
   // With no connection open, a replaced certificate goes at once.
-  for (int i = 0; i < 4; ++i) https.SetCertificate(i % 2 == 0 ? *b : *a);
+  for (int i = 0; i < 4; ++i) https.SetCertificate(i % 2 == 0 ? b : a);
   EXPECT_EQ(https.certificates_held(), 1);
   EXPECT_TRUE(served("a/ca.pem"));
   EXPECT_TRUE(held_becomes(1));
@@ -354,12 +351,12 @@ TEST_F(TlsTest, AReplacedCertificateIsFreedOnceNoConnectionThatMayUseItIsOpen) {
   const auto limit = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   int64_t changes = 0;
   while (https.certificates_held() < 2 && std::chrono::steady_clock::now() < limit) {
-    https.SetCertificate(changes++ % 2 == 0 ? *b : *a);
+    https.SetCertificate(changes++ % 2 == 0 ? b : a);
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   ASSERT_EQ(https.certificates_held(), 2) << "the open connection's certificate was freed";
-  https.SetCertificate(changes++ % 2 == 0 ? *b : *a);
-  https.SetCertificate(changes++ % 2 == 0 ? *b : *a);
+  https.SetCertificate(changes++ % 2 == 0 ? b : a);
+  https.SetCertificate(changes++ % 2 == 0 ? b : a);
   EXPECT_EQ(https.certificates_held(), 4);
   // Connections that begin and end meanwhile free nothing the open one may use.
   EXPECT_TRUE(served(changes % 2 == 0 ? "a/ca.pem" : "b/ca.pem"));
