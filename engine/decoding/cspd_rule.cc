@@ -111,7 +111,7 @@ void CspdContinueResidual(const CspdHeads& q, const CspdHeads& p, const CspdRule
                           const std::vector<int64_t>& rows, int64_t max_rounds,
                           const CspdMoreNoise& more, CspdVerdict* v) {
   if (opts.fallback != CspdFallback::kTargetSample) return;  // the authors' bound stays
-  if (rows.empty()) return;  // every draft accepted: no readback
+  if (rows.empty()) return;                                  // every draft accepted: no readback
   const at::Tensor fell = v->fell_back.to(at::kCPU);
   const at::Tensor rounds = v->rounds.to(at::kCPU);
   std::vector<int64_t> open;  // rows still without a kept proposal
