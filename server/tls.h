@@ -78,9 +78,9 @@ Status CheckCaBundle(const std::string& pem);
 // generation's number, in seconds): gRPC reads a key and certificate again when either time changed
 // while it read them, so it never pairs one generation's key with another's certificate. The two
 // latest generations are kept (gRPC may be reading the previous one). The directory names its owner
-// (pid, process start time, boot id): the mirrors of daemons that died without removing theirs
-// (SIGKILL, the OOM killer) are removed by the next daemon that makes one in the same place (a
-// pod's emptyDir /tmp outlives its container, and the new daemon may have the same pid).
+// (pid namespace, boot id, pid, start time): the mirrors of daemons that died without removing
+// theirs (SIGKILL, the OOM killer) are removed by the next daemon that makes one in the same place
+// (a pod's emptyDir /tmp outlives its container, and the new daemon may have the same pid).
 class CertificateMirror {
  public:
   // Makes the directory and publishes the first generation. `client_ca` empty: no CA file.
