@@ -432,15 +432,23 @@ Status MarScheduler::StepImpl() {
       CspdHeads ph{p.mean0.index({ids}), p.std0.index({ids}), p.acc_logstd.index({ids})};
       CspdNoise noise{at::empty({g}), at::empty({g, rounds, c}), at::empty({g, rounds})};
       const uint64_t seed = a.job->request.seed;
+      // Window token i's residual noise for rounds [chunk R, (chunk + 1) R), R = rounds, into
+      // `proposal` ([R, C]) and `proposal_u` ([R]): chunk k continues chunk 0's streams.
+      auto residual_noise = [&](int64_t i, int64_t chunk, at::Tensor proposal,
+                                at::Tensor proposal_u) {
+        const auto pos = static_cast<uint32_t>(a.order[a.committed + i]);
+        const auto first = static_cast<uint32_t>(chunk * rounds);
+        Normals(seed, pos, 0, Purpose::kResidualProposal, proposal.data_ptr<float>(), rounds * c,
+                first * static_cast<uint32_t>(c));
+        for (int64_t r = 0; r < rounds; ++r) {
+          proposal_u[r] =
+              Uniform(seed, pos, 0, Purpose::kResample, first + static_cast<uint32_t>(r));
+        }
+      };
       for (int64_t i = 0; i < g; ++i) {
         const auto pos = static_cast<uint32_t>(a.order[a.committed + i]);
         noise.accept_u[i] = Uniform(seed, pos, 0, Purpose::kAccept);
-        at::Tensor prop = noise.proposal[i];
-        Normals(seed, pos, 0, Purpose::kResidualProposal, prop.data_ptr<float>(), rounds * c);
-        for (int64_t r = 0; r < rounds; ++r) {
-          noise.proposal_u[i][r] =
-              Uniform(seed, pos, 0, Purpose::kResample, static_cast<uint32_t>(r));
-        }
+        residual_noise(i, 0, noise.proposal[i], noise.proposal_u[i]);
       }
       CspdRuleOptions ro;
       ro.inner_temperature = cp.inner_temperature;
@@ -468,14 +476,7 @@ Status MarScheduler::StepImpl() {
             const auto k = static_cast<int64_t>(rows.size());
             CspdNoise more{at::Tensor(), at::empty({k, rounds, c}), at::empty({k, rounds})};
             for (int64_t m = 0; m < k; ++m) {
-              const auto pos = static_cast<uint32_t>(a.order[a.committed + rows[m]]);
-              const auto first = static_cast<uint32_t>(chunk * rounds);
-              Normals(seed, pos, 0, Purpose::kResidualProposal, more.proposal[m].data_ptr<float>(),
-                      rounds * c, first * c);
-              for (int64_t r = 0; r < rounds; ++r) {
-                more.proposal_u[m][r] =
-                    Uniform(seed, pos, 0, Purpose::kResample, first + static_cast<uint32_t>(r));
-              }
+              residual_noise(rows[m], chunk, more.proposal[m], more.proposal_u[m]);
             }
             return more;
           },
