@@ -227,7 +227,8 @@ bool OwnerIsGone(const std::string& line) {
   char ns[128] = {}, boot[64] = {}, start[32] = {};
   long pid = 0;
   if (std::sscanf(line.c_str(), "%127s %63s %ld %31s", ns, boot, &pid, start) != 4) return false;
-  if (pid <= 0 || ns != Namespace() || boot != BootId() || BootId().empty()) return false;
+  const std::string boot_here = BootId();
+  if (pid <= 0 || ns != Namespace() || boot_here.empty() || boot != boot_here) return false;
   return ProcessStart(pid) != start;
 }
 

@@ -961,6 +961,16 @@ TEST(E2eTest, TlsCertificatesRotateOnBothPortsAndABrokenPairIsRefused) {
   EXPECT_NE(no_cert, 0) << no_cert_out;
 }
 
+// The daemons' TLS mirrors (server/tls.h) in the directory `tmp` (their $TMPDIR), by name.
+std::vector<std::string> TlsMirrors(const std::string& tmp) {
+  std::vector<std::string> names;
+  for (const auto& e : std::filesystem::directory_iterator(tmp)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("imagegen-tls-", 0) == 0) names.push_back(name);
+  }
+  return names;
+}
+
 // A daemon killed with SIGKILL cannot remove the copy of its key that gRPC reads (the mirror
 // under $TMPDIR, server/tls.h); the next daemon to start there removes it and says so (on
 // Kubernetes the pod's emptyDir /tmp outlives a killed container).
@@ -969,14 +979,7 @@ TEST(E2eTest, TheKeyCopyOfAKilledTlsDaemonIsRemovedByTheNextOne) {
   const std::string tmp = TempDir("tls_killed_tmp");
   const std::vector<std::string> flags = {"--tls-cert", pki + "/server.pem", "--tls-key",
                                           pki + "/server.key"};
-  auto mirrors = [&] {
-    std::vector<std::string> names;
-    for (const auto& e : std::filesystem::directory_iterator(tmp)) {
-      const std::string name = e.path().filename().string();
-      if (name.rfind("imagegen-tls-", 0) == 0) names.push_back(name);
-    }
-    return names;
-  };
+  auto mirrors = [&] { return TlsMirrors(tmp); };
   std::string first;
   {
     Daemon killed("tls_killed_1", flags, false, {"TMPDIR=" + tmp});
@@ -1286,25 +1289,19 @@ TEST(E2eTest, SigtermWhileLoadingExitsAtOnceWithoutBecomingReady) {
 TEST(E2eTest, ATlsDaemonStoppedWhileLoadingLeavesNoKeyCopy) {
   const std::string pki = MakeCertificates("pki_loading");
   const std::string tmp = TempDir("tls_loading_tmp");
-  auto mirrors = [&] {
-    int n = 0;
-    for (const auto& e : std::filesystem::directory_iterator(tmp)) {
-      n += e.path().filename().string().rfind("imagegen-tls-", 0) == 0 ? 1 : 0;
-    }
-    return n;
-  };
+  auto mirrors = [&] { return TlsMirrors(tmp).size(); };
   Daemon d(
       "tls_loading",
       {"--warmup=1", "--warmup_methods=ar,sjd,scd-mc,sjd-pac", "--warmup_concurrency=1,2,4,8,16",
        "--tls-cert", pki + "/server.pem", "--tls-key", pki + "/server.key"},
       false, {"TMPDIR=" + tmp});
-  ASSERT_EQ(mirrors(), 1);
+  ASSERT_EQ(mirrors(), 1u);
   d.proc().Signal(SIGTERM);
   EXPECT_EQ(d.proc().Wait(seconds(120)), 0) << d.proc().Log();
   EXPECT_NE(d.proc().Log().find("received SIGTERM while loading the models: exiting"),
             std::string::npos)
       << d.proc().Log();
-  EXPECT_EQ(mirrors(), 0) << d.proc().Log();
+  EXPECT_EQ(mirrors(), 0u) << d.proc().Log();
 }
 
 // SIGTERM as soon as the daemon is ready, with a stream in flight, is a drain: the stream ends
