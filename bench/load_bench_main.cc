@@ -440,6 +440,7 @@ int main(int argc, char** argv) {
            {"keep-cut-drafts", "1"},
            {"cache-dir", ""},
            {"batch-invariant", "1"},
+           {"row-attention", "1"},
            {"cuda-graphs", "-1"},
            {"fused-verify", "1"},
            {"decode-thread", "-1"},
@@ -465,6 +466,7 @@ int main(int argc, char** argv) {
   base.device = f.Str("device");
   base.dtype = f.Str("dtype");
   base.batch_invariant = f.Int("batch-invariant") != 0;
+  base.row_attention = f.Int("row-attention") != 0;               // EngineOptions::row_attention
   base.cuda_graphs = static_cast<int>(f.Int("cuda-graphs"));      // EngineOptions: -1 by device
   base.fused_verify = f.Int("fused-verify") != 0;                 // EngineOptions::fused_verify
   base.decode_thread = static_cast<int>(f.Int("decode-thread"));  // EngineOptions::decode_thread

@@ -76,7 +76,8 @@ int main(int argc, char** argv) {
            {"csv", ""}},
           "usage: imagegen-step-cost [--shapes bundled,gpt-b,gpt-l,gpt-xl,tiny] [--dtypes "
           "bf16,fp32] [--device cuda] [--requests 1,2,..] [--tokens 1,2,..] [--forwards "
-          "eager,static,graphs,static-ref,graphs-ref,static-rope,graphs-rope] [--kernel-profile N] "
+          "eager,eager-sdpa,static,graphs,static-ref,graphs-ref,static-rope,graphs-rope] "
+          "[--kernel-profile N] "
           "[--csv FILE]");
   std::ofstream csv;
   if (!f.Str("csv").empty()) {
@@ -96,22 +97,27 @@ int main(int argc, char** argv) {
   // bucket in the warm-up repetitions, replays after). Both with the fused layer
   // (LoadOptions::fused_static_forward, forced on here, on the CPU too); static-ref and
   // graphs-ref: the same with the reference layer (a second copy of the model); static-rope and
-  // graphs-rope: the fused layer with the rotary scatter (LoadOptions::rope_scatter, a third).
-  bool any_ref = false, any_rope = false;
+  // graphs-rope: the fused layer with the rotary scatter (LoadOptions::rope_scatter, a third);
+  // eager-sdpa: the eager forward with one SDPA call per row group instead of RowAttention
+  // (LoadOptions::row_attention off, a fourth; the same as eager where RowAttention does not
+  // run: off the CPU, in bf16, or with --batch-invariant 0).
+  bool any_ref = false, any_rope = false, any_sdpa = false;
   for (const std::string& fw :
-       f.Choices("forwards", {"eager", "static", "graphs", "static-ref", "graphs-ref",
+       f.Choices("forwards", {"eager", "eager-sdpa", "static", "graphs", "static-ref", "graphs-ref",
                               "static-rope", "graphs-rope"})) {
     any_ref |= fw == "static-ref" || fw == "graphs-ref";
     any_rope |= fw == "static-rope" || fw == "graphs-rope";
+    any_sdpa |= fw == "eager-sdpa";
   }
   for (const std::string& dtype : f.List("dtypes")) {
     auto lo = ParseDeviceAndDtype(f.Str("device"), dtype);
     if (!lo.ok()) f.Fail(lo.status().message());
     for (const std::string& shape : f.List("shapes")) {
-      auto load = [&](bool fused, bool rope) {
+      auto load = [&](bool fused, bool rope, bool row_attention = true) {
         LoadOptions o = *lo;
         o.fused_static_forward = fused;
         o.rope_scatter = rope;
+        o.row_attention = row_attention;
         if (shape == "bundled") return OrDie(Gpt::Load(f.Str("models-dir") + "/fmnist-gpt", o));
         GptConfig c;
         if (!Shape(shape, f.Int("grid"), &c)) f.Fail("unknown shape " + shape);
@@ -120,6 +126,7 @@ int main(int argc, char** argv) {
       std::unique_ptr<Gpt> fused_gpt = load(true, false);
       std::unique_ptr<Gpt> ref_gpt = any_ref ? load(false, false) : nullptr;
       std::unique_ptr<Gpt> rope_gpt = any_rope ? load(true, true) : nullptr;
+      std::unique_ptr<Gpt> sdpa_gpt = any_sdpa ? load(true, false, false) : nullptr;
       if (rope_gpt != nullptr && !rope_gpt->rope_scatter()) {
         f.Fail("--forwards *-rope: no rotary scatter for " + shape + " in " + dtype +
                " here (a Janus-layout model, another dtype, or no kernel in this build)");
@@ -138,13 +145,17 @@ int main(int argc, char** argv) {
       for (const std::string& fw : f.List("forwards")) {
         const bool ref = fw == "static-ref" || fw == "graphs-ref";
         const bool rope = fw == "static-rope" || fw == "graphs-rope";
-        gpt = ref ? ref_gpt.get() : rope ? rope_gpt.get() : fused_gpt.get();
-        const ForwardOptions fo{invariant, fw != "eager", fw.rfind("graphs", 0) == 0};
+        gpt = ref                  ? ref_gpt.get()
+              : rope               ? rope_gpt.get()
+              : fw == "eager-sdpa" ? sdpa_gpt.get()
+                                   : fused_gpt.get();
+        const bool eager = fw.rfind("eager", 0) == 0;
+        const ForwardOptions fo{invariant, !eager, fw.rfind("graphs", 0) == 0};
         if (f.List("forwards").size() > 1) std::printf("forward: %s\n", fw.c_str());
         double one_token_ms = 0;
         for (int64_t r : f.Ints("requests")) {
           const int64_t rows = 2 * r;  // CFG: conditional and unconditional
-          KvCache cache = gpt->NewCache(rows, 0, fw != "eager");
+          KvCache cache = gpt->NewCache(rows, 0, !eager);
           for (int64_t t : f.Ints("tokens")) {
             if (t < r || t % r != 0) continue;
             const int64_t n = t / r;

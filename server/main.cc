@@ -97,6 +97,11 @@ ABSL_FLAG(bool, cuda_graphs, true,
           "an H200); no effect on the CPU. Overrides --batch_invariant: logits then equal the "
           "eager forward's within rounding; --cuda_graphs=false for images that are bit for bit "
           "independent of the requests beside them");
+ABSL_FLAG(bool, row_attention, true,
+          "with --batch_invariant on the CPU in fp32: rows of up to 4 new tokens attend through "
+          "one kernel call a layer instead of one SDPA call per request (1.4-1.5x faster "
+          "forwards at 16 one-token requests on 2 cores); false for the SDPA calls (A/B "
+          "comparisons; images then round differently)");
 ABSL_FLAG(bool, fused_verify, true,
           "verify windows (chains and trees of up to 8 branches, GSD's clusters) in one fused pass "
           "per step: one kernel "
@@ -302,6 +307,7 @@ int main(int argc, char** argv) {
   }
   eo.batch_invariant = absl::GetFlag(FLAGS_batch_invariant);
   eo.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs) ? -1 : 0;  // -1: on for CUDA devices
+  eo.row_attention = absl::GetFlag(FLAGS_row_attention);
   eo.fused_verify = absl::GetFlag(FLAGS_fused_verify);
   eo.decode_thread = absl::GetFlag(FLAGS_decode_thread);
   eo.decode_batch = absl::GetFlag(FLAGS_decode_batch);

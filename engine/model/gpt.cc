@@ -16,6 +16,7 @@
 #include "engine/model/cuda_graphs.h"
 #include "engine/model/cuda_stream.h"
 #include "engine/model/device.h"
+#include "engine/model/row_attention.h"
 #include "engine/model/transfer.h"
 
 namespace imagegen {
@@ -407,6 +408,9 @@ std::unique_ptr<Gpt> Gpt::Random(const GptConfig& cfg, const LoadOptions& opts, 
 
 void Gpt::FuseMlpWeights() {
   fused_static_ = opts_.fused_static_forward.value_or(opts_.device.is_cuda());
+  row_attention_ = opts_.row_attention.value_or(true) && opts_.device.is_cpu() &&
+                   embed_.scalar_type() == at::kFloat && cfg_.head_dim() % 8 == 0 &&
+                   cfg_.head_dim() <= kRowAttentionMaxHeadDim;
   const char* env = std::getenv("IMAGEGEN_ROPE_SCATTER");
   const at::ScalarType dt = embed_.scalar_type();
   rope_scatter_ = opts_.rope_scatter.value_or(env != nullptr && std::string(env) == "1") &&
@@ -659,6 +663,33 @@ at::Tensor Gpt::ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache,
         at::full({static_cast<int64_t>(cond_idx.size())}, cfg_.vocab_size, ids.options()));
   }
 
+  // Row groups of at most kRowAttentionMaxTokens tokens a row attend through RowAttention
+  // (LoadOptions::row_attention), which reads their slots, lengths and masks from the host;
+  // longer ones keep their SDPA call. Which way a group goes depends on its own length only.
+  std::vector<RowAttentionSpan> spans;
+  std::vector<Call> sdpa_calls;
+  if (invariant && row_attention_) {
+    for (const Call& c : calls) {
+      if (c.n > kRowAttentionMaxTokens) {
+        sdpa_calls.push_back(c);
+        continue;
+      }
+      for (int64_t r = c.r0; r < c.r0 + c.rows; ++r) {
+        const BatchRow& row = batch[static_cast<size_t>(r)];
+        spans.push_back({row.slot, row.cache_len, c.n, c.t0 + (r - c.r0) * c.n,
+                         row.mask.empty() ? nullptr : row.mask.data()});
+      }
+    }
+    calls = sdpa_calls;
+  }
+  if (!spans.empty() && calls.empty()) {  // no SDPA call: no mask to build
+    return Decode(embed_.index_select(0, ids), rope_.index_select(0, pos), dst, cache, invariant,
+                  [&](size_t l, const at::Tensor& q) {
+                    at::Tensor out = at::empty({T, D}, q.options());
+                    RowAttention(q, cache.k[l], cache.v[l], spans, out);
+                    return out;
+                  });
+  }
   // allow[r, i, j]: query i of row r may attend cache entry j (AllowMask).
   at::Tensor allow = AllowMask(meta, pairs, custom_pairs > 0, R, nmax, kv_max, dev);
   if (!invariant) allow = allow.unsqueeze(1);  // [R, 1, nmax, kv_max]
@@ -680,6 +711,14 @@ at::Tensor Gpt::ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache,
             allow.narrow(0, c.r0, c.rows).narrow(1, 0, c.n).narrow(2, 0, c.kv).unsqueeze(1).clone();
         at::Tensor oc = at::scaled_dot_product_attention(qc, kc, vc, mc);
         outs.push_back(oc.transpose(1, 2).reshape({c.rows * c.n, D}));
+      }
+      if (!spans.empty()) {  // the short groups through RowAttention, the others copied in
+        at::Tensor out = at::empty({T, D}, q.options());
+        RowAttention(q, ck, cv, spans, out);
+        for (size_t i = 0; i < calls.size(); ++i) {
+          out.narrow(0, calls[i].t0, calls[i].rows * calls[i].n).copy_(outs[i]);
+        }
+        return out;
       }
       return outs.size() == 1 ? outs[0] : at::cat(outs);
     }

@@ -190,6 +190,9 @@ class Gpt {
   // Whether the fused layer's rotary embedding and writes run as one kernel
   // (LoadOptions::rope_scatter).
   bool rope_scatter() const { return rope_scatter_; }
+  // Whether the batch-invariant forward's attention runs through RowAttention
+  // (LoadOptions::row_attention).
+  bool row_attention() const { return row_attention_; }
 
   // A cache with `slots` slots of seq_len() + extra entries each, zero-filled. Throws
   // c10::Error if the device is out of memory (callers size it from a memory budget).
@@ -258,6 +261,7 @@ class Gpt {
   LoadOptions opts_;
   bool fused_static_ = false;
   bool rope_scatter_ = false;
+  bool row_attention_ = false;
   // [vocab + condition_ids, dim]: image-token rows then condition rows (class labels, or text
   // tokens). Janus's image rows are gen_aligner(gen_embed(id)), computed once at load.
   at::Tensor embed_;

@@ -92,9 +92,10 @@ Status ModelScheduler::Calibrate(const LoadOptions& load) {
       << (processor.empty() ? std::string() : " (" + processor + ")") << " " << dtype
       << (load.device.is_cpu() ? ", " + std::to_string(at::get_num_threads()) + " threads"
                                : std::string())
-      << (opts_.cuda_graphs > 0   ? ", CUDA graphs"
-          : opts_.batch_invariant ? ", batch-invariant"
-                                  : "");
+      << (opts_.cuda_graphs > 0         ? ", CUDA graphs"
+          : !opts_.batch_invariant      ? ""
+          : model_.gpt->row_attention() ? ", batch-invariant, row attention"
+                                        : ", batch-invariant");
   // A calibration measured with fewer requests at a time than this engine's slots allow (an
   // engine with a small pool wrote it) would leave the cost of many requests to extrapolation.
   const ImageRequest probe = CalibrationRequest();

@@ -1,0 +1,181 @@
+// RowAttention (the batch-invariant forward's attention on the CPU): softmax attention within
+// rounding, every row's output the same bits alone, among other rows and on one thread, and the
+// forward that uses it equal to the one SDPA call per row group within rounding and invariant.
+#include "engine/model/row_attention.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <gtest/gtest.h>
+
+#include "engine/model/gpt.h"
+#include "tests/test_util.h"
+
+namespace imagegen {
+namespace {
+
+struct Caches {
+  int64_t slots = 6, capacity = 40, H = 3, hd = 32;
+  at::Tensor k, v, q;  // caches [slots, capacity, H, hd]; q [T, H, hd]
+};
+
+Caches Make(int64_t hd, int64_t T, uint64_t seed) {
+  Caches s;
+  s.hd = hd;
+  at::manual_seed(seed);
+  s.k = at::randn({s.slots, s.capacity, s.H, hd});
+  s.v = at::randn({s.slots, s.capacity, s.H, hd});
+  s.q = at::randn({T, s.H, hd}) * 2;  // scores of a few units: a softmax far from uniform
+  return s;
+}
+
+// Softmax attention of one span in doubles, from the definition.
+at::Tensor Reference(const Caches& s, const RowAttentionSpan& sp) {
+  const int64_t keys = sp.cache_len + sp.n;
+  at::Tensor q = s.q.narrow(0, sp.t0, sp.n).to(at::kDouble).transpose(0, 1);  // [H, n, hd]
+  at::Tensor k = s.k[sp.slot].narrow(0, 0, keys).to(at::kDouble).transpose(0, 1);
+  at::Tensor v = s.v[sp.slot].narrow(0, 0, keys).to(at::kDouble).transpose(0, 1);
+  at::Tensor scores = at::matmul(q, k.transpose(1, 2)) / std::sqrt(static_cast<double>(s.hd));
+  at::Tensor allow = at::ones({sp.n, keys}, at::kBool);
+  for (int64_t i = 0; i < sp.n; ++i) {
+    for (int64_t j = 0; j < sp.n; ++j) {
+      const bool on = sp.mask != nullptr ? sp.mask[i * sp.n + j] != 0 : j <= i;
+      allow[i][sp.cache_len + j] = on;
+    }
+  }
+  scores = scores.masked_fill(allow.logical_not(), -INFINITY);
+  return at::matmul(at::softmax(scores, -1), v).transpose(0, 1).reshape({sp.n, s.H * s.hd});
+}
+
+// A mask over n new tokens with its diagonal set and about half the rest.
+std::vector<uint8_t> RandomMask(int64_t n, uint64_t seed) {
+  std::vector<uint8_t> m(static_cast<size_t>(n * n));
+  uint64_t x = seed;
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      x = x * 6364136223846793005ULL + 1442695040888963407ULL;
+      m[static_cast<size_t>(i * n + j)] = i == j || (x >> 33) % 2 == 0 ? 1 : 0;
+    }
+  }
+  return m;
+}
+
+TEST(RowAttentionTest, EqualsSoftmaxAttentionWithinRounding) {
+  const std::vector<uint8_t> mask6 = RandomMask(6, 3), mask8 = RandomMask(8, 5);
+  // hd 32, 64 and 128 take the compiled-in sizes, 8 and 24 the run-time one.
+  for (int64_t hd : {8, 24, 32, 64, 128}) {
+    SCOPED_TRACE("hd " + std::to_string(hd));
+    // Causal rows of 1, 5 and 8 tokens at cache lengths that put the visible keys on both sides
+    // of a group of eight, a masked row of 6 and one of 8 over the whole capacity.
+    const std::vector<RowAttentionSpan> spans = {
+        {0, 0, 1, 0, nullptr},       {1, 17, 1, 1, nullptr},  {2, 9, 5, 2, nullptr},
+        {3, 23, 6, 7, mask6.data()}, {4, 24, 8, 13, nullptr}, {5, 32, 8, 21, mask8.data()}};
+    const int64_t T = 30;  // rows 29 and after: no span
+    Caches s = Make(hd, T, 11 + static_cast<uint64_t>(hd));
+    at::Tensor out = at::full({T, s.H * hd}, 7.0f);
+    RowAttention(s.q, s.k, s.v, spans, out);
+    for (const RowAttentionSpan& sp : spans) {
+      const double err = (out.narrow(0, sp.t0, sp.n).to(at::kDouble) - Reference(s, sp))
+                             .abs()
+                             .max()
+                             .item<double>();
+      EXPECT_LT(err, 2e-6) << "span at t0 " << sp.t0;
+    }
+    EXPECT_TRUE(out.narrow(0, 29, 1).eq(7.0f).all().item<bool>()) << "a row outside the spans";
+  }
+}
+
+TEST(RowAttentionTest, ARowsOutputIsTheSameBitsAloneAmongOtherRowsAndOnOneThread) {
+  const std::vector<uint8_t> mask = RandomMask(7, 9);
+  for (int64_t hd : {24, 64}) {
+    SCOPED_TRACE("hd " + std::to_string(hd));
+    Caches s = Make(hd, 40, 21);
+    // The row under test, alone: slot 2, 19 committed entries, 7 new tokens with a mask.
+    const RowAttentionSpan alone{2, 19, 7, 0, mask.data()};
+    at::Tensor a = at::zeros({40, s.H * hd});
+    RowAttention(s.q, s.k, s.v, {alone}, a);
+    // The same row (its keys, values and queries copied) in slot 5 at query row 13, after and
+    // before other rows, on the default threads and on one.
+    s.k[5].copy_(s.k[2]);
+    s.v[5].copy_(s.v[2]);
+    s.q.narrow(0, 13, 7).copy_(s.q.narrow(0, 0, 7));
+    const std::vector<RowAttentionSpan> crowd = {{0, 3, 4, 8, nullptr},
+                                                 {1, 30, 1, 12, nullptr},
+                                                 {5, 19, 7, 13, mask.data()},
+                                                 {3, 0, 8, 20, nullptr},
+                                                 {4, 12, 5, 28, nullptr}};
+    for (int threads : {0, 1}) {
+      const int before = at::get_num_threads();
+      if (threads > 0) at::set_num_threads(threads);
+      at::Tensor b = at::zeros({40, s.H * hd});
+      RowAttention(s.q, s.k, s.v, crowd, b);
+      at::set_num_threads(before);
+      EXPECT_TRUE(at::equal(a.narrow(0, 0, 7), b.narrow(0, 13, 7)))
+          << (threads > 0 ? "on one thread" : "on the default threads") << ": max difference "
+          << (a.narrow(0, 0, 7) - b.narrow(0, 13, 7)).abs().max().item<float>();
+    }
+  }
+}
+
+// The forward: with RowAttention its logits equal those with one SDPA call per row group within
+// rounding, and a row's logits are the same bits alone and in a ragged batch that mixes rows
+// RowAttention takes with a row too long for it.
+TEST(RowAttentionTest, TheBatchInvariantForwardMatchesSdpaAndStaysInvariant) {
+  testing::TinyGptSpec spec;
+  spec.grid = 5;  // 25 image tokens: room for a row longer than kRowAttentionMaxTokens
+  const std::string dir = testing::WriteTinyGpt(testing::TempDir("rowattn") + "/m", spec, 4);
+  LoadOptions on, off;
+  off.row_attention = false;
+  auto with = Gpt::Load(dir, on);
+  auto without = Gpt::Load(dir, off);
+  ASSERT_TRUE(with.ok() && without.ok());
+  ASSERT_TRUE((*with)->row_attention());
+  ASSERT_FALSE((*without)->row_attention());
+  const int64_t long_row = kRowAttentionMaxTokens + 4;
+  auto row = [&](int64_t slot, int64_t cls, int64_t n, int64_t group) {
+    BatchRow r;
+    r.slot = slot;
+    r.group = group;
+    for (int64_t i = 0; i <= n; ++i) {  // the class token, then n image tokens
+      r.tokens.push_back(i == 0 ? cls : (slot * 5 + i * 3) % spec.vocab);
+      r.positions.push_back(i);
+    }
+    return r;
+  };
+  const std::vector<BatchRow> batch = {row(0, 1, 0, 0), row(1, 1, 0, 0), row(2, 2, 3, 1),
+                                       row(3, 0, long_row, 2), row(4, 2, 6, 3)};
+  ForwardOptions inv;
+  inv.batch_invariant = true;
+  for (const auto* m : {&*with, &*without}) {
+    KvCache c1 = (*m)->NewCache(8), c2 = (*m)->NewCache(8);
+    auto all = (*m)->Forward(batch, c1, {}, inv);
+    ASSERT_TRUE(all.ok()) << all.status().ToString();
+    // Each request (a row group) alone, in other slots.
+    int64_t t = 0;
+    for (size_t r0 = 0; r0 < batch.size();) {
+      size_t r1 = r0 + 1;
+      while (r1 < batch.size() && batch[r1].group == batch[r0].group) ++r1;
+      std::vector<BatchRow> request(batch.begin() + static_cast<std::ptrdiff_t>(r0),
+                                    batch.begin() + static_cast<std::ptrdiff_t>(r1));
+      int64_t n = 0;
+      for (BatchRow& r : request) {
+        r.slot = 7 - r.slot;
+        n += static_cast<int64_t>(r.tokens.size());
+      }
+      auto alone = (*m)->Forward(request, c2, {}, inv);
+      ASSERT_TRUE(alone.ok()) << alone.status().ToString();
+      EXPECT_TRUE(at::equal(all->narrow(0, t, n), *alone))
+          << "request of row " << r0 << ((*m)->row_attention() ? " with" : " without")
+          << " RowAttention";
+      t += n;
+      r0 = r1;
+    }
+  }
+  KvCache c1 = (*with)->NewCache(8), c2 = (*without)->NewCache(8);
+  auto a = (*with)->Forward(batch, c1, {}, inv);
+  auto b = (*without)->Forward(batch, c2, {}, inv);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_LT((*a - *b).abs().max().item<float>(), 1e-4f);
+}
+
+}  // namespace
+}  // namespace imagegen
