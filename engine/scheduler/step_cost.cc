@@ -120,9 +120,13 @@ Status StepCostModel::Calibrate(const std::vector<StepCostSample>& samples) {
   }
   if (fixed_) return OkStatus();
   prior_ = samples;
+  prior_scale_ = 1;
+  ratios_.clear();
   std::fill(prior_a_.begin(), prior_a_.end(), 0);
   std::fill(prior_b_.begin(), prior_b_.end(), 0);
   for (const StepCostSample& s : samples) Accumulate(prior_a_, prior_b_, s, 1);
+  prior_values_ = values_;
+  FitInto(false, prior_values_, prior_per_request_);
   Fit();
   return OkStatus();
 }
@@ -130,25 +134,49 @@ Status StepCostModel::Calibrate(const std::vector<StepCostSample>& samples) {
 void StepCostModel::Observe(int64_t tokens, int64_t requests, double seconds) {
   StepCostSample s{tokens, requests, seconds};
   if (fixed_ || !Valid(s)) return;
-  if (max_ratio >= 1 && !prior_.empty()) {
+  if (!prior_.empty()) {
     const double p = Predict(tokens, requests);
-    s.seconds = std::clamp(s.seconds, p / max_ratio, p * max_ratio);
+    if (max_ratio >= 1) s.seconds = std::clamp(s.seconds, p / max_ratio, p * max_ratio);
+    const double from_prior = PriorPredict(tokens, requests);
+    if (rescale_band > 1 && rescale_window > 0 && from_prior > 0) {
+      ratios_.push_back(s.seconds / from_prior);
+    }
   }
   for (double& v : online_a_) v *= decay;
   for (double& v : online_b_) v *= decay;
   Accumulate(online_a_, online_b_, s, 1);
   observed_ += 1;
-  if (++since_fit_ >= refit_every || prior_.empty()) Fit();
+  bool refit = ++since_fit_ >= refit_every || prior_.empty();
+  if (static_cast<int64_t>(ratios_.size()) >= std::max<int64_t>(rescale_window, 1)) {
+    std::nth_element(ratios_.begin(),
+                     ratios_.begin() + static_cast<std::ptrdiff_t>(ratios_.size() / 2),
+                     ratios_.end());
+    const double median = ratios_[ratios_.size() / 2];
+    ratios_.clear();
+    if (median > rescale_band || median < 1 / rescale_band) {
+      prior_scale_ *= max_ratio >= 1 ? std::clamp(median, 1 / max_ratio, max_ratio) : median;
+      refit = true;
+    }
+  }
+  if (refit) Fit();
 }
 
 void StepCostModel::Fit() {
   since_fit_ = 0;
+  FitInto(true, values_, per_request_);
+}
+
+void StepCostModel::FitInto(bool online, std::vector<double>& values, double& per_request) const {
   const int64_t n = Params();
   const auto K = static_cast<int64_t>(knots_.size());
   std::vector<double> a(prior_a_), b(prior_b_);
+  if (online) {
+    // b sums features times seconds, linear in the times: the prior scaled, then the online.
+    for (double& v : b) v *= prior_scale_;
+    for (size_t i = 0; i < a.size(); ++i) a[i] += online_a_[i];
+    for (size_t i = 0; i < b.size(); ++i) b[i] += online_b_[i];
+  }
   double weight = 0;
-  for (size_t i = 0; i < a.size(); ++i) a[i] += online_a_[i];
-  for (size_t i = 0; i < b.size(); ++i) b[i] += online_b_[i];
   for (int64_t i = 0; i < n; ++i) weight += a[i * n + i];
   if (weight <= 0) return;
   // Each interior knot is pulled toward the line through its neighbours (zero for an affine f).
@@ -170,9 +198,13 @@ void StepCostModel::Fit() {
     if (!std::isfinite(v)) return;  // keeps the last fit rather than NaN predictions
   }
   for (int64_t k = 0; k < K; ++k) {
-    values_[k] = std::max(x[k], k == 0 ? 1e-7 : values_[k - 1]);
+    values[k] = std::max(x[k], k == 0 ? 1e-7 : values[k - 1]);
   }
-  per_request_ = std::max(x[K], 0.0);
+  per_request = std::max(x[K], 0.0);
+}
+
+double StepCostModel::PriorPredict(int64_t tokens, int64_t requests) const {
+  return prior_scale_ * Evaluate(prior_values_, prior_per_request_, tokens, requests);
 }
 
 double StepCostModel::Predict(int64_t tokens, int64_t requests) const {
@@ -181,11 +213,17 @@ double StepCostModel::Predict(int64_t tokens, int64_t requests) const {
     return fixed_base_ + fixed_per_token_ * static_cast<double>(std::max<int64_t>(tokens, 1)) +
            extra;
   }
+  return Evaluate(values_, per_request_, tokens, requests);
+}
+
+double StepCostModel::Evaluate(const std::vector<double>& values, double per_request,
+                               int64_t tokens, int64_t requests) const {
   std::vector<double> phi;
   Features(tokens, requests, phi);
   double t = 0;
-  for (size_t k = 0; k < values_.size(); ++k) t += phi[k] * values_[k];
-  return std::max(t, values_[0]) + extra;
+  for (size_t k = 0; k < values.size(); ++k) t += phi[k] * values[k];
+  return std::max(t, values[0]) +
+         per_request * static_cast<double>(std::max<int64_t>(requests, 1) - 1);
 }
 
 int64_t StepCostModel::MaxTokensWithin(double seconds, int64_t requests, int64_t limit) const {

@@ -8,7 +8,12 @@
 // its samples per device, model and dtype) and then refined online from every step's measured
 // time: the calibration's samples stay as a fixed prior, the online ones decay (each new one
 // multiplies the weight of the older ones by `decay`) and are bounded to a factor of the
-// prediction (`max_ratio`: one-off stalls), and the fit is redone every few steps.
+// prediction (`max_ratio`: one-off stalls), and the fit is redone every few steps. When most
+// recent steps ran faster (or slower) than predicted by more than `rescale_band`, the prior's
+// times are scaled by the median ratio (at most `max_ratio` a time): a calibration taken while
+// the machine was loaded (another process, a second daemon calibrating beside it) is off by
+// about one factor everywhere, and the steps the engine runs, at a few shapes only, could not
+// otherwise move the shapes they never visit.
 // A small penalty on each knot's distance from the straight line through its neighbours keeps
 // knots without samples on the line the others draw. f is made non-decreasing and c >= 0.
 #pragma once
@@ -78,6 +83,12 @@ class StepCostModel {
   // is still learned: by this factor per refit at most.
   double max_ratio = 2;
   int64_t refit_every = 16;  // online samples between fits
+  // The prior is rescaled when the median of the last `rescale_window` measured / predicted
+  // ratios (each within max_ratio) is outside [1 / rescale_band, rescale_band]; 0: never.
+  double rescale_band = 1.25;
+  int64_t rescale_window = 64;
+  // The factor the prior's times are scaled by now (1: as calibrated).
+  double prior_scale() const { return prior_scale_; }
   // The most concurrent requests the calibration set out to measure (it may have stopped
   // short on a slow device); kept in the serialized file. 0: the most it measured.
   int64_t planned_requests = 0;
@@ -89,6 +100,13 @@ class StepCostModel {
   void Accumulate(std::vector<double>& a, std::vector<double>& b, const StepCostSample& s,
                   double w) const;
   void Fit();
+  // The least-squares fit of the prior (scaled by prior_scale_) and, with `online`, the online
+  // samples.
+  void FitInto(bool online, std::vector<double>& values, double& per_request) const;
+  // The prediction of the prior's own fit, scaled by prior_scale_.
+  double PriorPredict(int64_t tokens, int64_t requests) const;
+  double Evaluate(const std::vector<double>& values, double per_request, int64_t tokens,
+                  int64_t requests) const;
 
   std::vector<int64_t> knots_;
   std::vector<double> values_;  // f at the knots
@@ -99,6 +117,10 @@ class StepCostModel {
   // Normal equations: the prior's, and the decayed online samples'.
   std::vector<double> prior_a_, prior_b_, online_a_, online_b_;
   int64_t observed_ = 0, since_fit_ = 0;
+  double prior_scale_ = 1;
+  std::vector<double> prior_values_;  // the prior's own fit (scale 1)
+  double prior_per_request_ = 0;
+  std::vector<double> ratios_;  // measured / predicted since the last rescale, within max_ratio
 };
 
 }  // namespace imagegen
