@@ -1,7 +1,6 @@
 #include "engine/model/row_attention.h"
 
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
