@@ -1,6 +1,7 @@
-# Sourced by the ABAB benches (bench/http_overhead.sh, bench/log_overhead.sh): two ways of
-# serving the same closed-loop load, A and B, compared in alternating runs so that a drift of
-# the machine falls on both. Needs OUT (a folder for the load logs) and ROUNDS.
+# Sourced by the ABAB benches (bench/http_overhead.sh, bench/log_overhead.sh,
+# bench/row_attention_ab.sh): two ways of serving the same closed-loop load, A and B, compared
+# in alternating runs so that a drift of the machine falls on both. Needs OUT (a folder for the
+# load logs) and ROUNDS; abab_port and abab_load need BUILD, and abab_load SECS.
 #
 #   abab_header A B                  the table's header
 #   abab METHOD C RUN_A RUN_B        one warm-up run of each (discarded: the goodput controller
@@ -9,6 +10,21 @@
 #                                    `imagegen load`-shaped log; prints the row: medians of
 #                                    images/s, p50 and p99 of each, B/A per round, and the
 #                                    spread of A's runs among themselves (the noise)
+
+abab_port() {  # NAME: the gRPC port of the daemon writing $OUT/NAME.ports, once it is healthy
+  for _ in $(seq 1200); do [ -s "$OUT/$1.ports" ] && break; sleep 0.05; done
+  local p
+  read -r p _ < "$OUT/$1.ports"
+  for _ in $(seq 1200); do
+    "$BUILD/client/imagegen" health --target "127.0.0.1:$p" > /dev/null 2>&1 && break; sleep 0.1
+  done
+  echo "$p"
+}
+
+abab_load() {  # PORT METHOD CLIENTS LOG: `imagegen load` for SECS seconds
+  "$BUILD/client/imagegen" load --target "127.0.0.1:$1" --method "$2" --concurrency "$3" \
+    --duration "$SECS" > "$4" 2>&1
+}
 
 summary() {  # images/s, p50, p99 of a load log
   awk '/images\/s/ {ips = $(NF-1)} /^latency/ {p50 = $4; p99 = $8} END {print ips, p50, p99}' "$1"

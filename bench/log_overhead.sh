@@ -24,24 +24,11 @@ start() {  # name, flags...
 on_pid=$(start on --log-format json --log-stats-seconds 1)
 off_pid=$(start off --log-requests=false --log-stats-seconds 0)
 trap 'kill -TERM $on_pid $off_pid 2> /dev/null || true' EXIT
-port() {
-  for _ in $(seq 600); do [ -s "$OUT/$1.ports" ] && break; sleep 0.05; done
-  local p
-  read -r p _ < "$OUT/$1.ports"
-  for _ in $(seq 600); do
-    "$BUILD/client/imagegen" health --target "127.0.0.1:$p" > /dev/null 2>&1 && break; sleep 0.1
-  done
-  echo "$p"
-}
-on=$(port on)
-off=$(port off)
 source bench/abab.sh
-off_run() { load "$off" "$@"; }
-on_run() { load "$on" "$@"; }
-load() {  # port, method, clients, log
-  "$BUILD/client/imagegen" load --target "127.0.0.1:$1" --method "$2" --concurrency "$3" \
-    --duration "$SECS" > "$4" 2>&1
-}
+on=$(abab_port on)
+off=$(abab_port off)
+off_run() { abab_load "$off" "$@"; }
+on_run() { abab_load "$on" "$@"; }
 abab_header off on
 for method in ar scd-mc; do
   abab "$method" 16 off_run on_run

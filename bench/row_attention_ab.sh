@@ -23,30 +23,17 @@ start() {  # name, flags...
     --cache_dir "$OUT/cache-$name" --port-file "$OUT/$name.ports" "$@" > "$OUT/$name.log" 2>&1 &
   echo $!
 }
-port() {
-  for _ in $(seq 1200); do [ -s "$OUT/$1.ports" ] && break; sleep 0.05; done
-  local p
-  read -r p _ < "$OUT/$1.ports"
-  for _ in $(seq 1200); do
-    "$BUILD/client/imagegen" health --target "127.0.0.1:$p" > /dev/null 2>&1 && break; sleep 0.1
-  done
-  echo "$p"
-}
+source bench/abab.sh
 # One after the other: a daemon calibrates its step cost while it starts, and two calibrating
 # at once on the same cores would each measure the other's load.
 sdpa_pid=$(start sdpa --row_attention=false)
 trap 'kill -TERM $sdpa_pid 2> /dev/null || true' EXIT
-sdpa=$(port sdpa)
+sdpa=$(abab_port sdpa)
 row_pid=$(start row)
 trap 'kill -TERM $sdpa_pid $row_pid 2> /dev/null || true' EXIT
-row=$(port row)
-source bench/abab.sh
-sdpa_run() { load "$sdpa" "$@"; }
-row_run() { load "$row" "$@"; }
-load() {  # port, method, clients, log
-  "$BUILD/client/imagegen" load --target "127.0.0.1:$1" --method "$2" --concurrency "$3" \
-    --duration "$SECS" > "$4" 2>&1
-}
+row=$(abab_port row)
+sdpa_run() { abab_load "$sdpa" "$@"; }
+row_run() { abab_load "$row" "$@"; }
 abab_header sdpa row
 for c in $CONC; do
   for method in ar scd-mc; do
