@@ -23,7 +23,10 @@ typedef float V8 __attribute__((vector_size(32)));
 typedef int32_t I8 __attribute__((vector_size(32)));
 typedef float V8u __attribute__((vector_size(32), aligned(4)));  // unaligned loads and stores
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+// The clone is picked by an ifunc resolver that runs while the program's relocations are
+// processed, before ThreadSanitizer has set up its thread state: under TSan the program
+// crashed in libtsan before main (seen in CI), so TSan builds keep the default code only.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(__SANITIZE_THREAD__)
 #define IMAGEGEN_ROW_ATTENTION_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
 #define IMAGEGEN_ROW_ATTENTION_CLONES
