@@ -682,17 +682,13 @@ at::Tensor Gpt::ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache,
     }
     calls = sdpa_calls;
   }
-  if (!spans.empty() && calls.empty()) {  // no SDPA call: no mask to build
-    return Decode(embed_.index_select(0, ids), rope_.index_select(0, pos), dst, cache, invariant,
-                  [&](size_t l, const at::Tensor& q) {
-                    at::Tensor out = at::empty({T, D}, q.options());
-                    RowAttention(q, cache.k[l], cache.v[l], spans, out);
-                    return out;
-                  });
+  // allow[r, i, j]: query i of row r may attend cache entry j (AllowMask); not built when no
+  // SDPA call is left to use it.
+  at::Tensor allow;
+  if (!invariant || !calls.empty()) {
+    allow = AllowMask(meta, pairs, custom_pairs > 0, R, nmax, kv_max, dev);
+    if (!invariant) allow = allow.unsqueeze(1);  // [R, 1, nmax, kv_max]
   }
-  // allow[r, i, j]: query i of row r may attend cache entry j (AllowMask).
-  at::Tensor allow = AllowMask(meta, pairs, custom_pairs > 0, R, nmax, kv_max, dev);
-  if (!invariant) allow = allow.unsqueeze(1);  // [R, 1, nmax, kv_max]
   Attend attend = [&](size_t l, const at::Tensor& q) -> at::Tensor {
     const at::Tensor& ck = cache.k[l];
     const at::Tensor& cv = cache.v[l];

@@ -208,10 +208,9 @@ double StepCostModel::PriorPredict(int64_t tokens, int64_t requests) const {
 }
 
 double StepCostModel::Predict(int64_t tokens, int64_t requests) const {
-  const double extra = per_request_ * static_cast<double>(std::max<int64_t>(requests, 1) - 1);
   if (fixed_) {
     return fixed_base_ + fixed_per_token_ * static_cast<double>(std::max<int64_t>(tokens, 1)) +
-           extra;
+           per_request_ * static_cast<double>(std::max<int64_t>(requests, 1) - 1);
   }
   return Evaluate(values_, per_request_, tokens, requests);
 }
