@@ -18,11 +18,12 @@ namespace imagegen {
 
 // The batch-invariant forward sends row groups of at most this many new tokens a row through
 // RowAttention and longer ones to one SDPA call each. On the 2-core dev VM (bundled model, fp32,
-// imagegen-step-cost --forwards eager-sdpa,eager,eager-sdpa,eager with RowAttention up to 8
-// tokens: docs/data/row_attention_step_cpu_max8.txt) a forward with RowAttention took 0.5-0.6x
-// the time at 16 one-token requests, 0.6-0.8x at two tokens, 0.7-1.0x at four, but 1.1-1.3x at
-// eight, where SDPA's blocked products pay off.
-inline constexpr int64_t kRowAttentionMaxTokens = 4;
+// imagegen-step-cost --forwards eager-sdpa,eager with RowAttention taking every row:
+// docs/data/row_attention_step_cpu_max256.txt) a forward with RowAttention took 0.6-0.8x the
+// time at 4-8 tokens a row, 0.9-0.97x at 16, but 1.0-1.04x at 32 and 1.03-1.1x at 64, where
+// SDPA's blocked products pay off. (Up to 4 before its value loop's broadcasts stopped going
+// through the stack: docs/data/row_attention_step_cpu_max8.txt.)
+inline constexpr int64_t kRowAttentionMaxTokens = 16;
 // Head sizes RowAttention takes: multiples of 8 up to this.
 inline constexpr int64_t kRowAttentionMaxHeadDim = 256;
 
