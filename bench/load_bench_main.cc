@@ -427,6 +427,7 @@ int main(int argc, char** argv) {
            {"mixed-modes", "none,budget:256,goodput"},
            {"max-slowdown", "0.25"},
            {"window-stickiness", "0"},
+           {"min-speculation-gain", "0.03"},
            {"lone-full-window", "1"},
            {"explore-every", "16"},
            {"fixed-step-cost", ""},
@@ -478,7 +479,8 @@ int main(int argc, char** argv) {
   base.warmup_concurrency = f.Ints("warmup-concurrency");
   base.kv_cache_bytes = int64_t{8} << 30;
   base.max_slowdown = f.Num("max-slowdown");
-  base.window_stickiness = f.Num("window-stickiness");  // EngineOptions::window_stickiness
+  base.window_stickiness = f.Num("window-stickiness");        // EngineOptions::window_stickiness
+  base.min_speculation_gain = f.Num("min-speculation-gain");  // EngineOptions::
   base.lone_request_full_window = f.Int("lone-full-window") != 0;  // EngineOptions
   base.explore_every = f.Int("explore-every");  // EngineOptions::explore_every (0: never)
   base.commit_warmup_steps = f.Int("commit-warmup-steps");  // EngineOptions: 0 counts every step

@@ -409,6 +409,34 @@ TEST(GoodputTest, FairnessBoundCapsWhatSpeculationCostsAnArNeighbour) {
   EXPECT_GT(q.expected / q.seconds, p.expected / p.seconds);  // for more total goodput
 }
 
+// The margin over plain AR (GoodputOptions::min_gain): a plan predicted to beat AR for all by
+// less than the margin is not taken (the pick of the best among many noisy predictions favours
+// the plans whose cost is underestimated most), one predicted to beat it by more is taken as
+// without the margin.
+TEST(GoodputTest, ASpeculatingPlanMustBeatPlainArByTheMargin) {
+  const auto cpu = StepCostModel::Linear(3e-3, 1e-4, 1e-4);
+  GoodputOptions none, margin;
+  margin.min_gain = 0.03;
+  // A second node accepted with probability 0.45: every request takes it, for a predicted gain
+  // of about 2.4% over AR.
+  const std::vector<GoodputRequest> small(16, GoodputRequest{2, {1.0, 1.45}});
+  const GoodputPlan p = PlanGoodput(small, cpu, none);
+  const double ar_rate = 16 / p.ar_seconds;
+  EXPECT_GT(p.tokens, 32);  // without the margin it speculates (the test's power)
+  EXPECT_GT(p.expected / p.seconds, ar_rate * 1.001);
+  EXPECT_LT(p.expected / p.seconds, ar_rate * 1.03);  // the case is inside the margin
+  const GoodputPlan q = PlanGoodput(small, cpu, margin);
+  EXPECT_EQ(q.windows, std::vector<int64_t>(16, 1));
+  EXPECT_EQ(q.tokens, 32);
+  // Accepted with probability 0.7: about 20% above AR, the same plan with the margin.
+  const std::vector<GoodputRequest> large(16, GoodputRequest{2, {1.0, 1.7}});
+  const GoodputPlan a = PlanGoodput(large, cpu, none);
+  EXPECT_GT(a.expected / a.seconds, 1.1 * 16 / a.ar_seconds);
+  EXPECT_EQ(PlanGoodput(large, cpu, margin).windows, a.windows);
+  // A lone request's whole window is not a plan among others: the margin leaves it alone.
+  EXPECT_EQ(PlanGoodput({small[0]}, cpu, margin).windows, std::vector<int64_t>{2});
+}
+
 // Hysteresis: the previous windows are kept while the models put them within the stickiness
 // of the best plan (a cost model that drifts by a few percent moves nothing), and given up
 // when the best plan is clearly better, when they would break the fairness bound, or with

@@ -209,6 +209,9 @@ StatusOr<std::unique_ptr<Engine>> Engine::Start(const EngineOptions& options,
   if (!(o.window_stickiness >= 0 && o.window_stickiness <= 1)) {
     return InvalidArgument("window_stickiness: must be in [0, 1]");
   }
+  if (!(o.min_speculation_gain >= 0 && o.min_speculation_gain <= 1)) {
+    return InvalidArgument("min_speculation_gain: must be in [0, 1]");
+  }
   if (!(o.simulated_step_noise >= 0 && o.simulated_step_noise <= 10)) {
     return InvalidArgument("simulated_step_noise: must be in [0, 10]");
   }

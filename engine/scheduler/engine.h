@@ -79,6 +79,11 @@ struct EngineOptions {
   // the cost and commit models put their goodput within this fraction of the best plan's. In
   // [0, 1]; 0 (the default): every step re-plans from scratch.
   double window_stickiness = 0;
+  // Goodput: a plan that speculates must be predicted this fraction faster than plain AR for
+  // all (GoodputOptions::min_gain). In [0, 1]. 0.03: at 16 clients on the 2-core CPU scd-mc
+  // went from 0.90x to 0.94x AR's images/s with it (paired, 8 rounds), at 4 clients it stayed
+  // 1.06x (docs/results-serving.md, "A margin over plain AR").
+  double min_speculation_gain = 0.03;
   // Goodput: a request alone gets its whole window (GoodputOptions::lone_request_full_window),
   // so that what a seed draws alone does not depend on a calibration. false: it is planned as
   // any other, at the window the cost model makes fastest.

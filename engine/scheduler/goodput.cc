@@ -287,6 +287,7 @@ GoodputPlan PlanGoodput(const std::vector<GoodputRequest>& requests, const StepC
   for (const Candidate& c : candidates) {
     if (c.rate > best->rate * (1 + 1e-9)) best = &c;
   }
+  if (best->rate < candidates[0].rate * (1 + options.min_gain)) best = &candidates[0];
   if (!options.explore && options.stickiness > 0) {
     Candidate held;
     bool any = false;

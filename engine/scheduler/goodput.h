@@ -134,6 +134,12 @@ struct GoodputOptions {
   // held sjd-pac at smaller windows in 2 of 4 cells (docs/results-serving.md, "Moving
   // windows").
   double stickiness = 0;
+  // Margin over plain AR: a plan that speculates is taken only when its predicted goodput is
+  // at least (1 + min_gain) times every request feeding one node's. The planner picks the
+  // best of many plans by predicted rate, so where speculation gains nothing (a step whose
+  // time grows with its tokens, many requests) the winner is the plan whose cost the model
+  // underestimates most, and the step is slower than AR's.
+  double min_gain = 0;
 };
 
 struct GoodputPlan {

@@ -317,6 +317,7 @@ std::vector<int64_t> ModelScheduler::ChooseWindows(const std::vector<size_t>& id
   go.max_slowdown = opts_.max_slowdown;
   go.max_tokens = opts_.max_tokens_per_step;
   go.stickiness = opts_.window_stickiness;
+  go.min_gain = opts_.min_speculation_gain;
   go.lone_request_full_window = opts_.lone_request_full_window;
   // One planned step in explore_every (16) explores a plan twice as wide; a request alone
   // only where it is planned (not given its whole window), so that the cost model also sees
