@@ -21,11 +21,14 @@ start() {  # name, flags...
     --port-file "$OUT/$name.ports" "$@" > "$OUT/$name.log" 2>&1 &
   echo $!
 }
+source bench/abab.sh
+# One after the other: a daemon calibrates its step cost while it starts, and two calibrating
+# at once on the same cores would each measure the other's load.
 on_pid=$(start on --log-format json --log-stats-seconds 1)
+trap 'kill -TERM $on_pid 2> /dev/null || true' EXIT
+on=$(abab_port on)
 off_pid=$(start off --log-requests=false --log-stats-seconds 0)
 trap 'kill -TERM $on_pid $off_pid 2> /dev/null || true' EXIT
-source bench/abab.sh
-on=$(abab_port on)
 off=$(abab_port off)
 off_run() { abab_load "$off" "$@"; }
 on_run() { abab_load "$on" "$@"; }
