@@ -115,6 +115,27 @@ TEST(StepCostTest, ACalibrationTakenUnderLoadIsScaledToTheStepsTheEngineRuns) {
   EXPECT_GT(run(20.0, 0), 10);
 }
 
+// Attention grows with a row's length, so one request of T tokens can cost more than sixteen
+// of T / 16: the per-request term c that fits such a calibration best is negative, and c >= 0
+// is then fitted again with c = 0 rather than clamped after the fit (which left the knots where
+// the negative c had put them: every step of many requests predicted too slow, 1.24x at the
+// daemon's 16-client AR step on the CPU, and the controller speculated where AR was faster).
+TEST(StepCostTest, APerRequestTermTheFitWouldMakeNegativeIsRefittedAtZero) {
+  auto rows = [](int64_t T, int64_t R) {
+    const double t = static_cast<double>(T);
+    return 1e-3 + 3e-5 * t + 1.5e-7 * t * t / static_cast<double>(R);
+  };
+  StepCostModel m;
+  ASSERT_TRUE(m.Calibrate(Calibration(rows)).ok());
+  EXPECT_EQ(m.per_request(), 0);
+  for (int64_t R : {4, 16}) {  // one token a request: the AR step of R requests
+    EXPECT_NEAR(m.Predict(2 * R, R) / rows(2 * R, R), 1.0, 0.1) << "R " << R;
+  }
+  // Online, the steps of 16 one-token requests: learned, not held above by a clamped term.
+  for (int i = 0; i < 1000; ++i) m.Observe(32, 16, rows(32, 16));
+  EXPECT_NEAR(m.Predict(32, 16) / rows(32, 16), 1.0, 0.03);
+}
+
 TEST(StepCostTest, CacheFileRoundTripsAndRefusesOtherKeysAndGarbage) {
   StepCostModel a;
   ASSERT_TRUE(a.Calibrate(Calibration([](int64_t T, int64_t) { return 1e-3 + 1e-5 * T; })).ok());

@@ -15,7 +15,8 @@
 // about one factor everywhere, and the steps the engine runs, at a few shapes only, could not
 // otherwise move the shapes they never visit.
 // A small penalty on each knot's distance from the straight line through its neighbours keeps
-// knots without samples on the line the others draw. f is made non-decreasing and c >= 0.
+// knots without samples on the line the others draw. f is made non-decreasing; c >= 0, by
+// fitting the knots again with c = 0 when the unconstrained fit makes c negative.
 #pragma once
 
 #include <cstdint>
