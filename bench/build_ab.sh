@@ -13,7 +13,7 @@
 #     && ninja -C build/ci imagegen-server) && bench/build_ab.sh /tmp/base/build/ci build/ci
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ $# -ge 2 ] || { sed -n 2,14p "$0"; exit 2; }
+[ $# -ge 2 ] || { sed -n 2,13p "$0"; exit 2; }
 BUILD_A=$1 BUILD_B=$2
 shift 2
 SECS=10 ROUNDS=3 CONC="1 16" METHODS="ar scd-mc"
