@@ -1,7 +1,8 @@
 # Sourced by the ABAB benches (bench/http_overhead.sh, bench/log_overhead.sh,
 # bench/row_attention_ab.sh): two ways of serving the same closed-loop load, A and B, compared
 # in alternating runs so that a drift of the machine falls on both. Needs OUT (a folder for the
-# load logs) and ROUNDS; abab_port and abab_load need BUILD, and abab_load SECS.
+# load logs) and ROUNDS; abab_start, abab_port and abab_load need BUILD (its client), and
+# abab_load SECS.
 #
 #   abab_header A B                  the table's header
 #   abab METHOD C RUN_A RUN_B        one warm-up run of each (discarded: the goodput controller
@@ -10,6 +11,20 @@
 #                                    `imagegen load`-shaped log; prints the row: medians of
 #                                    images/s, p50 and p99 of each, B/A per round, and the
 #                                    spread of A's runs among themselves (the noise)
+
+abab_start() {  # NAME BUILD_DIR FLAG...: that build's daemon on the bundled models, with FLAGs
+  # (logs in $OUT/NAME.log); returns once it is healthy, its gRPC port in port_NAME. Call one
+  # after the other: a daemon calibrates its step cost while it starts, and two calibrating at
+  # once on the same cores would each measure the other's load. Every daemon started here is
+  # stopped when the script exits.
+  local name=$1 build=$2
+  shift 2
+  "$build/server/imagegen-server" --listen 127.0.0.1:0 --metrics-listen "" --models fmnist-gpt \
+    --port-file "$OUT/$name.ports" "$@" > "$OUT/$name.log" 2>&1 &
+  ABAB_PIDS+=("$!")
+  trap 'kill -TERM ${ABAB_PIDS[*]} 2> /dev/null || true' EXIT
+  printf -v "port_$name" '%s' "$(abab_port "$name")"
+}
 
 abab_port() {  # NAME: the gRPC port of the daemon writing $OUT/NAME.ports, once it is healthy
   for _ in $(seq 1200); do [ -s "$OUT/$1.ports" ] && break; sleep 0.05; done

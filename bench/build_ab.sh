@@ -26,21 +26,9 @@ done
 FLAGS=("$@")
 BUILD=$BUILD_B  # abab_port and abab_load run this build's client
 OUT=$(mktemp -d /tmp/imagegen-build-ab.XXXXXX)
-start() {  # name, build
-  "$2/server/imagegen-server" --listen 127.0.0.1:0 --metrics-listen "" --models fmnist-gpt \
-    --cache_dir "$OUT/cache-$1" --port-file "$OUT/$1.ports" ${FLAGS[@]+"${FLAGS[@]}"} \
-    > "$OUT/$1.log" 2>&1 &
-  echo $!
-}
 source bench/abab.sh
-# One after the other: a daemon calibrates its step cost while it starts, and two calibrating
-# at once on the same cores would each measure the other's load.
-a_pid=$(start a "$BUILD_A")
-trap 'kill -TERM $a_pid 2> /dev/null || true' EXIT
-port_a=$(abab_port a)
-b_pid=$(start b "$BUILD_B")
-trap 'kill -TERM $a_pid $b_pid 2> /dev/null || true' EXIT
-port_b=$(abab_port b)
+abab_start a "$BUILD_A" --cache_dir "$OUT/cache-a" ${FLAGS[@]+"${FLAGS[@]}"}
+abab_start b "$BUILD_B" --cache_dir "$OUT/cache-b" ${FLAGS[@]+"${FLAGS[@]}"}
 a_run() { abab_load "$port_a" "$@"; }
 b_run() { abab_load "$port_b" "$@"; }
 echo "A: $BUILD_A  B: $BUILD_B  flags: ${FLAGS[*]-}"

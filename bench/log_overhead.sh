@@ -14,24 +14,11 @@ BUILD=${1:-build/release}
 SECS=${2:-20}
 ROUNDS=${3:-3}
 OUT=$(mktemp -d /tmp/imagegen-log-overhead.XXXXXX)
-start() {  # name, flags...
-  local name=$1
-  shift
-  "$BUILD/server/imagegen-server" --listen 127.0.0.1:0 --metrics-listen "" --models fmnist-gpt \
-    --port-file "$OUT/$name.ports" "$@" > "$OUT/$name.log" 2>&1 &
-  echo $!
-}
 source bench/abab.sh
-# One after the other: a daemon calibrates its step cost while it starts, and two calibrating
-# at once on the same cores would each measure the other's load.
-on_pid=$(start on --log-format json --log-stats-seconds 1)
-trap 'kill -TERM $on_pid 2> /dev/null || true' EXIT
-on=$(abab_port on)
-off_pid=$(start off --log-requests=false --log-stats-seconds 0)
-trap 'kill -TERM $on_pid $off_pid 2> /dev/null || true' EXIT
-off=$(abab_port off)
-off_run() { abab_load "$off" "$@"; }
-on_run() { abab_load "$on" "$@"; }
+abab_start on "$BUILD" --log-format json --log-stats-seconds 1
+abab_start off "$BUILD" --log-requests=false --log-stats-seconds 0
+off_run() { abab_load "$port_off" "$@"; }
+on_run() { abab_load "$port_on" "$@"; }
 abab_header off on
 for method in ar scd-mc; do
   abab "$method" 16 off_run on_run

@@ -16,24 +16,11 @@ SECS=${2:-10}
 ROUNDS=${3:-3}
 CONC=${4:-1 16}
 OUT=$(mktemp -d /tmp/imagegen-row-attention.XXXXXX)
-start() {  # name, flags...
-  local name=$1
-  shift
-  "$BUILD/server/imagegen-server" --listen 127.0.0.1:0 --metrics-listen "" --models fmnist-gpt \
-    --cache_dir "$OUT/cache-$name" --port-file "$OUT/$name.ports" "$@" > "$OUT/$name.log" 2>&1 &
-  echo $!
-}
 source bench/abab.sh
-# One after the other: a daemon calibrates its step cost while it starts, and two calibrating
-# at once on the same cores would each measure the other's load.
-sdpa_pid=$(start sdpa --row_attention=false)
-trap 'kill -TERM $sdpa_pid 2> /dev/null || true' EXIT
-sdpa=$(abab_port sdpa)
-row_pid=$(start row)
-trap 'kill -TERM $sdpa_pid $row_pid 2> /dev/null || true' EXIT
-row=$(abab_port row)
-sdpa_run() { abab_load "$sdpa" "$@"; }
-row_run() { abab_load "$row" "$@"; }
+abab_start sdpa "$BUILD" --cache_dir "$OUT/cache-sdpa" --row_attention=false
+abab_start row "$BUILD" --cache_dir "$OUT/cache-row"
+sdpa_run() { abab_load "$port_sdpa" "$@"; }
+row_run() { abab_load "$port_row" "$@"; }
 abab_header sdpa row
 for c in $CONC; do
   for method in ar scd-mc; do
