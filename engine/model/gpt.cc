@@ -63,9 +63,13 @@ at::Tensor ApplyRopeComplex(const at::Tensor& x, const at::Tensor& table) {
   return out.reshape({t, h, hd}).to(x.scalar_type());
 }
 
-at::Tensor Linear(const at::Tensor& x, const at::Tensor& w, bool invariant) {
+// x w^T; batch-invariant: never the BLAS on fewer than kInvariantMinRows rows (small's kernel,
+// which rounds as the BLAS does on more, or else the rows padded to that many).
+at::Tensor Linear(const at::Tensor& x, const at::Tensor& w, bool invariant,
+                  const SmallRowsLinear& small) {
   const int64_t m = x.size(0);
   if (!invariant || m >= kInvariantMinRows) return at::linear(x, w);
+  if (small.ok()) return small(x);
   at::Tensor xp = at::zeros({kInvariantMinRows, x.size(1)}, x.options());
   xp.narrow(0, 0, m).copy_(x);
   return at::linear(xp, w).narrow(0, 0, m);
@@ -389,8 +393,15 @@ std::unique_ptr<Gpt> Gpt::Random(const GptConfig& cfg, const LoadOptions& opts, 
   m->opts_ = opts;
   m->embed_ = w({cfg.vocab_size + label_rows, d});
   for (int64_t l = 0; l < cfg.n_layer; ++l) {
-    m->layers_.push_back({at::ones({d}, o), w({3 * d, d}), w({d, d}), at::ones({d}, o), w({h, d}),
-                          w({d, h}), w({h, d}), at::Tensor()});
+    Layer L;
+    L.attention_norm = at::ones({d}, o);
+    L.wqkv = w({3 * d, d});
+    L.wo = w({d, d});
+    L.ffn_norm = at::ones({d}, o);
+    L.w1 = w({h, d});
+    L.w2 = w({d, h});
+    L.w3 = w({h, d});
+    m->layers_.push_back(std::move(L));
   }
   m->norm_ = at::ones({d}, o);
   if (cfg.prompted()) {
@@ -408,14 +419,35 @@ std::unique_ptr<Gpt> Gpt::Random(const GptConfig& cfg, const LoadOptions& opts, 
 
 void Gpt::FuseMlpWeights() {
   fused_static_ = opts_.fused_static_forward.value_or(opts_.device.is_cuda());
+  const at::ScalarType dt = embed_.scalar_type();
   row_attention_ = opts_.row_attention.value_or(true) && opts_.device.is_cpu() &&
                    embed_.scalar_type() == at::kFloat && cfg_.head_dim() % 8 == 0 &&
                    cfg_.head_dim() <= kRowAttentionMaxHeadDim;
   const char* env = std::getenv("IMAGEGEN_ROPE_SCATTER");
-  const at::ScalarType dt = embed_.scalar_type();
   rope_scatter_ = opts_.rope_scatter.value_or(env != nullptr && std::string(env) == "1") &&
                   fused_static_ && !cfg_.prompted() && (dt == at::kFloat || dt == at::kBFloat16) &&
                   (opts_.device.is_cpu() || (opts_.device.is_cuda() && RopeScatterKernelBuilt()));
+  small_rows_ok_ = small_rows_total_ = 0;
+  std::vector<std::pair<SmallRowsLinear*, const at::Tensor*>> linears;
+  for (Layer& L : layers_) {
+    linears.insert(linears.end(), {{&L.small_wqkv, &L.wqkv},
+                                   {&L.small_wo, &L.wo},
+                                   {&L.small_w1, &L.w1},
+                                   {&L.small_w2, &L.w2},
+                                   {&L.small_w3, &L.w3}});
+  }
+  linears.push_back({&small_output_, &output_});
+  if (head_w1_.defined()) linears.push_back({&small_head_w1_, &head_w1_});
+  int64_t linear_bytes = 0;
+  for (const auto& [small, w] : linears) linear_bytes += static_cast<int64_t>(w->nbytes());
+  if (opts_.small_rows_gemm.value_or(true) && opts_.device.is_cpu() && dt == at::kFloat &&
+      linear_bytes <= kSmallGemmMaxWeightBytes && SmallRowsLinear::Supported()) {
+    for (const auto& [small, w] : linears) {
+      *small = SmallRowsLinear::Prepare(*w);
+      small_rows_ok_ += small->ok() ? 1 : 0;
+      ++small_rows_total_;
+    }
+  }
   if (!fused_static_) return;
   const int64_t h = cfg_.ffn_hidden();
   for (Layer& L : layers_) {
@@ -763,7 +795,8 @@ at::Tensor Gpt::Decode(at::Tensor x, const at::Tensor& rope, const at::Tensor& d
       x.addmm_(at::silu(gu.narrow(-1, 0, h)) * gu.narrow(-1, h, h), L.w2.t());
       continue;
     }
-    at::Tensor qkv = Linear(RmsNorm(x, L.attention_norm, cfg_.norm_eps), L.wqkv, invariant);
+    at::Tensor qkv =
+        Linear(RmsNorm(x, L.attention_norm, cfg_.norm_eps), L.wqkv, invariant, L.small_wqkv);
     const auto rotate = cfg_.prompted() ? ApplyRopeHalf : ApplyRope;
     // q and k rotated in one pass, as 2H heads sharing each token's table: the same arithmetic
     // on every element, half the launches.
@@ -773,18 +806,19 @@ at::Tensor Gpt::Decode(at::Tensor x, const at::Tensor& rope, const at::Tensor& d
     at::Tensor v = qkv.narrow(-1, 2 * D, D).reshape({T, H, hd});
     cache.k[l].view({-1, H, hd}).index_copy_(0, dst, k);
     cache.v[l].view({-1, H, hd}).index_copy_(0, dst, v);
-    x = x + Linear(attend(l, q), L.wo, invariant);
+    x = x + Linear(attend(l, q), L.wo, invariant, L.small_wo);
     at::Tensor hn = RmsNorm(x, L.ffn_norm, cfg_.norm_eps);
-    x = x + Linear(at::silu(Linear(hn, L.w1, invariant)) * Linear(hn, L.w3, invariant), L.w2,
-                   invariant);
+    x = x + Linear(at::silu(Linear(hn, L.w1, invariant, L.small_w1)) *
+                       Linear(hn, L.w3, invariant, L.small_w3),
+                   L.w2, invariant, L.small_w2);
   }
   at::Tensor h =
       fused ? at::rms_norm(x, {D}, norm_, cfg_.norm_eps) : RmsNorm(x, norm_, cfg_.norm_eps);
   if (cfg_.prompted()) {  // gen_head: Linear, GELU (exact), Linear
-    h = at::gelu(Linear(h, head_w1_, invariant) + head_b1_);
-    return (Linear(h, output_, invariant) + head_b2_).to(at::kFloat);
+    h = at::gelu(Linear(h, head_w1_, invariant, small_head_w1_) + head_b1_);
+    return (Linear(h, output_, invariant, small_output_) + head_b2_).to(at::kFloat);
   }
-  return Linear(h, output_, invariant).to(at::kFloat);
+  return Linear(h, output_, invariant, small_output_).to(at::kFloat);
 }
 
 StaticShape Gpt::StaticBucket(const std::vector<BatchRow>& batch) const {

@@ -17,6 +17,7 @@
 #include <tuple>
 #include <vector>
 
+#include "engine/model/small_gemm.h"
 #include "engine/model/weights.h"
 #include "engine/util/status.h"
 
@@ -193,6 +194,10 @@ class Gpt {
   // Whether the batch-invariant forward's attention runs through RowAttention
   // (LoadOptions::row_attention).
   bool row_attention() const { return row_attention_; }
+  // Linear layers whose few-row products run SmallRowsLinear's kernel (LoadOptions::
+  // small_rows_gemm), of those it was tried on (0 of 0: not tried).
+  int64_t small_rows_linears() const { return small_rows_ok_; }
+  int64_t small_rows_tried() const { return small_rows_total_; }
 
   // A cache with `slots` slots of seq_len() + extra entries each, zero-filled. Throws
   // c10::Error if the device is out of memory (callers size it from a memory budget).
@@ -229,8 +234,11 @@ class Gpt {
   struct Layer {
     at::Tensor attention_norm, wqkv, wo, ffn_norm, w1, w2, w3;
     at::Tensor w13;  // [2 * hidden, dim]: w1 then w3, with w1 and w3 views of it (fused only)
+    // The projections' few-row kernels (LoadOptions::small_rows_gemm).
+    SmallRowsLinear small_wqkv, small_wo, small_w1, small_w2, small_w3;
   };
-  // The layers' MLP weights as one tensor each (LoadOptions::fused_static_forward).
+  // After the weights are in place: the layers' MLP weights as one tensor each
+  // (LoadOptions::fused_static_forward), the few-row kernels (small_rows_gemm), the flags.
   void FuseMlpWeights();
   Gpt() = default;
   static StatusOr<std::unique_ptr<Gpt>> FromStoreImpl(const GptConfig& cfg, WeightStore& store,
@@ -262,6 +270,7 @@ class Gpt {
   bool fused_static_ = false;
   bool rope_scatter_ = false;
   bool row_attention_ = false;
+  int64_t small_rows_ok_ = 0, small_rows_total_ = 0;
   // [vocab + condition_ids, dim]: image-token rows then condition rows (class labels, or text
   // tokens). Janus's image rows are gen_aligner(gen_embed(id)), computed once at load.
   at::Tensor embed_;
@@ -272,6 +281,7 @@ class Gpt {
   at::Tensor norm_, output_;
   // Janus's gen_head: output_mlp_projector (head_w1, head_b1), GELU, vision_head.
   at::Tensor head_w1_, head_b1_, head_b2_;
+  SmallRowsLinear small_output_, small_head_w1_;
 };
 
 // Cache entries to move, each within its slot (as flat indices slot * capacity + entry): after

@@ -46,6 +46,13 @@ struct LoadOptions {
   // keys and values. Its logits equal SDPA's within rounding, not bit for bit. Unset: on. The
   // golden grids (tests/golden) were recorded with it off.
   std::optional<bool> row_attention;
+  // GPT models on the CPU in fp32: the batch-invariant forward's linear layers on fewer than
+  // kInvariantMinRows rows run SmallRowsLinear's kernel (engine/model/small_gemm.h), which
+  // rounds them exactly as the BLAS rounds them among 16 or more (checked per weight at load:
+  // a weight it does not reproduce keeps the padded product), instead of the BLAS on the rows
+  // padded to 16. The same logits bit for bit, faster for a few rows; a second copy of the
+  // linear weights (models of up to kSmallGemmMaxWeightBytes of them). Unset: on.
+  std::optional<bool> small_rows_gemm;
 };
 
 // Reads and parses <dir>/config.json.

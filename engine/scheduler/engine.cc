@@ -291,6 +291,7 @@ StatusOr<std::unique_ptr<Engine>> Engine::Start(const EngineOptions& options,
 Status Engine::Impl::Load() {
   ASSIGN_OR_RETURN(LoadOptions lo, ParseDeviceAndDtype(opts.device, opts.dtype));
   lo.row_attention = opts.row_attention;
+  lo.small_rows_gemm = opts.small_rows_gemm;
   // Every LibTorch call of this engine is on this thread: its current device is the engine's.
   MakeDeviceCurrent(lo.device);
   if (std::string why; lo.device.is_cuda() && KernelsBuilt() && !KernelsRunHere(&why)) {

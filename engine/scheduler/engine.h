@@ -159,6 +159,12 @@ struct EngineOptions {
   // 2-core dev VM). Images stay independent of their neighbours; their bits differ from those
   // drawn with it off (rounding). False: the SDPA calls, for A/B comparisons.
   bool row_attention = true;
+  // With batch_invariant on the CPU in fp32: linear layers of fewer than 16 rows run
+  // SmallRowsLinear's kernel instead of the BLAS on the rows padded to 16 (LoadOptions::
+  // small_rows_gemm; the same logits bit for bit, where the kernel reproduces this machine's
+  // BLAS; about 0.6x the forward's time at one request's two rows on the dev VM). False: the
+  // padded products, for A/B comparisons.
+  bool small_rows_gemm = true;
   // The target and draft forwards at static shapes, each bucket captured once as a CUDA graph
   // and replayed (ForwardOptions::cuda_graphs; on the CPU the static forward runs eagerly).
   // Overrides batch_invariant: a request's logits then equal the eager forward's within

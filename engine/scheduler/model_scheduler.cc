@@ -95,7 +95,11 @@ Status ModelScheduler::Calibrate(const LoadOptions& load) {
       << (opts_.cuda_graphs > 0         ? ", CUDA graphs"
           : !opts_.batch_invariant      ? ""
           : model_.gpt->row_attention() ? ", batch-invariant, row attention"
-                                        : ", batch-invariant");
+                                        : ", batch-invariant")
+      << (model_.gpt->small_rows_tried() > 0 && opts_.cuda_graphs <= 0 && opts_.batch_invariant
+              ? ", few-row kernel on " + std::to_string(model_.gpt->small_rows_linears()) + " of " +
+                    std::to_string(model_.gpt->small_rows_tried()) + " linear layers"
+              : std::string());
   // A calibration measured with fewer requests at a time than this engine's slots allow (an
   // engine with a small pool wrote it) would leave the cost of many requests to extrapolation.
   const ImageRequest probe = CalibrationRequest();

@@ -1,0 +1,288 @@
+#include "engine/model/small_gemm.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstring>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define IMAGEGEN_SMALL_GEMM_X86 1
+#include <immintrin.h>
+#endif
+
+namespace imagegen {
+namespace {
+
+constexpr int64_t kPanel = 16;      // output columns a panel: two AVX registers
+constexpr int64_t kProbeRows = 16;  // the padded forward's rows (kInvariantMinRows)
+constexpr int64_t kTileRows = 6;    // rows a tile: 12 accumulators, 2 weights, 1 broadcast
+
+#ifdef IMAGEGEN_SMALL_GEMM_X86
+// Rows i0 .. i0 + R - 1 of panel p: for each k-block, sums from zero by fused multiply-adds in
+// ascending k, then added to the previous blocks' sum (the order the BLAS uses; Prepare checks
+// it). `out` is 16 floats a row (the panel's columns).
+template <int R>
+__attribute__((target("avx2,fma"))) void Tile(const float* x, int64_t K, const float* wp,
+                                              const std::vector<int64_t>& blocks, float* out) {
+  __m256 sum[R][2];
+  for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_ps();
+  int64_t k0 = 0;
+  for (size_t b = 0; b < blocks.size(); ++b) {
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const int64_t k1 = k0 + blocks[b];
+    for (int64_t k = k0; k < k1; ++k) {
+      const __m256 w0 = _mm256_loadu_ps(wp + k * kPanel);
+      const __m256 w1 = _mm256_loadu_ps(wp + k * kPanel + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xb = _mm256_broadcast_ss(x + r * K + k);
+        acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      sum[r][0] = b == 0 ? acc[r][0] : _mm256_add_ps(sum[r][0], acc[r][0]);
+      sum[r][1] = b == 0 ? acc[r][1] : _mm256_add_ps(sum[r][1], acc[r][1]);
+    }
+    k0 = k1;
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(out + r * kPanel, sum[r][0]);
+    _mm256_storeu_ps(out + r * kPanel + 8, sum[r][1]);
+  }
+}
+
+// The same with AVX-512: P panels (one register each) at once, rows i0 .. i0 + R - 1; `out` is
+// 16 * P floats a row. Lane for lane the same operations as Tile: the same bits.
+template <int R, int P>
+__attribute__((target("avx512f"))) void Tile512(const float* x, int64_t K, const float* wp,
+                                                const std::vector<int64_t>& blocks, float* out) {
+  __m512 sum[R][P];
+  for (int r = 0; r < R; ++r) {
+    for (int p = 0; p < P; ++p) sum[r][p] = _mm512_setzero_ps();
+  }
+  int64_t k0 = 0;
+  for (size_t b = 0; b < blocks.size(); ++b) {
+    __m512 acc[R][P];
+    for (int r = 0; r < R; ++r) {
+      for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
+    }
+    const int64_t k1 = k0 + blocks[b];
+    for (int64_t k = k0; k < k1; ++k) {
+      __m512 w[P];
+      for (int p = 0; p < P; ++p) w[p] = _mm512_loadu_ps(wp + (p * K + k) * kPanel);
+      for (int r = 0; r < R; ++r) {
+        const __m512 xb = _mm512_set1_ps(x[r * K + k]);
+        for (int p = 0; p < P; ++p) acc[r][p] = _mm512_fmadd_ps(xb, w[p], acc[r][p]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int p = 0; p < P; ++p) {
+        sum[r][p] = b == 0 ? acc[r][p] : _mm512_add_ps(sum[r][p], acc[r][p]);
+      }
+    }
+    k0 = k1;
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int p = 0; p < P; ++p) _mm512_storeu_ps(out + (r * P + p) * kPanel, sum[r][p]);
+  }
+}
+
+bool HasAvx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f");
+}
+
+// Panels p0 .. p0 + P - 1 (P = 1 or 2) of every row into y [m, N].
+template <int P>
+void Panels(const float* x, int64_t m, int64_t K, const float* wp,
+            const std::vector<int64_t>& blocks, float* y, int64_t N, int64_t col0, bool avx512) {
+  float tile[kTileRows * kPanel * P];
+  const int64_t cols = std::min(kPanel * P, N - col0);
+  for (int64_t i0 = 0; i0 < m; i0 += kTileRows) {
+    const int64_t rows = std::min(kTileRows, m - i0);
+    const float* xi = x + i0 * K;
+    if (avx512) {
+      switch (rows) {
+        case 1:
+          Tile512<1, P>(xi, K, wp, blocks, tile);
+          break;
+        case 2:
+          Tile512<2, P>(xi, K, wp, blocks, tile);
+          break;
+        case 3:
+          Tile512<3, P>(xi, K, wp, blocks, tile);
+          break;
+        case 4:
+          Tile512<4, P>(xi, K, wp, blocks, tile);
+          break;
+        case 5:
+          Tile512<5, P>(xi, K, wp, blocks, tile);
+          break;
+        default:
+          Tile512<6, P>(xi, K, wp, blocks, tile);
+          break;
+      }
+    } else {
+      for (int p = 0; p < P; ++p) {
+        float one[kTileRows * kPanel];
+        const float* wpp = wp + p * K * kPanel;
+        switch (rows) {
+          case 1:
+            Tile<1>(xi, K, wpp, blocks, one);
+            break;
+          case 2:
+            Tile<2>(xi, K, wpp, blocks, one);
+            break;
+          case 3:
+            Tile<3>(xi, K, wpp, blocks, one);
+            break;
+          case 4:
+            Tile<4>(xi, K, wpp, blocks, one);
+            break;
+          case 5:
+            Tile<5>(xi, K, wpp, blocks, one);
+            break;
+          default:
+            Tile<6>(xi, K, wpp, blocks, one);
+            break;
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          std::memcpy(tile + (r * P + p) * kPanel, one + r * kPanel, kPanel * sizeof(float));
+        }
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      std::memcpy(y + (i0 + r) * N + col0, tile + r * P * kPanel, cols * sizeof(float));
+    }
+  }
+}
+#endif
+
+// Deterministic probe inputs in [-2, 2) (splitmix64), so that Prepare does not draw from
+// LibTorch's global generator (Gpt::Random seeds and draws from it around the load).
+at::Tensor ProbeRows(int64_t K) {
+  at::Tensor x = at::empty({kProbeRows, K}, at::kFloat);
+  float* p = x.data_ptr<float>();
+  uint64_t s = 0x9e3779b97f4a7c15ull ^ static_cast<uint64_t>(K);
+  for (int64_t i = 0; i < kProbeRows * K; ++i) {
+    uint64_t z = (s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    p[i] = static_cast<float>(static_cast<double>(z >> 40) / static_cast<double>(1ull << 24) * 4.0 -
+                              2.0);
+  }
+  return x;
+}
+
+// The k-blockings to try, the likeliest first: one block, then blocks of a fixed size with the
+// rest last, then K split into equal blocks. (MKL 2024.2 on the dev VM's AVX-512 Xeon: one
+// block up to K = 384, 256 + 256 for K = 512, 384 + 384 for 768, 384 + 384 + 256 for 1024.)
+std::vector<std::vector<int64_t>> Candidates(int64_t K) {
+  std::vector<std::vector<int64_t>> out{{K}};
+  auto add = [&](std::vector<int64_t> b) {
+    if (std::find(out.begin(), out.end(), b) == out.end()) out.push_back(std::move(b));
+  };
+  for (int64_t kc : {384, 256, 192, 128, 512, 320, 448, 64, 96, 160, 224, 288, 352, 416, 480, 576,
+                     640, 768, 1024}) {
+    if (kc >= K) continue;
+    std::vector<int64_t> b;
+    for (int64_t k = 0; k < K; k += kc) b.push_back(std::min(kc, K - k));
+    add(std::move(b));
+  }
+  for (int64_t nb = 2; nb <= 8; ++nb) {
+    if (K % nb == 0) add(std::vector<int64_t>(nb, K / nb));
+  }
+  return out;
+}
+
+}  // namespace
+
+bool SmallRowsLinear::Supported() {
+#ifdef IMAGEGEN_SMALL_GEMM_X86
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
+SmallRowsLinear SmallRowsLinear::WithBlocks(const at::Tensor& w, std::vector<int64_t> blocks) {
+  TORCH_CHECK(w.dim() == 2 && w.device().is_cpu() && w.scalar_type() == at::kFloat,
+              "SmallRowsLinear: w must be a 2-D fp32 CPU tensor");
+  SmallRowsLinear s;
+  s.n_ = w.size(0);
+  s.k_ = w.size(1);
+  int64_t total = 0;
+  for (int64_t b : blocks) {
+    TORCH_CHECK(b > 0, "SmallRowsLinear: empty k-block");
+    total += b;
+  }
+  TORCH_CHECK(total == s.k_, "SmallRowsLinear: k-blocks sum to ", total, ", not K = ", s.k_);
+  const int64_t panels = (s.n_ + kPanel - 1) / kPanel;
+  // [panels * 16, K] zero-padded, then panel-major: [panels, K, 16].
+  at::Tensor wp = at::zeros({panels * kPanel, s.k_}, at::kFloat);
+  wp.narrow(0, 0, s.n_).copy_(w);
+  s.packed_ = wp.view({panels, kPanel, s.k_}).transpose(1, 2).contiguous();
+  s.blocks_ = std::move(blocks);
+  return s;
+}
+
+SmallRowsLinear SmallRowsLinear::Prepare(const at::Tensor& w) {
+  if (!Supported() || w.dim() != 2 || !w.device().is_cpu() || w.scalar_type() != at::kFloat) {
+    return {};
+  }
+  const at::Tensor x = ProbeRows(w.size(1));
+  const at::Tensor want = at::linear(x, w);
+  const at::Tensor x_panel = x, want_panel = want.narrow(1, 0, std::min(kPanel, w.size(0)));
+  SmallRowsLinear s = WithBlocks(w, {w.size(1)});
+  for (std::vector<int64_t>& b : Candidates(w.size(1))) {
+    s.blocks_ = std::move(b);
+    // The first panel's columns first (cheap), then all of them.
+    SmallRowsLinear first;
+    first.packed_ = s.packed_.narrow(0, 0, 1);
+    first.n_ = want_panel.size(1);
+    first.k_ = s.k_;
+    first.blocks_ = s.blocks_;
+    if (!at::equal(first(x_panel), want_panel)) continue;
+    if (at::equal(s(x), want)) return s;
+  }
+  return {};
+}
+
+at::Tensor SmallRowsLinear::operator()(const at::Tensor& x_in) const {
+  TORCH_CHECK(ok(), "SmallRowsLinear: not prepared");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k_ && x_in.device().is_cpu() &&
+                  x_in.scalar_type() == at::kFloat,
+              "SmallRowsLinear: x must be [m, ", k_, "] fp32 on the CPU");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t m = x.size(0), N = n_, K = k_;
+  at::Tensor y = at::empty({m, N}, x.options());
+#ifdef IMAGEGEN_SMALL_GEMM_X86
+  const float* xp = x.data_ptr<float>();
+  const float* wp = packed_.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t panels = packed_.size(0), pairs = (panels + 1) / 2;
+  static const bool avx512 = HasAvx512();
+  // Each panel's columns from its own weights and the rows alone: the same bits on any split.
+  const int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, 2 * m * K));
+  at::parallel_for(0, pairs, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t q = begin; q < end; ++q) {
+      const int64_t p = 2 * q;
+      if (p + 1 < panels) {
+        Panels<2>(xp, m, K, wp + p * K * kPanel, blocks_, yp, N, p * kPanel, avx512);
+      } else {
+        Panels<1>(xp, m, K, wp + p * K * kPanel, blocks_, yp, N, p * kPanel, avx512);
+      }
+    }
+  });
+#else
+  TORCH_CHECK(false, "SmallRowsLinear: not built for this architecture");
+#endif
+  return y;
+}
+
+}  // namespace imagegen
