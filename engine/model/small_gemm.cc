@@ -268,7 +268,9 @@ at::Tensor SmallRowsLinear::operator()(const at::Tensor& x_in) const {
   const int64_t panels = packed_.size(0), pairs = (panels + 1) / 2;
   static const bool avx512 = HasAvx512();
   // Each panel's columns from its own weights and the rows alone: the same bits on any split.
-  const int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, 2 * m * K));
+  // Split across the threads at any size: on the dev VM 3-4% faster than one thread for 2 to
+  // 14 rows (the weights are read once a forward, and two cores read them faster).
+  const int64_t grain = 1;
   at::parallel_for(0, pairs, grain, [&](int64_t begin, int64_t end) {
     for (int64_t q = begin; q < end; ++q) {
       const int64_t p = 2 * q;

@@ -100,6 +100,14 @@ Status ModelScheduler::Calibrate(const LoadOptions& load) {
               ? ", few-row kernel on " + std::to_string(model_.gpt->small_rows_linears()) + " of " +
                     std::to_string(model_.gpt->small_rows_tried()) + " linear layers"
               : std::string());
+  if (model_.gpt->small_rows_linears() < model_.gpt->small_rows_tried()) {
+    // Said only where the few-row kernel does not reproduce this machine's BLAS for every layer
+    // (the key above, kept in the step-cost cache, says it either way).
+    Notice(opts_, model_.name + ": the few-row kernel reproduces the BLAS for " +
+                      std::to_string(model_.gpt->small_rows_linears()) + " of " +
+                      std::to_string(model_.gpt->small_rows_tried()) +
+                      " linear layers; the others pad their few-row products to 16 rows");
+  }
   // A calibration measured with fewer requests at a time than this engine's slots allow (an
   // engine with a small pool wrote it) would leave the cost of many requests to extrapolation.
   const ImageRequest probe = CalibrationRequest();
