@@ -1,8 +1,8 @@
 // SmallRowsLinear (the batch-invariant forward's linear layers on fewer than 16 rows, on the
 // CPU): where Prepare accepts a weight, every row's product is the BLAS's own bits for that row
-// in a matrix of 16 or more rows; a wrong k-blocking rounds differently (so the check at load
-// can tell); and the forward's logits are the same bits with the kernel and with the padded
-// products, alone and among enough rows for the BLAS.
+// in a matrix of 16 or more rows, with the AVX-512 tiles and the AVX2 ones; a wrong k-blocking
+// rounds differently (so the check at load can tell); and the forward's logits are the same bits
+// with the kernel and with the padded products, alone and among enough rows for the BLAS.
 #include "engine/model/small_gemm.h"
 
 #include <ATen/ATen.h>
@@ -65,12 +65,15 @@ TEST(SmallRowsLinearTest, EveryRowIsTheBlasRowOfALargerMatrixBitForBit) {
     if (!small.ok()) continue;
     ++accepted;
     const at::Tensor many = at::linear(x, w);  // 64 rows: the BLAS's large-matrix kernels
+    // The AVX2 tiles, which run where the CPU has no AVX-512: the same bits.
+    const SmallRowsLinear avx2 = SmallRowsLinear::WithBlocks(w, small.blocks(), false);
     for (int64_t m = 1; m < 16; ++m) {
       const at::Tensor padded = at::zeros({16, s.K});
       padded.narrow(0, 0, m).copy_(x.narrow(0, 0, m));
       const at::Tensor got = small(x.narrow(0, 0, m));
       EXPECT_TRUE(at::equal(got, at::linear(padded, w).narrow(0, 0, m))) << what << ", m " << m;
       EXPECT_TRUE(at::equal(got, many.narrow(0, 0, m))) << what << ", m " << m;
+      EXPECT_TRUE(at::equal(avx2(x.narrow(0, 0, m)), got)) << what << ", m " << m << ", AVX2";
       // Rows from the middle of a larger input (a strided view is made contiguous).
       EXPECT_TRUE(at::equal(small(x.narrow(0, 40, m)), many.narrow(0, 40, m))) << what;
     }

@@ -69,7 +69,7 @@ at::Tensor Linear(const at::Tensor& x, const at::Tensor& w, bool invariant,
                   const SmallRowsLinear& small) {
   const int64_t m = x.size(0);
   if (!invariant || m >= kInvariantMinRows) return at::linear(x, w);
-  if (small.ok()) return small(x);
+  if (small.ok() && m <= small.max_rows()) return small(x);
   at::Tensor xp = at::zeros({kInvariantMinRows, x.size(1)}, x.options());
   xp.narrow(0, 0, m).copy_(x);
   return at::linear(xp, w).narrow(0, 0, m);

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define IMAGEGEN_SMALL_GEMM_X86 1
@@ -95,6 +96,26 @@ bool HasAvx512() {
   return __builtin_cpu_supports("avx512f");
 }
 
+// f(std::integral_constant<int, rows>) for rows in 1 .. kTileRows: the tile's rows as a
+// compile-time count (its accumulators stay in registers).
+template <typename F>
+void WithRows(int64_t rows, F&& f) {
+  switch (rows) {
+    case 1:
+      return f(std::integral_constant<int, 1>{});
+    case 2:
+      return f(std::integral_constant<int, 2>{});
+    case 3:
+      return f(std::integral_constant<int, 3>{});
+    case 4:
+      return f(std::integral_constant<int, 4>{});
+    case 5:
+      return f(std::integral_constant<int, 5>{});
+    default:
+      return f(std::integral_constant<int, 6>{});
+  }
+}
+
 // Panels p0 .. p0 + P - 1 (P = 1 or 2) of every row into y [m, N].
 template <int P>
 void Panels(const float* x, int64_t m, int64_t K, const float* wp,
@@ -105,50 +126,12 @@ void Panels(const float* x, int64_t m, int64_t K, const float* wp,
     const int64_t rows = std::min(kTileRows, m - i0);
     const float* xi = x + i0 * K;
     if (avx512) {
-      switch (rows) {
-        case 1:
-          Tile512<1, P>(xi, K, wp, blocks, tile);
-          break;
-        case 2:
-          Tile512<2, P>(xi, K, wp, blocks, tile);
-          break;
-        case 3:
-          Tile512<3, P>(xi, K, wp, blocks, tile);
-          break;
-        case 4:
-          Tile512<4, P>(xi, K, wp, blocks, tile);
-          break;
-        case 5:
-          Tile512<5, P>(xi, K, wp, blocks, tile);
-          break;
-        default:
-          Tile512<6, P>(xi, K, wp, blocks, tile);
-          break;
-      }
+      WithRows(rows, [&](auto r) { Tile512<decltype(r)::value, P>(xi, K, wp, blocks, tile); });
     } else {
       for (int p = 0; p < P; ++p) {
         float one[kTileRows * kPanel];
         const float* wpp = wp + p * K * kPanel;
-        switch (rows) {
-          case 1:
-            Tile<1>(xi, K, wpp, blocks, one);
-            break;
-          case 2:
-            Tile<2>(xi, K, wpp, blocks, one);
-            break;
-          case 3:
-            Tile<3>(xi, K, wpp, blocks, one);
-            break;
-          case 4:
-            Tile<4>(xi, K, wpp, blocks, one);
-            break;
-          case 5:
-            Tile<5>(xi, K, wpp, blocks, one);
-            break;
-          default:
-            Tile<6>(xi, K, wpp, blocks, one);
-            break;
-        }
+        WithRows(rows, [&](auto r) { Tile<decltype(r)::value>(xi, K, wpp, blocks, one); });
         for (int64_t r = 0; r < rows; ++r) {
           std::memcpy(tile + (r * P + p) * kPanel, one + r * kPanel, kPanel * sizeof(float));
         }
@@ -210,7 +193,8 @@ bool SmallRowsLinear::Supported() {
 #endif
 }
 
-SmallRowsLinear SmallRowsLinear::WithBlocks(const at::Tensor& w, std::vector<int64_t> blocks) {
+SmallRowsLinear SmallRowsLinear::WithBlocks(const at::Tensor& w, std::vector<int64_t> blocks,
+                                            bool avx512) {
   TORCH_CHECK(w.dim() == 2 && w.device().is_cpu() && w.scalar_type() == at::kFloat,
               "SmallRowsLinear: w must be a 2-D fp32 CPU tensor");
   SmallRowsLinear s;
@@ -228,6 +212,9 @@ SmallRowsLinear SmallRowsLinear::WithBlocks(const at::Tensor& w, std::vector<int
   wp.narrow(0, 0, s.n_).copy_(w);
   s.packed_ = wp.view({panels, kPanel, s.k_}).transpose(1, 2).contiguous();
   s.blocks_ = std::move(blocks);
+#ifdef IMAGEGEN_SMALL_GEMM_X86
+  s.avx512_ = avx512 && HasAvx512();
+#endif
   return s;
 }
 
@@ -247,6 +234,7 @@ SmallRowsLinear SmallRowsLinear::Prepare(const at::Tensor& w) {
     first.n_ = want_panel.size(1);
     first.k_ = s.k_;
     first.blocks_ = s.blocks_;
+    first.avx512_ = s.avx512_;
     if (!at::equal(first(x_panel), want_panel)) continue;
     if (at::equal(s(x), want)) return s;
   }
@@ -266,7 +254,6 @@ at::Tensor SmallRowsLinear::operator()(const at::Tensor& x_in) const {
   const float* wp = packed_.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t panels = packed_.size(0), pairs = (panels + 1) / 2;
-  static const bool avx512 = HasAvx512();
   // Each panel's columns from its own weights and the rows alone: the same bits on any split.
   // Split across the threads at any size: on the dev VM 3-4% faster than one thread for 2 to
   // 14 rows (the weights are read once a forward, and two cores read them faster).
@@ -275,9 +262,9 @@ at::Tensor SmallRowsLinear::operator()(const at::Tensor& x_in) const {
     for (int64_t q = begin; q < end; ++q) {
       const int64_t p = 2 * q;
       if (p + 1 < panels) {
-        Panels<2>(xp, m, K, wp + p * K * kPanel, blocks_, yp, N, p * kPanel, avx512);
+        Panels<2>(xp, m, K, wp + p * K * kPanel, blocks_, yp, N, p * kPanel, avx512_);
       } else {
-        Panels<1>(xp, m, K, wp + p * K * kPanel, blocks_, yp, N, p * kPanel, avx512);
+        Panels<1>(xp, m, K, wp + p * K * kPanel, blocks_, yp, N, p * kPanel, avx512_);
       }
     }
   });

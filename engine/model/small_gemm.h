@@ -30,12 +30,18 @@ class SmallRowsLinear {
   // w [N, K]: CPU, fp32. Packs a copy of it (the same bytes again) and finds the k-blocking
   // that reproduces at::linear on 16 rows bit for bit; not ok() where none does.
   static SmallRowsLinear Prepare(const at::Tensor& w);
-  // The kernel with the given k-blocks (summing to K), unchecked (tests).
-  static SmallRowsLinear WithBlocks(const at::Tensor& w, std::vector<int64_t> blocks);
+  // The kernel with the given k-blocks (summing to K), unchecked (tests); avx512 false: the
+  // AVX2 tiles even where the CPU has AVX-512 (the same bits, which tests check).
+  static SmallRowsLinear WithBlocks(const at::Tensor& w, std::vector<int64_t> blocks,
+                                    bool avx512 = true);
   // The kernel runs on this CPU: an x86-64 build, AVX2 and FMA.
   static bool Supported();
 
   bool ok() const { return !blocks_.empty(); }
+  // The most rows the forward gives the kernel (more go to the BLAS, padded to 16): 15 with
+  // AVX-512 tiles; 11 with AVX2 ones, which on the dev VM took 0.64-0.67x the padded forward's
+  // time at 2-4 rows and 0.83-0.88x at 8, but 1.03-1.11x at 14 (against MKL's AVX-512).
+  int64_t max_rows() const { return avx512_ ? 15 : 11; }
   const std::vector<int64_t>& blocks() const { return blocks_; }
   // x [m, K] fp32 on the CPU (any m; the forward uses it below kInvariantMinRows): x w^T.
   at::Tensor operator()(const at::Tensor& x) const;
@@ -44,6 +50,7 @@ class SmallRowsLinear {
   at::Tensor packed_;  // [ceil(N / 16), K, 16]: 16 output columns a panel, zero-padded
   int64_t n_ = 0, k_ = 0;
   std::vector<int64_t> blocks_;  // k-blocks, in order; empty: not ok
+  bool avx512_ = false;          // AVX-512 tiles (the CPU has them, and not turned off)
 };
 
 }  // namespace imagegen
