@@ -162,8 +162,9 @@ at::Tensor ProbeRows(int64_t K) {
 }
 
 // The k-blockings to try, the likeliest first: one block, then blocks of a fixed size with the
-// rest last, then K split into equal blocks. (MKL 2024.2 on the dev VM's AVX-512 Xeon: one
-// block up to K = 384, 256 + 256 for K = 512, 384 + 384 for 768, 384 + 384 + 256 for 1024.)
+// rest last, then K split into equal blocks. (MKL 2024.2 on the dev VM's AVX-512 Xeon, 16-row
+// products: one block up to K = 384, 256 + 256 for K = 512, 384 + 384 for 768; for K = 1024
+// no blocking reproduces them, though its 512-row products are 384 + 384 + 256.)
 std::vector<std::vector<int64_t>> Candidates(int64_t K) {
   std::vector<std::vector<int64_t>> out{{K}};
   auto add = [&](std::vector<int64_t> b) {
@@ -224,7 +225,7 @@ SmallRowsLinear SmallRowsLinear::Prepare(const at::Tensor& w) {
   }
   const at::Tensor x = ProbeRows(w.size(1));
   const at::Tensor want = at::linear(x, w);
-  const at::Tensor x_panel = x, want_panel = want.narrow(1, 0, std::min(kPanel, w.size(0)));
+  const at::Tensor want_panel = want.narrow(1, 0, std::min(kPanel, w.size(0)));
   SmallRowsLinear s = WithBlocks(w, {w.size(1)});
   for (std::vector<int64_t>& b : Candidates(w.size(1))) {
     s.blocks_ = std::move(b);
@@ -235,7 +236,7 @@ SmallRowsLinear SmallRowsLinear::Prepare(const at::Tensor& w) {
     first.k_ = s.k_;
     first.blocks_ = s.blocks_;
     first.avx512_ = s.avx512_;
-    if (!at::equal(first(x_panel), want_panel)) continue;
+    if (!at::equal(first(x), want_panel)) continue;
     if (at::equal(s(x), want)) return s;
   }
   return {};
