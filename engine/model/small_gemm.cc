@@ -8,6 +8,8 @@
 #include <cstring>
 #include <type_traits>
 
+#include "engine/model/gpt.h"  // kInvariantMinRows
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define IMAGEGEN_SMALL_GEMM_X86 1
 #include <immintrin.h>
@@ -16,9 +18,9 @@
 namespace imagegen {
 namespace {
 
-constexpr int64_t kPanel = 16;      // output columns a panel: two AVX registers
-constexpr int64_t kProbeRows = 16;  // the padded forward's rows (kInvariantMinRows)
-constexpr int64_t kTileRows = 6;    // rows a tile: 12 accumulators, 2 weights, 1 broadcast
+constexpr int64_t kPanel = 16;                     // output columns a panel: two AVX registers
+constexpr int64_t kProbeRows = kInvariantMinRows;  // the rows the padded forward gives the BLAS
+constexpr int64_t kTileRows = 6;  // rows a tile: 12 accumulators, 2 weights, 1 broadcast
 
 #ifdef IMAGEGEN_SMALL_GEMM_X86
 // Rows i0 .. i0 + R - 1 of panel p: for each k-block, sums from zero by fused multiply-adds in
@@ -241,6 +243,8 @@ SmallRowsLinear SmallRowsLinear::Prepare(const at::Tensor& w) {
   }
   return {};
 }
+
+int64_t SmallRowsLinear::max_rows() const { return avx512_ ? kInvariantMinRows - 1 : 11; }
 
 at::Tensor SmallRowsLinear::operator()(const at::Tensor& x_in) const {
   TORCH_CHECK(ok(), "SmallRowsLinear: not prepared");

@@ -38,10 +38,11 @@ class SmallRowsLinear {
   static bool Supported();
 
   bool ok() const { return !blocks_.empty(); }
-  // The most rows the forward gives the kernel (more go to the BLAS, padded to 16): 15 with
-  // AVX-512 tiles; 11 with AVX2 ones, which on the dev VM took 0.64-0.67x the padded forward's
-  // time at 2-4 rows and 0.83-0.88x at 8, but 1.03-1.11x at 14 (against MKL's AVX-512).
-  int64_t max_rows() const { return avx512_ ? 15 : 11; }
+  // The most rows the forward gives the kernel (more go to the BLAS, padded to 16): every count
+  // below kInvariantMinRows with AVX-512 tiles; 11 with AVX2 ones, which on the dev VM took
+  // 0.64-0.67x the padded forward's time at 2-4 rows and 0.83-0.88x at 8, but 1.03-1.11x at 14
+  // (against MKL's AVX-512).
+  int64_t max_rows() const;
   const std::vector<int64_t>& blocks() const { return blocks_; }
   // x [m, K] fp32 on the CPU (any m; the forward uses it below kInvariantMinRows): x w^T.
   at::Tensor operator()(const at::Tensor& x) const;
