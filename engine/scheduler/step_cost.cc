@@ -213,7 +213,7 @@ void StepCostModel::FitInto(bool online, std::vector<double>& values, double& pe
   for (int64_t k = 0; k < K; ++k) {
     values[k] = std::max(x[k], k == 0 ? 1e-7 : values[k - 1]);
   }
-  per_request = std::max(x[K], 0.0);
+  per_request = x[K];  // >= 0: a negative one was fitted again at 0 above
 }
 
 double StepCostModel::PriorPredict(int64_t tokens, int64_t requests) const {
