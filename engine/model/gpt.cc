@@ -16,6 +16,7 @@
 #include "engine/model/cuda_graphs.h"
 #include "engine/model/cuda_stream.h"
 #include "engine/model/device.h"
+#include "engine/model/norm_rope.h"
 #include "engine/model/row_attention.h"
 #include "engine/model/transfer.h"
 
@@ -24,37 +25,9 @@ namespace {
 
 int64_t RoundUp(int64_t n, int64_t k) { return n % k == 0 ? n : n + k - n % k; }
 
-// RMSNorm as LlamaGen computes it: normalise in fp32, cast back, then scale.
-at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  at::Tensor xf = x.to(at::kFloat);
-  at::Tensor y = xf * at::rsqrt(xf.pow(2).mean({-1}, /*keepdim=*/true) + eps);
-  return y.to(x.scalar_type()) * weight;
-}
-
-// x [T, H, hd]; table [T, hd/2, 2] float32; interleaved pairs (2j, 2j+1), computed in fp32.
-at::Tensor ApplyRope(const at::Tensor& x, const at::Tensor& table) {
-  const int64_t t = x.size(0), h = x.size(1), hd = x.size(2);
-  at::Tensor xs = x.to(at::kFloat).reshape({t, h, hd / 2, 2});
-  at::Tensor c = table.select(-1, 0).unsqueeze(1);  // [T, 1, hd/2]
-  at::Tensor s = table.select(-1, 1).unsqueeze(1);
-  at::Tensor x0 = xs.select(-1, 0), x1 = xs.select(-1, 1);
-  at::Tensor out = at::stack({x0 * c - x1 * s, x1 * c + x0 * s}, -1);
-  return out.reshape({t, h, hd}).to(x.scalar_type());
-}
-
-// x [T, H, hd]; table [T, hd/2, 2] float32; Hugging Face LLaMA's rotate-half layout: element j
-// pairs with element j + hd/2 (x * cos + rotate_half(x) * sin), computed in fp32.
-at::Tensor ApplyRopeHalf(const at::Tensor& x, const at::Tensor& table) {
-  const int64_t hd = x.size(2);
-  at::Tensor xf = x.to(at::kFloat);
-  at::Tensor c = table.select(-1, 0).unsqueeze(1);  // [T, 1, hd/2]
-  at::Tensor s = table.select(-1, 1).unsqueeze(1);
-  at::Tensor x1 = xf.narrow(-1, 0, hd / 2), x2 = xf.narrow(-1, hd / 2, hd / 2);
-  return at::cat({x1 * c - x2 * s, x2 * c + x1 * s}, -1).to(x.scalar_type());
-}
-
-// ApplyRope as LlamaGen writes it: the pairs as complex numbers times the table's (cos, sin),
-// one complex multiply in fp32 (three kernels in bf16, one in fp32, against ApplyRope's ten).
+// The interleaved rotary embedding as LlamaGen writes it: the pairs as complex numbers times the
+// table's (cos, sin), one complex multiply in fp32 (three kernels in bf16, one in fp32, against
+// RopeOps's ten).
 // x may be a strided view (of the qkv projection).
 at::Tensor ApplyRopeComplex(const at::Tensor& x, const at::Tensor& table) {
   const int64_t t = x.size(0), h = x.size(1), hd = x.size(2);
@@ -427,6 +400,13 @@ void Gpt::FuseMlpWeights() {
   rope_scatter_ = opts_.rope_scatter.value_or(env != nullptr && std::string(env) == "1") &&
                   fused_static_ && !cfg_.prompted() && (dt == at::kFloat || dt == at::kBFloat16) &&
                   (opts_.device.is_cpu() || (opts_.device.is_cuda() && RopeScatterKernelBuilt()));
+  const bool cpu_fp32 = opts_.device.is_cpu() && dt == at::kFloat;
+  row_norm_ = {};
+  rope_rows_ = false;
+  if (opts_.fused_norm_rope.value_or(true) && cpu_fp32) {
+    row_norm_ = RowNorm::Prepare(cfg_.dim, cfg_.norm_eps);
+    rope_rows_ = RopeRowsMatch(2 * cfg_.n_head, cfg_.head_dim(), cfg_.prompted());
+  }
   small_rows_ok_ = small_rows_total_ = 0;
   std::vector<std::pair<SmallRowsLinear*, const at::Tensor*>> linears;
   for (Layer& L : layers_) {
@@ -440,7 +420,7 @@ void Gpt::FuseMlpWeights() {
   if (head_w1_.defined()) linears.push_back({&small_head_w1_, &head_w1_});
   int64_t linear_bytes = 0;
   for (const auto& [small, w] : linears) linear_bytes += static_cast<int64_t>(w->nbytes());
-  if (opts_.small_rows_gemm.value_or(true) && opts_.device.is_cpu() && dt == at::kFloat &&
+  if (opts_.small_rows_gemm.value_or(true) && cpu_fp32 &&
       linear_bytes <= kSmallGemmMaxWeightBytes && SmallRowsLinear::Supported()) {
     for (const auto& [small, w] : linears) {
       *small = SmallRowsLinear::Prepare(*w);
@@ -768,6 +748,10 @@ at::Tensor Gpt::ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache,
                 attend);
 }
 
+at::Tensor Gpt::Norm(const at::Tensor& x, const at::Tensor& weight) const {
+  return row_norm_.ok() ? row_norm_(x, weight) : RmsNormOps(x, weight, cfg_.norm_eps);
+}
+
 at::Tensor Gpt::Decode(at::Tensor x, const at::Tensor& rope, const at::Tensor& dst, KvCache& cache,
                        bool invariant, const Attend& attend, bool fused,
                        const Scatter& scatter) const {
@@ -785,7 +769,7 @@ at::Tensor Gpt::Decode(at::Tensor x, const at::Tensor& rope, const at::Tensor& d
         scatter(l, qkv);
       } else {
         at::Tensor qk2 = qkv.narrow(-1, 0, 2 * D).view({T, 2 * H, hd});
-        at::Tensor qk = cfg_.prompted() ? ApplyRopeHalf(qk2, rope) : ApplyRopeComplex(qk2, rope);
+        at::Tensor qk = cfg_.prompted() ? RopeOps(qk2, rope, true) : ApplyRopeComplex(qk2, rope);
         cache.k[l].view({-1, H, hd}).index_copy_(0, dst, qk.narrow(1, H, H));
         cache.v[l].view({-1, H, hd}).index_copy_(0, dst, qkv.narrow(-1, 2 * D, D).view({T, H, hd}));
         q = qk.narrow(1, 0, H);
@@ -795,25 +779,24 @@ at::Tensor Gpt::Decode(at::Tensor x, const at::Tensor& rope, const at::Tensor& d
       x.addmm_(at::silu(gu.narrow(-1, 0, h)) * gu.narrow(-1, h, h), L.w2.t());
       continue;
     }
-    at::Tensor qkv =
-        Linear(RmsNorm(x, L.attention_norm, cfg_.norm_eps), L.wqkv, invariant, L.small_wqkv);
-    const auto rotate = cfg_.prompted() ? ApplyRopeHalf : ApplyRope;
+    at::Tensor qkv = Linear(Norm(x, L.attention_norm), L.wqkv, invariant, L.small_wqkv);
     // q and k rotated in one pass, as 2H heads sharing each token's table: the same arithmetic
     // on every element, half the launches.
-    at::Tensor qk = rotate(qkv.narrow(-1, 0, 2 * D).reshape({T, 2 * H, hd}), rope);
+    const at::Tensor qk2 = qkv.narrow(-1, 0, 2 * D).reshape({T, 2 * H, hd});
+    at::Tensor qk =
+        rope_rows_ ? RopeRows(qk2, rope, cfg_.prompted()) : RopeOps(qk2, rope, cfg_.prompted());
     at::Tensor q = qk.narrow(1, 0, H);
     at::Tensor k = qk.narrow(1, H, H);
     at::Tensor v = qkv.narrow(-1, 2 * D, D).reshape({T, H, hd});
     cache.k[l].view({-1, H, hd}).index_copy_(0, dst, k);
     cache.v[l].view({-1, H, hd}).index_copy_(0, dst, v);
     x = x + Linear(attend(l, q), L.wo, invariant, L.small_wo);
-    at::Tensor hn = RmsNorm(x, L.ffn_norm, cfg_.norm_eps);
+    at::Tensor hn = Norm(x, L.ffn_norm);
     x = x + Linear(at::silu(Linear(hn, L.w1, invariant, L.small_w1)) *
                        Linear(hn, L.w3, invariant, L.small_w3),
                    L.w2, invariant, L.small_w2);
   }
-  at::Tensor h =
-      fused ? at::rms_norm(x, {D}, norm_, cfg_.norm_eps) : RmsNorm(x, norm_, cfg_.norm_eps);
+  at::Tensor h = fused ? at::rms_norm(x, {D}, norm_, cfg_.norm_eps) : Norm(x, norm_);
   if (cfg_.prompted()) {  // gen_head: Linear, GELU (exact), Linear
     h = at::gelu(Linear(h, head_w1_, invariant, small_head_w1_) + head_b1_);
     return (Linear(h, output_, invariant, small_output_) + head_b2_).to(at::kFloat);

@@ -17,6 +17,7 @@
 #include <tuple>
 #include <vector>
 
+#include "engine/model/norm_rope.h"
 #include "engine/model/small_gemm.h"
 #include "engine/model/weights.h"
 #include "engine/util/status.h"
@@ -198,6 +199,10 @@ class Gpt {
   // small_rows_gemm), of those it was tried on (0 of 0: not tried).
   int64_t small_rows_linears() const { return small_rows_ok_; }
   int64_t small_rows_tried() const { return small_rows_total_; }
+  // Whether the reference layer's RMSNorm and its rotary embedding run as one kernel each
+  // (LoadOptions::fused_norm_rope; engine/model/norm_rope.h).
+  bool norm_kernel() const { return row_norm_.ok(); }
+  bool rope_kernel() const { return rope_rows_; }
 
   // A cache with `slots` slots of seq_len() + extra entries each, zero-filled. Throws
   // c10::Error if the device is out of memory (callers size it from a memory budget).
@@ -258,6 +263,8 @@ class Gpt {
   at::Tensor Decode(at::Tensor x, const at::Tensor& rope, const at::Tensor& dst, KvCache& cache,
                     bool invariant, const Attend& attend, bool fused = false,
                     const Scatter& scatter = nullptr) const;
+  // The reference layer's RMSNorm (row_norm_'s kernel where it reproduces the ops).
+  at::Tensor Norm(const at::Tensor& x, const at::Tensor& weight) const;
   Status Validate(const std::vector<BatchRow>& batch, const KvCache& cache,
                   bool check_tokens) const;
   at::Tensor RopeTable() const;  // float32 on CPU
@@ -271,6 +278,8 @@ class Gpt {
   bool rope_scatter_ = false;
   bool row_attention_ = false;
   int64_t small_rows_ok_ = 0, small_rows_total_ = 0;
+  RowNorm row_norm_;        // not ok: the ops (LoadOptions::fused_norm_rope)
+  bool rope_rows_ = false;  // the rotary embedding through RopeRows
   // [vocab + condition_ids, dim]: image-token rows then condition rows (class labels, or text
   // tokens). Janus's image rows are gen_aligner(gen_embed(id)), computed once at load.
   at::Tensor embed_;

@@ -53,6 +53,10 @@ struct LoadOptions {
   // padded to 16. The same logits bit for bit, faster for a few rows; a second copy of the
   // linear weights (models of up to kSmallGemmMaxWeightBytes of them). Unset: on.
   std::optional<bool> small_rows_gemm;
+  // GPT models on the CPU in fp32: the reference layer's RMSNorm (six ATen ops) and rotary
+  // embedding (about ten) each run as one kernel that computes the same bits (engine/model/
+  // norm_rope.h; checked at load, and the ops kept where the check fails). Unset: on.
+  std::optional<bool> fused_norm_rope;
 };
 
 // Reads and parses <dir>/config.json.
