@@ -76,7 +76,8 @@ int main(int argc, char** argv) {
            {"csv", ""}},
           "usage: imagegen-step-cost [--shapes bundled,gpt-b,gpt-l,gpt-xl,tiny] [--dtypes "
           "bf16,fp32] [--device cuda] [--requests 1,2,..] [--tokens 1,2,..] [--forwards "
-          "eager,eager-sdpa,eager-pad,static,graphs,static-ref,graphs-ref,static-rope,graphs-rope] "
+          "eager,eager-sdpa,eager-pad,eager-ops,static,graphs,static-ref,graphs-ref,static-rope,"
+          "graphs-rope] "
           "[--kernel-profile N] "
           "[--csv FILE]");
   std::ofstream csv;
@@ -102,26 +103,31 @@ int main(int argc, char** argv) {
   // (LoadOptions::row_attention off, a fourth; the same as eager where RowAttention does not
   // run: off the CPU, in bf16, or with --batch-invariant 0); eager-pad: the eager forward with
   // the linear layers of fewer than 16 rows padded to 16 for the BLAS instead of
-  // SmallRowsLinear's kernel (LoadOptions::small_rows_gemm off, a fifth; the same logits).
-  bool any_ref = false, any_rope = false, any_sdpa = false, any_pad = false;
+  // SmallRowsLinear's kernel (LoadOptions::small_rows_gemm off, a fifth; the same logits);
+  // eager-ops: the eager forward with RMSNorm and the rotary embedding as ATen ops instead of
+  // one kernel each (LoadOptions::fused_norm_rope off, a sixth; the same logits).
+  bool any_ref = false, any_rope = false, any_sdpa = false, any_pad = false, any_ops = false;
   for (const std::string& fw :
-       f.Choices("forwards", {"eager", "eager-sdpa", "eager-pad", "static", "graphs", "static-ref",
-                              "graphs-ref", "static-rope", "graphs-rope"})) {
+       f.Choices("forwards", {"eager", "eager-sdpa", "eager-pad", "eager-ops", "static", "graphs",
+                              "static-ref", "graphs-ref", "static-rope", "graphs-rope"})) {
     any_ref |= fw == "static-ref" || fw == "graphs-ref";
     any_rope |= fw == "static-rope" || fw == "graphs-rope";
     any_sdpa |= fw == "eager-sdpa";
     any_pad |= fw == "eager-pad";
+    any_ops |= fw == "eager-ops";
   }
   for (const std::string& dtype : f.List("dtypes")) {
     auto lo = ParseDeviceAndDtype(f.Str("device"), dtype);
     if (!lo.ok()) f.Fail(lo.status().message());
     for (const std::string& shape : f.List("shapes")) {
-      auto load = [&](bool fused, bool rope, bool row_attention = true, bool small_rows = true) {
+      auto load = [&](bool fused, bool rope, bool row_attention = true, bool small_rows = true,
+                      bool norm_rope = true) {
         LoadOptions o = *lo;
         o.fused_static_forward = fused;
         o.rope_scatter = rope;
         o.row_attention = row_attention;
         o.small_rows_gemm = small_rows;
+        o.fused_norm_rope = norm_rope;
         if (shape == "bundled") return OrDie(Gpt::Load(f.Str("models-dir") + "/fmnist-gpt", o));
         GptConfig c;
         if (!Shape(shape, f.Int("grid"), &c)) f.Fail("unknown shape " + shape);
@@ -132,6 +138,7 @@ int main(int argc, char** argv) {
       std::unique_ptr<Gpt> rope_gpt = any_rope ? load(true, true) : nullptr;
       std::unique_ptr<Gpt> sdpa_gpt = any_sdpa ? load(true, false, false) : nullptr;
       std::unique_ptr<Gpt> pad_gpt = any_pad ? load(true, false, true, false) : nullptr;
+      std::unique_ptr<Gpt> ops_gpt = any_ops ? load(true, false, true, true, false) : nullptr;
       if (rope_gpt != nullptr && !rope_gpt->rope_scatter()) {
         f.Fail("--forwards *-rope: no rotary scatter for " + shape + " in " + dtype +
                " here (a Janus-layout model, another dtype, or no kernel in this build)");
@@ -154,6 +161,7 @@ int main(int argc, char** argv) {
               : rope               ? rope_gpt.get()
               : fw == "eager-sdpa" ? sdpa_gpt.get()
               : fw == "eager-pad"  ? pad_gpt.get()
+              : fw == "eager-ops"  ? ops_gpt.get()
                                    : fused_gpt.get();
         const bool eager = fw.rfind("eager", 0) == 0;
         const ForwardOptions fo{invariant, !eager, fw.rfind("graphs", 0) == 0};

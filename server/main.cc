@@ -111,6 +111,11 @@ ABSL_FLAG(bool, small_rows_gemm, true,
           "instead of the BLAS on the rows padded to 16 (the same images; about 0.6x the "
           "forward's time for one request's two rows on 2 cores); false for the padded "
           "products (A/B comparisons)");
+ABSL_FLAG(bool, fused_norm_rope, true,
+          "on the CPU in fp32: the forward's RMSNorm and rotary embedding run as one kernel each "
+          "that computes the same bits as the ATen ops (checked at load; the ops are kept where "
+          "the check fails) instead of about six and ten ops; false for the ops (A/B "
+          "comparisons)");
 ABSL_FLAG(bool, fused_verify, true,
           "verify windows (chains and trees of up to 8 branches, GSD's clusters) in one fused pass "
           "per step: one kernel "
@@ -319,6 +324,7 @@ int main(int argc, char** argv) {
   eo.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs) ? -1 : 0;  // -1: on for CUDA devices
   eo.row_attention = absl::GetFlag(FLAGS_row_attention);
   eo.small_rows_gemm = absl::GetFlag(FLAGS_small_rows_gemm);
+  eo.fused_norm_rope = absl::GetFlag(FLAGS_fused_norm_rope);
   eo.fused_verify = absl::GetFlag(FLAGS_fused_verify);
   eo.decode_thread = absl::GetFlag(FLAGS_decode_thread);
   eo.decode_batch = absl::GetFlag(FLAGS_decode_batch);

@@ -292,6 +292,7 @@ Status Engine::Impl::Load() {
   ASSIGN_OR_RETURN(LoadOptions lo, ParseDeviceAndDtype(opts.device, opts.dtype));
   lo.row_attention = opts.row_attention;
   lo.small_rows_gemm = opts.small_rows_gemm;
+  lo.fused_norm_rope = opts.fused_norm_rope;
   // Every LibTorch call of this engine is on this thread: its current device is the engine's.
   MakeDeviceCurrent(lo.device);
   if (std::string why; lo.device.is_cuda() && KernelsBuilt() && !KernelsRunHere(&why)) {

@@ -165,6 +165,10 @@ struct EngineOptions {
   // BLAS; about 0.6x the forward's time at one request's two rows on the dev VM). False: the
   // padded products, for A/B comparisons.
   bool small_rows_gemm = true;
+  // On the CPU in fp32: the forward's RMSNorm and rotary embedding as one kernel each instead of
+  // about six and ten ATen ops (LoadOptions::fused_norm_rope; the same logits bit for bit, where
+  // the load-time check passes). False: the ops, for A/B comparisons.
+  bool fused_norm_rope = true;
   // The target and draft forwards at static shapes, each bucket captured once as a CUDA graph
   // and replayed (ForwardOptions::cuda_graphs; on the CPU the static forward runs eagerly).
   // Overrides batch_invariant: a request's logits then equal the eager forward's within

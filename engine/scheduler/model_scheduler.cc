@@ -99,7 +99,9 @@ Status ModelScheduler::Calibrate(const LoadOptions& load) {
       << (model_.gpt->small_rows_tried() > 0 && opts_.cuda_graphs <= 0 && opts_.batch_invariant
               ? ", few-row kernel on " + std::to_string(model_.gpt->small_rows_linears()) + " of " +
                     std::to_string(model_.gpt->small_rows_tried()) + " linear layers"
-              : std::string());
+              : std::string())
+      << (model_.gpt->norm_kernel() ? ", norm kernel" : "")
+      << (model_.gpt->rope_kernel() ? ", rope kernel" : "");
   if (model_.gpt->small_rows_linears() < model_.gpt->small_rows_tried()) {
     // Said only where the few-row kernel does not reproduce this machine's BLAS for every layer
     // (the key above, kept in the step-cost cache, says it either way).
@@ -107,6 +109,17 @@ Status ModelScheduler::Calibrate(const LoadOptions& load) {
                       std::to_string(model_.gpt->small_rows_linears()) + " of " +
                       std::to_string(model_.gpt->small_rows_tried()) +
                       " linear layers; the others pad their few-row products to 16 rows");
+  }
+  const Gpt& gpt = *model_.gpt;
+  if (load.device.is_cpu() && load.dtype == at::kFloat &&
+      gpt.options().fused_norm_rope.value_or(true) && (!gpt.norm_kernel() || !gpt.rope_kernel())) {
+    // Said only where a kernel's load-time check failed (another ATen or CPU than measured).
+    const char* which = !gpt.norm_kernel() && !gpt.rope_kernel()
+                            ? "the RMSNorm and rotary kernels do"
+                        : !gpt.norm_kernel() ? "the RMSNorm kernel does"
+                                             : "the rotary kernel does";
+    Notice(opts_,
+           model_.name + ": " + which + " not reproduce ATen's ops here; the ops run instead");
   }
   // A calibration measured with fewer requests at a time than this engine's slots allow (an
   // engine with a small pool wrote it) would leave the cost of many requests to extrapolation.
