@@ -430,6 +430,7 @@ int main(int argc, char** argv) {
            {"min-speculation-gain", "0.03"},
            {"lone-full-window", "1"},
            {"explore-every", "16"},
+           {"explore-budget", "0.02"},
            {"fixed-step-cost", ""},
            {"refine-step-cost", "1"},
            {"simulated-step-noise", "0"},
@@ -486,7 +487,8 @@ int main(int argc, char** argv) {
   base.window_stickiness = f.Num("window-stickiness");        // EngineOptions::window_stickiness
   base.min_speculation_gain = f.Num("min-speculation-gain");  // EngineOptions::
   base.lone_request_full_window = f.Int("lone-full-window") != 0;  // EngineOptions
-  base.explore_every = f.Int("explore-every");  // EngineOptions::explore_every (0: never)
+  base.explore_every = f.Int("explore-every");    // EngineOptions::explore_every (0: never)
+  base.explore_budget = f.Num("explore-budget");  // EngineOptions::explore_budget
   base.commit_warmup_steps = f.Int("commit-warmup-steps");  // EngineOptions: 0 counts every step
   base.commit_learn_growth = f.Int("commit-learn-growth") != 0;  // EngineOptions (0: held only)
   // --fixed-step-cost BASE,PER_TOKEN,PER_REQUEST (seconds): the goodput controller plans with

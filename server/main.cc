@@ -71,6 +71,10 @@ ABSL_FLAG(double, window_stickiness, 0,
           "goodput hysteresis: the previous step's windows are kept while their expected "
           "goodput is within this fraction of the best plan's, e.g. 0.05 (0: re-plan every "
           "step)");
+ABSL_FLAG(double, explore_budget, 0.02,
+          "goodput: the controller's exploring steps (one planned step in 16 takes windows twice "
+          "as wide, so that the step-cost model measures wider steps) may cost at most this "
+          "fraction of the step time, as predicted (0: never explore; 1: every 16th step)");
 ABSL_FLAG(double, min_speculation_gain, 0.03,
           "goodput: a plan that speculates is taken only when predicted at least this fraction "
           "faster than plain AR for every request (0: any predicted gain)");
@@ -305,6 +309,7 @@ int main(int argc, char** argv) {
   eo.window_policy = absl::GetFlag(FLAGS_window_policy);
   eo.max_slowdown = absl::GetFlag(FLAGS_max_slowdown);
   eo.window_stickiness = absl::GetFlag(FLAGS_window_stickiness);
+  eo.explore_budget = absl::GetFlag(FLAGS_explore_budget);
   eo.min_speculation_gain = absl::GetFlag(FLAGS_min_speculation_gain);
   eo.lone_request_full_window = absl::GetFlag(FLAGS_lone_request_full_window);
   eo.step_cost_spot_check = absl::GetFlag(FLAGS_step_cost_spot_check);

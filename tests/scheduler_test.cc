@@ -884,6 +884,60 @@ TEST(EngineTest, GoodputNeverExploresWithExploreEveryZero) {
   EXPECT_GE(shared, 16);  // enough planned steps of two for the default to have explored
 }
 
+// explore_budget: the exploring steps' predicted time over the plans they replaced stays within
+// the budget's share of the planned steps' predicted time (0.5% here), so they are fewer than
+// the one in 16 that explore_every alone takes; with a budget of 1 there is one in 16 again,
+// costing more than twice the budget.
+TEST(EngineTest, GoodputExploresWithinItsBudget) {
+  auto run = [](double budget, int64_t* planned, double* planned_seconds, double* extra) {
+    EngineOptions o = BundledOptions();
+    // Steep: 2 ms + 0.1 ms a row, so that a plan twice as wide costs about half a step more.
+    o.fixed_step_cost = {2e-3, 1e-4, 1e-4};
+    o.explore_budget = budget;
+    o.trace_steps = true;
+    StepLog log;
+    auto engine = StartOrDie(o, &log);
+    std::vector<std::shared_ptr<Recorder>> rec;
+    for (int i = 0; i < 4; ++i) {
+      rec.push_back(std::make_shared<Recorder>());
+      EXPECT_TRUE(engine->Submit(Params("scd-mc", i, 120 + i), rec.back()).ok());
+    }
+    for (auto& r : rec) EXPECT_TRUE(r->Wait());
+    WaitIdle(*engine);
+    std::lock_guard<std::mutex> l(log.mu);
+    int64_t explored = 0;
+    *planned = 0;
+    *planned_seconds = *extra = 0;
+    for (const StepSample& s : log.samples) {
+      if (s.requests < 2) continue;  // a request alone keeps its whole window: not planned
+      ++*planned;
+      *planned_seconds += s.predicted_seconds;
+      explored += s.explore ? 1 : 0;
+      *extra += s.explore_extra_seconds;
+      if (!s.explore) {
+        EXPECT_EQ(s.explore_extra_seconds, 0);
+      }
+    }
+    return explored;
+  };
+  int64_t planned = 0;
+  double seconds = 0, extra = 0;
+  const int64_t budgeted = run(0.005, &planned, &seconds, &extra);
+  std::printf("budget 0.005: %lld of %lld planned steps explored, %.2f%% of their predicted time\n",
+              static_cast<long long>(budgeted), static_cast<long long>(planned),
+              100 * extra / seconds);
+  EXPECT_GE(planned, 48);
+  EXPECT_GT(budgeted, 0);
+  EXPECT_LE(extra, 0.005 * seconds * (1 + 1e-9));
+  EXPECT_LT(budgeted, planned / 16);  // the budget, not the cadence, limited them
+  const int64_t unlimited = run(1, &planned, &seconds, &extra);
+  std::printf("budget 1: %lld of %lld planned steps explored, %.2f%% of their predicted time\n",
+              static_cast<long long>(unlimited), static_cast<long long>(planned),
+              100 * extra / seconds);
+  EXPECT_GE(unlimited, planned / 16 - 1);
+  EXPECT_GT(extra, 0.01 * seconds);  // twice what the budget let through
+}
+
 // The match rule (scd-gm) makes a seed's image independent of its windows, so the controller
 // plans a lone scd-gm request as any other (GoodputRequest::window_invariant) with
 // lone_request_full_window on (the default): on a steep cost its windows shrink well below the
@@ -1262,6 +1316,7 @@ TEST(EngineTest, BadEngineOptionsAreRejected) {
       {"window_stickiness", [](EngineOptions& e) { e.window_stickiness = 1.5; }},
       {"min_speculation_gain", [](EngineOptions& e) { e.min_speculation_gain = 2; }},
       {"explore_every", [](EngineOptions& e) { e.explore_every = -1; }},
+      {"explore_budget", [](EngineOptions& e) { e.explore_budget = -0.1; }},
       {"simulated_step_noise", [](EngineOptions& e) { e.simulated_step_noise = -1; }},
       {"fixed_step_cost", [](EngineOptions& e) { e.fixed_step_cost = {1.0}; }},
       {"fixed_step_cost",

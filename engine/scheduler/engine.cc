@@ -203,6 +203,7 @@ StatusOr<std::unique_ptr<Engine>> Engine::Start(const EngineOptions& options,
   }
   if (o.commit_warmup_steps < 0) return InvalidArgument("commit_warmup_steps: must be >= 0");
   if (o.explore_every < 0) return InvalidArgument("explore_every: must be >= 0");
+  if (!(o.explore_budget >= 0)) return InvalidArgument("explore_budget: must be >= 0");
   if (!(o.fail_steps_for_seconds >= 0)) {
     return InvalidArgument("fail_steps_for_seconds: must be >= 0 (0: off)");
   }

@@ -94,6 +94,14 @@ struct EngineOptions {
   // step-cost model measures the wider steps it would otherwise only extrapolate to (and sees a
   // device that became faster for them). 0: never.
   int64_t explore_every = 16;
+  // What exploring may cost: an exploring step is taken only while the predicted extra time of
+  // all of them stays within this fraction of the planned steps' predicted time (a credit, of
+  // at most the fraction of about 256 steps). On the 2-core CPU at 4 clients the steps of
+  // windows twice as wide cost 1.75x a plain one, and one in 16 of them cost 5% of scd-mc's
+  // step time over plain steps for no commits (with this budget 3%: docs/results-serving.md,
+  // "What exploring costs"). 0: never explore; 1 or more: every explore_every-th planned
+  // step, whatever it costs.
+  double explore_budget = 0.02;
   // The first steps of a request that its own commit factor does not learn from
   // (RequestCommits: a Jacobi request's first steps commit about one token whatever its
   // window). 0 (default): every step counts.
@@ -262,6 +270,7 @@ struct StepSample {
   };
   std::vector<RequestTrace> trace;
   bool explore = false;                 // the controller's exploring step (one in 16)
+  double explore_extra_seconds = 0;     // ... its predicted time over the plan it replaced
   double wanted_predicted_seconds = 0;  // the step-cost model's time for the wanted windows
 };
 

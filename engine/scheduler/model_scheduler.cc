@@ -346,13 +346,38 @@ std::vector<int64_t> ModelScheduler::ChooseWindows(const std::vector<size_t>& id
   go.lone_request_full_window = opts_.lone_request_full_window;
   // One planned step in explore_every (16) explores a plan twice as wide; a request alone
   // only where it is planned (not given its whole window), so that the cost model also sees
-  // the wider steps a lone request would otherwise never take.
+  // the wider steps a lone request would otherwise never take. Exploring is paid from a
+  // credit of explore_budget of every planned step's predicted time: a step due to explore
+  // that costs more (predicted) than the credit holds plans as usual, and the next planned
+  // steps try again.
   const bool planned =
       reqs.size() > 1 ||
       (reqs.size() == 1 && (!go.lone_request_full_window || reqs[0].window_invariant));
-  go.explore = planned && opts_.explore_every > 0 && ++planned_steps_ % opts_.explore_every == 0;
-  explored_ = go.explore;
+  if (planned && opts_.explore_every > 0 && ++planned_steps_ % opts_.explore_every == 0) {
+    explore_due_ = true;
+  }
   plan = PlanGoodput(reqs, cost_, go);
+  go.explore = false;
+  if (planned && explore_due_ && opts_.explore_budget > 0) {
+    GoodputOptions wide = go;
+    wide.explore = true;
+    GoodputPlan widened = PlanGoodput(reqs, cost_, wide);
+    const double extra = std::max(0.0, widened.seconds - plan.seconds);
+    if (extra <= explore_credit_s_ || opts_.explore_budget >= 1) {
+      explore_credit_s_ = std::max(0.0, explore_credit_s_ - extra);
+      explore_extra_s_ = extra;
+      explore_due_ = false;
+      go.explore = true;
+      plan = std::move(widened);
+    }
+  }
+  if (planned && opts_.explore_budget > 0) {
+    // At most the budget's share of about 256 such steps held at once, so that a long calm
+    // run does not pay for a burst of exploring later.
+    explore_credit_s_ = std::min(explore_credit_s_ + opts_.explore_budget * plan.seconds,
+                                 opts_.explore_budget * 256 * plan.seconds);
+  }
+  explored_ = go.explore;
   for (size_t i = 0; i < reqs.size(); ++i) {
     expected[i] = reqs[i].expected[plan.windows[i] - 1];
     // What the next step may hold: not an exploring step's windows.
@@ -707,6 +732,7 @@ void ModelScheduler::TraceStep(const std::vector<size_t>& dec, const std::vector
                                const std::vector<double>& expected, StepSample& sample,
                                std::vector<size_t>& traced) {
   sample.explore = opts_.window_policy == "goodput" && explored_;
+  sample.explore_extra_seconds = sample.explore ? explore_extra_s_ : 0;
   int64_t wanted_tokens = sample.tokens;
   for (size_t i : dec) {
     const Job& j = *active_[i];

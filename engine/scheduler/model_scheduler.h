@@ -100,6 +100,9 @@ class ModelScheduler : public FamilyScheduler {
   std::mt19937_64 noise_rng_{1};  // EngineOptions::simulated_step_noise
   CommitModel commits_;
   int64_t planned_steps_ = 0;               // goodput steps whose windows were planned
+  bool explore_due_ = false;                // an exploring step is due (explore_every)
+  double explore_credit_s_ = 0;             // predicted seconds exploring may still cost
+  double explore_extra_s_ = 0;              // the last exploring step's predicted extra time
   std::set<StaticShape> replayed_buckets_;  // simulated_capture_cost
   bool explored_ = false;  // the last plan was an exploring one (GoodputOptions::explore)
 };
