@@ -142,22 +142,7 @@ TEST(NormRopeForwardTest, TheBundledModelsLogitsAreTheOpsBitForBit) {
   auto probe = Gpt::Load(dir, {});
   ASSERT_TRUE(probe.ok());
   const GptConfig& cfg = (*probe)->config();
-  // Request r: a conditional and an unconditional row with the class token and n image tokens.
-  auto request = [&](int64_t r, int64_t n) {
-    std::vector<BatchRow> rows;
-    for (int64_t u = 0; u < 2; ++u) {
-      BatchRow b;
-      b.slot = 2 * r + u;
-      b.group = r;
-      for (int64_t i = 0; i <= n; ++i) {
-        b.tokens.push_back(i == 0 ? (u == 0 ? r % cfg.num_classes : cfg.null_class())
-                                  : (r * 37 + i * 11) % cfg.vocab_size);
-        b.positions.push_back(i);
-      }
-      rows.push_back(std::move(b));
-    }
-    return rows;
-  };
+  auto request = [&](int64_t r, int64_t n) { return testing::CfgRequestRows(cfg, r, n); };
   // 1, 3 and 8 tokens a row, and the whole image: 2 * 197 rows, more than a thread's share.
   ExpectSameLogits(dir,
                    {request(0, 0), request(1, 2), request(2, 7), request(3, cfg.block_size - 1)});

@@ -13,6 +13,7 @@
 
 #include "engine/model/gpt.h"
 #include "tests/build_paths.h"
+#include "tests/test_util.h"
 
 namespace imagegen {
 namespace {
@@ -120,22 +121,7 @@ TEST(SmallRowsLinearTest, TheForwardsLogitsAreThePaddedForwardsBitForBit) {
     EXPECT_EQ((*with)->small_rows_tried(), 6 * 5 + 1);
   }
   const GptConfig& cfg = (*with)->config();
-  // Request r: a conditional and an unconditional row with the class token and n image tokens.
-  auto request = [&](int64_t r, int64_t n) {
-    std::vector<BatchRow> rows;
-    for (int64_t u = 0; u < 2; ++u) {
-      BatchRow b;
-      b.slot = 2 * r + u;
-      b.group = r;
-      for (int64_t i = 0; i <= n; ++i) {
-        b.tokens.push_back(i == 0 ? (u == 0 ? r % cfg.num_classes : cfg.null_class())
-                                  : (r * 37 + i * 11) % cfg.vocab_size);
-        b.positions.push_back(i);
-      }
-      rows.push_back(std::move(b));
-    }
-    return rows;
-  };
+  auto request = [&](int64_t r, int64_t n) { return testing::CfgRequestRows(cfg, r, n); };
   ForwardOptions inv;
   inv.batch_invariant = true;
   const std::vector<int64_t> lengths = {0, 1, 2, 4, 6};  // 2 to 14 rows of new tokens

@@ -12,6 +12,7 @@
 #include <fstream>
 #include <map>
 #include <string>
+#include <vector>
 
 #include "engine/model/gpt.h"
 #include "engine/model/safetensors.h"
@@ -29,6 +30,25 @@ inline LoadOptions TestLoadOptions() {
     o.device = c10::Device(c10::kCUDA, 0);
   }
   return o;
+}
+
+// Request r of a class-conditional model as the forward's rows: a conditional and an
+// unconditional row (slots 2r and 2r + 1, group r) with the class token (class r mod the
+// classes, or the null class) and n image tokens (ids that differ by request and position).
+inline std::vector<BatchRow> CfgRequestRows(const GptConfig& cfg, int64_t r, int64_t n) {
+  std::vector<BatchRow> rows;
+  for (int64_t u = 0; u < 2; ++u) {
+    BatchRow b;
+    b.slot = 2 * r + u;
+    b.group = r;
+    for (int64_t i = 0; i <= n; ++i) {
+      b.tokens.push_back(i == 0 ? (u == 0 ? r % cfg.num_classes : cfg.null_class())
+                                : (r * 37 + i * 11) % cfg.vocab_size);
+      b.positions.push_back(i);
+    }
+    rows.push_back(std::move(b));
+  }
+  return rows;
 }
 
 inline void WriteText(const std::string& path, const std::string& text) {

@@ -48,9 +48,10 @@ int64_t CeilLog2(int64_t x) {
 
 // The sum of x[i]^2 over a row of d, each square rounded, added as ATen's vectorised inner sum
 // adds a contiguous row of L-lane vectors: the d / L vectors viewed as groups of four, the four
-// partial vectors accumulated through a cascade of four levels of 2^p groups each (p = 4 up to
-// 2^20 groups), the vectors past the last whole group into the first partial, the partials
-// added in order, then the elements past the last whole vector, then the lanes in order.
+// partial vectors accumulated through a cascade of four levels of 2^p groups each (p = 4 for
+// up to 2^19 groups), the vectors past the last whole group into the first partial, the
+// partials added in order, then the elements past the last whole vector, then the lanes in
+// order.
 template <int L>
 float SumOfSquares(const float* x, int64_t d) {
   constexpr int kLevels = 4, kIlp = 4;

@@ -4,10 +4,10 @@
 //
 // LlamaGen's RMSNorm is six ATen ops (pow, mean, add, rsqrt, mul, mul) and the rotary embedding
 // about ten (selects, products, a stack); for the few rows of a small step their launches cost
-// far more than their arithmetic (on the dev VM a one-request forward's 13 means took 135 us,
-// 10 us each, of a 0.9-ms forward). These kernels compute the same bits in one pass: every
-// elementwise op there rounds once and is done here in the same order (this file is built
-// without floating-point contraction), and the mean's sum follows ATen's cascade sum over a
+// far more than their arithmetic (on the dev VM, under the profiler, a one-request forward's 13
+// means took 135 us, 10 us each, of a 0.9-ms forward). These kernels compute the same bits in one
+// pass: every elementwise op there rounds once and is done here in the same order (this file is
+// built without floating-point contraction), and the mean's sum follows ATen's cascade sum over a
 // contiguous row (aten/src/ATen/native/cpu/SumKernel.cpp: vectors of L lanes, four partial
 // vectors, the lanes added last), whose lane count L depends on the CPU capability ATen runs
 // its reduction kernels at. RowNorm::Prepare finds L by comparing with the reference ops bit for
