@@ -400,9 +400,8 @@ TEST(GoodputTest, FlatCostFeedsWholeWindowsAndSteepCostShrinksThem) {
   invariant.window_invariant = true;
   EXPECT_EQ(PlanGoodput({invariant}, cpu, {}).windows, lone.windows);
   // Exploring: a plan with at least twice the forward rows, still above all-AR's goodput here.
-  GoodputOptions explore;
-  explore.explore = true;
-  const GoodputPlan x = PlanGoodput(reqs, cpu, explore);
+  ASSERT_FALSE(p.wider.empty());
+  const GoodputPlan x = PlanOfWindows(reqs, cpu, p.wider);
   EXPECT_GE(x.tokens, 2 * p.tokens);
   EXPECT_GT(x.expected / x.seconds, 16 / x.ar_seconds);
   // The memory ceiling holds.

@@ -88,7 +88,7 @@ struct EngineOptions {
   // so that what a seed draws alone does not depend on a calibration. false: it is planned as
   // any other, at the window the cost model makes fastest.
   bool lone_request_full_window = true;
-  // Goodput exploration (GoodputOptions::explore): one planned step in this many (with two or
+  // Goodput exploration (GoodputPlan::wider): one planned step in this many (with two or
   // more requests, or one that is planned alone: lone_request_full_window off, or a
   // window-invariant method) takes a plan with at least twice the forward rows, so that the
   // step-cost model measures the wider steps it would otherwise only extrapolate to (and sees a

@@ -177,6 +177,22 @@ struct Segment {
 
 }  // namespace
 
+GoodputPlan PlanOfWindows(const std::vector<GoodputRequest>& requests, const StepCostModel& cost,
+                          std::vector<int64_t> windows) {
+  GoodputPlan plan;
+  plan.windows = std::move(windows);
+  int64_t ar_tokens = 0;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    plan.tokens += plan.windows[i] * requests[i].rows;
+    plan.expected += requests[i].expected[plan.windows[i] - 1];
+    ar_tokens += requests[i].rows;
+  }
+  const auto R = static_cast<int64_t>(requests.size());
+  plan.seconds = cost.Predict(plan.tokens, R);
+  plan.ar_seconds = cost.Predict(ar_tokens, R);
+  return plan;
+}
+
 GoodputPlan PlanGoodput(const std::vector<GoodputRequest>& requests, const StepCostModel& cost,
                         const GoodputOptions& options) {
   GoodputPlan plan;
@@ -189,14 +205,9 @@ GoodputPlan PlanGoodput(const std::vector<GoodputRequest>& requests, const StepC
   for (const GoodputRequest& r : requests) ar_tokens += r.rows;
   plan.ar_seconds = cost.Predict(ar_tokens, Rn);
   auto finish = [&](std::vector<int64_t> w) {
-    plan.windows = std::move(w);
-    plan.tokens = 0;
-    plan.expected = 0;
-    for (size_t i = 0; i < R; ++i) {
-      plan.tokens += plan.windows[i] * requests[i].rows;
-      plan.expected += expected(i, plan.windows[i]);
-    }
-    plan.seconds = cost.Predict(plan.tokens, Rn);
+    std::vector<int64_t> wider = std::move(plan.wider);
+    plan = PlanOfWindows(requests, cost, std::move(w));
+    plan.wider = std::move(wider);
     return plan;
   };
   if (R == 1 && options.lone_request_full_window && !requests[0].window_invariant) {
@@ -288,7 +299,12 @@ GoodputPlan PlanGoodput(const std::vector<GoodputRequest>& requests, const StepC
     if (c.rate > best->rate * (1 + 1e-9)) best = &c;
   }
   if (best->rate < candidates[0].rate * (1 + options.min_gain)) best = &candidates[0];
-  if (!options.explore && options.stickiness > 0) {
+  const Candidate* wider = nullptr;
+  for (const Candidate& c : candidates) {
+    if (c.tokens >= 2 * best->tokens && (wider == nullptr || c.rate > wider->rate)) wider = &c;
+  }
+  if (wider != nullptr) plan.wider = wider->windows;
+  if (options.stickiness > 0) {
     Candidate held;
     bool any = false;
     for (size_t i = 0; i < R; ++i) {
@@ -314,13 +330,6 @@ GoodputPlan PlanGoodput(const std::vector<GoodputRequest>& requests, const StepC
         return plan;
       }
     }
-  }
-  if (options.explore) {
-    const Candidate* wider = nullptr;
-    for (const Candidate& c : candidates) {
-      if (c.tokens >= 2 * best->tokens && (wider == nullptr || c.rate > wider->rate)) wider = &c;
-    }
-    if (wider != nullptr) best = wider;
   }
   return finish(best->windows);
 }

@@ -120,10 +120,6 @@ struct GoodputOptions {
   // whose whole windows are 30 and 52: docs/results-serving.md, "One request alone, planned").
   // A window-invariant request (GoodputRequest::window_invariant) is planned all the same.
   bool lone_request_full_window = true;
-  // Exploration: take the best plan among those with at least twice the chosen plan's
-  // forward rows (when one keeps the fairness bound), so that the step-cost model measures
-  // the larger steps it would otherwise only extrapolate to.
-  bool explore = false;
   // Hysteresis: the previous step's windows (GoodputRequest::previous, clipped to what each
   // request wants; a new request takes the best plan's) are kept while their expected goodput
   // is within this fraction of the best plan's and they keep the fairness bound and the
@@ -149,9 +145,18 @@ struct GoodputPlan {
   double expected = 0;           // expected commits, all requests
   double ar_seconds = 0;         // predicted step time with one node each
   bool held = false;             // the previous windows, kept (GoodputOptions::stickiness)
+  // The exploring alternative: the windows of the best plan among those with at least twice
+  // the forward rows of the best one (when one keeps the fairness bound), with which the
+  // scheduler lets the step-cost model measure the larger steps it would otherwise only
+  // extrapolate to. Empty: none.
+  std::vector<int64_t> wider;
 };
 
 GoodputPlan PlanGoodput(const std::vector<GoodputRequest>& requests, const StepCostModel& cost,
                         const GoodputOptions& options);
+// The plan that grants requests[i] windows[i] nodes (its tokens, expected commits and
+// predicted times; no alternative).
+GoodputPlan PlanOfWindows(const std::vector<GoodputRequest>& requests, const StepCostModel& cost,
+                          std::vector<int64_t> windows);
 
 }  // namespace imagegen

@@ -357,17 +357,16 @@ std::vector<int64_t> ModelScheduler::ChooseWindows(const std::vector<size_t>& id
     explore_due_ = true;
   }
   plan = PlanGoodput(reqs, cost_, go);
-  go.explore = false;
+  bool explore = false;
   if (planned && explore_due_ && opts_.explore_budget > 0) {
-    GoodputOptions wide = go;
-    wide.explore = true;
-    GoodputPlan widened = PlanGoodput(reqs, cost_, wide);
+    // No wider plan keeps the fairness bound: the step explores at the plan's own windows.
+    GoodputPlan widened = plan.wider.empty() ? plan : PlanOfWindows(reqs, cost_, plan.wider);
     const double extra = std::max(0.0, widened.seconds - plan.seconds);
     if (extra <= explore_credit_s_ || opts_.explore_budget >= 1) {
       explore_credit_s_ = std::max(0.0, explore_credit_s_ - extra);
       explore_extra_s_ = extra;
       explore_due_ = false;
-      go.explore = true;
+      explore = true;
       plan = std::move(widened);
     }
   }
@@ -377,11 +376,11 @@ std::vector<int64_t> ModelScheduler::ChooseWindows(const std::vector<size_t>& id
     explore_credit_s_ = std::min(explore_credit_s_ + opts_.explore_budget * plan.seconds,
                                  opts_.explore_budget * 256 * plan.seconds);
   }
-  explored_ = go.explore;
+  explored_ = explore;
   for (size_t i = 0; i < reqs.size(); ++i) {
     expected[i] = reqs[i].expected[plan.windows[i] - 1];
     // What the next step may hold: not an exploring step's windows.
-    if (!go.explore) active_[idx[i]]->planned_window = plan.windows[i];
+    if (!explore) active_[idx[i]]->planned_window = plan.windows[i];
   }
   return plan.windows;
 }

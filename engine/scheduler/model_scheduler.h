@@ -104,7 +104,7 @@ class ModelScheduler : public FamilyScheduler {
   double explore_credit_s_ = 0;             // predicted seconds exploring may still cost
   double explore_extra_s_ = 0;              // the last exploring step's predicted extra time
   std::set<StaticShape> replayed_buckets_;  // simulated_capture_cost
-  bool explored_ = false;  // the last plan was an exploring one (GoodputOptions::explore)
+  bool explored_ = false;  // the last plan was an exploring one (GoodputPlan::wider)
 };
 
 }  // namespace imagegen
