@@ -94,6 +94,18 @@ void WaitIdle(Engine& e) {
   FAIL() << "engine never went idle";
 }
 
+// Submits n requests of `method` at once (request i: class i mod 10, seed seed0 + i), waits for
+// every one and then for the engine to go idle.
+void RunAtOnce(Engine& e, const std::string& method, int n, uint64_t seed0) {
+  std::vector<std::shared_ptr<Recorder>> rec;
+  for (int i = 0; i < n; ++i) {
+    rec.push_back(std::make_shared<Recorder>());
+    EXPECT_TRUE(e.Submit(Params(method, i % 10, seed0 + i), rec.back()).ok());
+  }
+  for (auto& r : rec) EXPECT_TRUE(r->Wait());
+  WaitIdle(e);
+}
+
 class StepLog : public EngineListener {
  public:
   void OnStep(const StepSample& s) override {
@@ -897,13 +909,7 @@ TEST(EngineTest, GoodputExploresWithinItsBudget) {
     o.trace_steps = true;
     StepLog log;
     auto engine = StartOrDie(o, &log);
-    std::vector<std::shared_ptr<Recorder>> rec;
-    for (int i = 0; i < 4; ++i) {
-      rec.push_back(std::make_shared<Recorder>());
-      EXPECT_TRUE(engine->Submit(Params("scd-mc", i, 120 + i), rec.back()).ok());
-    }
-    for (auto& r : rec) EXPECT_TRUE(r->Wait());
-    WaitIdle(*engine);
+    RunAtOnce(*engine, "scd-mc", 4, 120);
     std::lock_guard<std::mutex> l(log.mu);
     int64_t explored = 0;
     *planned = 0;
@@ -1011,13 +1017,7 @@ TEST(EngineTest, GoodputLearnsCommitsOnlyFromStepsThatHoldTheWindow) {
     o.commit_learn_growth = learn_growth;
     StepLog log;
     auto engine = StartOrDie(o, &log);
-    std::vector<std::shared_ptr<Recorder>> rec;
-    for (int i = 0; i < 8; ++i) {
-      rec.push_back(std::make_shared<Recorder>());
-      EXPECT_TRUE(engine->Submit(Params("scd-mc", i % 10, 140 + i), rec.back()).ok());
-    }
-    for (auto& r : rec) EXPECT_TRUE(r->Wait());
-    WaitIdle(*engine);
+    RunAtOnce(*engine, "scd-mc", 8, 140);
     Moves m;
     struct Last {
       int64_t window = 0, previous = 0;
