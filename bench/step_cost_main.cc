@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 
 #include "bench/common.h"  // flags, OrDie (header-only: no libpng needed)
 #include "bench/kernel_profile.h"
@@ -120,25 +121,31 @@ int main(int argc, char** argv) {
     auto lo = ParseDeviceAndDtype(f.Str("device"), dtype);
     if (!lo.ok()) f.Fail(lo.status().message());
     for (const std::string& shape : f.List("shapes")) {
-      auto load = [&](bool fused, bool rope, bool row_attention = true, bool small_rows = true,
-                      bool norm_rope = true) {
+      // The fused layer, no rotary scatter and every CPU kernel on, as `adjust` changes them.
+      auto load = [&](const std::function<void(LoadOptions&)>& adjust) {
         LoadOptions o = *lo;
-        o.fused_static_forward = fused;
-        o.rope_scatter = rope;
-        o.row_attention = row_attention;
-        o.small_rows_gemm = small_rows;
-        o.fused_norm_rope = norm_rope;
+        o.fused_static_forward = true;
+        o.rope_scatter = false;
+        o.row_attention = true;
+        o.small_rows_gemm = true;
+        o.fused_norm_rope = true;
+        adjust(o);
         if (shape == "bundled") return OrDie(Gpt::Load(f.Str("models-dir") + "/fmnist-gpt", o));
         GptConfig c;
         if (!Shape(shape, f.Int("grid"), &c)) f.Fail("unknown shape " + shape);
         return Gpt::Random(c, o, 7);  // the same weights for both layers
       };
-      std::unique_ptr<Gpt> fused_gpt = load(true, false);
-      std::unique_ptr<Gpt> ref_gpt = any_ref ? load(false, false) : nullptr;
-      std::unique_ptr<Gpt> rope_gpt = any_rope ? load(true, true) : nullptr;
-      std::unique_ptr<Gpt> sdpa_gpt = any_sdpa ? load(true, false, false) : nullptr;
-      std::unique_ptr<Gpt> pad_gpt = any_pad ? load(true, false, true, false) : nullptr;
-      std::unique_ptr<Gpt> ops_gpt = any_ops ? load(true, false, true, true, false) : nullptr;
+      std::unique_ptr<Gpt> fused_gpt = load([](LoadOptions&) {});
+      std::unique_ptr<Gpt> ref_gpt =
+          any_ref ? load([](LoadOptions& o) { o.fused_static_forward = false; }) : nullptr;
+      std::unique_ptr<Gpt> rope_gpt =
+          any_rope ? load([](LoadOptions& o) { o.rope_scatter = true; }) : nullptr;
+      std::unique_ptr<Gpt> sdpa_gpt =
+          any_sdpa ? load([](LoadOptions& o) { o.row_attention = false; }) : nullptr;
+      std::unique_ptr<Gpt> pad_gpt =
+          any_pad ? load([](LoadOptions& o) { o.small_rows_gemm = false; }) : nullptr;
+      std::unique_ptr<Gpt> ops_gpt =
+          any_ops ? load([](LoadOptions& o) { o.fused_norm_rope = false; }) : nullptr;
       if (rope_gpt != nullptr && !rope_gpt->rope_scatter()) {
         f.Fail("--forwards *-rope: no rotary scatter for " + shape + " in " + dtype +
                " here (a Janus-layout model, another dtype, or no kernel in this build)");
