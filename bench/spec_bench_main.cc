@@ -125,6 +125,7 @@ int main(int argc, char** argv) {
            {"kernel-profile", "0"},
            {"fused-verify", "1"},
            {"cuda-graphs", "0"},
+           {"batch-invariant", "1"},
            {"noise-row", "1"},
            {"out-dir", "spec-bench"},
            {"python", testing::ConfiguredPython()},
@@ -133,8 +134,8 @@ int main(int argc, char** argv) {
           "usage: imagegen-spec-bench [--per-class N] [--batch B] [--windows 16,32,64] "
           "[--methods all|sjd,scd-mc,...] [--model M --draft D|'' --prompts F] [--split 0|1] "
           "[--kernel-profile BATCHES] "
-          "[--fused-verify 1|0|both|all] [--cuda-graphs 0|1] [--noise-row 1|0] [--out-dir DIR] "
-          "[--device cpu|cuda|cuda:N]");
+          "[--fused-verify 1|0|both|all] [--cuda-graphs 0|1] [--batch-invariant 1|0] "
+          "[--noise-row 1|0] [--out-dir DIR] [--device cpu|cuda|cuda:N]");
   const LoadOptions opts = LoadOptionsFromFlags(f);
   ImageModel model = OrDie(LoadImageModel(f.Str("models-dir"), f.Str("model"), opts));
   // --draft "": no draft model (the sd rows are left out).
@@ -262,6 +263,11 @@ int main(int argc, char** argv) {
     // Static-shape forwards captured as CUDA graphs (EngineOptions::cuda_graphs); on the CPU the
     // static forward runs eagerly.
     so.static_shapes = so.cuda_graphs = f.Int("cuda-graphs") != 0;
+    // The daemon's forward (EngineOptions::batch_invariant, on by default), with the CPU's
+    // few-row kernels (row attention, the few-row GEMM, RMSNorm and rotary as one kernel each):
+    // the served step, which at batch 1 on the CPU is the faster one. 0: one padded attention
+    // call for the whole batch (offline sampling of many rows at once).
+    so.batch_invariant = f.Int("batch-invariant") != 0;
     Row row;
     row.cfg = cfg;
     if (f.Int("split") != 0) so.timing = &row.timing;
@@ -345,10 +351,13 @@ int main(int argc, char** argv) {
   const SamplingParams sp = SamplingFromFlags(f, gc);
   std::printf(
       "imagegen-spec-bench: model %s, %lld images per row (%lld per class), batch %lld, "
-      "device %s, cfg %.2f top-k %lld top-p %.2f temperature %.2f\n",
+      "device %s, %s forward, cfg %.2f top-k %lld top-p %.2f temperature %.2f\n",
       model.name.c_str(), static_cast<long long>(rows[0].images), static_cast<long long>(per_class),
-      static_cast<long long>(batch), f.Str("device").c_str(), sp.cfg_scale,
-      static_cast<long long>(sp.top_k), sp.top_p, sp.temperature);
+      static_cast<long long>(batch), f.Str("device").c_str(),
+      f.Int("cuda-graphs") != 0       ? "static-shape"
+      : f.Int("batch-invariant") != 0 ? "batch-invariant"
+                                      : "padded",
+      sp.cfg_scale, static_cast<long long>(sp.top_k), sp.top_p, sp.temperature);
   std::printf("mean entropy of p at AR-sampled tokens: %.3f nats (uniform over %lld ids: %.3f)\n",
               rows[0].entropy, static_cast<long long>(gc.vocab_size),
               std::log(static_cast<double>(gc.vocab_size)));
