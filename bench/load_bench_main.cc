@@ -429,6 +429,7 @@ int main(int argc, char** argv) {
            {"window-stickiness", "0"},
            {"min-speculation-gain", "0.03"},
            {"lone-full-window", "1"},
+           {"lone-max-window", "-1"},
            {"explore-every", "16"},
            {"explore-budget", "0.02"},
            {"fixed-step-cost", ""},
@@ -487,6 +488,7 @@ int main(int argc, char** argv) {
   base.window_stickiness = f.Num("window-stickiness");        // EngineOptions::window_stickiness
   base.min_speculation_gain = f.Num("min-speculation-gain");  // EngineOptions::
   base.lone_request_full_window = f.Int("lone-full-window") != 0;  // EngineOptions
+  base.lone_request_max_window = f.Int("lone-max-window");
   base.explore_every = f.Int("explore-every");    // EngineOptions::explore_every (0: never)
   base.explore_budget = f.Num("explore-budget");  // EngineOptions::explore_budget
   base.commit_warmup_steps = f.Int("commit-warmup-steps");  // EngineOptions: 0 counts every step

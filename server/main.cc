@@ -81,6 +81,9 @@ ABSL_FLAG(double, min_speculation_gain, 0.03,
 ABSL_FLAG(bool, lone_request_full_window, true,
           "goodput: a request alone gets its whole window, so that what a seed draws alone does "
           "not depend on the step-cost calibration; false plans it at its fastest window");
+ABSL_FLAG(int64_t, lone_request_max_window, -1,
+          "goodput, with --lone_request_full_window: a request alone gets its whole window but at "
+          "most this many nodes (-1: by device, 12 on the CPU and none on CUDA; 0: none)");
 ABSL_FLAG(double, step_cost_spot_check, 3,
           "goodput: a cached step-cost calibration is measured again when one request's steps "
           "at start run more than this factor faster than it predicts (slower: kept, with a "
@@ -312,6 +315,7 @@ int main(int argc, char** argv) {
   eo.explore_budget = absl::GetFlag(FLAGS_explore_budget);
   eo.min_speculation_gain = absl::GetFlag(FLAGS_min_speculation_gain);
   eo.lone_request_full_window = absl::GetFlag(FLAGS_lone_request_full_window);
+  eo.lone_request_max_window = absl::GetFlag(FLAGS_lone_request_max_window);
   eo.step_cost_spot_check = absl::GetFlag(FLAGS_step_cost_spot_check);
   eo.cache_dir = absl::GetFlag(FLAGS_cache_dir);
   if (eo.cache_dir == "none") {

@@ -382,6 +382,18 @@ TEST(GoodputTest, FlatCostFeedsWholeWindowsAndSteepCostShrinksThem) {
   EXPECT_GT(p.expected / p.seconds, 1.2 * 16 / p.ar_seconds);
   // Alone, a request keeps its whole window however steep the cost...
   EXPECT_EQ(PlanGoodput({reqs[0]}, cpu, {}).windows, std::vector<int64_t>{32});
+  // ...up to a fixed ceiling where one is set (the CPU's default), whatever the cost says: a
+  // flat cost that would want all 32 gets 12 too, and a ceiling above the window changes nothing.
+  GoodputOptions ceiling;
+  ceiling.lone_request_max_window = 12;
+  EXPECT_EQ(PlanGoodput({reqs[0]}, cpu, ceiling).windows, std::vector<int64_t>{12});
+  EXPECT_EQ(PlanGoodput({reqs[0]}, StepCostModel::Linear(1e-3, 0, 0), ceiling).windows,
+            std::vector<int64_t>{12});
+  ceiling.lone_request_max_window = 40;
+  EXPECT_EQ(PlanGoodput({reqs[0]}, cpu, ceiling).windows, std::vector<int64_t>{32});
+  // It bounds a lone request only: beside others the requests are planned as before.
+  ceiling.lone_request_max_window = 2;
+  EXPECT_EQ(PlanGoodput(reqs, StepCostModel::Linear(1e-3, 0, 0), ceiling).windows, flat.windows);
   // ...unless it is planned as any other (lone_request_full_window off): then it gets the
   // fastest window, here 6-7 nodes at about twice the whole window's rate; on a flat cost,
   // still the whole window.

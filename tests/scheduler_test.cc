@@ -714,6 +714,7 @@ TEST(EngineTest, ClassIdIsAnIdEvenWhenClassNamesAreNumbers) {
 // image as under whole windows.
 TEST(EngineTest, GoodputShrinksWindowsUnderLoadAndKeepsALoneRequestWhole) {
   EngineOptions o = BundledOptions();
+  o.lone_request_max_window = 0;  // whole, on every device (the CPU's ceiling: the next test)
   // A step whose tokens cost (10 ms + 20 us per row + 0.1 ms per request): 16 whole windows
   // of 32 would take 32 ms for about 58 tokens, windows of 12-16 take 19-22 ms for 40-46.
   o.fixed_step_cost = {10e-3, 2e-5, 1e-4};
@@ -818,6 +819,42 @@ TEST(EngineTest, GoodputShrinksWindowsUnderLoadAndKeepsALoneRequestWhole) {
   EXPECT_LT(p.stats.mean_window, 0.75 * f.stats.mean_window);
   std::printf("alone: mean window %.1f planned, %.1f whole\n", p.stats.mean_window,
               f.stats.mean_window);
+}
+
+// The default ceiling on a lone request's window (lone_request_max_window -1: 12 nodes on the
+// CPU, none on CUDA) is a fixed number: the same seed alone draws the same image whatever the
+// step cost says (a flat and a steep one here), at windows of at most the ceiling on the CPU.
+TEST(EngineTest, ALoneRequestsWindowCeilingIsFixedByTheOptions) {
+  auto alone = [](const std::vector<double>& cost, int64_t ceiling) {
+    EngineOptions o = BundledOptions();
+    o.fixed_step_cost = cost;
+    o.lone_request_max_window = ceiling;
+    auto engine = StartOrDie(o);
+    auto r = std::make_shared<Recorder>();
+    EXPECT_TRUE(engine->Submit(Params("scd-mc", 3, 77), r).ok());
+    EXPECT_TRUE(r->Wait());
+    return r->result.value_or(RequestResult{});
+  };
+  const RequestResult flat = alone({2e-3, 0, 0}, -1);
+  const RequestResult steep = alone({2e-3, 1e-4, 1e-4}, -1);
+  ASSERT_FALSE(flat.tokens.empty());
+  EXPECT_EQ(flat.tokens, steep.tokens);
+  EXPECT_EQ(flat.stats.counters.nfe, steep.stats.counters.nfe);
+  EXPECT_DOUBLE_EQ(flat.stats.mean_window, steep.stats.mean_window);
+  const RequestResult whole = alone({2e-3, 1e-4, 1e-4}, 0);
+  const RequestResult five = alone({2e-3, 0, 0}, 5);
+  EXPECT_LE(five.stats.mean_window, 5.0);
+  EXPECT_GT(five.stats.mean_window, 2.0);
+  EXPECT_GT(whole.stats.mean_window, 20.0);  // the preset's 32, cut only at the image's end
+  if (testing::TestLoadOptions().device.is_cuda()) {
+    EXPECT_EQ(flat.tokens, whole.tokens);
+  } else {
+    EXPECT_LE(flat.stats.mean_window, static_cast<double>(kCpuLoneRequestMaxWindow));
+    EXPECT_GT(flat.stats.mean_window, 5.0);
+    EXPECT_NE(flat.tokens, whole.tokens);  // another window, another sample of the same law
+  }
+  std::printf("alone: mean window %.1f by default, %.1f whole, %.1f at most 5\n",
+              flat.stats.mean_window, whole.stats.mean_window, five.stats.mean_window);
 }
 
 // A custom policy (parts set by hand) is planned from its nearest preset's prior and learns in
@@ -1317,6 +1354,7 @@ TEST(EngineTest, BadEngineOptionsAreRejected) {
       {"min_speculation_gain", [](EngineOptions& e) { e.min_speculation_gain = 2; }},
       {"explore_every", [](EngineOptions& e) { e.explore_every = -1; }},
       {"explore_budget", [](EngineOptions& e) { e.explore_budget = -0.1; }},
+      {"lone_request_max_window", [](EngineOptions& e) { e.lone_request_max_window = -2; }},
       {"simulated_step_noise", [](EngineOptions& e) { e.simulated_step_noise = -1; }},
       {"fixed_step_cost", [](EngineOptions& e) { e.fixed_step_cost = {1.0}; }},
       {"fixed_step_cost",

@@ -24,6 +24,9 @@
 
 namespace imagegen {
 
+// EngineOptions::lone_request_max_window's value on the CPU (-1, by device).
+inline constexpr int64_t kCpuLoneRequestMaxWindow = 12;
+
 struct EngineOptions {
   std::string models_dir;           // holds one directory per model
   std::vector<std::string> models;  // GPT models to serve; empty: {"fmnist-gpt"}
@@ -88,6 +91,14 @@ struct EngineOptions {
   // so that what a seed draws alone does not depend on a calibration. false: it is planned as
   // any other, at the window the cost model makes fastest.
   bool lone_request_full_window = true;
+  // With lone_request_full_window: a request alone gets its whole window but at most this many
+  // nodes (GoodputOptions::lone_request_max_window). A fixed number rather than the cost
+  // model's choice, so a seed's image alone still depends only on the options (and the device,
+  // whose arithmetic differs anyway). -1: by device: 12 on the CPU, where a forward's time grows
+  // with its rows (2-core VM, one client, paired: 1.3-1.4x the whole window's images/s for
+  // scd-mc and sjd, 2.2x for sjd-pac; docs/results-serving.md), none on CUDA, where a step costs
+  // about the same up to hundreds of rows. 0: none; >= 1: at most that many.
+  int64_t lone_request_max_window = -1;
   // Goodput exploration (GoodputPlan::wider): one planned step in this many (with two or
   // more requests, or one that is planned alone: lone_request_full_window off, or a
   // window-invariant method) takes a plan with at least twice the forward rows, so that the

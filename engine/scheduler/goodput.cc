@@ -211,7 +211,10 @@ GoodputPlan PlanGoodput(const std::vector<GoodputRequest>& requests, const StepC
     return plan;
   };
   if (R == 1 && options.lone_request_full_window && !requests[0].window_invariant) {
-    const auto wanted = static_cast<int64_t>(requests[0].expected.size());
+    auto wanted = static_cast<int64_t>(requests[0].expected.size());
+    if (options.lone_request_max_window > 0) {
+      wanted = std::min(wanted, options.lone_request_max_window);
+    }
     return finish({std::max<int64_t>(1, std::min(wanted, limit / requests[0].rows))});
   }
 

@@ -120,6 +120,9 @@ struct GoodputOptions {
   // whose whole windows are 30 and 52: docs/results-serving.md, "One request alone, planned").
   // A window-invariant request (GoodputRequest::window_invariant) is planned all the same.
   bool lone_request_full_window = true;
+  // With lone_request_full_window: the whole window, but at most this many nodes (0: no
+  // ceiling). A fixed number, so a seed's image alone still depends on the options only.
+  int64_t lone_request_max_window = 0;
   // Hysteresis: the previous step's windows (GoodputRequest::previous, clipped to what each
   // request wants; a new request takes the best plan's) are kept while their expected goodput
   // is within this fraction of the best plan's and they keep the fairness bound and the

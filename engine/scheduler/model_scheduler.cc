@@ -344,6 +344,7 @@ std::vector<int64_t> ModelScheduler::ChooseWindows(const std::vector<size_t>& id
   go.stickiness = opts_.window_stickiness;
   go.min_gain = opts_.min_speculation_gain;
   go.lone_request_full_window = opts_.lone_request_full_window;
+  go.lone_request_max_window = opts_.lone_request_max_window;
   // One planned step in explore_every (16) explores a plan twice as wide; a request alone
   // only where it is planned (not given its whole window), so that the cost model also sees
   // the wider steps a lone request would otherwise never take. Exploring is paid from a
