@@ -455,8 +455,13 @@ std::string Daemon::Describe() const {
   if (policy == "goodput") {
     char bound[32];
     std::snprintf(bound, sizeof bound, "%.2f", 1 + options_.engine.max_slowdown);
+    const int64_t lone = engine_->lone_request_max_window();
     windows += std::string(" (fairness bound ") + bound + "x, ceiling " +
-               (tokens > 0 ? std::to_string(tokens) : "none") + " tokens per step)";
+               (tokens > 0 ? std::to_string(tokens) : "none") + " tokens per step" +
+               (!options_.engine.lone_request_full_window ? ", a request alone planned"
+                : lone > 0 ? ", a request alone at most " + std::to_string(lone) + " nodes"
+                           : "") +
+               ")";
   } else if (policy == "budget") {
     windows += " " + (tokens > 0 ? std::to_string(tokens) : "none") + " tokens per step";
   }

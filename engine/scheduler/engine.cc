@@ -776,6 +776,7 @@ EngineProgress Engine::Progress() const {
 const std::vector<ModelInfo>& Engine::Models() const { return impl_->infos; }
 
 int64_t Engine::max_tokens_per_step() const { return impl_->opts.max_tokens_per_step; }
+int64_t Engine::lone_request_max_window() const { return impl_->opts.lone_request_max_window; }
 
 void Engine::Shutdown(std::chrono::milliseconds grace) {
   {

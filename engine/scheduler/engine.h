@@ -379,8 +379,10 @@ class Engine {
   EngineProgress Progress() const;  // now, not as of the last round
   const std::vector<ModelInfo>& Models() const;
   int64_t max_tokens_per_step() const;  // the budget in force (after -1 is resolved)
-  bool decode_thread() const;           // EngineOptions::decode_thread, -1 resolved
-  int64_t decode_batch() const;         // EngineOptions::decode_batch, -1 resolved
+  // EngineOptions::lone_request_max_window in force (after -1 is resolved; 0: none).
+  int64_t lone_request_max_window() const;
+  bool decode_thread() const;    // EngineOptions::decode_thread, -1 resolved
+  int64_t decode_batch() const;  // EngineOptions::decode_batch, -1 resolved
 
   // Refuses new requests, lets queued and running ones finish for up to `grace`, then ends
   // what is left with UNAVAILABLE and stops the engine thread. Idempotent; returns when the
