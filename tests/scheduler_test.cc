@@ -106,6 +106,14 @@ void RunAtOnce(Engine& e, const std::string& method, int n, uint64_t seed0) {
   WaitIdle(e);
 }
 
+// Submits one request and waits for it: its result (empty where it failed).
+RequestResult DrawOne(Engine& e, const GenerateParams& p) {
+  auto r = std::make_shared<Recorder>();
+  EXPECT_TRUE(e.Submit(p, r).ok());
+  EXPECT_TRUE(r->Wait());
+  return r->result.value_or(RequestResult{});
+}
+
 class StepLog : public EngineListener {
  public:
   void OnStep(const StepSample& s) override {
@@ -779,12 +787,7 @@ TEST(EngineTest, GoodputShrinksWindowsUnderLoadAndKeepsALoneRequestWhole) {
     EXPECT_GT(cut, 0);
     EXPECT_GT(explored, 0);  // one planned step in 16
   }
-  auto alone = [&](Engine& e) {
-    auto r = std::make_shared<Recorder>();
-    EXPECT_TRUE(e.Submit(Params("scd-mc", 3, 77), r).ok());
-    EXPECT_TRUE(r->Wait());
-    return r->result.value_or(RequestResult{});
-  };
+  auto alone = [](Engine& e) { return DrawOne(e, Params("scd-mc", 3, 77)); };
   const RequestResult g = alone(*engine);
   engine.reset();
   EngineOptions full = BundledOptions();
@@ -829,11 +832,7 @@ TEST(EngineTest, ALoneRequestsWindowCeilingIsFixedByTheOptions) {
     EngineOptions o = BundledOptions();
     o.fixed_step_cost = cost;
     o.lone_request_max_window = ceiling;
-    auto engine = StartOrDie(o);
-    auto r = std::make_shared<Recorder>();
-    EXPECT_TRUE(engine->Submit(Params("scd-mc", 3, 77), r).ok());
-    EXPECT_TRUE(r->Wait());
-    return r->result.value_or(RequestResult{});
+    return DrawOne(*StartOrDie(o), Params("scd-mc", 3, 77));
   };
   const RequestResult flat = alone({2e-3, 0, 0}, -1);
   const RequestResult steep = alone({2e-3, 1e-4, 1e-4}, -1);
