@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <limits>
 
 namespace imagegen {
 
@@ -173,6 +174,7 @@ std::vector<int64_t> Hull(const std::vector<double>& e) {
 struct Segment {
   size_t req = 0, to = 0;  // raises request `req` from hull vertex to - 1 to vertex `to`
   double gain_per_row = 0;
+  int64_t more = 0;  // the forward rows it adds
 };
 
 }  // namespace
@@ -227,7 +229,7 @@ GoodputPlan PlanGoodput(const std::vector<GoodputRequest>& requests, const StepC
     for (size_t k = 1; k < h.size(); ++k) {
       const double slope = (expected(i, h[k]) - expected(i, h[k - 1])) /
                            static_cast<double>((h[k] - h[k - 1]) * requests[i].rows);
-      segs.push_back({i, k, slope});
+      segs.push_back({i, k, slope, (h[k] - h[k - 1]) * requests[i].rows});
     }
     full_tokens += h.back() * requests[i].rows;
   }
@@ -250,53 +252,92 @@ GoodputPlan PlanGoodput(const std::vector<GoodputRequest>& requests, const StepC
     caps.push_back(top);
     caps.push_back(cost.MaxTokensWithin((1 + options.max_slowdown) * ar, Rn, top));
   }
+  // One candidate per ceiling: its forward rows and predicted rate. The windows are not kept
+  // (a plan of 64 requests considers up to a few hundred ceilings): fill gives them again for the
+  // one or two candidates chosen.
   struct Candidate {
-    std::vector<int64_t> windows;
+    int64_t cap = -1;  // -1: every request one node
     int64_t tokens = 0;
     double rate = 0;
   };
-  // Every request one node is always allowed.
-  std::vector<Candidate> candidates = {
-      {std::vector<int64_t>(R, 1), ar_tokens, static_cast<double>(R) / ar}};
+  std::vector<Candidate> candidates = {{-1, ar_tokens, static_cast<double>(R) / ar}};
+  candidates.reserve(caps.size() + 1);
   std::vector<size_t> at(R);  // hull vertex per request
-  std::vector<bool> blocked(R);
-  for (int64_t max_tokens : caps) {
-    if (max_tokens < ar_tokens) continue;
-    // The fairness floor, against the cap's time (the step will take at most that).
+  // The plan under a ceiling of max_tokens rows into `at`: every request at the lowest hull
+  // vertex that meets the fairness floor (against the ceiling's time: the step will take at
+  // most that), then the segments with the best gain per forward row first while they fit.
+  // Returns its rows, or -1 when the floor alone does not fit.
+  // Along a hull the expectations rise (its slopes fall and its last one is positive), so a
+  // request's floor is found by bisection. The walk over the segments reads them packed (the
+  // request, the vertex and the rows; 16 bytes) and each request's next vertex from one array
+  // (`want`: at + 1, or none once blocked), and stops once no request can take another.
+  std::vector<std::vector<double>> hull_e(R);
+  int64_t min_rows = std::numeric_limits<int64_t>::max();
+  for (size_t i = 0; i < R; ++i) {
+    for (int64_t n : hulls[i]) hull_e[i].push_back(expected(i, n));
+    min_rows = std::min(min_rows, requests[i].rows);
+  }
+  struct Step {
+    uint32_t req = 0, to = 0;
+    int64_t more = 0;
+  };
+  std::vector<Step> walk;
+  walk.reserve(segs.size());
+  for (const Segment& s : segs) {
+    walk.push_back({static_cast<uint32_t>(s.req), static_cast<uint32_t>(s.to), s.more});
+  }
+  constexpr uint32_t kNone = std::numeric_limits<uint32_t>::max();
+  std::vector<uint32_t> want(R);
+  auto fill = [&](int64_t max_tokens) -> int64_t {
     const double e_min = cost.Predict(max_tokens, Rn) / ((1 + options.max_slowdown) * ar);
     int64_t tokens = 0;
-    bool feasible = true;
-    for (size_t i = 0; i < R && feasible; ++i) {
-      const std::vector<int64_t>& h = hulls[i];
-      size_t k = 0;
-      while (k + 1 < h.size() && expected(i, h[k]) < e_min) ++k;
-      feasible = expected(i, h[k]) >= e_min - 1e-12;
+    size_t open = 0;  // requests with a segment left that may still fit
+    for (size_t i = 0; i < R; ++i) {
+      const std::vector<double>& e = hull_e[i];
+      // The first vertex with e >= e_min, else the last: where a walk up the hull stops.
+      const auto k = static_cast<size_t>(
+          std::partition_point(e.begin(), e.end() - 1, [&](double x) { return x < e_min; }) -
+          e.begin());
+      if (!(e[k] >= e_min - 1e-12)) return -1;
       at[i] = k;
-      blocked[i] = false;
-      tokens += h[k] * requests[i].rows;
+      tokens += hulls[i][k] * requests[i].rows;
+      const bool more = k + 1 < e.size();
+      want[i] = more ? static_cast<uint32_t>(k + 1) : kNone;
+      open += more ? 1 : 0;
     }
-    if (!feasible || tokens > max_tokens) continue;
-    for (const Segment& s : segs) {  // the best gain per forward row first
-      if (blocked[s.req] || s.to != at[s.req] + 1) continue;
-      const std::vector<int64_t>& h = hulls[s.req];
-      const int64_t more = (h[s.to] - h[s.to - 1]) * requests[s.req].rows;
-      if (tokens + more > max_tokens) {
-        blocked[s.req] = true;  // its later segments depend on this one
+    if (tokens > max_tokens) return -1;
+    for (const Step& s : walk) {
+      // Every later segment adds at least min_rows rows.
+      if (open == 0 || max_tokens - tokens < min_rows) break;
+      if (s.to != want[s.req]) continue;  // below the floor, or its request blocked
+      if (tokens + s.more > max_tokens) {
+        want[s.req] = kNone;  // blocked: its later segments depend on this one
+        --open;
         continue;
       }
-      tokens += more;
+      tokens += s.more;
       at[s.req] = s.to;
+      const bool more = s.to + 1 < hulls[s.req].size();
+      want[s.req] = more ? s.to + 1 : kNone;
+      open -= more ? 0 : 1;
     }
+    return tokens;
+  };
+  for (int64_t max_tokens : caps) {
+    if (max_tokens < ar_tokens) continue;
+    const int64_t tokens = fill(max_tokens);
+    if (tokens < 0) continue;
     double e = 0;
-    Candidate c;
-    for (size_t i = 0; i < R; ++i) {
-      e += expected(i, hulls[i][at[i]]);
-      c.windows.push_back(hulls[i][at[i]]);
-    }
-    c.tokens = tokens;
-    c.rate = e / cost.Predict(tokens, Rn);
-    candidates.push_back(std::move(c));
+    for (size_t i = 0; i < R; ++i) e += expected(i, hulls[i][at[i]]);
+    candidates.push_back({max_tokens, tokens, e / cost.Predict(tokens, Rn)});
   }
+  auto windows_of = [&](const Candidate& c) {
+    std::vector<int64_t> w(R, 1);
+    if (c.cap < 0) return w;
+    fill(c.cap);
+    for (size_t i = 0; i < R; ++i) w[i] = hulls[i][at[i]];
+    return w;
+  };
   const Candidate* best = &candidates[0];
   for (const Candidate& c : candidates) {
     if (c.rate > best->rate * (1 + 1e-9)) best = &c;
@@ -306,35 +347,36 @@ GoodputPlan PlanGoodput(const std::vector<GoodputRequest>& requests, const StepC
   for (const Candidate& c : candidates) {
     if (c.tokens >= 2 * best->tokens && (wider == nullptr || c.rate > wider->rate)) wider = &c;
   }
-  if (wider != nullptr) plan.wider = wider->windows;
+  if (wider != nullptr) plan.wider = windows_of(*wider);
+  const std::vector<int64_t> best_windows = windows_of(*best);
   if (options.stickiness > 0) {
-    Candidate held;
+    std::vector<int64_t> held;
+    int64_t held_tokens = 0;
     bool any = false;
     for (size_t i = 0; i < R; ++i) {
       const auto wanted = static_cast<int64_t>(requests[i].expected.size());
       const int64_t prev = requests[i].previous;
       any |= prev > 0;
-      held.windows.push_back(prev > 0 ? std::clamp<int64_t>(prev, 1, wanted) : best->windows[i]);
-      held.tokens += held.windows.back() * requests[i].rows;
+      held.push_back(prev > 0 ? std::clamp<int64_t>(prev, 1, wanted) : best_windows[i]);
+      held_tokens += held.back() * requests[i].rows;
     }
-    if (any && held.windows != best->windows && held.tokens <= std::max(limit, ar_tokens)) {
-      const double t = cost.Predict(held.tokens, Rn);
+    if (any && held != best_windows && held_tokens <= std::max(limit, ar_tokens)) {
+      const double t = cost.Predict(held_tokens, Rn);
       const double e_min = t / ((1 + options.max_slowdown) * ar);
       double e = 0;
       bool fair = true;
       for (size_t i = 0; i < R; ++i) {
-        e += expected(i, held.windows[i]);
-        fair &= expected(i, held.windows[i]) >= e_min - 1e-12;  // the planner's floor
+        e += expected(i, held[i]);
+        fair &= expected(i, held[i]) >= e_min - 1e-12;  // the planner's floor
       }
-      held.rate = e / t;
-      if (fair && held.rate >= best->rate * (1 - options.stickiness)) {
-        finish(held.windows);
+      if (fair && e / t >= best->rate * (1 - options.stickiness)) {
+        finish(held);
         plan.held = true;
         return plan;
       }
     }
   }
-  return finish(best->windows);
+  return finish(best_windows);
 }
 
 }  // namespace imagegen

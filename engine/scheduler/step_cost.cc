@@ -230,10 +230,19 @@ double StepCostModel::Predict(int64_t tokens, int64_t requests) const {
 
 double StepCostModel::Evaluate(const std::vector<double>& values, double per_request,
                                int64_t tokens, int64_t requests) const {
-  std::vector<double> phi;
-  Features(tokens, requests, phi);
+  // Features' sum without its vector (the planner predicts hundreds of steps a plan): the same
+  // weights, the same products added in the same order.
+  const auto K = static_cast<int64_t>(knots_.size());
+  const double x = static_cast<double>(std::max<int64_t>(tokens, 1));
+  int64_t k = 0;
+  while (k + 2 < K && static_cast<double>(knots_[k + 1]) < x) ++k;
+  const double lo = static_cast<double>(knots_[k]), hi = static_cast<double>(knots_[k + 1]);
+  const double w = (x - lo) / (hi - lo);
   double t = 0;
-  for (size_t k = 0; k < values.size(); ++k) t += phi[k] * values[k];
+  for (int64_t j = 0; j < static_cast<int64_t>(values.size()); ++j) {
+    const double phi = j == k ? 1 - w : j == k + 1 ? w : 0.0;
+    t += phi * values[j];
+  }
   return std::max(t, values[0]) +
          per_request * static_cast<double>(std::max<int64_t>(requests, 1) - 1);
 }
