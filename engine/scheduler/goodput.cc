@@ -263,10 +263,6 @@ GoodputPlan PlanGoodput(const std::vector<GoodputRequest>& requests, const StepC
   std::vector<Candidate> candidates = {{-1, ar_tokens, static_cast<double>(R) / ar}};
   candidates.reserve(caps.size() + 1);
   std::vector<size_t> at(R);  // hull vertex per request
-  // The plan under a ceiling of max_tokens rows into `at`: every request at the lowest hull
-  // vertex that meets the fairness floor (against the ceiling's time: the step will take at
-  // most that), then the segments with the best gain per forward row first while they fit.
-  // Returns its rows, or -1 when the floor alone does not fit.
   // Along a hull the expectations rise (its slopes fall and its last one is positive), so a
   // request's floor is found by bisection. The walk over the segments reads them packed (the
   // request, the vertex and the rows; 16 bytes) and each request's next vertex from one array
@@ -288,6 +284,10 @@ GoodputPlan PlanGoodput(const std::vector<GoodputRequest>& requests, const StepC
   }
   constexpr uint32_t kNone = std::numeric_limits<uint32_t>::max();
   std::vector<uint32_t> want(R);
+  // The plan under a ceiling of max_tokens rows into `at`: every request at the lowest hull
+  // vertex that meets the fairness floor (against the ceiling's time: the step will take at
+  // most that), then the segments with the best gain per forward row first while they fit.
+  // Returns its rows, or -1 when the floor alone does not fit.
   auto fill = [&](int64_t max_tokens) -> int64_t {
     const double e_min = cost.Predict(max_tokens, Rn) / ((1 + options.max_slowdown) * ar);
     int64_t tokens = 0;
