@@ -172,9 +172,9 @@ std::vector<int64_t> Hull(const std::vector<double>& e) {
 }
 
 struct Segment {
-  size_t req = 0, to = 0;  // raises request `req` from hull vertex to - 1 to vertex `to`
+  uint32_t req = 0, to = 0;  // raises request `req` from hull vertex to - 1 to vertex `to`
+  int64_t more = 0;          // the forward rows it adds
   double gain_per_row = 0;
-  int64_t more = 0;  // the forward rows it adds
 };
 
 }  // namespace
@@ -229,7 +229,8 @@ GoodputPlan PlanGoodput(const std::vector<GoodputRequest>& requests, const StepC
     for (size_t k = 1; k < h.size(); ++k) {
       const double slope = (expected(i, h[k]) - expected(i, h[k - 1])) /
                            static_cast<double>((h[k] - h[k - 1]) * requests[i].rows);
-      segs.push_back({i, k, slope, (h[k] - h[k - 1]) * requests[i].rows});
+      segs.push_back({static_cast<uint32_t>(i), static_cast<uint32_t>(k),
+                      (h[k] - h[k - 1]) * requests[i].rows, slope});
     }
     full_tokens += h.back() * requests[i].rows;
   }
@@ -264,23 +265,14 @@ GoodputPlan PlanGoodput(const std::vector<GoodputRequest>& requests, const StepC
   candidates.reserve(caps.size() + 1);
   std::vector<size_t> at(R);  // hull vertex per request
   // Along a hull the expectations rise (its slopes fall and its last one is positive), so a
-  // request's floor is found by bisection. The walk over the segments reads them packed (the
-  // request, the vertex and the rows; 16 bytes) and each request's next vertex from one array
-  // (`want`: at + 1, or none once blocked), and stops once no request can take another.
+  // request's floor is found by bisection. The walk over the segments reads each request's next
+  // vertex from one array (`want`: at + 1, or none once blocked), and stops once no request can
+  // take another.
   std::vector<std::vector<double>> hull_e(R);
   int64_t min_rows = std::numeric_limits<int64_t>::max();
   for (size_t i = 0; i < R; ++i) {
     for (int64_t n : hulls[i]) hull_e[i].push_back(expected(i, n));
     min_rows = std::min(min_rows, requests[i].rows);
-  }
-  struct Step {
-    uint32_t req = 0, to = 0;
-    int64_t more = 0;
-  };
-  std::vector<Step> walk;
-  walk.reserve(segs.size());
-  for (const Segment& s : segs) {
-    walk.push_back({static_cast<uint32_t>(s.req), static_cast<uint32_t>(s.to), s.more});
   }
   constexpr uint32_t kNone = std::numeric_limits<uint32_t>::max();
   std::vector<uint32_t> want(R);
@@ -306,7 +298,7 @@ GoodputPlan PlanGoodput(const std::vector<GoodputRequest>& requests, const StepC
       open += more ? 1 : 0;
     }
     if (tokens > max_tokens) return -1;
-    for (const Step& s : walk) {
+    for (const Segment& s : segs) {
       // Every later segment adds at least min_rows rows.
       if (open == 0 || max_tokens - tokens < min_rows) break;
       if (s.to != want[s.req]) continue;  // below the floor, or its request blocked
