@@ -152,6 +152,19 @@ int main(int argc, char** argv) {
       "(microseconds); cost model: %s\n",
       static_cast<long long>(f.Int("reps")),
       f.Str("cost").empty() ? "linear" : f.Str("cost").c_str());
+  // What the cost model makes a request alone run at when its ceiling comes from the
+  // calibration (EngineOptions::lone_request_max_window -2; CFG rows).
+  std::printf("a request alone, by this cost model (LoneRequestCeiling, 2 rows a node):");
+  const StepCostModel one = cost.OneRequest();
+  for (const std::string& name : PresetNames()) {
+    StatusOr<DecodingPolicy> p = PolicyFromPreset(name);
+    if (!p.ok() || p->draft == DraftSource::kNone || p->window_invariant()) continue;
+    std::printf(" %s %lld of %lld", name.c_str(),
+                static_cast<long long>(
+                    LoneRequestCeiling(one, CommitModel::Key(*p), 2, p->window, o.min_gain)),
+                static_cast<long long>(p->window));
+  }
+  std::printf("\n");
   std::printf("%-8s %8s %10s %10s %8s %8s\n", "method", "requests", "median us", "p90 us", "tokens",
               "window");
   const std::vector<std::string> mix = {"sjd", "scd-mc", "sjd-pac"};

@@ -460,7 +460,9 @@ std::string Daemon::Describe() const {
                (tokens > 0 ? std::to_string(tokens) : "none") + " tokens per step" +
                (!options_.engine.lone_request_full_window ? ", a request alone planned"
                 : lone > 0 ? ", a request alone at most " + std::to_string(lone) + " nodes"
-                           : "") +
+                : lone == kLoneWindowFromCalibration
+                    ? ", a request alone at most the nodes its step-cost calibration makes fastest"
+                    : "") +
                ")";
   } else if (policy == "budget") {
     windows += " " + (tokens > 0 ? std::to_string(tokens) : "none") + " tokens per step";

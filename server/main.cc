@@ -83,7 +83,8 @@ ABSL_FLAG(bool, lone_request_full_window, true,
           "not depend on the step-cost calibration; false plans it at its fastest window");
 ABSL_FLAG(int64_t, lone_request_max_window, -1,
           "goodput, with --lone_request_full_window: a request alone gets its whole window but at "
-          "most this many nodes (-1: by device, 12 on the CPU and none on CUDA; 0: none)");
+          "most this many nodes (-2: the window the step-cost calibration makes fastest for "
+          "its method, fixed at start; -1: by device, -2 on the CPU and none on CUDA; 0: none)");
 ABSL_FLAG(double, step_cost_spot_check, 3,
           "goodput: a cached step-cost calibration is measured again when one request's steps "
           "at start run more than this factor faster than it predicts (slower: kept, with a "

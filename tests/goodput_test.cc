@@ -382,7 +382,8 @@ TEST(GoodputTest, FlatCostFeedsWholeWindowsAndSteepCostShrinksThem) {
   EXPECT_GT(p.expected / p.seconds, 1.2 * 16 / p.ar_seconds);
   // Alone, a request keeps its whole window however steep the cost...
   EXPECT_EQ(PlanGoodput({reqs[0]}, cpu, {}).windows, std::vector<int64_t>{32});
-  // ...up to a fixed ceiling where one is set (the CPU's default), whatever the cost says: a
+  // ...up to a ceiling where one is set (a given number, or the calibration's on the CPU,
+  // LoneRequestCeiling: below), whatever this step's cost says: a
   // flat cost that would want all 32 gets 12 too, and a ceiling above the window changes nothing.
   GoodputOptions ceiling;
   ceiling.lone_request_max_window = 12;
@@ -516,6 +517,76 @@ TEST(GoodputTest, PreviousWindowsAreHeldWithinTheStickinessAndNoFurther) {
   const GoodputPlan fair = PlanGoodput(mixed, cpu, lax);
   EXPECT_FALSE(fair.held);
   ExpectFair(fair, mixed, lax.max_slowdown);
+}
+
+// A lone request's ceiling from a calibration (LoneRequestCeiling): the window its method's
+// prior commits per predicted second make fastest, checked against a brute force over every
+// window; 1 where no window beats plain AR by the margin; the whole window on a flat cost.
+TEST(GoodputTest, ALoneRequestsCeilingIsTheFastestWindowByTheCalibration) {
+  auto best = [](const StepCostModel& cost, const std::string& m, int64_t whole, double gain) {
+    int64_t n_best = 1;
+    for (int64_t n = 2; n <= whole; ++n) {
+      if (CommitModel::Prior(m, n) / cost.Predict(2 * n, 1) >
+          CommitModel::Prior(m, n_best) / cost.Predict(2 * n_best, 1)) {
+        n_best = n;
+      }
+    }
+    const double rate = CommitModel::Prior(m, n_best) / cost.Predict(2 * n_best, 1);
+    return rate >= (1 + gain) / cost.Predict(2, 1) ? n_best : int64_t{1};
+  };
+  for (const std::string m : {"sjd", "scd-mc", "sjd-pac", "sd"}) {
+    for (const double per_row : {0.0, 1e-5, 5e-5, 1e-4, 3e-4, 1e-3}) {
+      const StepCostModel cost = StepCostModel::Linear(1e-3, per_row, 1e-4);
+      for (const int64_t whole : {5, 16, 32}) {
+        EXPECT_EQ(LoneRequestCeiling(cost, m, 2, whole, 0.03), best(cost, m, whole, 0.03))
+            << m << " " << per_row << " " << whole;
+      }
+    }
+  }
+  const StepCostModel flat = StepCostModel::Linear(1e-3, 0, 0);
+  EXPECT_EQ(LoneRequestCeiling(flat, "scd-mc", 2, 32, 0.03), 32);
+  EXPECT_EQ(LoneRequestCeiling(flat, "scd-mc", 2, 200, 0.03), 64);  // the prior's last knot
+  // 1 ms + 0.5 ms per row: two nodes cost 1.67x one and commit 1.26x the tokens: plain AR.
+  EXPECT_EQ(LoneRequestCeiling(StepCostModel::Linear(1e-3, 5e-4, 0), "sjd", 2, 16, 0.03), 1);
+  // The margin: a window predicted 1% faster than AR is not taken with a 3% margin.
+  const StepCostModel close = StepCostModel::Linear(1e-3, 1e-6, 0);
+  const int64_t any_gain = LoneRequestCeiling(close, "sjd", 2, 16, 0);
+  ASSERT_GT(any_gain, 1);
+  const double gain =
+      CommitModel::Prior("sjd", any_gain) * close.Predict(2, 1) / close.Predict(2 * any_gain, 1);
+  EXPECT_EQ(LoneRequestCeiling(close, "sjd", 2, 16, gain - 1 + 1e-3), 1);
+  EXPECT_EQ(LoneRequestCeiling(close, "sjd", 2, 16, gain - 1 - 1e-3), any_gain);
+}
+
+// StepCostModel::OneRequest fits one request's samples only: where one request's steps and many
+// requests' steps of the same rows cost differently (the form f(T) + c(R - 1) cannot hold both),
+// it predicts the one request's times, which the whole fit does not.
+TEST(GoodputTest, TheOneRequestFitPredictsOneRequestsSteps) {
+  std::vector<StepCostSample> samples;
+  for (int64_t t = 2; t <= 128; t *= 2) samples.push_back({t, 1, 1e-3 + 1e-5 * t});
+  // Many requests of one node each cost less per row than one wide request here.
+  for (int64_t r : {4, 16}) {
+    for (int64_t t = 2 * r; t <= 256; t *= 4) samples.push_back({t, r, 0.8e-3 + 4e-6 * t});
+  }
+  StepCostModel all;
+  ASSERT_TRUE(all.Calibrate(samples).ok());
+  const StepCostModel one = all.OneRequest();
+  double worst_all = 0, worst_one = 0;
+  for (int64_t t = 2; t <= 128; t *= 2) {
+    const double truth = 1e-3 + 1e-5 * t;
+    worst_all = std::max(worst_all, std::abs(all.Predict(t, 1) / truth - 1));
+    worst_one = std::max(worst_one, std::abs(one.Predict(t, 1) / truth - 1));
+  }
+  EXPECT_LT(worst_one, 0.02);
+  EXPECT_GT(worst_all, 0.1);
+  // No one-request samples, or a fixed model: the model itself.
+  const StepCostModel fixed = StepCostModel::Linear(1e-3, 1e-5, 1e-4);
+  EXPECT_EQ(fixed.OneRequest().Predict(64, 1), fixed.Predict(64, 1));
+  StepCostModel many;
+  ASSERT_TRUE(many.Calibrate({{8, 4, 1e-3}, {64, 4, 2e-3}}).ok());
+  EXPECT_EQ(many.OneRequest().Predict(32, 1), many.Predict(32, 1));
+  std::printf("one request's steps: worst error %.1f%% (whole fit %.1f%%)\n", 100 * worst_one,
+              100 * worst_all);
 }
 
 }  // namespace

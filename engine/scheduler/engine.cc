@@ -187,8 +187,10 @@ StatusOr<std::unique_ptr<Engine>> Engine::Start(const EngineOptions& options,
   if (o.kv_cache_bytes == 0 || o.kv_cache_bytes < -1) {
     return InvalidArgument("kv_cache_bytes: must be -1 (by device) or > 0");
   }
-  if (o.lone_request_max_window < -1) {
-    return InvalidArgument("lone_request_max_window: must be -1 (by device), 0 (none) or >= 1");
+  if (o.lone_request_max_window < kLoneWindowFromCalibration) {
+    return InvalidArgument(
+        "lone_request_max_window: must be -2 (by the step-cost calibration), -1 (by device), 0 "
+        "(none) or >= 1");
   }
   if (o.max_tokens_per_step != 0 && o.max_tokens_per_step != -1 && o.max_tokens_per_step < 2) {
     return InvalidArgument("max_tokens_per_step: must be -1 (by device), 0 (no budget) or >= 2");
@@ -310,8 +312,8 @@ Status Engine::Impl::Load() {
                                                                : 256;
   }
   if (opts.cuda_graphs < 0) opts.cuda_graphs = lo.device.is_cuda() ? 1 : 0;
-  if (opts.lone_request_max_window < 0) {
-    opts.lone_request_max_window = lo.device.is_cuda() ? 0 : kCpuLoneRequestMaxWindow;
+  if (opts.lone_request_max_window == -1) {
+    opts.lone_request_max_window = lo.device.is_cuda() ? 0 : kLoneWindowFromCalibration;
   }
   if (opts.warmup < 0) opts.warmup = opts.cuda_graphs;
   const EngineOptions& o = opts;

@@ -24,8 +24,9 @@
 
 namespace imagegen {
 
-// EngineOptions::lone_request_max_window's value on the CPU (-1, by device).
-inline constexpr int64_t kCpuLoneRequestMaxWindow = 12;
+// EngineOptions::lone_request_max_window: the ceiling the step-cost calibration makes fastest
+// for the request's method (LoneRequestCeiling, engine/scheduler/goodput.h); the CPU's default.
+inline constexpr int64_t kLoneWindowFromCalibration = -2;
 
 struct EngineOptions {
   std::string models_dir;           // holds one directory per model
@@ -92,12 +93,16 @@ struct EngineOptions {
   // any other, at the window the cost model makes fastest.
   bool lone_request_full_window = true;
   // With lone_request_full_window: a request alone gets its whole window but at most this many
-  // nodes (GoodputOptions::lone_request_max_window). A fixed number rather than the cost
-  // model's choice, so a seed's image alone still depends only on the options (and the device,
-  // whose arithmetic differs anyway). -1: by device: 12 on the CPU, where a forward's time grows
-  // with its rows (2-core VM, one client, paired: 1.3-1.4x the whole window's images/s for
-  // scd-mc and sjd, 2.2x for sjd-pac; docs/results-serving.md), none on CUDA, where a step costs
-  // about the same up to hundreds of rows. 0: none; >= 1: at most that many.
+  // nodes (GoodputOptions::lone_request_max_window). A number fixed while the engine runs, so
+  // that a seed's image alone depends on the options and, with -2, the step-cost calibration
+  // (kept in cache_dir, so the same on every restart of one machine). -2
+  // (kLoneWindowFromCalibration): the window that calibration's one-request steps and the
+  // method's prior commits make fastest (LoneRequestCeiling; the engine says them at start):
+  // on the 2-core CPU 1-4 nodes, 1.22-1.25x AR's images/s at one client where the fixed 12 it
+  // replaces made 0.75-0.96x (paired; docs/results-serving.md, "A lone request's ceiling from
+  // the calibration"). -1: by device: -2 on the CPU, none on CUDA, where a step costs about the
+  // same up to hundreds of rows (the H200's calibration of 2026-11-28 gives every preset its
+  // whole window by -2 too). 0: none; >= 1: at most that many.
   int64_t lone_request_max_window = -1;
   // Goodput exploration (GoodputPlan::wider): one planned step in this many (with two or
   // more requests, or one that is planned alone: lone_request_full_window off, or a
@@ -379,7 +384,8 @@ class Engine {
   EngineProgress Progress() const;  // now, not as of the last round
   const std::vector<ModelInfo>& Models() const;
   int64_t max_tokens_per_step() const;  // the budget in force (after -1 is resolved)
-  // EngineOptions::lone_request_max_window in force (after -1 is resolved; 0: none).
+  // EngineOptions::lone_request_max_window in force (after -1 is resolved; 0: none; -2: from
+  // the step-cost calibration, per method).
   int64_t lone_request_max_window() const;
   bool decode_thread() const;    // EngineOptions::decode_thread, -1 resolved
   int64_t decode_batch() const;  // EngineOptions::decode_batch, -1 resolved

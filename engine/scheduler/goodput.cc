@@ -195,6 +195,22 @@ GoodputPlan PlanOfWindows(const std::vector<GoodputRequest>& requests, const Ste
   return plan;
 }
 
+int64_t LoneRequestCeiling(const StepCostModel& cost, const std::string& key, int64_t rows,
+                           int64_t whole, double min_gain) {
+  const int64_t top = std::min<int64_t>(std::max<int64_t>(whole, 1), 64);
+  const double ar = 1 / cost.Predict(rows, 1);
+  int64_t best = 1;
+  double best_rate = ar;
+  for (int64_t n = 2; n <= top; ++n) {
+    const double rate = CommitModel::Prior(key, n) / cost.Predict(n * rows, 1);
+    if (rate > best_rate) {
+      best = n;
+      best_rate = rate;
+    }
+  }
+  return best_rate >= (1 + min_gain) * ar ? best : 1;
+}
+
 GoodputPlan PlanGoodput(const std::vector<GoodputRequest>& requests, const StepCostModel& cost,
                         const GoodputOptions& options) {
   GoodputPlan plan;

@@ -121,7 +121,9 @@ struct GoodputOptions {
   // A window-invariant request (GoodputRequest::window_invariant) is planned all the same.
   bool lone_request_full_window = true;
   // With lone_request_full_window: the whole window, but at most this many nodes (0: no
-  // ceiling). A fixed number, so a seed's image alone still depends on the options only.
+  // ceiling). The scheduler passes a fixed number, or the one LoneRequestCeiling derives from
+  // the start-up calibration (EngineOptions::lone_request_max_window), so a seed's image alone
+  // depends on the options and that calibration only.
   int64_t lone_request_max_window = 0;
   // Hysteresis: the previous step's windows (GoodputRequest::previous, clipped to what each
   // request wants; a new request takes the best plan's) are kept while their expected goodput
@@ -157,6 +159,17 @@ struct GoodputPlan {
 
 GoodputPlan PlanGoodput(const std::vector<GoodputRequest>& requests, const StepCostModel& cost,
                         const GoodputOptions& options);
+// The window a request alone runs fastest at, by a step-cost model (the scheduler passes its
+// calibration's one-request fit, StepCostModel::OneRequest) and its method's prior
+// commits (CommitModel::Prior; `key` as CommitModel::Key): the n in 1..whole that maximises
+// Prior(key, n) / cost.Predict(n * rows, 1), the smallest of equals, and 1 unless that rate is
+// at least (1 + min_gain) times plain AR's (GoodputOptions::min_gain). It uses neither the
+// learned commits nor an online refinement, so, given the calibration the scheduler loaded or
+// measured at start (and caches), it is a fixed number: what a seed draws alone does not move
+// with load or time. At most 64 nodes are considered (the prior's last knot; it stays flat
+// beyond).
+int64_t LoneRequestCeiling(const StepCostModel& cost, const std::string& key, int64_t rows,
+                           int64_t whole, double min_gain);
 // The plan that grants requests[i] windows[i] nodes (its tokens, expected commits and
 // predicted times; no alternative).
 GoodputPlan PlanOfWindows(const std::vector<GoodputRequest>& requests, const StepCostModel& cost,

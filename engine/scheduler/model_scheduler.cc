@@ -63,6 +63,41 @@ ModelScheduler::ModelScheduler(const ImageModel& model, int64_t slots, const Eng
 
 Status ModelScheduler::Calibrate(const LoadOptions& load) {
   if (opts_.window_policy != "goodput") return OkStatus();
+  RETURN_IF_ERROR(LoadOrMeasureCost(load));
+  lone_cost_ = cost_.OneRequest();  // before any online refinement
+  if (opts_.lone_request_max_window == kLoneWindowFromCalibration) {
+    // Said at start, per drafting preset at its own window: what a request alone runs at.
+    const ImageRequest probe = CalibrationRequest();
+    const int64_t rows = probe.sampling.uses_cfg() ? 2 : 1;
+    std::string list;
+    for (const std::string& name : PresetNames()) {
+      StatusOr<DecodingPolicy> p = PolicyFromPreset(name);
+      if (!p.ok() || p->draft == DraftSource::kNone || p->window_invariant()) continue;
+      list += (list.empty() ? "" : ", ") + name + " " +
+              std::to_string(LoneCeiling(*p, CommitModel::Key(*p), rows)) + " of " +
+              std::to_string(p->window);
+    }
+    Notice(opts_, model_.name + ": a request alone runs at most (nodes, by the step-cost " +
+                      "calibration): " + list);
+  }
+  return OkStatus();
+}
+
+int64_t ModelScheduler::LoneCeiling(const DecodingPolicy& policy, const std::string& key,
+                                    int64_t rows) {
+  if (opts_.lone_request_max_window != kLoneWindowFromCalibration) return 0;
+  const auto at = std::make_tuple(key, rows, policy.window);
+  auto it = lone_ceilings_.find(at);
+  if (it == lone_ceilings_.end()) {
+    it = lone_ceilings_
+             .emplace(at, LoneRequestCeiling(lone_cost_, key, rows, policy.window,
+                                             opts_.min_speculation_gain))
+             .first;
+  }
+  return it->second;
+}
+
+Status ModelScheduler::LoadOrMeasureCost(const LoadOptions& load) {
   if (!opts_.fixed_step_cost.empty()) {
     cost_ = StepCostModel::Linear(opts_.fixed_step_cost[0], opts_.fixed_step_cost[1],
                                   opts_.fixed_step_cost[2]);
@@ -198,9 +233,9 @@ std::vector<int64_t> ModelScheduler::CalibrationSizes(const ImageRequest& req) c
 // One shape timed: each request granted min(w, the nodes it still wants), at least one; one
 // untimed step, then up to three timed ones (fewer when a request finishes or a step fails).
 std::vector<ModelScheduler::TimedStep> ModelScheduler::TimeShape(
-    const std::vector<int64_t>& handles, int64_t w) {
+    const std::vector<int64_t>& handles, int64_t w, int64_t timed) {
   std::vector<TimedStep> out;
-  for (int rep = 0; rep < 4; ++rep) {
+  for (int64_t rep = 0; rep <= timed; ++rep) {
     std::vector<WindowGrant> grants;
     int64_t rows = 0;
     for (int64_t h : handles) {
@@ -218,10 +253,10 @@ std::vector<ModelScheduler::TimedStep> ModelScheduler::TimeShape(
 
 // Real steps of Jacobi requests (sjd) with windows of 1, 4, 16 and 64 nodes, for 1, 4, 16 and
 // 32 requests at a time (as the KV slots allow; at most 4,096 forward rows), and for one request
-// also 2, 8 and 32 nodes: up to 19 shapes, each the median of three timed steps (a noisy
-// machine's outliers would otherwise pull the fit). Stops early past 20 seconds (a slow device
-// then leans on online refinement). One request's shapes are every knot of the model up to 64
-// nodes because a request alone is planned on them (lone_request_full_window off, or a
+// also 2, 8 and 32 nodes: up to 19 shapes, each the median of three timed steps, five for one
+// request (a noisy machine's outliers would otherwise pull the fit). Stops early past 20 seconds (a
+// slow device then leans on online refinement). One request's shapes are every knot of the model up
+// to 64 nodes because a request alone is planned on them (lone_request_full_window off, or a
 // window-invariant method): between knots 4x apart the fit had to guess, and on a 2-core CPU
 // it put 29 nodes (58 rows) at 8.2 ms where they took 6.2, so the planner chose 10 nodes, which
 // were slower (docs/results-serving.md, "The match rule alone").
@@ -239,13 +274,20 @@ std::vector<StepCostSample> ModelScheduler::MeasureStepCost(ImageRequest req) {
     }
     const std::vector<int64_t> widths =
         R == 1 ? std::vector<int64_t>{1, 2, 4, 8, 16, 32, 64} : std::vector<int64_t>{1, 4, 16, 64};
+    // One request's shapes also decide a lone request's ceiling (LoneRequestCeiling), where a
+    // few percent between one node and two or four decide: five timed steps each, after two
+    // steps that warm the device (the first shape timed on the 2-core CPU was 0-30% slower
+    // than the next, larger one without them).
+    const int64_t timed = R == 1 ? 5 : 3;
+    if (R == 1) TimeShape(handles, 1, 1);
     for (int64_t w : widths) {
       if ((w > wmax && w != 1) || R * w * rows > 4096) break;
-      std::vector<TimedStep> steps = TimeShape(handles, w);
-      if (steps.size() == 3) {
+      std::vector<TimedStep> steps = TimeShape(handles, w, timed);
+      if (static_cast<int64_t>(steps.size()) == timed) {
         std::sort(steps.begin(), steps.end(),
                   [](const TimedStep& a, const TimedStep& b) { return a.seconds < b.seconds; });
-        samples.push_back({steps[1].rows, static_cast<int64_t>(handles.size()), steps[1].seconds});
+        const TimedStep& median = steps[static_cast<size_t>(timed / 2)];
+        samples.push_back({median.rows, static_cast<int64_t>(handles.size()), median.seconds});
       }
       if (Seconds(start, Clock::now()) > 20) break;
     }
@@ -345,6 +387,12 @@ std::vector<int64_t> ModelScheduler::ChooseWindows(const std::vector<size_t>& id
   go.min_gain = opts_.min_speculation_gain;
   go.lone_request_full_window = opts_.lone_request_full_window;
   go.lone_request_max_window = opts_.lone_request_max_window;
+  if (go.lone_request_max_window == kLoneWindowFromCalibration) {
+    go.lone_request_max_window = reqs.size() == 1
+                                     ? LoneCeiling(active_[idx[0]]->request.policy,
+                                                   active_[idx[0]]->commit_key, reqs[0].rows)
+                                     : 0;
+  }
   // One planned step in explore_every (16) explores a plan twice as wide; a request alone
   // only where it is planned (not given its whole window), so that the cost model also sees
   // the wider steps a lone request would otherwise never take. Exploring is paid from a

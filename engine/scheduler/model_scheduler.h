@@ -2,9 +2,12 @@
 // budget, the step, and the events each step produces. The engine thread owns it (not thread-safe).
 #pragma once
 
+#include <map>
 #include <memory>
 #include <random>
 #include <set>
+#include <string>
+#include <tuple>
 #include <unordered_set>
 #include <vector>
 
@@ -32,6 +35,11 @@ class ModelScheduler : public FamilyScheduler {
   // measured now with a few real steps (and cached). Call once, before the first Tick.
   Status Calibrate(const LoadOptions& load);
   const StepCostModel& step_cost() const { return cost_; }
+  // With EngineOptions::lone_request_max_window kLoneWindowFromCalibration: the ceiling on a
+  // lone request's window (LoneRequestCeiling) for a policy, from the calibration's
+  // one-request steps as Calibrate read or measured them (never the online refinement);
+  // memoised. 0 otherwise (no ceiling).
+  int64_t LoneCeiling(const DecodingPolicy& policy, const std::string& key, int64_t rows);
 
   bool Tick(const std::unordered_set<int64_t>& cancelled, Clock::time_point now,
             Outcomes& out) override;
@@ -60,8 +68,9 @@ class ModelScheduler : public FamilyScheduler {
     double seconds;
   };
   // Steps of the requests `handles` at windows of at most `w` nodes: one untimed, then up to
-  // three timed (fewer when one of them finishes).
-  std::vector<TimedStep> TimeShape(const std::vector<int64_t>& handles, int64_t w);
+  // `timed` timed (fewer when one of them finishes).
+  std::vector<TimedStep> TimeShape(const std::vector<int64_t>& handles, int64_t w,
+                                   int64_t timed = 3);
   // Whether the cached calibration (read from `path`) still describes this device: a few
   // one-request steps timed against its prediction (FAILED_PRECONDITION, naming both, when it
   // predicts them far too slow).
@@ -96,7 +105,11 @@ class ModelScheduler : public FamilyScheduler {
   int64_t slots_;
   SpecBatch batch_;
   std::vector<std::unique_ptr<Job>> active_;  // in admission order
+  Status LoadOrMeasureCost(const LoadOptions& load);
+
   StepCostModel cost_;
+  StepCostModel lone_cost_;  // fitted to the calibration's one-request steps (LoneCeiling)
+  std::map<std::tuple<std::string, int64_t, int64_t>, int64_t> lone_ceilings_;
   std::mt19937_64 noise_rng_{1};  // EngineOptions::simulated_step_noise
   CommitModel commits_;
   int64_t planned_steps_ = 0;               // goodput steps whose windows were planned

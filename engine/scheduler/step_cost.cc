@@ -264,6 +264,16 @@ int64_t StepCostModel::CalibratedRequests() const {
   return m;
 }
 
+StepCostModel StepCostModel::OneRequest() const {
+  std::vector<StepCostSample> one;
+  for (const StepCostSample& s : prior_) {
+    if (s.requests == 1) one.push_back(s);
+  }
+  StepCostModel m(knots_.empty() ? 4096 : knots_.back());
+  if (fixed_ || one.empty() || !m.Calibrate(one).ok()) return *this;
+  return m;
+}
+
 std::string StepCostModel::Serialize(const std::string& key) const {
   Json j;
   j["format"] = kFormat;

@@ -69,6 +69,13 @@ class StepCostModel {
   const std::vector<double>& values() const { return values_; }
   double per_request() const { return per_request_; }
 
+  // A model fitted to this one's calibration samples of one request only (this model itself
+  // when it has none, or is fixed): for a request alone (LoneRequestCeiling, goodput.h). The
+  // form f(T) + c(R - 1) shares f between one wide request and many narrow ones, and on the
+  // 2-core CPU the whole calibration's fit (c = 0) put one request's steps of 4-16 rows 10-30%
+  // above what they measured: the margin between one node and two or three.
+  StepCostModel OneRequest() const;
+
   // The calibration as JSON, with `key` (which device, model, dtype it belongs to).
   std::string Serialize(const std::string& key) const;
   // Reads Serialize's output; FAILED_PRECONDITION when the key differs (another device or
