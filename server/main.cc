@@ -79,8 +79,9 @@ ABSL_FLAG(double, min_speculation_gain, 0.03,
           "goodput: a plan that speculates is taken only when predicted at least this fraction "
           "faster than plain AR for every request (0: any predicted gain)");
 ABSL_FLAG(bool, lone_request_full_window, true,
-          "goodput: a request alone gets its whole window, so that what a seed draws alone does "
-          "not depend on the step-cost calibration; false plans it at its fastest window");
+          "goodput: a request alone gets its whole window (at most --lone_request_max_window), "
+          "so that what a seed draws alone does not depend on the learned commits or the online "
+          "step cost; false plans it at its fastest window");
 ABSL_FLAG(int64_t, lone_request_max_window, -1,
           "goodput, with --lone_request_full_window: a request alone gets its whole window but at "
           "most this many nodes (-2: the window the step-cost calibration makes fastest for "

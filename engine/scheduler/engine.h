@@ -89,8 +89,9 @@ struct EngineOptions {
   // 1.06x (docs/results-serving.md, "A margin over plain AR").
   double min_speculation_gain = 0.03;
   // Goodput: a request alone gets its whole window (GoodputOptions::lone_request_full_window),
-  // so that what a seed draws alone does not depend on a calibration. false: it is planned as
-  // any other, at the window the cost model makes fastest.
+  // up to lone_request_max_window, so that what a seed draws alone does not depend on the
+  // learned commits or the online refinement of the step cost. false: it is planned as any
+  // other, at the window the cost model makes fastest.
   bool lone_request_full_window = true;
   // With lone_request_full_window: a request alone gets its whole window but at most this many
   // nodes (GoodputOptions::lone_request_max_window). A number fixed while the engine runs, so
@@ -98,11 +99,11 @@ struct EngineOptions {
   // (kept in cache_dir, so the same on every restart of one machine). -2
   // (kLoneWindowFromCalibration): the window that calibration's one-request steps and the
   // method's prior commits make fastest (LoneRequestCeiling; the engine says them at start):
-  // on the 2-core CPU 1-4 nodes, 1.22-1.25x AR's images/s at one client where the fixed 12 it
-  // replaces made 0.75-0.96x (paired; docs/results-serving.md, "A lone request's ceiling from
-  // the calibration"). -1: by device: -2 on the CPU, none on CUDA, where a step costs about the
-  // same up to hundreds of rows (the H200's calibration of 2026-11-28 gives every preset its
-  // whole window by -2 too). 0: none; >= 1: at most that many.
+  // on the 2-core CPU 2-4 nodes, 1.04-1.10x AR's images/s at one client in the median and
+  // 1.16-1.37x the fixed 12 it replaces, in every round (paired; docs/results-serving.md, "A
+  // lone request's ceiling from the calibration"). -1: by device: -2 on the CPU, none on CUDA,
+  // where a step costs about the same up to hundreds of rows (the H200's calibration of 2026-11-28
+  // gives every preset its whole window by -2 too). 0: none; >= 1: at most that many.
   int64_t lone_request_max_window = -1;
   // Goodput exploration (GoodputPlan::wider): one planned step in this many (with two or
   // more requests, or one that is planned alone: lone_request_full_window off, or a

@@ -231,7 +231,7 @@ std::vector<int64_t> ModelScheduler::CalibrationSizes(const ImageRequest& req) c
 }
 
 // One shape timed: each request granted min(w, the nodes it still wants), at least one; one
-// untimed step, then up to three timed ones (fewer when a request finishes or a step fails).
+// untimed step, then up to `timed` timed ones (fewer when a request finishes or a step fails).
 std::vector<ModelScheduler::TimedStep> ModelScheduler::TimeShape(
     const std::vector<int64_t>& handles, int64_t w, int64_t timed) {
   std::vector<TimedStep> out;
