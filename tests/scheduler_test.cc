@@ -933,12 +933,8 @@ TEST(EngineTest, ALoneRequestsCalibratedCeilingIsTheSameAfterARestart) {
   ASSERT_TRUE(text.ok());
   auto json = ParseJson(*text);
   ASSERT_TRUE(json.ok());
-  std::vector<StepCostSample> samples;
-  for (const auto& x : (*json)["samples"]) {
-    samples.push_back({x.at(0).get<int64_t>(), x.at(1).get<int64_t>(), x.at(2).get<double>()});
-  }
-  StepCostModel calibration;
-  ASSERT_TRUE(calibration.Calibrate(samples).ok());
+  StepCostModel calibration;  // read as the scheduler reads it, under the file's own key
+  ASSERT_TRUE(calibration.Deserialize(*text, (*json)["key"].get<std::string>(), files[0]).ok());
   const int64_t ceiling =
       LoneRequestCeiling(calibration.OneRequest(), "scd-mc", 2, 32, o.min_speculation_gain);
   EXPECT_NE(said[0].find("scd-mc " + std::to_string(ceiling) + " of 32"), std::string::npos)

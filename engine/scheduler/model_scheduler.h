@@ -35,11 +35,6 @@ class ModelScheduler : public FamilyScheduler {
   // measured now with a few real steps (and cached). Call once, before the first Tick.
   Status Calibrate(const LoadOptions& load);
   const StepCostModel& step_cost() const { return cost_; }
-  // With EngineOptions::lone_request_max_window kLoneWindowFromCalibration: the ceiling on a
-  // lone request's window (LoneRequestCeiling) for a policy, from the calibration's
-  // one-request steps as Calibrate read or measured them (never the online refinement);
-  // memoised. 0 otherwise (no ceiling).
-  int64_t LoneCeiling(const DecodingPolicy& policy, const std::string& key, int64_t rows);
 
   bool Tick(const std::unordered_set<int64_t>& cancelled, Clock::time_point now,
             Outcomes& out) override;
@@ -71,6 +66,11 @@ class ModelScheduler : public FamilyScheduler {
   // `timed` timed (fewer when one of them finishes).
   std::vector<TimedStep> TimeShape(const std::vector<int64_t>& handles, int64_t w,
                                    int64_t timed = 3);
+  // With EngineOptions::lone_request_max_window kLoneWindowFromCalibration: the ceiling on a
+  // lone request's window (LoneRequestCeiling) for a policy, from the calibration's
+  // one-request steps as Calibrate read or measured them (never the online refinement);
+  // memoised (it is asked every step of a lone request). 0 otherwise (no ceiling).
+  int64_t LoneCeiling(const DecodingPolicy& policy, const std::string& key, int64_t rows);
   // Whether the cached calibration (read from `path`) still describes this device: a few
   // one-request steps timed against its prediction (FAILED_PRECONDITION, naming both, when it
   // predicts them far too slow).
