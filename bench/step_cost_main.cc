@@ -106,16 +106,20 @@ int main(int argc, char** argv) {
   // the linear layers of fewer than 16 rows padded to 16 for the BLAS instead of
   // SmallRowsLinear's kernel (LoadOptions::small_rows_gemm off, a fifth; the same logits);
   // eager-ops: the eager forward with RMSNorm and the rotary embedding as ATen ops instead of
-  // one kernel each (LoadOptions::fused_norm_rope off, a sixth; the same logits).
+  // one kernel each (LoadOptions::fused_norm_rope off, a sixth; the same logits); eager-bf16mm:
+  // the eager forward with every linear layer in bf16 on the AMX tiles (LoadOptions::
+  // bf16_matmul, the engine's matmul precision "medium"; a seventh; other logits).
   bool any_ref = false, any_rope = false, any_sdpa = false, any_pad = false, any_ops = false;
-  for (const std::string& fw :
-       f.Choices("forwards", {"eager", "eager-sdpa", "eager-pad", "eager-ops", "static", "graphs",
-                              "static-ref", "graphs-ref", "static-rope", "graphs-rope"})) {
+  bool any_bf16mm = false;
+  for (const std::string& fw : f.Choices(
+           "forwards", {"eager", "eager-sdpa", "eager-pad", "eager-ops", "eager-bf16mm", "static",
+                        "graphs", "static-ref", "graphs-ref", "static-rope", "graphs-rope"})) {
     any_ref |= fw == "static-ref" || fw == "graphs-ref";
     any_rope |= fw == "static-rope" || fw == "graphs-rope";
     any_sdpa |= fw == "eager-sdpa";
     any_pad |= fw == "eager-pad";
     any_ops |= fw == "eager-ops";
+    any_bf16mm |= fw == "eager-bf16mm";
   }
   for (const std::string& dtype : f.List("dtypes")) {
     auto lo = ParseDeviceAndDtype(f.Str("device"), dtype);
@@ -146,6 +150,15 @@ int main(int argc, char** argv) {
           any_pad ? load([](LoadOptions& o) { o.small_rows_gemm = false; }) : nullptr;
       std::unique_ptr<Gpt> ops_gpt =
           any_ops ? load([](LoadOptions& o) { o.fused_norm_rope = false; }) : nullptr;
+      std::unique_ptr<Gpt> bf16mm_gpt =
+          any_bf16mm ? load([](LoadOptions& o) { o.bf16_matmul = true; }) : nullptr;
+      if (bf16mm_gpt != nullptr && bf16mm_gpt->bf16_matmul_linears() == 0) {
+        f.Fail("--forwards eager-bf16mm: no bf16 products for " + shape + " in " + dtype +
+               " here (" +
+               (AmxBf16Linear::Supported() ? std::string("not fp32 on the CPU")
+                                           : AmxBf16Linear::Unsupported()) +
+               ")");
+      }
       if (rope_gpt != nullptr && !rope_gpt->rope_scatter()) {
         f.Fail("--forwards *-rope: no rotary scatter for " + shape + " in " + dtype +
                " here (a Janus-layout model, another dtype, or no kernel in this build)");
@@ -164,12 +177,13 @@ int main(int argc, char** argv) {
       for (const std::string& fw : f.List("forwards")) {
         const bool ref = fw == "static-ref" || fw == "graphs-ref";
         const bool rope = fw == "static-rope" || fw == "graphs-rope";
-        gpt = ref                  ? ref_gpt.get()
-              : rope               ? rope_gpt.get()
-              : fw == "eager-sdpa" ? sdpa_gpt.get()
-              : fw == "eager-pad"  ? pad_gpt.get()
-              : fw == "eager-ops"  ? ops_gpt.get()
-                                   : fused_gpt.get();
+        gpt = ref                    ? ref_gpt.get()
+              : rope                 ? rope_gpt.get()
+              : fw == "eager-sdpa"   ? sdpa_gpt.get()
+              : fw == "eager-pad"    ? pad_gpt.get()
+              : fw == "eager-ops"    ? ops_gpt.get()
+              : fw == "eager-bf16mm" ? bf16mm_gpt.get()
+                                     : fused_gpt.get();
         const bool eager = fw.rfind("eager", 0) == 0;
         const ForwardOptions fo{invariant, !eager, fw.rfind("graphs", 0) == 0};
         if (f.List("forwards").size() > 1) std::printf("forward: %s\n", fw.c_str());

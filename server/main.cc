@@ -120,6 +120,11 @@ ABSL_FLAG(bool, small_rows_gemm, true,
           "instead of the BLAS on the rows padded to 16 (the same images; about 0.6x the "
           "forward's time for one request's two rows on 2 cores); false for the padded "
           "products (A/B comparisons)");
+ABSL_FLAG(std::string, matmul_precision, "highest",
+          "the fp32 products' precision, as PyTorch names it: highest (fp32) or medium (on the "
+          "CPU in fp32, every linear layer of the GPT models in bf16 on the AMX tiles, sums in "
+          "fp32: faster steps, other images than fp32's, still batch-invariant; where the CPU has "
+          "no AMX the daemon says so at start and keeps fp32)");
 ABSL_FLAG(bool, fused_norm_rope, true,
           "on the CPU in fp32: the forward's RMSNorm and rotary embedding run as one kernel each "
           "that computes the same bits as the ATen ops (checked at load; the ops are kept where "
@@ -336,6 +341,7 @@ int main(int argc, char** argv) {
   eo.row_attention = absl::GetFlag(FLAGS_row_attention);
   eo.small_rows_gemm = absl::GetFlag(FLAGS_small_rows_gemm);
   eo.fused_norm_rope = absl::GetFlag(FLAGS_fused_norm_rope);
+  eo.matmul_precision = absl::GetFlag(FLAGS_matmul_precision);
   eo.fused_verify = absl::GetFlag(FLAGS_fused_verify);
   eo.decode_thread = absl::GetFlag(FLAGS_decode_thread);
   eo.decode_batch = absl::GetFlag(FLAGS_decode_batch);

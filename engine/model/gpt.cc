@@ -36,10 +36,12 @@ at::Tensor ApplyRopeComplex(const at::Tensor& x, const at::Tensor& table) {
   return out.reshape({t, h, hd}).to(x.scalar_type());
 }
 
-// x w^T; batch-invariant: never the BLAS on fewer than kInvariantMinRows rows (small's kernel,
-// which rounds as the BLAS does on more, or else the rows padded to that many).
+// x w^T: amx's bf16 products where it is prepared (batch-invariant at any row count); else
+// batch-invariant: never the BLAS on fewer than kInvariantMinRows rows (small's kernel, which
+// rounds as the BLAS does on more, or else the rows padded to that many).
 at::Tensor Linear(const at::Tensor& x, const at::Tensor& w, bool invariant,
-                  const SmallRowsLinear& small) {
+                  const SmallRowsLinear& small, const AmxBf16Linear& amx) {
+  if (amx.ok()) return amx(x);
   const int64_t m = x.size(0);
   if (!invariant || m >= kInvariantMinRows) return at::linear(x, w);
   if (small.ok() && m <= small.max_rows()) return small(x);
@@ -407,24 +409,38 @@ void Gpt::FuseMlpWeights() {
     row_norm_ = RowNorm::Prepare(cfg_.dim, cfg_.norm_eps);
     rope_rows_ = RopeRowsMatch(2 * cfg_.n_head, cfg_.head_dim(), cfg_.prompted());
   }
-  small_rows_ok_ = small_rows_total_ = 0;
-  std::vector<std::pair<SmallRowsLinear*, const at::Tensor*>> linears;
+  small_rows_ok_ = small_rows_total_ = amx_ok_ = amx_total_ = 0;
+  struct Kernels {
+    SmallRowsLinear* small;
+    AmxBf16Linear* amx;
+    const at::Tensor* w;
+  };
+  std::vector<Kernels> linears;
   for (Layer& L : layers_) {
-    linears.insert(linears.end(), {{&L.small_wqkv, &L.wqkv},
-                                   {&L.small_wo, &L.wo},
-                                   {&L.small_w1, &L.w1},
-                                   {&L.small_w2, &L.w2},
-                                   {&L.small_w3, &L.w3}});
+    linears.insert(linears.end(), {{&L.small_wqkv, &L.amx_wqkv, &L.wqkv},
+                                   {&L.small_wo, &L.amx_wo, &L.wo},
+                                   {&L.small_w1, &L.amx_w1, &L.w1},
+                                   {&L.small_w2, &L.amx_w2, &L.w2},
+                                   {&L.small_w3, &L.amx_w3, &L.w3}});
   }
-  linears.push_back({&small_output_, &output_});
-  if (head_w1_.defined()) linears.push_back({&small_head_w1_, &head_w1_});
+  linears.push_back({&small_output_, &amx_output_, &output_});
+  if (head_w1_.defined()) linears.push_back({&small_head_w1_, &amx_head_w1_, &head_w1_});
   int64_t linear_bytes = 0;
-  for (const auto& [small, w] : linears) linear_bytes += static_cast<int64_t>(w->nbytes());
-  if (opts_.small_rows_gemm.value_or(true) && cpu_fp32 &&
+  for (const Kernels& k : linears) linear_bytes += static_cast<int64_t>(k.w->nbytes());
+  // The eager forward's products (the fused layer of a static forward keeps its GEMMs).
+  if (opts_.bf16_matmul && cpu_fp32) {
+    for (const Kernels& k : linears) {
+      *k.amx = AmxBf16Linear::Prepare(*k.w);
+      amx_ok_ += k.amx->ok() ? 1 : 0;
+      ++amx_total_;
+    }
+  }
+  const bool all_amx = amx_total_ > 0 && amx_ok_ == amx_total_;  // no few-row products left
+  if (opts_.small_rows_gemm.value_or(true) && cpu_fp32 && !all_amx &&
       linear_bytes <= kSmallGemmMaxWeightBytes && SmallRowsLinear::Supported()) {
-    for (const auto& [small, w] : linears) {
-      *small = SmallRowsLinear::Prepare(*w);
-      small_rows_ok_ += small->ok() ? 1 : 0;
+    for (const Kernels& k : linears) {
+      *k.small = SmallRowsLinear::Prepare(*k.w);
+      small_rows_ok_ += k.small->ok() ? 1 : 0;
       ++small_rows_total_;
     }
   }
@@ -779,7 +795,7 @@ at::Tensor Gpt::Decode(at::Tensor x, const at::Tensor& rope, const at::Tensor& d
       x.addmm_(at::silu(gu.narrow(-1, 0, h)) * gu.narrow(-1, h, h), L.w2.t());
       continue;
     }
-    at::Tensor qkv = Linear(Norm(x, L.attention_norm), L.wqkv, invariant, L.small_wqkv);
+    at::Tensor qkv = Linear(Norm(x, L.attention_norm), L.wqkv, invariant, L.small_wqkv, L.amx_wqkv);
     // q and k rotated in one pass, as 2H heads sharing each token's table: the same arithmetic
     // on every element, half the launches.
     const at::Tensor qk2 = qkv.narrow(-1, 0, 2 * D).reshape({T, 2 * H, hd});
@@ -790,18 +806,18 @@ at::Tensor Gpt::Decode(at::Tensor x, const at::Tensor& rope, const at::Tensor& d
     at::Tensor v = qkv.narrow(-1, 2 * D, D).reshape({T, H, hd});
     cache.k[l].view({-1, H, hd}).index_copy_(0, dst, k);
     cache.v[l].view({-1, H, hd}).index_copy_(0, dst, v);
-    x = x + Linear(attend(l, q), L.wo, invariant, L.small_wo);
+    x = x + Linear(attend(l, q), L.wo, invariant, L.small_wo, L.amx_wo);
     at::Tensor hn = Norm(x, L.ffn_norm);
-    x = x + Linear(at::silu(Linear(hn, L.w1, invariant, L.small_w1)) *
-                       Linear(hn, L.w3, invariant, L.small_w3),
-                   L.w2, invariant, L.small_w2);
+    x = x + Linear(at::silu(Linear(hn, L.w1, invariant, L.small_w1, L.amx_w1)) *
+                       Linear(hn, L.w3, invariant, L.small_w3, L.amx_w3),
+                   L.w2, invariant, L.small_w2, L.amx_w2);
   }
   at::Tensor h = fused ? at::rms_norm(x, {D}, norm_, cfg_.norm_eps) : Norm(x, norm_);
   if (cfg_.prompted()) {  // gen_head: Linear, GELU (exact), Linear
-    h = at::gelu(Linear(h, head_w1_, invariant, small_head_w1_) + head_b1_);
-    return (Linear(h, output_, invariant, small_output_) + head_b2_).to(at::kFloat);
+    h = at::gelu(Linear(h, head_w1_, invariant, small_head_w1_, amx_head_w1_) + head_b1_);
+    return (Linear(h, output_, invariant, small_output_, amx_output_) + head_b2_).to(at::kFloat);
   }
-  return Linear(h, output_, invariant, small_output_).to(at::kFloat);
+  return Linear(h, output_, invariant, small_output_, amx_output_).to(at::kFloat);
 }
 
 StaticShape Gpt::StaticBucket(const std::vector<BatchRow>& batch) const {

@@ -17,6 +17,7 @@
 #include <tuple>
 #include <vector>
 
+#include "engine/model/amx_gemm.h"
 #include "engine/model/norm_rope.h"
 #include "engine/model/small_gemm.h"
 #include "engine/model/weights.h"
@@ -199,6 +200,10 @@ class Gpt {
   // small_rows_gemm), of those it was tried on (0 of 0: not tried).
   int64_t small_rows_linears() const { return small_rows_ok_; }
   int64_t small_rows_tried() const { return small_rows_total_; }
+  // Linear layers whose products run in bf16 on the AMX tiles (LoadOptions::bf16_matmul), of
+  // those it was asked for (0 of 0: not asked).
+  int64_t bf16_matmul_linears() const { return amx_ok_; }
+  int64_t bf16_matmul_tried() const { return amx_total_; }
   // Whether the reference layer's RMSNorm and its rotary embedding run as one kernel each
   // (LoadOptions::fused_norm_rope; engine/model/norm_rope.h).
   bool norm_kernel() const { return row_norm_.ok(); }
@@ -241,6 +246,8 @@ class Gpt {
     at::Tensor w13;  // [2 * hidden, dim]: w1 then w3, with w1 and w3 views of it (fused only)
     // The projections' few-row kernels (LoadOptions::small_rows_gemm).
     SmallRowsLinear small_wqkv, small_wo, small_w1, small_w2, small_w3;
+    // Their bf16 products on the AMX tiles (LoadOptions::bf16_matmul), which replace both.
+    AmxBf16Linear amx_wqkv, amx_wo, amx_w1, amx_w2, amx_w3;
   };
   // After the weights are in place: the layers' MLP weights as one tensor each
   // (LoadOptions::fused_static_forward), the few-row kernels (small_rows_gemm), the flags.
@@ -291,6 +298,8 @@ class Gpt {
   // Janus's gen_head: output_mlp_projector (head_w1, head_b1), GELU, vision_head.
   at::Tensor head_w1_, head_b1_, head_b2_;
   SmallRowsLinear small_output_, small_head_w1_;
+  AmxBf16Linear amx_output_, amx_head_w1_;
+  int64_t amx_ok_ = 0, amx_total_ = 0;
 };
 
 // Cache entries to move, each within its slot (as flat indices slot * capacity + entry): after

@@ -17,6 +17,7 @@
 
 #include "engine/decoding/fused_kernels.h"
 #include "engine/decoding/speculative.h"
+#include "engine/model/amx_gemm.h"
 #include "engine/model/cuda_stream.h"
 #include "engine/model/device.h"
 #include "engine/model/image_model.h"
@@ -203,6 +204,10 @@ StatusOr<std::unique_ptr<Engine>> Engine::Start(const EngineOptions& options,
     return InvalidArgument("window_policy: must be goodput, budget or full, got '" +
                            o.window_policy.substr(0, 64) + "'");
   }
+  if (o.matmul_precision != "highest" && o.matmul_precision != "medium") {
+    return InvalidArgument("matmul_precision: must be highest or medium, got '" +
+                           o.matmul_precision.substr(0, 64) + "'");
+  }
   if (!(o.max_slowdown >= 0 && o.max_slowdown <= 100)) {
     return InvalidArgument("max_slowdown: must be in [0, 100]");
   }
@@ -299,6 +304,17 @@ Status Engine::Impl::Load() {
   lo.row_attention = opts.row_attention;
   lo.small_rows_gemm = opts.small_rows_gemm;
   lo.fused_norm_rope = opts.fused_norm_rope;
+  if (opts.matmul_precision == "medium") {
+    if (!lo.device.is_cpu() || lo.dtype != at::kFloat) {
+      Notice(opts, "matmul precision medium applies to the CPU in fp32; products stay as " +
+                       opts.dtype + " on " + opts.device + " computes them");
+    } else if (!AmxBf16Linear::Supported()) {
+      Notice(opts, "matmul precision medium: " + AmxBf16Linear::Unsupported() +
+                       "; the products stay fp32");
+    } else {
+      lo.bf16_matmul = true;
+    }
+  }
   // Every LibTorch call of this engine is on this thread: its current device is the engine's.
   MakeDeviceCurrent(lo.device);
   if (std::string why; lo.device.is_cuda() && KernelsBuilt() && !KernelsRunHere(&why)) {

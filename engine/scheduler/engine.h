@@ -194,6 +194,12 @@ struct EngineOptions {
   // about six and ten ATen ops (LoadOptions::fused_norm_rope; the same logits bit for bit, where
   // the load-time check passes). False: the ops, for A/B comparisons.
   bool fused_norm_rope = true;
+  // PyTorch's name for the fp32 products' precision (torch.set_float32_matmul_precision):
+  // "highest" (fp32) or "medium": on the CPU in fp32, the GPT models' linear layers in bf16 on
+  // the AMX tiles (LoadOptions::bf16_matmul: x and the weights rounded to bf16, sums in fp32;
+  // other images than fp32's, batch-invariant, faster steps). Where the CPU has no AMX, or on
+  // CUDA, the engine says so at start and keeps fp32.
+  std::string matmul_precision = "highest";
   // The target and draft forwards at static shapes, each bucket captured once as a CUDA graph
   // and replayed (ForwardOptions::cuda_graphs; on the CPU the static forward runs eagerly).
   // Overrides batch_invariant: a request's logits then equal the eager forward's within

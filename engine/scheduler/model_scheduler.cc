@@ -135,6 +135,10 @@ Status ModelScheduler::LoadOrMeasureCost(const LoadOptions& load) {
               ? ", few-row kernel on " + std::to_string(model_.gpt->small_rows_linears()) + " of " +
                     std::to_string(model_.gpt->small_rows_tried()) + " linear layers"
               : std::string())
+      << (model_.gpt->bf16_matmul_tried() > 0
+              ? ", bf16 products (AMX) on " + std::to_string(model_.gpt->bf16_matmul_linears()) +
+                    " of " + std::to_string(model_.gpt->bf16_matmul_tried()) + " linear layers"
+              : std::string())
       << (model_.gpt->norm_kernel() ? ", norm kernel" : "")
       << (model_.gpt->rope_kernel() ? ", rope kernel" : "");
   if (model_.gpt->small_rows_linears() < model_.gpt->small_rows_tried()) {
@@ -163,10 +167,11 @@ Status ModelScheduler::LoadOrMeasureCost(const LoadOptions& load) {
   const int64_t can_measure = sizes.empty() ? 0 : sizes.back();
   std::string path;
   if (!opts_.cache_dir.empty()) {
-    // CUDA graphs cost differently from the eager forward: a file of their own, so that the
-    // two modes do not replace each other's calibration.
+    // CUDA graphs cost differently from the eager forward, and bf16 products from fp32 ones:
+    // files of their own, so that the modes do not replace each other's calibration.
     path = opts_.cache_dir + "/step-cost-" + FileSafe(model_.name) + "-" + FileSafe(device) + "-" +
-           FileSafe(dtype) + (opts_.cuda_graphs > 0 ? "-graphs" : "") + ".json";
+           FileSafe(dtype) + (opts_.cuda_graphs > 0 ? "-graphs" : "") +
+           (model_.gpt->bf16_matmul_linears() > 0 ? "-bf16mm" : "") + ".json";
     StatusOr<std::string> text = ReadFile(path);
     if (text.ok()) {
       Status st = cost_.Deserialize(*text, key.str(), path);
