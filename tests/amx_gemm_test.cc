@@ -68,6 +68,26 @@ TEST(AmxBf16LinearTest, IsTheBf16ProductSummedInFp32) {
   }
 }
 
+// x is rounded as Tensor.to(bf16) rounds it, in the vector loop and its scalar tail alike: an
+// identity weight hands each rounded input back (exactly: one product by 1, the rest by 0),
+// ties to even both ways included. (Not NaN, infinities or subnormals: the tiles multiply those
+// by the zeros too, and flush subnormal inputs.)
+TEST(AmxBf16LinearTest, XIsRoundedAsTensorToBf16) {
+  SKIP_WITHOUT_AMX();
+  at::manual_seed(23);
+  const int64_t K = 40;  // two vectors of 16 and a tail of 8
+  const AmxBf16Linear amx = AmxBf16Linear::Prepare(at::eye(K));
+  at::Tensor x = at::randn({3, K});
+  // Row 1: halfway between two bf16 values, with an even and an odd upper half in turn.
+  at::Tensor bits = x.narrow(0, 1, 1).view(at::kInt);
+  bits.copy_(at::bitwise_or(at::bitwise_and(bits, ~0xffff), 0x8000));
+  bits.narrow(1, 0, K / 2).copy_(at::bitwise_and(bits.narrow(1, 0, K / 2), ~0x10000));
+  bits.narrow(1, K / 2, K / 2).copy_(at::bitwise_or(bits.narrow(1, K / 2, K / 2), 0x10000));
+  const at::Tensor got = amx(x), want = x.to(at::kBFloat16).to(at::kFloat);
+  EXPECT_TRUE(at::equal(got.view(at::kInt), want.view(at::kInt)));
+  EXPECT_FALSE(at::equal(got, x));  // it did round
+}
+
 // Batch invariance by construction: a row's outputs do not depend on how many rows are computed
 // with it, where it stands among them (a block of 16 or the padded last one), or the threads.
 TEST(AmxBf16LinearTest, EveryRowIsTheSameBitsAtAnyRowCountAndThreads) {

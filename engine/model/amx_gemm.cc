@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -26,18 +27,13 @@ constexpr int64_t kDepth = 32;  // k a tile: 16 pairs
 constexpr int64_t kTile = 512;  // bf16 elements of a weight tile (1 KB)
 constexpr int64_t kGroup = 4;   // panels a thread's group: four accumulator tiles
 
-// fp32 -> bf16, rounded to nearest even (c10::BFloat16's rounding; NaN stays a quiet NaN).
-inline uint16_t ToBf16(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, sizeof(b));
-  if ((b & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  b += 0x7fffu + ((b >> 16) & 1u);
-  return static_cast<uint16_t>(b >> 16);
-}
+// fp32 -> bf16 bits, rounded to nearest even: LibTorch's own conversion (Tensor.to(bf16) on
+// the CPU), so that x and the weights round as PyTorch rounds them.
+inline uint16_t ToBf16(float f) { return c10::BFloat16(f).x; }
 
 #ifdef IMAGEGEN_AMX_X86
-// A row of x to bf16, as ToBf16 (16 at a time; every AMX CPU has AVX-512). The zero-masked
-// forms: GCC 12 warns that the plain ones' undefined source may be used.
+// A row of x to bf16, as ToBf16 does one value (16 at a time; every AMX CPU has AVX-512). The
+// zero-masked forms: GCC 12 warns that the plain ones' undefined source may be used.
 __attribute__((target("avx512f"))) void RowToBf16(const float* src, int64_t K, uint16_t* dst) {
   int64_t k = 0;
   const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff);
