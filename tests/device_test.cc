@@ -1,6 +1,7 @@
 #include "engine/model/device.h"
 
 #include <ATen/Context.h>
+#include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 
@@ -21,6 +22,23 @@ TEST(DeviceTest, ParsesCpuAndEveryDtype) {
   EXPECT_EQ(ParseDeviceAndDtype("cpu", "bf16")->dtype, at::kBFloat16);
   EXPECT_EQ(ParseDeviceAndDtype("cpu", "fp16")->dtype, at::kHalf);
   EXPECT_EQ(ParseDeviceAndDtype("cpu", "auto")->dtype, at::kFloat);  // auto: fp32 on the CPU
+}
+
+// The engine's kernels split a step over every intra-op thread where the build compiles them
+// with OpenMP (engine/CMakeLists.txt): until 2026-12-06 the flag was missing and each of their
+// at::parallel_for calls ran on one thread while LibTorch's own ops used two.
+TEST(DeviceTest, TheEnginesKernelsRunOnTheIntraOpThreads) {
+  const int before = at::get_num_threads();
+  at::set_num_threads(1);
+  EXPECT_EQ(EngineKernelThreads(), 1);
+  at::set_num_threads(2);
+#ifdef IMAGEGEN_EXPECT_PARALLEL_ENGINE_KERNELS
+  EXPECT_EQ(EngineKernelThreads(), 2);
+#else
+  EXPECT_GE(EngineKernelThreads(), 1);
+  std::printf("engine kernels built without OpenMP: %d thread(s) of 2\n", EngineKernelThreads());
+#endif
+  at::set_num_threads(before);
 }
 
 TEST(DeviceTest, MalformedValuesNameTheField) {

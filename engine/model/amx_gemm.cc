@@ -250,9 +250,11 @@ at::Tensor AmxBf16Linear::operator()(const at::Tensor& x_in) const {
   const int64_t rest = m - i0;
   passes.push_back(rest > kRows ? Pass{i0, rest - kRows, true} : Pass{i0, rest, false});
   // Each group of columns from its own weights and the rows alone: the same bits on any split.
-  // Split across threads only where each gets several blocks: below that the threads' start
-  // costs more than the tiles (on the dev VM 43 against 20 us for five of the bundled model's
-  // layers at one row).
+  // Split across threads only where each gets several blocks. (The figures that chose this, 43
+  // against 20 us for five of the bundled model's layers at one row, were taken before the
+  // engine was built with OpenMP, when no split ran on two threads; with the threads real, a
+  // split at every size was within the noise of this rule on the dev VM: docs/results-serving.md,
+  // "The engine's kernels on every intra-op thread".)
   const int64_t blocks = groups * (rows / kRows);
   const int64_t grain = blocks >= 32 ? 1 : groups;
   at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {

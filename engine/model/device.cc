@@ -3,7 +3,12 @@
 #include <ATen/Context.h>
 #include <torch/cuda.h>
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
+#include <atomic>
+#include <bit>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -61,6 +66,15 @@ int64_t AutoKvCacheBytes(bool cuda, int64_t free_bytes, int64_t models_left) {
   constexpr int64_t kDefault = int64_t{256} << 20;
   if (!cuda || free_bytes < 0) return kDefault;
   return free_bytes / 2 / std::max<int64_t>(models_left, 1);
+}
+
+int EngineKernelThreads() {
+  std::atomic<uint64_t> seen{0};
+  // More parts than threads, each its own grain: every thread of the team takes one part.
+  at::parallel_for(0, 1024, 1, [&](int64_t, int64_t) {
+    seen.fetch_or(uint64_t{1} << std::min(at::get_thread_num(), 63), std::memory_order_relaxed);
+  });
+  return std::popcount(seen.load());
 }
 
 }  // namespace imagegen

@@ -30,4 +30,13 @@ int64_t AutoKvCacheBytes(bool cuda, int64_t free_bytes, int64_t models_left);
 // a masked call goes to the memory-efficient kernel, which is compiled ahead. No effect on the CPU.
 void PrepareAttention(const c10::Device& device);
 
+// How many threads the engine's own CPU kernels (RowAttention, the AMX and few-row GEMMs, the
+// norm and rotary kernels, the host verification and guided distributions) split their work
+// over: found by running one at::parallel_for compiled in the engine and counting the threads
+// that took a part. at::get_num_threads() where the engine is built with OpenMP
+// (engine/CMakeLists.txt), 1 where not: ATen's OpenMP parallel_for is a template compiled in the
+// caller, and without -fopenmp its parallel region is dropped (every engine kernel ran on one
+// thread until 2026-12-06). Call it from the thread whose threads it should count.
+int EngineKernelThreads();
+
 }  // namespace imagegen

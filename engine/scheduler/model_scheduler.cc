@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include "engine/model/cuda_stream.h"
+#include "engine/model/device.h"
 #include "engine/util/read_file.h"
 
 namespace imagegen {
@@ -125,7 +126,8 @@ Status ModelScheduler::LoadOrMeasureCost(const LoadOptions& load) {
       << ", tokens " << c.block_size << ", weights " << model_.gpt->weight_bytes() << " B"
       << (model_.draft ? ", draft " + c.draft_model : std::string()) << ") on " << device
       << (processor.empty() ? std::string() : " (" + processor + ")") << " " << dtype
-      << (load.device.is_cpu() ? ", " + std::to_string(at::get_num_threads()) + " threads"
+      << (load.device.is_cpu() ? ", " + std::to_string(at::get_num_threads()) + " threads" +
+                                     (EngineKernelThreads() > 1 ? " (engine kernels too)" : "")
                                : std::string())
       << (opts_.cuda_graphs > 0         ? ", CUDA graphs"
           : !opts_.batch_invariant      ? ""
