@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
+#include "engine/model/amx_gemm.h"
 #include "engine/model/gpt.h"
 #include "tests/test_util.h"
 
@@ -94,7 +95,7 @@ TEST(RowAttentionTest, ARowsOutputIsTheSameBitsAloneAmongOtherRowsAndOnOneThread
     at::Tensor a = at::zeros({40, s.H * hd});
     RowAttention(s.q, s.k, s.v, {alone}, a);
     // The same row (its keys, values and queries copied) in slot 5 at query row 13, after and
-    // before other rows, on the default threads and on one.
+    // before other rows, on two threads and on one.
     s.k[5].copy_(s.k[2]);
     s.v[5].copy_(s.v[2]);
     s.q.narrow(0, 13, 7).copy_(s.q.narrow(0, 0, 7));
@@ -103,14 +104,15 @@ TEST(RowAttentionTest, ARowsOutputIsTheSameBitsAloneAmongOtherRowsAndOnOneThread
                                                  {5, 19, 7, 13, mask.data()},
                                                  {3, 0, 8, 20, nullptr},
                                                  {4, 12, 5, 28, nullptr}};
-    for (int threads : {0, 1}) {
+    // Two threads set, not the default: ctest runs with OMP_NUM_THREADS=1.
+    for (int threads : {2, 1}) {
       const int before = at::get_num_threads();
-      if (threads > 0) at::set_num_threads(threads);
+      at::set_num_threads(threads);
       at::Tensor b = at::zeros({40, s.H * hd});
       RowAttention(s.q, s.k, s.v, crowd, b);
       at::set_num_threads(before);
       EXPECT_TRUE(at::equal(a.narrow(0, 0, 7), b.narrow(0, 13, 7)))
-          << (threads > 0 ? "on one thread" : "on the default threads") << ": max difference "
+          << "on " << threads << " thread(s): max difference "
           << (a.narrow(0, 0, 7) - b.narrow(0, 13, 7)).abs().max().item<float>();
     }
   }
@@ -178,4 +180,54 @@ TEST(RowAttentionTest, TheBatchInvariantForwardMatchesSdpaAndStaysInvariant) {
 }
 
 }  // namespace
+
+// The bundled model's batch-invariant forward, every CPU kernel of the engine in it (RowAttention,
+// the few-row GEMM, the norm and rotary kernels; the AMX products where the CPU has them), gives
+// the same logits bit for bit on one thread and on two: a prefill of four requests of 4-61
+// tokens, then a step of 1-16 tokens a row over those caches. The kernels split their work over
+// the intra-op threads (DeviceTest.TheEnginesKernelsRunOnTheIntraOpThreads), and ctest runs
+// with OMP_NUM_THREADS=1, so the threads are set here.
+TEST(RowAttentionTest, TheBundledForwardIsTheSameBitsOnOneThreadAndOnTwo) {
+  std::vector<LoadOptions> loads(1);
+  if (AmxBf16Linear::Supported()) loads.emplace_back().bf16_matmul = true;
+  for (const LoadOptions& load : loads) {
+    SCOPED_TRACE(load.bf16_matmul ? "bf16 products" : "fp32");
+    auto gpt = Gpt::Load(std::string(testing::TestModelsDir()) + "/fmnist-gpt", load);
+    ASSERT_TRUE(gpt.ok()) << gpt.status().message();
+    ASSERT_TRUE((*gpt)->row_attention());
+    const GptConfig& cfg = (*gpt)->config();
+    ForwardOptions inv;
+    inv.batch_invariant = true;
+    const std::vector<int64_t> prefill = {30, 3, 60, 15}, step = {1, 4, 8, 16};
+    auto run = [&](int threads) {
+      const int before = at::get_num_threads();
+      at::set_num_threads(threads);
+      KvCache cache = (*gpt)->NewCache(2 * prefill.size());
+      std::vector<BatchRow> first, second;
+      for (size_t r = 0; r < prefill.size(); ++r) {
+        for (BatchRow& b : testing::CfgRequestRows(cfg, static_cast<int64_t>(r), prefill[r])) {
+          BatchRow next = b;  // the step after: step[r] tokens over the prefill's entries
+          next.cache_len = prefill[r] + 1;
+          next.tokens.clear();
+          next.positions.clear();
+          for (int64_t i = 0; i < step[r]; ++i) {
+            next.tokens.push_back((r * 13 + i * 7) % cfg.vocab_size);
+            next.positions.push_back(prefill[r] + 1 + i);
+          }
+          first.push_back(std::move(b));
+          second.push_back(std::move(next));
+        }
+      }
+      auto a = (*gpt)->Forward(first, cache, {}, inv);
+      auto b = (*gpt)->Forward(second, cache, {}, inv);
+      at::set_num_threads(before);
+      EXPECT_TRUE(a.ok() && b.ok());
+      return a.ok() && b.ok() ? at::cat({*a, *b}) : at::Tensor();
+    };
+    const at::Tensor one = run(1), two = run(2);
+    ASSERT_TRUE(one.defined() && two.defined());
+    EXPECT_TRUE(at::equal(one, two)) << "max difference " << (one - two).abs().max().item<float>();
+  }
+}
+
 }  // namespace imagegen
