@@ -16,6 +16,7 @@
 #include <set>
 #include <thread>
 
+#include "engine/model/amx_gemm.h"
 #include "engine/model/image_model.h"
 #include "engine/util/json.h"
 #include "engine/util/read_file.h"
@@ -251,6 +252,49 @@ TEST(EngineTest, BatchInvarianceAloneVersusFifteenMixedNeighbours) {
     max_requests = std::max(max_requests, s.requests);
   }
   EXPECT_EQ(max_requests, 16);
+}
+
+// EngineOptions::cpu_threads: one intra-op thread and two draw the same images, bit for bit,
+// with the methods' kinds of verification (fp32, and bf16 products where the CPU has AMX): the
+// engine's CPU kernels (the forward's, the fused verification's and the final distributions') split
+// their work over the threads (DeviceTest.TheEnginesKernelsRunOnTheIntraOpThreads) and none of
+// their results depends on the split. ctest runs with OMP_NUM_THREADS=1; the option sets the
+// threads.
+TEST(EngineTest, OneIntraOpThreadAndTwoDrawTheSameImages) {
+  if (testing::TestLoadOptions().device.is_cuda()) GTEST_SKIP() << "the CPU's threads";
+  // A chain, a tree (PAC), GSD's clusters, the draft model, and AR.
+  const std::vector<std::string> methods = {"ar", "scd-mc", "sjd-pac", "gsd", "sd"};
+  std::vector<GenerateParams> ps;
+  for (size_t i = 0; i < methods.size(); ++i) {
+    ps.push_back(Params(methods[i], static_cast<int64_t>(i), 7300 + i));
+  }
+  std::vector<std::string> precisions = {"highest"};
+  if (AmxBf16Linear::Supported()) precisions.push_back("medium");
+  for (const std::string& precision : precisions) {
+    std::vector<std::vector<int32_t>> grids[2];
+    for (const int threads : {1, 2}) {
+      EngineOptions o = BundledOptions();
+      o.window_policy = "full";
+      o.fixed_step_cost = {0.005, 2e-5, 1e-3};  // no calibration: whole windows need no cost model
+      o.cpu_threads = threads;
+      o.matmul_precision = precision;
+      auto engine = StartOrDie(o);
+      std::vector<std::shared_ptr<Recorder>> rs;
+      for (const auto& p : ps) {
+        rs.push_back(std::make_shared<Recorder>());
+        const auto st = engine->Submit(p, rs.back());
+        ASSERT_TRUE(st.ok()) << st.status().ToString();
+      }
+      for (auto& r : rs) {
+        ASSERT_TRUE(r->Wait() && r->result.has_value())
+            << (r->error ? r->error->ToString() : std::string("no result"));
+        grids[threads - 1].push_back(r->result->tokens);
+      }
+    }
+    for (size_t i = 0; i < ps.size(); ++i) {
+      EXPECT_EQ(grids[0][i], grids[1][i]) << methods[i] << ", matmul precision " << precision;
+    }
+  }
 }
 
 // EngineOptions::cuda_graphs on the CPU: the engine runs every forward at static shapes
