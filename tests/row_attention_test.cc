@@ -106,11 +106,11 @@ TEST(RowAttentionTest, ARowsOutputIsTheSameBitsAloneAmongOtherRowsAndOnOneThread
                                                  {4, 12, 5, 28, nullptr}};
     // Two threads set, not the default: ctest runs with OMP_NUM_THREADS=1.
     for (int threads : {2, 1}) {
-      const int before = at::get_num_threads();
-      at::set_num_threads(threads);
       at::Tensor b = at::zeros({40, s.H * hd});
-      RowAttention(s.q, s.k, s.v, crowd, b);
-      at::set_num_threads(before);
+      {
+        const testing::ScopedIntraOpThreads set(threads);
+        RowAttention(s.q, s.k, s.v, crowd, b);
+      }
       EXPECT_TRUE(at::equal(a.narrow(0, 0, 7), b.narrow(0, 13, 7)))
           << "on " << threads << " thread(s): max difference "
           << (a.narrow(0, 0, 7) - b.narrow(0, 13, 7)).abs().max().item<float>();
@@ -200,8 +200,7 @@ TEST(RowAttentionTest, TheBundledForwardIsTheSameBitsOnOneThreadAndOnTwo) {
     inv.batch_invariant = true;
     const std::vector<int64_t> prefill = {30, 3, 60, 15}, step = {1, 4, 8, 16};
     auto run = [&](int threads) {
-      const int before = at::get_num_threads();
-      at::set_num_threads(threads);
+      const testing::ScopedIntraOpThreads set(threads);
       KvCache cache = (*gpt)->NewCache(2 * prefill.size());
       std::vector<BatchRow> first, second;
       for (size_t r = 0; r < prefill.size(); ++r) {
@@ -220,7 +219,6 @@ TEST(RowAttentionTest, TheBundledForwardIsTheSameBitsOnOneThreadAndOnTwo) {
       }
       auto a = (*gpt)->Forward(first, cache, {}, inv);
       auto b = (*gpt)->Forward(second, cache, {}, inv);
-      at::set_num_threads(before);
       EXPECT_TRUE(a.ok() && b.ok());
       return a.ok() && b.ok() ? at::cat({*a, *b}) : at::Tensor();
     };

@@ -4,7 +4,6 @@
 #include "engine/scheduler/engine.h"
 #include "engine/scheduler/preview_budget.h"
 
-#include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -273,7 +272,7 @@ TEST(EngineTest, OneIntraOpThreadAndTwoDrawTheSameImages) {
   if (AmxBf16Linear::Supported()) precisions.push_back("medium");
   // cpu_threads sets LibTorch's thread count for the process (threads started later take it):
   // put it back for the tests that run after this one in the same process.
-  const int threads_before = at::get_num_threads();
+  const testing::ScopedIntraOpThreads restore(at::get_num_threads());
   for (const std::string& precision : precisions) {
     std::vector<std::vector<int32_t>> grids[2];
     for (const int threads : {1, 2}) {
@@ -299,7 +298,6 @@ TEST(EngineTest, OneIntraOpThreadAndTwoDrawTheSameImages) {
       EXPECT_EQ(grids[0][i], grids[1][i]) << methods[i] << ", matmul precision " << precision;
     }
   }
-  at::set_num_threads(threads_before);
 }
 
 // EngineOptions::cuda_graphs on the CPU: the engine runs every forward at static shapes

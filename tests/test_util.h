@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <torch/cuda.h>
 
@@ -20,6 +21,22 @@
 #include "tests/build_paths.h"
 
 namespace imagegen::testing {
+
+// LibTorch's intra-op threads set for a scope and put back at its end, also when an ASSERT
+// returns early: at::set_num_threads is process-wide (threads started later take it, the
+// engines' too), and ctest runs each test alone but the sanitizer shards run many in one process.
+class ScopedIntraOpThreads {
+ public:
+  explicit ScopedIntraOpThreads(int threads) : before_(at::get_num_threads()) {
+    at::set_num_threads(threads);
+  }
+  ~ScopedIntraOpThreads() { at::set_num_threads(before_); }
+  ScopedIntraOpThreads(const ScopedIntraOpThreads&) = delete;
+  ScopedIntraOpThreads& operator=(const ScopedIntraOpThreads&) = delete;
+
+ private:
+  const int before_;
+};
 
 // The device the device-aware tests run their models on: the CPU, or the first CUDA device
 // when IMAGEGEN_TEST_DEVICE=cuda and one is present (bench/gpu/run_all.sh sets it).
