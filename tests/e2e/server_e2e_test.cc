@@ -1519,12 +1519,15 @@ TEST(E2eTest, RequestLogNamesEveryCallByTheIdItEchoes) {
 }
 
 // A real Prometheus server scrapes the daemon with deploy/prometheus.yml (target and intervals
-// adapted to the test), and its HTTP API gives the acceptance rate and NFE per image; it loads
-// the alerting rules (deploy/prometheus-rules.yml) and evaluates them without error.
+// adapted to the test), and its HTTP API gives the acceptance rate and NFE per image (the same as
+// the responses' own totals); it loads the alerting rules (deploy/prometheus-rules.yml) and
+// evaluates them without error.
 TEST(E2eTest, PrometheusScrapesAcceptanceRateAndNfe) {
   Daemon d("prometheus");
   d.WaitReady();
   auto stub = d.Stub();
+  // What the responses say, per method: Prometheus must compute the same ratios from the series.
+  std::map<std::string, int64_t> nfe_sum, verified_sum, accepted_sum, images;
   for (const auto& [method, seed] : std::vector<std::pair<std::string, int>>{
            {"scd-mc", 1}, {"scd-mc", 2}, {"scd-mc", 3}, {"ar", 4}}) {
     grpc::ClientContext ctx;
@@ -1533,7 +1536,16 @@ TEST(E2eTest, PrometheusScrapesAcceptanceRateAndNfe) {
     // Last token to pixels, within the response's time.
     EXPECT_GT(resp.stats().decode_seconds(), 0);
     EXPECT_LT(resp.stats().decode_seconds(), resp.stats().total_seconds());
+    nfe_sum[method] += resp.stats().nfe();
+    verified_sum[method] += resp.stats().drafts_verified();
+    accepted_sum[method] += resp.stats().drafts_accepted();
+    images[method] += 1;
   }
+  // scd-mc speculated (how much depends on the goodput controller's windows, which follow the
+  // step-cost calibration this machine measured, under whatever else it ran: not asserted here).
+  ASSERT_GT(verified_sum["scd-mc"], 0);
+  ASSERT_GT(accepted_sum["scd-mc"], 0);
+  EXPECT_LT(nfe_sum["scd-mc"], 3 * 196);
   // promtool lints the exposition: nothing to report.
   const std::string dir = d.dir();
   { std::ofstream(dir + "/metrics.txt") << d.Metrics(); }
@@ -1607,12 +1619,14 @@ TEST(E2eTest, PrometheusScrapesAcceptanceRateAndNfe) {
     per_image = query(nfe);
   }
   ASSERT_EQ(acc.count("scd-mc"), 1u) << prom.Log();
-  EXPECT_GT(acc["scd-mc"], 0.3);
+  // The series count every step's drafts and forwards: the same totals as the responses'.
+  EXPECT_NEAR(acc["scd-mc"], static_cast<double>(accepted_sum["scd-mc"]) / verified_sum["scd-mc"],
+              1e-9);
   EXPECT_LT(acc["scd-mc"], 1.0);
   ASSERT_EQ(per_image.count("ar"), 1u);
   EXPECT_EQ(per_image["ar"], 196.0);
-  EXPECT_GT(per_image["scd-mc"], 20.0);
-  EXPECT_LT(per_image["scd-mc"], 150.0);
+  ASSERT_EQ(per_image.count("scd-mc"), 1u);
+  EXPECT_NEAR(per_image["scd-mc"], static_cast<double>(nfe_sum["scd-mc"]) / 3, 1e-9);
   std::printf("Prometheus: acceptance rate scd-mc %.3f; NFE per image ar %.0f, scd-mc %.1f\n",
               acc["scd-mc"], per_image["ar"], per_image["scd-mc"]);
   // The real Prometheus loaded deploy/prometheus-rules.yml and evaluates every rule without an
