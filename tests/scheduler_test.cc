@@ -300,6 +300,37 @@ TEST(EngineTest, OneIntraOpThreadAndTwoDrawTheSameImages) {
   }
 }
 
+// EngineOptions::cpu_threads is LibTorch's count for the whole process (threads take it at
+// their first parallel op): while an engine runs with one count, another that asks for a
+// different one is refused, naming the field; the same count, or 0 (the process's), starts
+// beside it, and once it is gone the other count starts and draws.
+TEST(EngineTest, LiveEnginesInOneProcessShareOneCpuThreadCount) {
+  if (testing::TestLoadOptions().device.is_cuda()) GTEST_SKIP() << "the CPU's threads";
+  const testing::ScopedIntraOpThreads restore(at::get_num_threads());
+  auto options = [](int64_t threads) {
+    EngineOptions o = BundledOptions();
+    o.window_policy = "full";
+    o.fixed_step_cost = {0.005, 2e-5, 1e-3};  // no calibration
+    o.cpu_threads = threads;
+    return o;
+  };
+  auto one = StartOrDie(options(1));
+  const Status refused = Engine::Start(options(2)).status();
+  EXPECT_EQ(refused.code(), Code::kInvalidArgument);
+  EXPECT_NE(refused.message().find("cpu_threads: 2"), std::string::npos) << refused.ToString();
+  {
+    auto same = StartOrDie(options(1));
+    auto process_count = StartOrDie(options(0));
+  }
+  EXPECT_FALSE(Engine::Start(options(2)).ok());  // `one` still runs
+  one.reset();
+  auto two = StartOrDie(options(2));
+  auto r = std::make_shared<Recorder>();
+  ASSERT_TRUE(two->Submit(Params("ar", 1, 7400), r).ok());
+  ASSERT_TRUE(r->Wait() && r->result.has_value())
+      << (r->error ? r->error->ToString() : std::string("no result"));
+}
+
 // EngineOptions::cuda_graphs on the CPU: the engine runs every forward at static shapes
 // (StaticForwardTest; on a CUDA device each bucket is then a graph), with the caches' scratch
 // slots, and draws the default engine's images: the two forwards differ only in rounding, so

@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <filesystem>
 #include <future>
+#include <map>
 #include <mutex>
 #include <random>
 #include <sstream>
@@ -101,6 +102,47 @@ class WarmupObserver : public RequestObserver {
   Status first_error_;
 };
 
+// LibTorch keeps one intra-op thread count per process: at::set_num_threads stores it for every
+// thread, and each thread's first parallel op (ATen's own, and again the engine's kernels', whose
+// parallel_for is compiled here) sets that thread to the stored count. Two live engines with
+// different EngineOptions::cpu_threads would therefore change each other's threads, by the order
+// their threads happen to run. The nonzero counts of the live engines are held here, and an
+// engine that asks for another count is refused while they run.
+class CpuThreadsClaim {
+ public:
+  static StatusOr<std::unique_ptr<CpuThreadsClaim>> Take(int64_t threads) {
+    std::lock_guard<std::mutex> l(mu());
+    for (const auto& [count, engines] : held()) {
+      if (count != threads && engines > 0) {
+        return InvalidArgument("cpu_threads: " + std::to_string(threads) +
+                               ", but another engine in this process runs with " +
+                               std::to_string(count) +
+                               " (LibTorch keeps one intra-op thread count per process)");
+      }
+    }
+    held()[threads] += 1;
+    return std::unique_ptr<CpuThreadsClaim>(new CpuThreadsClaim(threads));
+  }
+  ~CpuThreadsClaim() {
+    std::lock_guard<std::mutex> l(mu());
+    held()[threads_] -= 1;
+  }
+  CpuThreadsClaim(const CpuThreadsClaim&) = delete;
+  CpuThreadsClaim& operator=(const CpuThreadsClaim&) = delete;
+
+ private:
+  explicit CpuThreadsClaim(int64_t threads) : threads_(threads) {}
+  static std::mutex& mu() {
+    static auto* m = new std::mutex;
+    return *m;
+  }
+  static std::map<int64_t, int64_t>& held() {  // count -> live engines that set it
+    static auto* h = new std::map<int64_t, int64_t>;
+    return *h;
+  }
+  const int64_t threads_;
+};
+
 }  // namespace
 
 uint64_t RandomSeed() {
@@ -110,6 +152,8 @@ uint64_t RandomSeed() {
 }
 
 struct Engine::Impl {
+  // Held until the engine's threads are gone (the last member destroyed): its cpu_threads.
+  std::unique_ptr<CpuThreadsClaim> threads_claim;
   EngineOptions opts;
   EngineListener* listener = nullptr;
   // The schedulers' listener: `listener`, but not during the warm-up.
@@ -248,6 +292,11 @@ StatusOr<std::unique_ptr<Engine>> Engine::Start(const EngineOptions& options,
         "fixed_step_cost: must be empty or {base > 0, per_token >= 0, per_request >= 0}");
   }
   if (o.cpu_threads < 0) return InvalidArgument("cpu_threads: must be >= 0");
+  if (o.cpu_threads > 0) {
+    StatusOr<std::unique_ptr<CpuThreadsClaim>> claim = CpuThreadsClaim::Take(o.cpu_threads);
+    if (!claim.ok()) return claim.status();
+    impl->threads_claim = std::move(*claim);
+  }
   if (!(o.preview_share >= 0 && o.preview_share <= 1)) {
     return InvalidArgument("preview_share: must be in [0, 1]");
   }
