@@ -72,16 +72,24 @@ TEST(RowAttentionTest, EqualsSoftmaxAttentionWithinRounding) {
         {3, 23, 6, 7, mask6.data()}, {4, 24, 8, 13, nullptr}, {5, 32, 8, 21, mask8.data()}};
     const int64_t T = 30;  // rows 29 and after: no span
     Caches s = Make(hd, T, 11 + static_cast<uint64_t>(hd));
-    at::Tensor out = at::full({T, s.H * hd}, 7.0f);
-    RowAttention(s.q, s.k, s.v, spans, out);
-    for (const RowAttentionSpan& sp : spans) {
-      const double err = (out.narrow(0, sp.t0, sp.n).to(at::kDouble) - Reference(s, sp))
-                             .abs()
-                             .max()
-                             .item<double>();
-      EXPECT_LT(err, 2e-6) << "span at t0 " << sp.t0;
+    // The threads split the 18 (span, head) tasks by their cost, some inside a span: each
+    // must be done once, whatever the split.
+    for (const int threads : {1, 2, 3, 5}) {
+      at::Tensor out = at::full({T, s.H * hd}, 7.0f);
+      {
+        const testing::ScopedIntraOpThreads set(threads);
+        RowAttention(s.q, s.k, s.v, spans, out);
+      }
+      for (const RowAttentionSpan& sp : spans) {
+        const double err = (out.narrow(0, sp.t0, sp.n).to(at::kDouble) - Reference(s, sp))
+                               .abs()
+                               .max()
+                               .item<double>();
+        EXPECT_LT(err, 2e-6) << "span at t0 " << sp.t0 << ", " << threads << " thread(s)";
+      }
+      EXPECT_TRUE(out.narrow(0, 29, 1).eq(7.0f).all().item<bool>())
+          << "a row outside the spans, " << threads << " thread(s)";
     }
-    EXPECT_TRUE(out.narrow(0, 29, 1).eq(7.0f).all().item<bool>()) << "a row outside the spans";
   }
 }
 

@@ -236,13 +236,40 @@ void RowAttention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
                    H,
                    hd,
                    1.0f / std::sqrt(static_cast<float>(hd))};
-  // One task a (span, head).
+  // One task a (span, head); the threads take contiguous runs of tasks of about equal cost.
+  // A span's queries each score its cache_len committed keys and up to n new ones (plus a
+  // query's fixed work, the softmax's and the output's, counted as 8 keys): spans of one step
+  // differ a lot (a request's first tokens against its last, a window of 64 against one token),
+  // and an even split of the tasks by count left one thread waiting for the other.
   const int64_t tasks = static_cast<int64_t>(spans.size()) * H;
   if (tasks == 0) return;
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+  auto run = [&](int64_t begin, int64_t end) {
     std::vector<float> scratch;  // one query's scores
     for (int64_t t = begin; t < end; ++t) {
       RowHead(g, spans[static_cast<size_t>(t / H)], t % H, scratch);
+    }
+  };
+  const int64_t parts = std::min<int64_t>(tasks, at::get_num_threads());
+  if (parts <= 1) return run(0, tasks);
+  // cost[i]: the summed cost of the first i spans' tasks.
+  std::vector<int64_t> cost(spans.size() + 1, 0);
+  for (size_t i = 0; i < spans.size(); ++i) {
+    cost[i + 1] = cost[i] + H * spans[i].n * (spans[i].cache_len + spans[i].n + 8);
+  }
+  const int64_t total = cost.back();
+  // The first task whose preceding tasks cost at least `target`.
+  auto first_task_from = [&](int64_t target) {
+    const auto it = std::lower_bound(cost.begin(), cost.end(), target);
+    const int64_t span = it - cost.begin();  // cost[span] >= target > cost[span - 1]
+    if (span == 0) return int64_t{0};
+    const int64_t per_task = (cost[span] - cost[span - 1]) / H;  // > 0: n > 0
+    // The first of span - 1's tasks that starts at or after the target (H: span's first task).
+    const int64_t into = (target - cost[span - 1] + per_task - 1) / per_task;
+    return (span - 1) * H + std::min<int64_t>(into, H);
+  };
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      run(first_task_from(total * p / parts), first_task_from(total * (p + 1) / parts));
     }
   });
 }
