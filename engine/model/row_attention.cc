@@ -239,7 +239,7 @@ void RowAttention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   // One task a (span, head); the threads take contiguous runs of tasks of about equal cost.
   // A span's queries each score its cache_len committed keys and up to n new ones (plus a
   // query's fixed work, the softmax's and the output's, counted as 8 keys): spans of one step
-  // differ a lot (a request's first tokens against its last, a window of 64 against one token),
+  // differ a lot (a request's first tokens against its last, a window of 16 against one token),
   // and an even split of the tasks by count left one thread waiting for the other.
   const int64_t tasks = static_cast<int64_t>(spans.size()) * H;
   if (tasks == 0) return;
