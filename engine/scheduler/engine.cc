@@ -9,7 +9,6 @@
 #include <condition_variable>
 #include <filesystem>
 #include <future>
-#include <map>
 #include <mutex>
 #include <random>
 #include <sstream>
@@ -106,41 +105,42 @@ class WarmupObserver : public RequestObserver {
 // thread, and each thread's first parallel op (ATen's own, and again the engine's kernels', whose
 // parallel_for is compiled here) sets that thread to the stored count. Two live engines with
 // different EngineOptions::cpu_threads would therefore change each other's threads, by the order
-// their threads happen to run. The nonzero counts of the live engines are held here, and an
-// engine that asks for another count is refused while they run.
+// their threads happen to run. The live engines' nonzero count (one at a time) is held here, and
+// an engine that asks for another count is refused while they run.
 class CpuThreadsClaim {
  public:
   static StatusOr<std::unique_ptr<CpuThreadsClaim>> Take(int64_t threads) {
-    std::lock_guard<std::mutex> l(mu());
-    for (const auto& [count, engines] : held()) {
-      if (count != threads && engines > 0) {
-        return InvalidArgument("cpu_threads: " + std::to_string(threads) +
-                               ", but another engine in this process runs with " +
-                               std::to_string(count) +
-                               " (LibTorch keeps one intra-op thread count per process)");
-      }
+    State& st = state();
+    std::lock_guard<std::mutex> l(st.mu);
+    if (st.engines > 0 && st.count != threads) {
+      return InvalidArgument("cpu_threads: " + std::to_string(threads) +
+                             ", but another engine in this process runs with " +
+                             std::to_string(st.count) +
+                             " (LibTorch keeps one intra-op thread count per process)");
     }
-    held()[threads] += 1;
-    return std::unique_ptr<CpuThreadsClaim>(new CpuThreadsClaim(threads));
+    st.count = threads;
+    st.engines += 1;
+    return std::unique_ptr<CpuThreadsClaim>(new CpuThreadsClaim);
   }
   ~CpuThreadsClaim() {
-    std::lock_guard<std::mutex> l(mu());
-    held()[threads_] -= 1;
+    std::lock_guard<std::mutex> l(state().mu);
+    state().engines -= 1;
   }
   CpuThreadsClaim(const CpuThreadsClaim&) = delete;
   CpuThreadsClaim& operator=(const CpuThreadsClaim&) = delete;
 
  private:
-  explicit CpuThreadsClaim(int64_t threads) : threads_(threads) {}
-  static std::mutex& mu() {
-    static auto* m = new std::mutex;
-    return *m;
+  CpuThreadsClaim() = default;
+  // The live engines' one count (meaningful while engines > 0) and how many hold it.
+  struct State {
+    std::mutex mu;
+    int64_t count = 0;
+    int64_t engines = 0;
+  };
+  static State& state() {
+    static auto* s = new State;
+    return *s;
   }
-  static std::map<int64_t, int64_t>& held() {  // count -> live engines that set it
-    static auto* h = new std::map<int64_t, int64_t>;
-    return *h;
-  }
-  const int64_t threads_;
 };
 
 }  // namespace
