@@ -25,6 +25,9 @@ variants=("$@")
 [ ${#variants[@]} -gt 0 ] || variants=(default passive:OMP_WAIT_POLICY=passive
                                        active:OMP_WAIT_POLICY=active)
 OUT=$(mktemp -d /tmp/imagegen-omp-wait.XXXXXX)
+# abab_port (a daemon's port once it is healthy) and abab_load (`imagegen load` for SECS);
+# the daemons are started here, one at a time, with their variant's environment.
+source bench/abab.sh
 pid=
 trap '[ -n "$pid" ] && kill -TERM "$pid" 2> /dev/null || true' EXIT
 n=${#variants[@]}
@@ -38,16 +41,10 @@ for r in $(seq 0 $((ROUNDS - 1))); do
       --models fmnist-gpt --port-file "$OUT/$name.ports" --cache_dir "$OUT/cache-$name" \
       > "$OUT/$name-r$r.log" 2>&1 &
     pid=$!
-    for _ in $(seq 1200); do [ -s "$OUT/$name.ports" ] && break; sleep 0.05; done
-    read -r port _ < "$OUT/$name.ports"
-    for _ in $(seq 1200); do
-      "$BUILD/client/imagegen" health --target "127.0.0.1:$port" > /dev/null 2>&1 && break
-      sleep 0.1
-    done
+    port=$(abab_port "$name")
     for c in $CONC; do
       for method in ar scd-mc; do
-        "$BUILD/client/imagegen" load --target "127.0.0.1:$port" --method "$method" \
-          --concurrency "$c" --duration "$SECS" > "$OUT/$method-$c-$name-r$r.log" 2>&1
+        abab_load "$port" "$method" "$c" "$OUT/$method-$c-$name-r$r.log"
       done
     done
     kill -TERM "$pid"; wait "$pid" 2> /dev/null || true; pid=
