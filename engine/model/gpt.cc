@@ -691,24 +691,20 @@ at::Tensor Gpt::ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache,
         at::full({static_cast<int64_t>(cond_idx.size())}, cfg_.vocab_size, ids.options()));
   }
 
-  // Row groups of at most kRowAttentionMaxTokens tokens a row attend through RowAttention
-  // (LoadOptions::row_attention), which reads their slots, lengths and masks from the host;
-  // longer ones keep their SDPA call. Which way a group goes depends on its own length only.
+  // With RowAttention (LoadOptions::row_attention) every row attends through it, reading its
+  // slot, lengths and mask from the host, and no SDPA call is left. (Rows of more than 16 new
+  // tokens kept an SDPA call each until 2026-12-06; with the kernel on both threads RowAttention
+  // is faster at every length measured: row_attention.h.)
   std::vector<RowAttentionSpan> spans;
-  std::vector<Call> sdpa_calls;
   if (invariant && row_attention_) {
     for (const Call& c : calls) {
-      if (c.n > kRowAttentionMaxTokens) {
-        sdpa_calls.push_back(c);
-        continue;
-      }
       for (int64_t r = c.r0; r < c.r0 + c.rows; ++r) {
         const BatchRow& row = batch[static_cast<size_t>(r)];
         spans.push_back({row.slot, row.cache_len, c.n, c.t0 + (r - c.r0) * c.n,
                          row.mask.empty() ? nullptr : row.mask.data()});
       }
     }
-    calls = sdpa_calls;
+    calls.clear();
   }
   // allow[r, i, j]: query i of row r may attend cache entry j (AllowMask); not built when no
   // SDPA call is left to use it.
@@ -720,6 +716,11 @@ at::Tensor Gpt::ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache,
   Attend attend = [&](size_t l, const at::Tensor& q) -> at::Tensor {
     const at::Tensor& ck = cache.k[l];
     const at::Tensor& cv = cache.v[l];
+    if (invariant && !spans.empty()) {  // every row through RowAttention
+      at::Tensor out = at::empty({T, D}, q.options());
+      RowAttention(q, ck, cv, spans, out);
+      return out;
+    }
     if (invariant) {
       // Fresh operands per call (index_select and contiguous allocate): identical inputs
       // (values, shapes, strides, alignment) whatever the batch, hence identical outputs.
@@ -735,14 +736,6 @@ at::Tensor Gpt::ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache,
             allow.narrow(0, c.r0, c.rows).narrow(1, 0, c.n).narrow(2, 0, c.kv).unsqueeze(1).clone();
         at::Tensor oc = at::scaled_dot_product_attention(qc, kc, vc, mc);
         outs.push_back(oc.transpose(1, 2).reshape({c.rows * c.n, D}));
-      }
-      if (!spans.empty()) {  // the short groups through RowAttention, the others copied in
-        at::Tensor out = at::empty({T, D}, q.options());
-        RowAttention(q, ck, cv, spans, out);
-        for (size_t i = 0; i < calls.size(); ++i) {
-          out.narrow(0, calls[i].t0, calls[i].rows * calls[i].n).copy_(outs[i]);
-        }
-        return out;
       }
       return outs.size() == 1 ? outs[0] : at::cat(outs);
     }

@@ -178,11 +178,11 @@ struct EngineOptions {
   bool refine_step_cost = true;
   // A request's image does not depend on what else runs (ForwardOptions::batch_invariant).
   bool batch_invariant = true;
-  // With batch_invariant on the CPU in fp32: rows of up to kRowAttentionMaxTokens new tokens
-  // attend through one RowAttention call a layer instead of one SDPA call per request
-  // (LoadOptions::row_attention; 1.4-1.5x faster forwards at 16 one-token requests on the
-  // 2-core dev VM). Images stay independent of their neighbours; their bits differ from those
-  // drawn with it off (rounding). False: the SDPA calls, for A/B comparisons.
+  // With batch_invariant on the CPU in fp32: every row attends through one RowAttention call a
+  // layer instead of one SDPA call per request (LoadOptions::row_attention; 1.4-1.5x faster
+  // forwards at 16 one-token requests on the 2-core dev VM, and faster with rows of 16-192
+  // tokens too: row_attention.h). Images stay independent of their neighbours; their bits
+  // differ from those drawn with it off (rounding). False: the SDPA calls, for A/B comparisons.
   bool row_attention = true;
   // With batch_invariant on the CPU in fp32: linear layers of fewer than 16 rows run
   // SmallRowsLinear's kernel instead of the BLAS on the rows padded to 16 (LoadOptions::

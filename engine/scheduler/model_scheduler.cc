@@ -131,7 +131,7 @@ Status ModelScheduler::LoadOrMeasureCost(const LoadOptions& load) {
                                : std::string())
       << (opts_.cuda_graphs > 0         ? ", CUDA graphs"
           : !opts_.batch_invariant      ? ""
-          : model_.gpt->row_attention() ? ", batch-invariant, row attention"
+          : model_.gpt->row_attention() ? ", batch-invariant, row attention on every row"
                                         : ", batch-invariant")
       << (model_.gpt->small_rows_tried() > 0 && opts_.cuda_graphs <= 0 && opts_.batch_invariant
               ? ", few-row kernel on " + std::to_string(model_.gpt->small_rows_linears()) + " of " +
