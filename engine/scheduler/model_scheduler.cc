@@ -260,13 +260,13 @@ std::vector<ModelScheduler::TimedStep> ModelScheduler::TimeShape(
 
 // Real steps of Jacobi requests (sjd) with windows of 1, 4, 16 and 64 nodes, for 1, 4, 16 and
 // 32 requests at a time (as the KV slots allow; at most 4,096 forward rows), and for one request
-// also 2, 8 and 32 nodes: up to 19 shapes, each the median of three timed steps, five for one
-// request (a noisy machine's outliers would otherwise pull the fit). Stops early past 20 seconds (a
-// slow device then leans on online refinement). One request's shapes are every knot of the model up
-// to 64 nodes because a request alone is planned on them (lone_request_full_window off, or a
-// window-invariant method): between knots 4x apart the fit had to guess, and on a 2-core CPU
-// it put 29 nodes (58 rows) at 8.2 ms where they took 6.2, so the planner chose 10 nodes, which
-// were slower (docs/results-serving.md, "The match rule alone").
+// also 2, 8 and 32 nodes: up to 19 shapes, each the median of three timed steps, of nine for one
+// request, timed in rounds (MeasureLoneRequest; a noisy machine's outliers would otherwise pull
+// the fit). Stops early past 20 seconds (a slow device then leans on online refinement). One
+// request's shapes are every knot of the model up to 64 nodes because a request alone is planned on
+// them (lone_request_full_window off, or a window-invariant method): between knots 4x apart the fit
+// had to guess, and on a 2-core CPU it put 29 nodes (58 rows) at 8.2 ms where they took 6.2, so the
+// planner chose 10 nodes, which were slower (docs/results-serving.md, "The match rule alone").
 std::vector<StepCostSample> ModelScheduler::MeasureStepCost(ImageRequest req) {
   const int64_t wmax = req.policy.window;
   const int64_t rows = req.sampling.uses_cfg() ? 2 : 1;
@@ -279,14 +279,14 @@ std::vector<StepCostSample> ModelScheduler::MeasureStepCost(ImageRequest req) {
       StatusOr<int64_t> h = batch_.Add(req);
       if (h.ok()) handles.push_back(*h);
     }
-    const std::vector<int64_t> widths =
-        R == 1 ? std::vector<int64_t>{1, 2, 4, 8, 16, 32, 64} : std::vector<int64_t>{1, 4, 16, 64};
-    // One request's shapes also decide a lone request's ceiling (LoneRequestCeiling), where a
-    // few percent between one node and two or four decide: five timed steps each, after two
-    // steps that warm the device (the first shape timed on the 2-core CPU was 0-30% slower
-    // than the next, larger one without them).
-    const int64_t timed = R == 1 ? 5 : 3;
-    if (R == 1) TimeShape(handles, 1, 1);
+    if (R == 1) {
+      if (!handles.empty()) MeasureLoneRequest(req, handles, start, &samples);
+      for (int64_t h : handles) batch_.Remove(h);
+      if (Seconds(start, Clock::now()) > 20) break;
+      continue;
+    }
+    const std::vector<int64_t> widths = {1, 4, 16, 64};
+    const int64_t timed = 3;
     for (int64_t w : widths) {
       if ((w > wmax && w != 1) || R * w * rows > 4096) break;
       std::vector<TimedStep> steps = TimeShape(handles, w, timed);
@@ -302,6 +302,55 @@ std::vector<StepCostSample> ModelScheduler::MeasureStepCost(ImageRequest req) {
     if (Seconds(start, Clock::now()) > 20) break;
   }
   return samples;
+}
+
+// One request's shapes, every knot up to 64 nodes (see MeasureStepCost). They also decide a
+// lone request's ceiling (LoneRequestCeiling), where a few percent between one node and two or
+// four decide, so they are timed in rounds: kLoneRounds rounds of every width in ascending
+// order, each an untimed step and a timed one, a fresh request each round (after a round that
+// warms the shapes), and each shape's median. A machine whose speed drifts over the calibration
+// then weighs on every width alike. Timed one width after another instead (five steps each),
+// eight calibrations on the 2-core CPU gave a lone scd-mc request 1, 4, 2, 2, 2, 1, 2 and 2
+// nodes, the step of two nodes 1.03-1.49x the step of one (docs/results-serving.md, "A lone
+// request's ceiling, timed in rounds"). Fresh requests, because a step after a wider one costs
+// more for a few steps: one node straight after 64 took 1.3 ms, falling to 0.75-0.9 over five
+// steps.
+void ModelScheduler::MeasureLoneRequest(ImageRequest req, std::vector<int64_t>& handles,
+                                        Clock::time_point start,
+                                        std::vector<StepCostSample>* samples) {
+  constexpr int64_t kLoneRounds = 9;
+  const int64_t rows = req.sampling.uses_cfg() ? 2 : 1;
+  std::vector<int64_t> widths;
+  for (int64_t w : {1, 2, 4, 8, 16, 32, 64}) {
+    if ((w > req.policy.window && w != 1) || w * rows > 4096) break;
+    widths.push_back(w);
+  }
+  std::map<int64_t, std::vector<double>> seconds;  // by forward rows
+  TimeShape(handles, 1, 1);                        // two steps that warm the device
+  for (int64_t round = 0; round <= kLoneRounds && !handles.empty(); ++round) {
+    for (int64_t w : widths) {
+      if (w == 1 || batch_.done(handles[0]) || batch_.WantedNodes(handles[0]) < w) {
+        batch_.Remove(handles[0]);
+        req.seed += 1;
+        StatusOr<int64_t> h = batch_.Add(req);
+        if (!h.ok()) {
+          handles.clear();
+          break;
+        }
+        handles[0] = *h;
+        TimeShape(handles, 1, 0);  // its first step, untimed
+      }
+      for (const TimedStep& t : TimeShape(handles, w, round > 0 ? 1 : 0)) {
+        seconds[t.rows].push_back(t.seconds);
+      }
+    }
+    if (Seconds(start, Clock::now()) > 20) break;
+  }
+  for (auto& [r, s] : seconds) {
+    if (s.size() < 3) continue;  // a request's last steps, narrower than asked
+    std::nth_element(s.begin(), s.begin() + static_cast<std::ptrdiff_t>(s.size() / 2), s.end());
+    samples->push_back({r, 1, s[s.size() / 2]});
+  }
 }
 
 // One request's steps at windows of 1 and 16 nodes, the first of each untimed and then the

@@ -2,6 +2,7 @@
 // budget, the step, and the events each step produces. The engine thread owns it (not thread-safe).
 #pragma once
 
+#include <chrono>
 #include <map>
 #include <memory>
 #include <random>
@@ -66,6 +67,11 @@ class ModelScheduler : public FamilyScheduler {
   // `timed` timed (fewer when one of them finishes).
   std::vector<TimedStep> TimeShape(const std::vector<int64_t>& handles, int64_t w,
                                    int64_t timed = 3);
+  // One request's shapes of the calibration, timed in interleaved rounds, into *samples;
+  // `handles` holds the one request (replaced by a fresh one as it runs out of tokens).
+  void MeasureLoneRequest(ImageRequest req, std::vector<int64_t>& handles,
+                          std::chrono::steady_clock::time_point start,
+                          std::vector<StepCostSample>* samples);
   // With EngineOptions::lone_request_max_window kLoneWindowFromCalibration: the ceiling on a
   // lone request's window (LoneRequestCeiling) for a policy, from the calibration's
   // one-request steps as Calibrate read or measured them (never the online refinement);
