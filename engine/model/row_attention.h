@@ -17,15 +17,17 @@
 namespace imagegen {
 
 // The batch-invariant forward sends every row through RowAttention (with
-// LoadOptions::row_attention, on the CPU in fp32). Until 2026-12-06 rows of more than 16 new tokens
-// kept one SDPA call per row group (kRowAttentionMaxTokens), measured when this kernel ran on one
-// thread while SDPA used two (the engine was compiled without OpenMP:
-// docs/data/row_attention_step_cpu_max256.txt). With both threads, a forward of the bundled model
-// with RowAttention taking every row against the SDPA calls (imagegen-step-cost, one cell a
-// process, the two in alternating order, 8 rounds: docs/data/row_attention_all_rows_2026-12-06/)
-// took 0.85-0.92x the time at 1 request of 16-128 tokens, 0.72x at 192, 0.63-0.82x at 4 requests of
-// 16-128, 0.55-0.87x at 16 of 16-32 (medians; 7 or 8 of 8 rounds below 1 in every cell). Head sizes
-// RowAttention takes: multiples of 8 up to this.
+// LoadOptions::row_attention, on the CPU in fp32). Until 2026-12-06 rows of more than 16 new
+// tokens kept one SDPA call per row group (kRowAttentionMaxTokens), measured when this kernel
+// ran on one thread while SDPA used two (the engine was compiled without OpenMP:
+// docs/data/row_attention_step_cpu_max256.txt). With both threads, a forward of the bundled
+// model with RowAttention taking every row against the SDPA calls (imagegen-step-cost, one cell
+// a process, the two in alternating order, 8 rounds: docs/data/row_attention_all_rows_2026-12-06/)
+// took 0.85-0.92x the time at 1 request of 16-128 tokens, 0.72x at 192, 0.63-0.82x at 4
+// requests of 16-128, 0.55-0.87x at 16 of 16-32 (medians; 7 or 8 of 8 rounds below 1 in every
+// cell).
+
+// Head sizes RowAttention takes: multiples of 8 up to this.
 inline constexpr int64_t kRowAttentionMaxHeadDim = 256;
 
 struct RowAttentionSpan {
