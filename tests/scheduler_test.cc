@@ -1011,6 +1011,13 @@ TEST(EngineTest, ALoneRequestsCalibratedCeilingIsTheSameAfterARestart) {
   ASSERT_TRUE(text.ok());
   auto json = ParseJson(*text);
   ASSERT_TRUE(json.ok());
+  // One request's knots, timed in rounds (ModelScheduler::MeasureLoneRequest): every width of
+  // the calibration's sjd request, 1 to 64 nodes of two rows, each the median of its rounds.
+  std::set<int64_t> one_request_rows;
+  for (const auto& sample : (*json)["samples"]) {
+    if (sample[1].get<int64_t>() == 1) one_request_rows.insert(sample[0].get<int64_t>());
+  }
+  EXPECT_EQ(one_request_rows, (std::set<int64_t>{2, 4, 8, 16, 32, 64, 128}));
   StepCostModel calibration;  // read as the scheduler reads it, under the file's own key
   ASSERT_TRUE(calibration.Deserialize(*text, (*json)["key"].get<std::string>(), files[0]).ok());
   const int64_t ceiling =
