@@ -2000,8 +2000,8 @@ TEST(E2eTest, TheDefaultDaemonDrawsWhatTheBundledTextModelsPromptNames) {
   // A request alone runs at most the nodes this machine's step-cost calibration makes fastest
   // for its method, which the daemon says at start. The calibration is measured (or reused) on
   // whatever machine runs the test, loaded or not: with a ceiling of one node scd-mc drafts
-  // nothing and takes 196 forwards, with more it speculates. Every ceiling from 1 to 12 (and
-  // none) draws the asserted classes for these seeds (a probe on 2026-12-06, nfe 196 down to
+  // nothing and takes 196 forwards, with more it speculates. Ceilings of 1-6, 8 and 12 nodes and
+  // none all draw the asserted classes for these seeds (a probe on 2026-12-06, nfe 196 down to
   // 36), so the classes do not depend on the calibration.
   const std::string log = d.proc().Log();
   std::smatch said;
