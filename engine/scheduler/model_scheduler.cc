@@ -262,7 +262,12 @@ std::vector<ModelScheduler::TimedStep> ModelScheduler::TimeShape(
 // 32 requests at a time (as the KV slots allow; at most 4,096 forward rows), and for one request
 // also 2, 8 and 32 nodes: up to 19 shapes, each the median of three timed steps, of nine for one
 // request, timed in rounds (MeasureLoneRequest; a noisy machine's outliers would otherwise pull
-// the fit). Stops early past 20 seconds (a slow device then leans on online refinement). One
+// the fit). Past 20 seconds (a slow or loaded device, which then leans on the online
+// refinement) only each request count's narrowest shape is timed, so that the calibration still
+// covers every request count (a cache that does not is measured again at the next start); and
+// the lone rounds stop past 10 seconds once they have three timed steps of every width. (Before,
+// everything stopped at 20 s: three engine tests starting at once on the 2-core VM each spent
+// them on the lone rounds, and one failed to start, "no samples".) One
 // request's shapes are every knot of the model up to 64 nodes because a request alone is planned on
 // them (lone_request_full_window off, or a window-invariant method): between knots 4x apart the fit
 // had to guess, and on a 2-core CPU it put 29 nodes (58 rows) at 8.2 ms where they took 6.2, so the
@@ -282,7 +287,6 @@ std::vector<StepCostSample> ModelScheduler::MeasureStepCost(ImageRequest req) {
     if (R == 1) {
       if (!handles.empty()) MeasureLoneRequest(req, handles, start, &samples);
       for (int64_t h : handles) batch_.Remove(h);
-      if (Seconds(start, Clock::now()) > 20) break;
       continue;
     }
     const std::vector<int64_t> widths = {1, 4, 16, 64};
@@ -296,10 +300,9 @@ std::vector<StepCostSample> ModelScheduler::MeasureStepCost(ImageRequest req) {
         const TimedStep& median = steps[static_cast<size_t>(timed / 2)];
         samples.push_back({median.rows, static_cast<int64_t>(handles.size()), median.seconds});
       }
-      if (Seconds(start, Clock::now()) > 20) break;
+      if (Seconds(start, Clock::now()) > 20) break;  // the narrowest shape only
     }
     for (int64_t h : handles) batch_.Remove(h);
-    if (Seconds(start, Clock::now()) > 20) break;
   }
   return samples;
 }
@@ -344,7 +347,7 @@ void ModelScheduler::MeasureLoneRequest(ImageRequest req, std::vector<int64_t>& 
         seconds[t.rows].push_back(t.seconds);
       }
     }
-    if (Seconds(start, Clock::now()) > 20) break;
+    if (round >= 3 && Seconds(start, Clock::now()) > 10) break;  // three timed steps a width
   }
   for (auto& [r, s] : seconds) {
     if (s.size() < 3) continue;  // a request's last steps, narrower than asked
