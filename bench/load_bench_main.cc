@@ -445,6 +445,7 @@ int main(int argc, char** argv) {
            {"batch-invariant", "1"},
            {"row-attention", "1"},
            {"small-rows-gemm", "1"},
+           {"small-rows-gemm-rows", "0"},
            {"fused-norm-rope", "1"},
            {"matmul-precision", "highest"},
            {"cuda-graphs", "-1"},
@@ -474,6 +475,7 @@ int main(int argc, char** argv) {
   base.batch_invariant = f.Int("batch-invariant") != 0;
   base.row_attention = f.Int("row-attention") != 0;               // EngineOptions::row_attention
   base.small_rows_gemm = f.Int("small-rows-gemm") != 0;           // EngineOptions::small_rows_gemm
+  base.small_rows_gemm_rows = f.Int("small-rows-gemm-rows");      // ...small_rows_gemm_rows
   base.fused_norm_rope = f.Int("fused-norm-rope") != 0;           // EngineOptions::fused_norm_rope
   base.matmul_precision = f.Str("matmul-precision");              // highest, or medium (bf16)
   base.cuda_graphs = static_cast<int>(f.Int("cuda-graphs"));      // EngineOptions: -1 by device

@@ -77,8 +77,8 @@ int main(int argc, char** argv) {
            {"csv", ""}},
           "usage: imagegen-step-cost [--shapes bundled,gpt-b,gpt-l,gpt-xl,tiny] [--dtypes "
           "bf16,fp32] [--device cuda] [--requests 1,2,..] [--tokens 1,2,..] [--forwards "
-          "eager,eager-sdpa,eager-pad,eager-ops,static,graphs,static-ref,graphs-ref,static-rope,"
-          "graphs-rope] "
+          "eager,eager-sdpa,eager-pad,eager-tile,eager-ops,static,graphs,static-ref,graphs-ref,"
+          "static-rope,graphs-rope] "
           "[--kernel-profile N] "
           "[--csv FILE]");
   std::ofstream csv;
@@ -105,15 +105,20 @@ int main(int argc, char** argv) {
   // run: off the CPU, in bf16, or with --batch-invariant 0); eager-pad: the eager forward with
   // the linear layers of fewer than 16 rows padded to 16 for the BLAS instead of
   // SmallRowsLinear's kernel (LoadOptions::small_rows_gemm off, a fifth; the same logits);
+  // eager-tile: the kernel on fewer than 16 rows only, the BLAS on more (LoadOptions::
+  // small_rows_gemm_rows -1, an eighth; eager's kernel takes the rows it was timed faster on
+  // at load; the same logits);
   // eager-ops: the eager forward with RMSNorm and the rotary embedding as ATen ops instead of
   // one kernel each (LoadOptions::fused_norm_rope off, a sixth; the same logits); eager-bf16mm:
   // the eager forward with every linear layer in bf16 on the AMX tiles (LoadOptions::
   // bf16_matmul, the engine's matmul precision "medium"; a seventh; other logits).
   bool any_ref = false, any_rope = false, any_sdpa = false, any_pad = false, any_ops = false;
-  bool any_bf16mm = false;
-  for (const std::string& fw : f.Choices(
-           "forwards", {"eager", "eager-sdpa", "eager-pad", "eager-ops", "eager-bf16mm", "static",
-                        "graphs", "static-ref", "graphs-ref", "static-rope", "graphs-rope"})) {
+  bool any_bf16mm = false, any_tile = false;
+  for (const std::string& fw :
+       f.Choices("forwards",
+                 {"eager", "eager-sdpa", "eager-pad", "eager-tile", "eager-ops", "eager-bf16mm",
+                  "static", "graphs", "static-ref", "graphs-ref", "static-rope", "graphs-rope"})) {
+    any_tile |= fw == "eager-tile";
     any_ref |= fw == "static-ref" || fw == "graphs-ref";
     any_rope |= fw == "static-rope" || fw == "graphs-rope";
     any_sdpa |= fw == "eager-sdpa";
@@ -148,6 +153,8 @@ int main(int argc, char** argv) {
           any_sdpa ? load([](LoadOptions& o) { o.row_attention = false; }) : nullptr;
       std::unique_ptr<Gpt> pad_gpt =
           any_pad ? load([](LoadOptions& o) { o.small_rows_gemm = false; }) : nullptr;
+      std::unique_ptr<Gpt> tile_gpt =
+          any_tile ? load([](LoadOptions& o) { o.small_rows_gemm_rows = -1; }) : nullptr;
       std::unique_ptr<Gpt> ops_gpt =
           any_ops ? load([](LoadOptions& o) { o.fused_norm_rope = false; }) : nullptr;
       std::unique_ptr<Gpt> bf16mm_gpt =
@@ -172,6 +179,17 @@ int main(int argc, char** argv) {
           static_cast<long long>(cfg.n_layer), static_cast<long long>(cfg.block_size),
           gpt->weight_bytes() / 1e6,
           gbps > 0 ? (", weight-read limit " + std::to_string(weight_ms) + " ms").c_str() : "");
+      if (gpt->small_rows_linears() > 0) {
+        std::printf("few-row kernel on %lld of %lld linear layers, up to %lld-%lld rows%s\n",
+                    static_cast<long long>(gpt->small_rows_linears()),
+                    static_cast<long long>(gpt->small_rows_tried()),
+                    static_cast<long long>(gpt->small_rows_min()),
+                    static_cast<long long>(gpt->small_rows_max()),
+                    tile_gpt != nullptr ? (" (eager-tile: up to " +
+                                           std::to_string(tile_gpt->small_rows_max()) + ")")
+                                              .c_str()
+                                        : "");
+      }
       std::printf("%8s %6s %8s %8s %10s %12s %8s %8s\n", "requests", "rows", "tokens", "tok/req",
                   "median ms", "tokens/s", "x 1 tok", "launches");
       for (const std::string& fw : f.List("forwards")) {
@@ -181,6 +199,7 @@ int main(int argc, char** argv) {
               : rope                 ? rope_gpt.get()
               : fw == "eager-sdpa"   ? sdpa_gpt.get()
               : fw == "eager-pad"    ? pad_gpt.get()
+              : fw == "eager-tile"   ? tile_gpt.get()
               : fw == "eager-ops"    ? ops_gpt.get()
               : fw == "eager-bf16mm" ? bf16mm_gpt.get()
                                      : fused_gpt.get();

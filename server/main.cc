@@ -110,16 +110,21 @@ ABSL_FLAG(bool, cuda_graphs, true,
           "eager forward's within rounding; --cuda_graphs=false for images that are bit for bit "
           "independent of the requests beside them");
 ABSL_FLAG(bool, row_attention, true,
-          "with --batch_invariant on the CPU in fp32: rows of up to 16 new tokens attend through "
-          "one kernel call a layer instead of one SDPA call per request (1.4-1.5x faster "
-          "forwards at 16 one-token requests on 2 cores); false for the SDPA calls (A/B "
-          "comparisons; images then round differently)");
+          "with --batch_invariant on the CPU in fp32: every row attends through one kernel call "
+          "a layer instead of one SDPA call per request (1.4-1.5x faster forwards at 16 "
+          "one-token requests on 2 cores); false for the SDPA calls (A/B comparisons; images "
+          "then round differently)");
 ABSL_FLAG(bool, small_rows_gemm, true,
           "with --batch_invariant on the CPU in fp32: linear layers of fewer than 16 rows run a "
           "kernel that rounds them as the BLAS rounds 16 or more (checked per weight at load) "
           "instead of the BLAS on the rows padded to 16 (the same images; about 0.6x the "
-          "forward's time for one request's two rows on 2 cores); false for the padded "
-          "products (A/B comparisons)");
+          "forward's time for one request's two rows on 2 cores), and of more rows up to where "
+          "the kernel was timed faster than the BLAS at load; false for the padded products "
+          "(A/B comparisons)");
+ABSL_FLAG(int64_t, small_rows_gemm_rows, 0,
+          "the most rows of a linear layer the --small_rows_gemm kernel takes: 0 for what its "
+          "timing against the BLAS at load chose (at most 256); more for that many; -1 for "
+          "fewer than 16 only (the same images at any count)");
 ABSL_FLAG(std::string, matmul_precision, "highest",
           "the fp32 products' precision, as PyTorch names it: highest (fp32) or medium (on the "
           "CPU in fp32, every linear layer of the GPT models in bf16 on the AMX tiles, sums in "
@@ -340,6 +345,7 @@ int main(int argc, char** argv) {
   eo.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs) ? -1 : 0;  // -1: on for CUDA devices
   eo.row_attention = absl::GetFlag(FLAGS_row_attention);
   eo.small_rows_gemm = absl::GetFlag(FLAGS_small_rows_gemm);
+  eo.small_rows_gemm_rows = absl::GetFlag(FLAGS_small_rows_gemm_rows);
   eo.fused_norm_rope = absl::GetFlag(FLAGS_fused_norm_rope);
   eo.matmul_precision = absl::GetFlag(FLAGS_matmul_precision);
   eo.fused_verify = absl::GetFlag(FLAGS_fused_verify);

@@ -8,6 +8,8 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -82,6 +84,53 @@ TEST(SmallRowsLinearTest, EveryRowIsTheBlasRowOfALargerMatrixBitForBit) {
   std::printf("%d of %zu shapes reproduced\n", accepted, std::size(kShapes));
 }
 
+// The rows Prepare's timing lets the kernel take (16 or more where it was faster than the BLAS
+// here) are the BLAS's own bits at counts between and at those it timed, for other inputs than
+// its probe's (the timing checks the bits itself; this is the check of that check).
+TEST(SmallRowsLinearTest, TheRowsTheTimingChoseAreTheBlasRowsBitForBit) {
+  if (!SmallRowsLinear::Supported()) GTEST_SKIP() << "no AVX2 and FMA here";
+  at::manual_seed(13);
+  for (const Shape& s : kShapes) {
+    const at::Tensor w = at::randn({s.N, s.K}) * 0.05;
+    const SmallRowsLinear small = SmallRowsLinear::Prepare(w);
+    if (!small.ok()) continue;
+    const std::string what = "K " + std::to_string(s.K) + ", N " + std::to_string(s.N);
+    std::printf("%s: up to %lld rows\n", what.c_str(), static_cast<long long>(small.max_rows()));
+    EXPECT_GE(small.max_rows(), small.tile_rows()) << what;
+    EXPECT_LE(small.max_rows(), kSmallRowsMeasuredMax) << what;
+    for (int64_t m = 16; m <= small.max_rows(); m += m < 64 ? 8 : 32) {
+      const at::Tensor x = at::randn({m, s.K});
+      EXPECT_TRUE(at::equal(small(x), at::linear(x, w))) << what << ", m " << m;
+    }
+  }
+}
+
+// ChooseMaxRows on made-up timings: the kernel takes the rows up to the first count where it
+// is not at least 10% faster or not the same bits, and its tile's limit below 16 where the
+// first count fails.
+TEST(SmallRowsLinearTest, TheKernelTakesRowsUpToWhereItStopsBeingClearlyFaster) {
+  auto t = [](int64_t rows, double kernel, double blas, bool same = true) {
+    SmallRowsTiming x;
+    x.rows = rows;
+    x.kernel_seconds = kernel;
+    x.blas_seconds = blas;
+    x.same_bits = same;
+    return x;
+  };
+  EXPECT_EQ(SmallRowsLinear::ChooseMaxRows({}, 11), 11);
+  EXPECT_EQ(SmallRowsLinear::ChooseMaxRows({t(16, 1.0, 1.0)}, 11), 11);  // not 10% faster
+  EXPECT_EQ(SmallRowsLinear::ChooseMaxRows({t(16, 0.95, 1.0)}, 15), 15);
+  EXPECT_EQ(SmallRowsLinear::ChooseMaxRows({t(16, 0.5, 1.0)}, 11), 16);
+  EXPECT_EQ(SmallRowsLinear::ChooseMaxRows(
+                {t(16, 0.5, 1.0), t(32, 0.7, 1.0), t(64, 0.95, 1.0), t(128, 0.5, 1.0)}, 11),
+            32);  // the run stops at 64, though 128 is faster again
+  EXPECT_EQ(SmallRowsLinear::ChooseMaxRows({t(16, 0.5, 1.0), t(32, 0.5, 1.0, false)}, 11), 16);
+  EXPECT_EQ(SmallRowsLinear::ChooseMaxRows({t(16, 0.5, 1.0, false)}, 11), 11);
+  const double inf = std::numeric_limits<double>::infinity();
+  EXPECT_EQ(SmallRowsLinear::ChooseMaxRows({t(16, inf, inf)}, 11), 11);
+  EXPECT_EQ(SmallRowsLinear::ChooseMaxRows({t(16, std::nan(""), 1.0)}, 11), 11);
+}
+
 // The power of Prepare's check: the kernel with another k-blocking than the BLAS's rounds some
 // outputs differently, which the bit-for-bit comparison sees.
 TEST(SmallRowsLinearTest, AnotherBlockingRoundsDifferently) {
@@ -105,17 +154,26 @@ TEST(SmallRowsLinearTest, AnotherBlockingRoundsDifferently) {
 
 // The bundled model's forward, batch-invariant: each request's logits with the kernel equal
 // those with the padded products bit for bit, alone (2 to 14 rows: the kernel) and among other
-// requests (16 or more rows: the BLAS for every row).
+// requests (36 rows: the BLAS without the kernel; with it, the kernel where the timing at load
+// chose it, and the kernel on every row of a model told to give it up to 256).
 TEST(SmallRowsLinearTest, TheForwardsLogitsAreThePaddedForwardsBitForBit) {
-  LoadOptions on, off;
+  LoadOptions on, off, every;
   off.small_rows_gemm = false;
+  every.small_rows_gemm_rows = 256;
   auto with = Gpt::Load(std::string(testing::TestModelsDir()) + "/fmnist-gpt", on);
   auto without = Gpt::Load(std::string(testing::TestModelsDir()) + "/fmnist-gpt", off);
-  ASSERT_TRUE(with.ok() && without.ok());
+  auto always = Gpt::Load(std::string(testing::TestModelsDir()) + "/fmnist-gpt", every);
+  ASSERT_TRUE(with.ok() && without.ok() && always.ok());
   EXPECT_EQ((*without)->small_rows_tried(), 0);
-  std::printf("kernel on %lld of %lld linear layers\n",
+  std::printf("kernel on %lld of %lld linear layers, up to %lld-%lld rows\n",
               static_cast<long long>((*with)->small_rows_linears()),
-              static_cast<long long>((*with)->small_rows_tried()));
+              static_cast<long long>((*with)->small_rows_tried()),
+              static_cast<long long>((*with)->small_rows_min()),
+              static_cast<long long>((*with)->small_rows_max()));
+  if ((*always)->small_rows_linears() > 0) {
+    EXPECT_EQ((*always)->small_rows_min(), 256);
+    EXPECT_EQ((*always)->small_rows_max(), 256);
+  }
   if (KnownToReproduce()) {
     EXPECT_EQ((*with)->small_rows_linears(), (*with)->small_rows_tried());
     EXPECT_EQ((*with)->small_rows_tried(), 6 * 5 + 1);
@@ -141,6 +199,13 @@ TEST(SmallRowsLinearTest, TheForwardsLogitsAreThePaddedForwardsBitForBit) {
   KvCache c = (*with)->NewCache(2 * lengths.size());
   auto together = (*with)->Forward(all, c, {}, inv);  // 2 + 4 + 6 + 10 + 14 = 36 rows
   ASSERT_TRUE(together.ok());
+  KvCache c2 = (*without)->NewCache(2 * lengths.size()),
+          c3 = (*always)->NewCache(2 * lengths.size());
+  auto blas = (*without)->Forward(all, c2, {}, inv);
+  auto kernel = (*always)->Forward(all, c3, {}, inv);
+  ASSERT_TRUE(blas.ok() && kernel.ok());
+  EXPECT_TRUE(at::equal(*together, *blas)) << "36 rows: as timed at load, against the BLAS";
+  EXPECT_TRUE(at::equal(*kernel, *blas)) << "36 rows: the kernel on every row, against the BLAS";
   int64_t t = 0;
   for (size_t r = 0; r < lengths.size(); ++r) {
     const int64_t n = alone_with[r].size(0);

@@ -37,14 +37,14 @@ at::Tensor ApplyRopeComplex(const at::Tensor& x, const at::Tensor& table) {
 }
 
 // x w^T: amx's bf16 products where it is prepared (batch-invariant at any row count); else
-// batch-invariant: never the BLAS on fewer than kInvariantMinRows rows (small's kernel, which
-// rounds as the BLAS does on more, or else the rows padded to that many).
+// batch-invariant: small's kernel up to its max_rows (it rounds as the BLAS does on 16 or more
+// rows), and never the BLAS on fewer than kInvariantMinRows rows (the rows padded to that many).
 at::Tensor Linear(const at::Tensor& x, const at::Tensor& w, bool invariant,
                   const SmallRowsLinear& small, const AmxBf16Linear& amx) {
   if (amx.ok()) return amx(x);
   const int64_t m = x.size(0);
+  if (invariant && small.ok() && m <= small.max_rows()) return small(x);
   if (!invariant || m >= kInvariantMinRows) return at::linear(x, w);
-  if (small.ok() && m <= small.max_rows()) return small(x);
   at::Tensor xp = at::zeros({kInvariantMinRows, x.size(1)}, x.options());
   xp.narrow(0, 0, m).copy_(x);
   return at::linear(xp, w).narrow(0, 0, m);
@@ -410,6 +410,7 @@ void Gpt::FuseMlpWeights() {
     rope_rows_ = RopeRowsMatch(2 * cfg_.n_head, cfg_.head_dim(), cfg_.prompted());
   }
   small_rows_ok_ = small_rows_total_ = amx_ok_ = amx_total_ = 0;
+  small_rows_min_ = small_rows_max_ = 0;
   struct Kernels {
     SmallRowsLinear* small;
     AmxBf16Linear* amx;
@@ -439,9 +440,13 @@ void Gpt::FuseMlpWeights() {
   if (opts_.small_rows_gemm.value_or(true) && cpu_fp32 && !all_amx &&
       linear_bytes <= kSmallGemmMaxWeightBytes && SmallRowsLinear::Supported()) {
     for (const Kernels& k : linears) {
-      *k.small = SmallRowsLinear::Prepare(*k.w);
-      small_rows_ok_ += k.small->ok() ? 1 : 0;
+      *k.small = SmallRowsLinear::Prepare(*k.w, opts_.small_rows_gemm_rows);
       ++small_rows_total_;
+      if (!k.small->ok()) continue;
+      const int64_t rows = k.small->max_rows();
+      small_rows_min_ = small_rows_ok_ == 0 ? rows : std::min(small_rows_min_, rows);
+      small_rows_max_ = std::max(small_rows_max_, rows);
+      ++small_rows_ok_;
     }
   }
   if (!fused_static_) return;

@@ -200,6 +200,9 @@ class Gpt {
   // small_rows_gemm), of those it was tried on (0 of 0: not tried).
   int64_t small_rows_linears() const { return small_rows_ok_; }
   int64_t small_rows_tried() const { return small_rows_total_; }
+  // The fewest and the most rows those kernels take (SmallRowsLinear::max_rows; 0 with none).
+  int64_t small_rows_min() const { return small_rows_min_; }
+  int64_t small_rows_max() const { return small_rows_max_; }
   // Linear layers whose products run in bf16 on the AMX tiles (LoadOptions::bf16_matmul), of
   // those it was asked for (0 of 0: not asked).
   int64_t bf16_matmul_linears() const { return amx_ok_; }
@@ -284,7 +287,7 @@ class Gpt {
   bool fused_static_ = false;
   bool rope_scatter_ = false;
   bool row_attention_ = false;
-  int64_t small_rows_ok_ = 0, small_rows_total_ = 0;
+  int64_t small_rows_ok_ = 0, small_rows_total_ = 0, small_rows_min_ = 0, small_rows_max_ = 0;
   RowNorm row_norm_;        // not ok: the ops (LoadOptions::fused_norm_rope)
   bool rope_rows_ = false;  // the rotary embedding through RopeRows
   // [vocab + condition_ids, dim]: image-token rows then condition rows (class labels, or text

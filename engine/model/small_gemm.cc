@@ -5,7 +5,13 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cmath>
 #include <cstring>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <tuple>
 #include <type_traits>
 
 #include "engine/model/gpt.h"  // kInvariantMinRows
@@ -148,11 +154,11 @@ void Panels(const float* x, int64_t m, int64_t K, const float* wp,
 
 // Deterministic probe inputs in [-2, 2) (splitmix64), so that Prepare does not draw from
 // LibTorch's global generator (Gpt::Random seeds and draws from it around the load).
-at::Tensor ProbeRows(int64_t K) {
-  at::Tensor x = at::empty({kProbeRows, K}, at::kFloat);
+at::Tensor ProbeRows(int64_t K, int64_t rows = kProbeRows) {
+  at::Tensor x = at::empty({rows, K}, at::kFloat);
   float* p = x.data_ptr<float>();
   uint64_t s = 0x9e3779b97f4a7c15ull ^ static_cast<uint64_t>(K);
-  for (int64_t i = 0; i < kProbeRows * K; ++i) {
+  for (int64_t i = 0; i < rows * K; ++i) {
     uint64_t z = (s += 0x9e3779b97f4a7c15ull);
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
@@ -185,7 +191,61 @@ std::vector<std::vector<int64_t>> Candidates(int64_t K) {
   return out;
 }
 
+// Prepare's timing of one row count: the fastest of kCalls alternating calls of each (load
+// and stalls only make a call slower), after a call of each that checks the bits.
+SmallRowsTiming TimeRows(const SmallRowsLinear& s, const at::Tensor& w, int64_t rows) {
+  constexpr int kCalls = 5;
+  const at::Tensor x = ProbeRows(w.size(1), rows);
+  SmallRowsTiming t;
+  t.rows = rows;
+  t.same_bits = at::equal(s(x), at::linear(x, w));
+  t.kernel_seconds = t.blas_seconds = std::numeric_limits<double>::infinity();
+  using Clock = std::chrono::steady_clock;
+  for (int i = 0; i < kCalls; ++i) {
+    const auto t0 = Clock::now();
+    at::Tensor a = s(x);
+    const auto t1 = Clock::now();
+    at::Tensor b = at::linear(x, w);
+    const auto t2 = Clock::now();
+    t.kernel_seconds = std::min(t.kernel_seconds, std::chrono::duration<double>(t1 - t0).count());
+    t.blas_seconds = std::min(t.blas_seconds, std::chrono::duration<double>(t2 - t1).count());
+  }
+  return t;
+}
+
 }  // namespace
+
+int64_t SmallRowsLinear::ChooseMaxRows(const std::vector<SmallRowsTiming>& timings, int64_t below) {
+  int64_t rows = below;
+  for (const SmallRowsTiming& t : timings) {
+    if (!t.same_bits || !std::isfinite(t.blas_seconds) ||
+        !(t.kernel_seconds <= kFaster * t.blas_seconds)) {
+      break;
+    }
+    rows = t.rows;
+  }
+  return rows;
+}
+
+// Timed once per weight shape, k-blocking, tile width and intra-op thread count in a process (a
+// model's layers share a few shapes; the bundled model's 31 weights have four): about 70 ms for
+// the bundled model on the dev VM. Under the lock, so that two models loading at once do not
+// time each other.
+int64_t SmallRowsLinear::MeasureMaxRows(const at::Tensor& w) const {
+  static std::mutex mu;
+  static std::map<std::tuple<int64_t, int64_t, std::vector<int64_t>, bool, int>, int64_t> measured;
+  const auto key = std::make_tuple(n_, k_, blocks_, avx512_, at::get_num_threads());
+  std::lock_guard<std::mutex> lock(mu);
+  if (auto it = measured.find(key); it != measured.end()) return it->second;
+  std::vector<SmallRowsTiming> timings;
+  for (int64_t rows = kInvariantMinRows; rows <= kSmallRowsMeasuredMax; rows *= 2) {
+    timings.push_back(TimeRows(*this, w, rows));
+    if (ChooseMaxRows(timings, 0) != rows) break;  // the kernel stops here
+  }
+  const int64_t rows = ChooseMaxRows(timings, tile_rows());
+  measured.emplace(key, rows);
+  return rows;
+}
 
 bool SmallRowsLinear::Supported() {
 #ifdef IMAGEGEN_SMALL_GEMM_X86
@@ -221,7 +281,7 @@ SmallRowsLinear SmallRowsLinear::WithBlocks(const at::Tensor& w, std::vector<int
   return s;
 }
 
-SmallRowsLinear SmallRowsLinear::Prepare(const at::Tensor& w) {
+SmallRowsLinear SmallRowsLinear::Prepare(const at::Tensor& w, int64_t max_rows) {
   if (!Supported() || w.dim() != 2 || !w.device().is_cpu() || w.scalar_type() != at::kFloat) {
     return {};
   }
@@ -239,12 +299,15 @@ SmallRowsLinear SmallRowsLinear::Prepare(const at::Tensor& w) {
     first.blocks_ = s.blocks_;
     first.avx512_ = s.avx512_;
     if (!at::equal(first(x), want_panel)) continue;
-    if (at::equal(s(x), want)) return s;
+    if (at::equal(s(x), want)) {
+      s.max_rows_ = max_rows > 0 ? max_rows : max_rows < 0 ? 0 : s.MeasureMaxRows(w);
+      return s;
+    }
   }
   return {};
 }
 
-int64_t SmallRowsLinear::max_rows() const { return avx512_ ? kInvariantMinRows - 1 : 11; }
+int64_t SmallRowsLinear::tile_rows() const { return avx512_ ? kInvariantMinRows - 1 : 11; }
 
 at::Tensor SmallRowsLinear::operator()(const at::Tensor& x_in) const {
   TORCH_CHECK(ok(), "SmallRowsLinear: not prepared");

@@ -12,6 +12,13 @@
 // by comparing candidates bit for bit with at::linear on 16 rows, once per weight at load; where
 // none reproduces it (another BLAS, a CPU without AVX2 and FMA, another architecture) it is not
 // ok and the forward pads as before. Either way a row's logits are the same bits.
+//
+// Where the kernel is also faster than the BLAS on 16 rows or more, it takes those too: the
+// BLAS's speed on a few dozen rows differs between CPUs more than the kernel's (MKL on the dev
+// VM's AVX-512 Xeon was as fast at 14 rows; on its AMD EPYC, AVX2 only, the kernel took
+// 0.5-0.6x MKL's time at 16 rows and 0.8-0.9x at 64). So Prepare times both at 16, 32, 64, 128
+// and 256 rows, once per weight shape in a process, and the kernel takes the rows up to where it
+// stops being clearly faster (ChooseMaxRows), each count checked bit for bit against the BLAS.
 
 #include <ATen/Tensor.h>
 
@@ -24,12 +31,33 @@ namespace imagegen {
 // keeps a second, packed copy of every weight).
 inline constexpr int64_t kSmallGemmMaxWeightBytes = int64_t{512} << 20;
 
+// Prepare times the kernel against the BLAS on up to this many rows.
+inline constexpr int64_t kSmallRowsMeasuredMax = 256;
+
+// One row count of Prepare's timing: the fastest of a few calls of each, and whether the
+// kernel's rows were the BLAS's bits.
+struct SmallRowsTiming {
+  int64_t rows = 0;
+  double kernel_seconds = 0, blas_seconds = 0;
+  bool same_bits = false;
+};
+
 class SmallRowsLinear {
  public:
   SmallRowsLinear() = default;
   // w [N, K]: CPU, fp32. Packs a copy of it (the same bytes again) and finds the k-blocking
-  // that reproduces at::linear on 16 rows bit for bit; not ok() where none does.
-  static SmallRowsLinear Prepare(const at::Tensor& w);
+  // that reproduces at::linear on 16 rows bit for bit; not ok() where none does. max_rows: the
+  // most rows the forward gives the kernel; 0: measured (ChooseMaxRows over the timings at 16
+  // to kSmallRowsMeasuredMax rows; once per weight shape, k-blocking, tile width and thread
+  // count in a process, then reused); negative: tile_rows().
+  static SmallRowsLinear Prepare(const at::Tensor& w, int64_t max_rows = 0);
+  // The rows the kernel takes, from timings at ascending row counts from 16: the largest count
+  // of the run of timings, from the first, where the kernel computed the BLAS's bits in at
+  // most kFaster of the BLAS's time; `below` (the tile's own limit under 16 rows) where the
+  // first timing fails. The margin keeps the BLAS where the two are within a noisy machine's
+  // spread of each other.
+  static constexpr double kFaster = 0.9;
+  static int64_t ChooseMaxRows(const std::vector<SmallRowsTiming>& timings, int64_t below);
   // The kernel with the given k-blocks (summing to K), unchecked (tests); avx512 false: the
   // AVX2 tiles even where the CPU has AVX-512 (the same bits, which tests check).
   static SmallRowsLinear WithBlocks(const at::Tensor& w, std::vector<int64_t> blocks,
@@ -38,20 +66,27 @@ class SmallRowsLinear {
   static bool Supported();
 
   bool ok() const { return !blocks_.empty(); }
-  // The most rows the forward gives the kernel (more go to the BLAS, padded to 16): every count
-  // below kInvariantMinRows with AVX-512 tiles; 11 with AVX2 ones, which on the dev VM took
-  // 0.64-0.67x the padded forward's time at 2-4 rows and 0.83-0.88x at 8, but 1.03-1.11x at 14
-  // (against MKL's AVX-512).
-  int64_t max_rows() const;
+  // The most rows the forward gives the kernel (more go to the BLAS, padded to 16 if fewer).
+  // Where the kernel is not faster than the BLAS on 16 rows (or Prepare was not asked to
+  // measure): every count below kInvariantMinRows with AVX-512 tiles; 11 with AVX2 ones, which
+  // on the dev VM's Xeon took 0.64-0.67x the padded forward's time at 2-4 rows and 0.83-0.88x
+  // at 8, but 1.03-1.11x at 14 (against MKL's AVX-512). Else what Prepare measured or was given.
+  int64_t max_rows() const { return max_rows_ > 0 ? max_rows_ : tile_rows(); }
+  // The limit below 16 rows (above).
+  int64_t tile_rows() const;
   const std::vector<int64_t>& blocks() const { return blocks_; }
-  // x [m, K] fp32 on the CPU (any m; the forward uses it below kInvariantMinRows): x w^T.
+  // x [m, K] fp32 on the CPU (any m; the forward gives it up to max_rows()): x w^T.
   at::Tensor operator()(const at::Tensor& x) const;
 
  private:
+  // Prepare's timing against the BLAS (ChooseMaxRows), once per shape in a process.
+  int64_t MeasureMaxRows(const at::Tensor& w) const;
+
   at::Tensor packed_;  // [ceil(N / 16), K, 16]: 16 output columns a panel, zero-padded
   int64_t n_ = 0, k_ = 0;
   std::vector<int64_t> blocks_;  // k-blocks, in order; empty: not ok
   bool avx512_ = false;          // AVX-512 tiles (the CPU has them, and not turned off)
+  int64_t max_rows_ = 0;         // 0: tile_rows()
 };
 
 }  // namespace imagegen

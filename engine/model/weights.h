@@ -50,9 +50,15 @@ struct LoadOptions {
   // kInvariantMinRows rows run SmallRowsLinear's kernel (engine/model/small_gemm.h), which
   // rounds them exactly as the BLAS rounds them among 16 or more (checked per weight at load:
   // a weight it does not reproduce keeps the padded product), instead of the BLAS on the rows
-  // padded to 16. The same logits bit for bit, faster for a few rows; a second copy of the
-  // linear weights (models of up to kSmallGemmMaxWeightBytes of them). Unset: on.
+  // padded to 16; and on more rows too, up to where the kernel was timed faster than the BLAS
+  // at load (SmallRowsLinear::Prepare). The same logits bit for bit, faster for a few rows; a
+  // second copy of the linear weights (models of up to kSmallGemmMaxWeightBytes of them).
+  // Unset: on.
   std::optional<bool> small_rows_gemm;
+  // The most rows the few-row kernel takes: 0, what Prepare's timing at load chose (at most
+  // kSmallRowsMeasuredMax); more, that many; -1, fewer than 16 only (SmallRowsLinear::
+  // tile_rows; as before the timing). For A/B comparisons: any count gives the same bits.
+  int64_t small_rows_gemm_rows = 0;
   // GPT models on the CPU in fp32: the reference layer's RMSNorm (six ATen ops) and rotary
   // embedding (about ten) each run as one kernel that computes the same bits (engine/model/
   // norm_rope.h; checked at load, and the ops kept where the check fails). Unset: on.

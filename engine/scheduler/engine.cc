@@ -352,6 +352,7 @@ Status Engine::Impl::Load() {
   ASSIGN_OR_RETURN(LoadOptions lo, ParseDeviceAndDtype(opts.device, opts.dtype));
   lo.row_attention = opts.row_attention;
   lo.small_rows_gemm = opts.small_rows_gemm;
+  lo.small_rows_gemm_rows = opts.small_rows_gemm_rows;
   lo.fused_norm_rope = opts.fused_norm_rope;
   if (opts.matmul_precision == "medium") {
     if (!lo.device.is_cpu() || lo.dtype != at::kFloat) {

@@ -185,11 +185,15 @@ struct EngineOptions {
   // differ from those drawn with it off (rounding). False: the SDPA calls, for A/B comparisons.
   bool row_attention = true;
   // With batch_invariant on the CPU in fp32: linear layers of fewer than 16 rows run
-  // SmallRowsLinear's kernel instead of the BLAS on the rows padded to 16 (LoadOptions::
-  // small_rows_gemm; the same logits bit for bit, where the kernel reproduces this machine's
-  // BLAS; about 0.6x the forward's time at one request's two rows on the dev VM). False: the
-  // padded products, for A/B comparisons.
+  // SmallRowsLinear's kernel instead of the BLAS on the rows padded to 16, and of more rows up
+  // to where the kernel was timed faster than the BLAS at load (LoadOptions::small_rows_gemm;
+  // the same logits bit for bit, where the kernel reproduces this machine's BLAS; about 0.6x
+  // the forward's time at one request's two rows on the dev VM). False: the padded products,
+  // for A/B comparisons.
   bool small_rows_gemm = true;
+  // The most rows the kernel takes (LoadOptions::small_rows_gemm_rows): 0, measured at load;
+  // -1, fewer than 16 only.
+  int64_t small_rows_gemm_rows = 0;
   // On the CPU in fp32: the forward's RMSNorm and rotary embedding as one kernel each instead of
   // about six and ten ATen ops (LoadOptions::fused_norm_rope; the same logits bit for bit, where
   // the load-time check passes). False: the ops, for A/B comparisons.

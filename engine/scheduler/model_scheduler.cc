@@ -44,6 +44,17 @@ void AddDeltas(const std::vector<int64_t>& now, std::vector<int64_t>& seen,
 }
 
 // A file-name-safe form of a model or device name.
+// The few-row kernel's row range in the step-cost key (LoadOptions::small_rows_gemm_rows). Timed
+// at load, the range is said as such and not as the rows chosen: those can differ by a step of
+// the timing between two starts of a noisy machine (64 or 128 rows where the two are close),
+// which changes steps of those rows by a few percent, for the online refinement to correct,
+// not the 20 s of a new calibration.
+std::string SmallRowsKeyPart(int64_t rows) {
+  if (rows < 0) return "";
+  if (rows == 0) return ", on the rows timed faster than the BLAS at load";
+  return ", on up to " + std::to_string(rows) + " rows";
+}
+
 std::string FileSafe(const std::string& s) {
   std::string out;
   for (char ch : s) out += std::isalnum(static_cast<unsigned char>(ch)) || ch == '-' ? ch : '_';
@@ -135,7 +146,8 @@ Status ModelScheduler::LoadOrMeasureCost(const LoadOptions& load) {
                                         : ", batch-invariant")
       << (model_.gpt->small_rows_tried() > 0 && opts_.cuda_graphs <= 0 && opts_.batch_invariant
               ? ", few-row kernel on " + std::to_string(model_.gpt->small_rows_linears()) + " of " +
-                    std::to_string(model_.gpt->small_rows_tried()) + " linear layers"
+                    std::to_string(model_.gpt->small_rows_tried()) + " linear layers" +
+                    SmallRowsKeyPart(model_.gpt->options().small_rows_gemm_rows)
               : std::string())
       << (model_.gpt->bf16_matmul_tried() > 0
               ? ", bf16 products (AMX) on " + std::to_string(model_.gpt->bf16_matmul_linears()) +
