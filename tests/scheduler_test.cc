@@ -1548,6 +1548,7 @@ TEST(EngineTest, BadEngineOptionsAreRejected) {
       {"step_cost_spot_check", [](EngineOptions& e) { e.step_cost_spot_check = 1.2; }},
       {"commit_warmup_steps", [](EngineOptions& e) { e.commit_warmup_steps = -1; }},
       {"warmup", [](EngineOptions& e) { e.warmup = 2; }},
+      {"small_rows_gemm_rows", [](EngineOptions& e) { e.small_rows_gemm_rows = -2; }},
       {"warmup_methods",
        [](EngineOptions& e) {
          e.warmup_methods = {"ar", "fastest"};

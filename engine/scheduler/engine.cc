@@ -306,6 +306,11 @@ StatusOr<std::unique_ptr<Engine>> Engine::Start(const EngineOptions& options,
   if (o.decode_batch != -1 && (o.decode_batch < 1 || o.decode_batch > 256)) {
     return InvalidArgument("decode_batch: must be -1 (by forward) or in [1, 256]");
   }
+  if (o.small_rows_gemm_rows < -1) {
+    return InvalidArgument(
+        "small_rows_gemm_rows: must be -1 (fewer than 16 rows only), 0 (timed at load) or a "
+        "row count");
+  }
   if (o.cuda_graphs < -1 || o.cuda_graphs > 1) {
     return InvalidArgument("cuda_graphs: must be -1 (by device), 0 or 1");
   }
