@@ -21,6 +21,7 @@
 #include "engine/scheduler/engine.h"
 #include "tests/engine_client.h"
 #include "tests/build_paths.h"
+#include "tests/temp_dir.h"
 
 namespace imagegen {
 namespace {
@@ -38,6 +39,7 @@ std::string RefDir() {
 std::string ModelsDir() {
   static const std::string dir = [] {
     const fs::path d = fs::temp_directory_path() / ("imagegen-mar-" + std::to_string(getpid()));
+    testing::TempDirs::Get().Add(d.string());  // removed at exit (the links, not their targets)
     fs::create_directories(d);
     for (const char* m : {"mar-small-random", "kl-small-random"}) {
       fs::create_symlink(fs::absolute(fs::path(RefDir()) / m), d / m);

@@ -3,11 +3,14 @@
 #pragma once
 
 #include <ftw.h>
+#include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <cstdio>
 #include <filesystem>
+#include <mutex>
 #include <string>
+#include <vector>
 
 namespace imagegen::testing {
 
@@ -20,13 +23,43 @@ inline void RemoveTree(const std::string& dir) {
       FTW_DEPTH | FTW_PHYS);
 }
 
-// A fresh, empty directory under the system's temporary directory, unique to this process.
+// The directories TempDir made, removed when the process exits, unless a test in it failed:
+// then they stay, with the daemons' logs in them, and stderr names them. (Before, every run of
+// the suite left several hundred in /tmp.) A forked child that ends with _exit removes nothing.
+class TempDirs {
+ public:
+  static TempDirs& Get() {
+    static TempDirs dirs;
+    return dirs;
+  }
+  void Add(const std::string& dir) {
+    std::lock_guard<std::mutex> lock(mu_);
+    dirs_.push_back(dir);
+  }
+  ~TempDirs() {
+    if (::testing::UnitTest::GetInstance()->Failed()) {
+      for (const std::string& d : dirs_) std::fprintf(stderr, "kept for a look: %s\n", d.c_str());
+      return;
+    }
+    for (const std::string& d : dirs_) RemoveTree(d);
+  }
+
+ private:
+  // gtest's UnitTest is made first, so that it outlives this (statics end in reverse order).
+  TempDirs() { ::testing::UnitTest::GetInstance(); }
+  std::mutex mu_;
+  std::vector<std::string> dirs_;
+};
+
+// A fresh, empty directory under the system's temporary directory, unique to this process;
+// removed at exit (TempDirs).
 inline std::string TempDir(const std::string& name) {
   const std::string dir = (std::filesystem::temp_directory_path() /
                            ("imagegen_test_" + std::to_string(::getpid()) + "_" + name))
                               .string();
   RemoveTree(dir);
   std::filesystem::create_directories(dir);
+  TempDirs::Get().Add(dir);
   return dir;
 }
 

@@ -27,6 +27,7 @@ calls are taken): the clients without health checks keep sending calls to A for 
 the drill, which fail INTERNAL; exits 0 only if the check caught those.
 """
 import argparse
+import shutil
 import signal
 import sys
 import tempfile
@@ -195,8 +196,12 @@ def main():
         print("failing replica (control without probes and refusals):",
               "the check caught the calls A failed after it turned NOT_SERVING" if caught
               else "NOT CAUGHT")
+        if caught:
+            shutil.rmtree(work, ignore_errors=True)
         return 0 if caught else 1
     print("failing replica:", "ok" if not problems else f"FAILED (logs in {work})")
+    if not problems:
+        shutil.rmtree(work, ignore_errors=True)  # kept, with its logs, only when it failed
     return 0 if not problems else 1
 
 

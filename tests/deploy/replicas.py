@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -303,8 +304,12 @@ def main():
         caught = any("instead of being retried" in p for p in problems)
         print("replicas (control without retries):",
               "the check caught the lost unary calls" if caught else "NOT CAUGHT")
+        if caught:
+            shutil.rmtree(work, ignore_errors=True)
         return 0 if caught else 1
     print("replicas:", "ok" if not problems else f"FAILED (logs in {work})")
+    if not problems:
+        shutil.rmtree(work, ignore_errors=True)  # kept, with its logs, only when it failed
     return 0 if not problems else 1
 
 

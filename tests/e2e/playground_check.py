@@ -24,7 +24,10 @@ Run by E2eTest.PlaygroundAnimatesAndRacesInChromium against a daemon started wit
 """
 import argparse
 import json
+import os
+import shutil
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -69,14 +72,17 @@ def fail(msg):
     sys.exit(1)
 
 
-def browser():
+def browser(tmp):
     opts = webdriver.ChromeOptions()
     opts.binary_location = "/usr/bin/chromium"
     for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
               "--window-size=1280,900", "--force-device-scale-factor=1"):
         opts.add_argument(a)
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    return webdriver.Chrome(options=opts, service=Service("/usr/bin/chromedriver"))
+    # Chromium leaves its singleton socket's folder (org.chromium.Chromium.*) in TMPDIR after
+    # every run: give it one of ours, removed after quit().
+    return webdriver.Chrome(options=opts, service=Service("/usr/bin/chromedriver",
+                                                          env=dict(os.environ, TMPDIR=tmp)))
 
 
 def wait_done(driver, panels, timeout):
@@ -115,7 +121,8 @@ def main():
         if "default-src 'self'" not in csp:
             fail("GET / has no self-only Content-Security-Policy: %r" % csp)
 
-    driver = browser()
+    tmp = tempfile.mkdtemp(prefix="imagegen-chromium-")
+    driver = browser(tmp)
     try:
         driver.get(base + "/")
         if args.api_key:
@@ -242,6 +249,7 @@ def main():
         print("console: no errors; every resource from %s" % base)
     finally:
         driver.quit()
+        shutil.rmtree(tmp, ignore_errors=True)
     print("playground: ok")
 
 

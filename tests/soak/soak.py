@@ -593,11 +593,14 @@ def main():
         ok = soak.verdict(soak.run())
     finally:
         soak.close()
-    print(f"server log: {soak.dir}/server.log")
+    rc = (1 if ok else 0) if args.leak_control else (0 if ok else 1)
+    if rc == 0:
+        shutil.rmtree(soak.dir, ignore_errors=True)  # kept, with the log, only when it failed
+    else:
+        print(f"server log: {soak.dir}/server.log")
     if args.leak_control:
         print("leak control: the check " + ("MISSED the leak" if ok else "caught the leak"))
-        return 1 if ok else 0
-    return 0 if ok else 1
+    return rc
 
 
 if __name__ == "__main__":
