@@ -161,7 +161,9 @@ ABSL_FLAG(std::vector<std::string>, warmup_methods,
 ABSL_FLAG(std::vector<std::string>, warmup_concurrency,
           (std::vector<std::string>{"1", "2", "4", "8", "16"}),
           "the loads the warm-up runs, in requests at a time (at most half a model's KV slots)");
-ABSL_FLAG(int64_t, cpu_threads, 0, "LibTorch intra-op threads of the engine (0: default)");
+ABSL_FLAG(int64_t, cpu_threads, 0,
+          "LibTorch intra-op threads of the engine (0: LibTorch's count, capped by the cgroup's "
+          "CPU quota)");
 ABSL_FLAG(double, preview_share, 0.05,
           "share of the engine's time that preview decoding may take (due previews wait their "
           "turn beyond it); 0: no limit");

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <future>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -25,6 +26,7 @@
 #include "engine/model/transfer.h"
 #include "engine/scheduler/mar_scheduler.h"
 #include "engine/scheduler/model_scheduler.h"
+#include "engine/util/cpu_quota.h"
 
 namespace imagegen {
 namespace {
@@ -292,7 +294,27 @@ StatusOr<std::unique_ptr<Engine>> Engine::Start(const EngineOptions& options,
         "fixed_step_cost: must be empty or {base > 0, per_token >= 0, per_request >= 0}");
   }
   if (o.cpu_threads < 0) return InvalidArgument("cpu_threads: must be >= 0");
-  if (o.cpu_threads > 0) {
+  if (o.cpu_threads == 0) {
+    // LibTorch's count follows the CPUs this process may run on, not its cgroup's CPU quota. A
+    // count capped by the quota is claimed as a set one would be, unless another live engine
+    // holds another count: an engine left at 0 is never refused.
+    const int64_t threads = at::get_num_threads();
+    if (std::optional<CpuQuota> q = ReadCpuQuota();
+        q && ThreadsUnderQuota(threads, q->cpus) < threads) {
+      const int64_t capped = ThreadsUnderQuota(threads, q->cpus);
+      std::ostringstream msg;
+      msg << "cpu_threads: " << capped << ", by the CPU quota (" << q->cpus << " CPUs, " << q->file
+          << "), not LibTorch's " << threads;
+      StatusOr<std::unique_ptr<CpuThreadsClaim>> claim = CpuThreadsClaim::Take(capped);
+      if (claim.ok()) {
+        impl->threads_claim = std::move(*claim);
+        o.cpu_threads = capped;
+      } else {
+        msg << ": not taken, " << claim.status().message();
+      }
+      Notice(o, msg.str());
+    }
+  } else {
     StatusOr<std::unique_ptr<CpuThreadsClaim>> claim = CpuThreadsClaim::Take(o.cpu_threads);
     if (!claim.ok()) return claim.status();
     impl->threads_claim = std::move(*claim);

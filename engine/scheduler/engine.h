@@ -217,12 +217,13 @@ struct EngineOptions {
   // (SpecOptions::keep_cut_drafts); false draws the regrown tail at random again.
   bool keep_cut_drafts = true;
   // Intra-op threads of the engine thread (at::set_num_threads); 0 keeps the process's count
-  // (LibTorch's default unless something set one). LibTorch keeps one count per process, taken by
-  // every thread at its first parallel op: an engine is refused while another live engine in
-  // the process runs with a different nonzero count.
-  // All LibTorch work, model loading included, runs on the engine thread: with GNU OpenMP a
-  // second thread that also runs parallel LibTorch ops made every step about twice as slow on
-  // 2 cores (both thread pools stop spinning and sleep between the many small ops of a step).
+  // (LibTorch's default unless something set one), capped by the cgroup's CPU quota
+  // (engine/util/cpu_quota.h: Docker's --cpus, a Kubernetes CPU limit). LibTorch keeps one count
+  // per process, taken by every thread at its first parallel op: an engine is refused while another
+  // live engine in the process runs with a different nonzero count. All LibTorch work, model
+  // loading included, runs on the engine thread: with GNU OpenMP a second thread that also runs
+  // parallel LibTorch ops made every step about twice as slow on 2 cores (both thread pools stop
+  // spinning and sleep between the many small ops of a step).
   int64_t cpu_threads = 0;
   // Previews (GenerateParams::preview_every) are decoded on the engine thread, which every
   // request waits for: they may take this share of the engine's time, no more. Requests whose
