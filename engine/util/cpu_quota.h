@@ -25,9 +25,8 @@ struct CpuQuota {
 // controller's cpu.cfs_quota_us, -1 for none, and cpu.cfs_period_us). Where the path that
 // /proc/self/cgroup names does not exist under the mount (a container that sees the host's
 // path), its levels read as none and the mount's root, where the runtime set the limit, is
-// read. nullopt
-// where no quota is set or none can be read. `root` prefixes every path (tests give a made-up
-// tree).
+// read. nullopt where no quota is set or none can be read. `root` prefixes every path (tests
+// give a made-up tree).
 std::optional<CpuQuota> ReadCpuQuota(const std::string& root = "");
 
 // The intra-op threads for a process that would run `threads` under a quota of `cpus`: at most
