@@ -25,6 +25,13 @@ class CpuQuotaTest : public ::testing::Test {
     fs::create_directories(p.parent_path());
     std::ofstream(p) << text << "\n";
   }
+  // ReadCpuQuota finds `cpus`, read in root_/`dir`.
+  void ExpectQuota(double cpus, const std::string& dir) {
+    const std::optional<CpuQuota> q = ReadCpuQuota(root_);
+    ASSERT_TRUE(q.has_value()) << "expected " << cpus << " CPUs in " << dir;
+    EXPECT_DOUBLE_EQ(q->cpus, cpus);
+    EXPECT_EQ(q->file, root_ + "/" + dir);
+  }
   std::string root_;
 };
 
@@ -33,16 +40,10 @@ TEST_F(CpuQuotaTest, V2TakesTheSmallestQuotaAlongThePath) {
   Write("sys/fs/cgroup/cgroup.controllers", "cpu memory");
   Write("sys/fs/cgroup/kubepods/pod1/ctr/cpu.max", "150000 100000");
   Write("sys/fs/cgroup/kubepods/pod1/cpu.max", "max 100000");
-  std::optional<CpuQuota> q = ReadCpuQuota(root_);
-  ASSERT_TRUE(q.has_value());
-  EXPECT_DOUBLE_EQ(q->cpus, 1.5);
-  EXPECT_EQ(q->file, root_ + "/sys/fs/cgroup/kubepods/pod1/ctr");
+  ExpectQuota(1.5, "sys/fs/cgroup/kubepods/pod1/ctr");
   // A parent's smaller quota binds (a pod's limit over its container's).
   Write("sys/fs/cgroup/kubepods/pod1/cpu.max", "50000 50000");
-  q = ReadCpuQuota(root_);
-  ASSERT_TRUE(q.has_value());
-  EXPECT_DOUBLE_EQ(q->cpus, 1.0);
-  EXPECT_EQ(q->file, root_ + "/sys/fs/cgroup/kubepods/pod1");
+  ExpectQuota(1.0, "sys/fs/cgroup/kubepods/pod1");
 }
 
 TEST_F(CpuQuotaTest, NoQuotaIsNone) {
@@ -64,10 +65,7 @@ TEST_F(CpuQuotaTest, AContainersOwnViewIsReadAtTheMountsRoot) {
   Write("proc/self/cgroup", "0::/system.slice/docker-abc.scope");
   Write("sys/fs/cgroup/cgroup.controllers", "cpu");
   Write("sys/fs/cgroup/cpu.max", "200000 100000");
-  std::optional<CpuQuota> q = ReadCpuQuota(root_);
-  ASSERT_TRUE(q.has_value());
-  EXPECT_DOUBLE_EQ(q->cpus, 2.0);
-  EXPECT_EQ(q->file, root_ + "/sys/fs/cgroup");
+  ExpectQuota(2.0, "sys/fs/cgroup");
 }
 
 TEST_F(CpuQuotaTest, V1ReadsTheCpuControllersQuotaAndPeriod) {
@@ -76,19 +74,14 @@ TEST_F(CpuQuotaTest, V1ReadsTheCpuControllersQuotaAndPeriod) {
   Write("sys/fs/cgroup/cpu,cpuacct/docker/abc/cpu.cfs_period_us", "100000");
   Write("sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us", "-1");
   Write("sys/fs/cgroup/cpu,cpuacct/cpu.cfs_period_us", "100000");
-  std::optional<CpuQuota> q = ReadCpuQuota(root_);
-  ASSERT_TRUE(q.has_value());
-  EXPECT_DOUBLE_EQ(q->cpus, 2.5);
-  EXPECT_EQ(q->file, root_ + "/sys/fs/cgroup/cpu,cpuacct/docker/abc");
+  ExpectQuota(2.5, "sys/fs/cgroup/cpu,cpuacct/docker/abc");
   Write("sys/fs/cgroup/cpu,cpuacct/docker/abc/cpu.cfs_quota_us", "-1");
   EXPECT_FALSE(ReadCpuQuota(root_).has_value());
   // The controller alone, as this VM mounts it.
   Write("proc/self/cgroup", "1:cpu:/igtest");
   Write("sys/fs/cgroup/cpu/igtest/cpu.cfs_quota_us", "100000");
   Write("sys/fs/cgroup/cpu/igtest/cpu.cfs_period_us", "100000");
-  q = ReadCpuQuota(root_);
-  ASSERT_TRUE(q.has_value());
-  EXPECT_DOUBLE_EQ(q->cpus, 1.0);
+  ExpectQuota(1.0, "sys/fs/cgroup/cpu/igtest");
 }
 
 TEST(CpuQuotaThreadsTest, AtMostTheQuotaRoundedDownAtLeastOneNeverMore) {
