@@ -299,9 +299,9 @@ StatusOr<std::unique_ptr<Engine>> Engine::Start(const EngineOptions& options,
     // count capped by the quota is claimed as a set one would be, unless another live engine
     // holds another count: an engine left at 0 is never refused.
     const int64_t threads = at::get_num_threads();
-    if (std::optional<CpuQuota> q = ReadCpuQuota();
-        q && ThreadsUnderQuota(threads, q->cpus) < threads) {
-      const int64_t capped = ThreadsUnderQuota(threads, q->cpus);
+    const std::optional<CpuQuota> q = ReadCpuQuota();
+    if (const int64_t capped = q ? ThreadsUnderQuota(threads, q->cpus) : threads;
+        capped < threads) {
       std::ostringstream msg;
       msg << "cpu_threads: " << capped << ", by the CPU quota (" << q->cpus << " CPUs, " << q->file
           << "), not LibTorch's " << threads;

@@ -5,7 +5,6 @@
 #include <fstream>
 #include <sstream>
 #include <sys/stat.h>
-#include <vector>
 
 namespace imagegen {
 namespace {
@@ -83,23 +82,17 @@ std::optional<CpuQuota> ReadCpuQuota(const std::string& root) {
     if (path.empty() || path[0] != '/') continue;
     const std::string cg = root + "/sys/fs/cgroup";
     if (line.compare(0, a, "0") == 0 && controllers.empty()) {
-      // v2's unified hierarchy: at /sys/fs/cgroup, or /sys/fs/cgroup/unified beside v1's.
-      for (const std::string& mount : {cg, cg + "/unified"}) {
-        if (IsDir(mount) && (std::ifstream(mount + "/cgroup.controllers") || mount == cg)) {
-          Walk(mount, path, V2, &best);
-        }
-      }
+      // v2's unified hierarchy: at /sys/fs/cgroup, or /sys/fs/cgroup/unified beside v1's
+      // (Walk skips a mount that does not exist).
+      Walk(cg, path, V2, &best);
+      Walk(cg + "/unified", path, V2, &best);
       continue;
     }
-    std::vector<std::string> names;
-    std::istringstream s(controllers);
-    for (std::string c; std::getline(s, c, ',');) names.push_back(c);
-    if (std::find(names.begin(), names.end(), "cpu") == names.end()) continue;
-    // v1's cpu controller: mounted alone, or joined with cpuacct under either order's name.
-    for (const std::string& mount :
-         {cg + "/cpu", cg + "/" + controllers, cg + "/cpu,cpuacct", cg + "/cpuacct,cpu"}) {
-      Walk(mount, path, V1, &best);
-    }
+    if (("," + controllers + ",").find(",cpu,") == std::string::npos) continue;
+    // v1's cpu controller, mounted under its hierarchy's name ("cpu,cpuacct") and, on most
+    // systems, its alias "cpu" too.
+    Walk(cg + "/" + controllers, path, V1, &best);
+    if (controllers != "cpu") Walk(cg + "/cpu", path, V1, &best);
   }
   return best;
 }
