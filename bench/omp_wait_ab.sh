@@ -8,9 +8,11 @@
 # and would slow the other), each variant restarted every round in rotating order, each with its
 # own step-cost cache (calibrated at its first start); per round and cell, `imagegen load` for
 # SECONDS. Prints per cell each variant's median images/s and p50, and its ratio to the first
-# variant per round.
+# variant per round. HOG=N: N other processes spin on the CPU while the load runs (started once
+# the daemon is healthy, so that its calibration is not theirs to disturb): a host the daemon
+# shares with other work, where a spinning worker may hold a core the worker it waits for needs.
 #
-#   bench/omp_wait_ab.sh [BUILD_DIR] [SECONDS] [ROUNDS] [CONCURRENCIES] [VARIANT...]
+#   [HOG=N] bench/omp_wait_ab.sh [BUILD_DIR] [SECONDS] [ROUNDS] [CONCURRENCIES] [VARIANT...]
 #   VARIANT: NAME or NAME:ENV=VALUE[,ENV=VALUE] (default: default passive:OMP_WAIT_POLICY=passive
 #            active:OMP_WAIT_POLICY=active)
 #   bench/omp_wait_ab.sh build/ci 8 3 "1 16"
@@ -28,8 +30,9 @@ OUT=$(mktemp -d /tmp/imagegen-omp-wait.XXXXXX)
 # abab_port (a daemon's port once it is healthy) and abab_load (`imagegen load` for SECS);
 # the daemons are started here, one at a time, with their variant's environment.
 source bench/abab.sh
-pid=
-trap '[ -n "$pid" ] && kill -TERM "$pid" 2> /dev/null || true' EXIT
+HOG=${HOG:-0}
+pid= hogs=()
+trap '[ -n "$pid" ] && kill -TERM "$pid" 2> /dev/null; [ ${#hogs[@]} -gt 0 ] && kill "${hogs[@]}" 2> /dev/null; true' EXIT
 n=${#variants[@]}
 for r in $(seq 0 $((ROUNDS - 1))); do
   for k in $(seq 0 $((n - 1))); do
@@ -42,11 +45,17 @@ for r in $(seq 0 $((ROUNDS - 1))); do
       > "$OUT/$name-r$r.log" 2>&1 &
     pid=$!
     port=$(abab_port "$name")
+    for _ in $(seq "$HOG"); do
+      sh -c 'while :; do :; done' &
+      hogs+=("$!")
+    done
     for c in $CONC; do
       for method in ar scd-mc; do
         abab_load "$port" "$method" "$c" "$OUT/$method-$c-$name-r$r.log"
       done
     done
+    if [ ${#hogs[@]} -gt 0 ]; then kill "${hogs[@]}"; wait "${hogs[@]}" 2> /dev/null || true; fi
+    hogs=()
     kill -TERM "$pid"; wait "$pid" 2> /dev/null || true; pid=
   done
 done
