@@ -272,17 +272,17 @@ std::vector<ModelScheduler::TimedStep> ModelScheduler::TimeShape(
 
 // Real steps of Jacobi requests (sjd) with windows of 1, 4, 16 and 64 nodes, for 1, 4, 16 and
 // 32 requests at a time (as the KV slots allow; at most 4,096 forward rows), and for one request
-// also 2, 8 and 32 nodes: up to 19 shapes, each the median of three timed steps, of nine for one
-// request, timed in rounds (MeasureLoneRequest; a noisy machine's outliers would otherwise pull
-// the fit). Past 20 seconds (a slow or loaded device, which then leans on the online
-// refinement) only each request count's narrowest shape is timed, so that the calibration still
-// covers every request count (a cache that does not is measured again at the next start); and
-// the lone rounds stop past 10 seconds once they have three timed steps of every width. (Before,
-// everything stopped at 20 s: three engine tests starting at once on the 2-core VM each spent
-// them on the lone rounds, and one failed to start, "no samples".) One
-// request's shapes are every knot of the model up to 64 nodes because a request alone is planned on
-// them (lone_request_full_window off, or a window-invariant method): between knots 4x apart the fit
-// had to guess, and on a 2-core CPU it put 29 nodes (58 rows) at 8.2 ms where they took 6.2, so the
+// also 2, 8 and 32 nodes: up to 19 shapes, each the median of three timed steps (a noisy
+// machine's outliers would otherwise pull the fit), and for one request the fastest of nine,
+// timed in rounds (MeasureLoneRequest). Past 20 seconds (a slow or loaded device, which then leans
+// on the online refinement) only each request count's narrowest shape is timed, so that the
+// calibration still covers every request count (a cache that does not is measured again at the next
+// start); and the lone rounds stop past 10 seconds once they have three timed steps of every width.
+// (Before, everything stopped at 20 s: three engine tests starting at once on the 2-core VM each
+// spent them on the lone rounds, and one failed to start, "no samples".) One request's shapes are
+// every knot of the model up to 64 nodes because a request alone is planned on them
+// (lone_request_full_window off, or a window-invariant method): between knots 4x apart the fit had
+// to guess, and on a 2-core CPU it put 29 nodes (58 rows) at 8.2 ms where they took 6.2, so the
 // planner chose 10 nodes, which were slower (docs/results-serving.md, "The match rule alone").
 std::vector<StepCostSample> ModelScheduler::MeasureStepCost(ImageRequest req) {
   const int64_t wmax = req.policy.window;
@@ -323,13 +323,20 @@ std::vector<StepCostSample> ModelScheduler::MeasureStepCost(ImageRequest req) {
 // lone request's ceiling (LoneRequestCeiling), where a few percent between one node and two or
 // four decide, so they are timed in rounds: kLoneRounds rounds of every width in ascending
 // order, each an untimed step and a timed one, a fresh request each round (after a round that
-// warms the shapes), and each shape's median. A machine whose speed drifts over the calibration
-// then weighs on every width alike. Timed one width after another instead (five steps each),
-// eight calibrations on the 2-core CPU gave a lone scd-mc request 1, 4, 2, 2, 2, 1, 2 and 2
-// nodes, the step of two nodes 1.03-1.49x the step of one (docs/results-serving.md, "A lone
-// request's ceiling, timed in rounds"). Fresh requests, because a step after a wider one costs
-// more for a few steps: one node straight after 64 took 1.3 ms, falling to 0.75-0.9 over five
-// steps.
+// warms the shapes). A machine whose speed drifts over the calibration then weighs on every
+// width alike. Timed one width after another instead (five steps each), eight calibrations on
+// the 2-core CPU gave a lone scd-mc request 1, 4, 2, 2, 2, 1, 2 and 2 nodes, the step of two
+// nodes 1.03-1.49x the step of one (docs/results-serving.md, "A lone request's ceiling, timed in
+// rounds"). Fresh requests, because a step after a wider one costs more for a few steps: one
+// node straight after 64 took 1.3 ms, falling to 0.75-0.9 over five steps.
+//
+// Each shape's sample is its fastest step of the rounds: other work on the cores only makes
+// steps slower, and weighs least on the fastest. With a busy loop on one of the 2-core VM's
+// cores, the rounds' medians gave a lone scd-mc request 1 node (speculation off, and cached so)
+// in 4 of 9 calibrations, the fastest steps in none of 5 (quiet, both gave 2-4 nodes:
+// docs/results-serving.md, "Cores shared with other work"). The batched shapes keep their
+// medians of three: the calibrations' own spread between starts (the lone step of 2 rows took
+// 0.65-1.3 ms on the quiet VM) is far wider than what lies between a fastest and a median step.
 void ModelScheduler::MeasureLoneRequest(ImageRequest req, std::vector<int64_t>& handles,
                                         Clock::time_point start,
                                         std::vector<StepCostSample>* samples) {
@@ -363,8 +370,7 @@ void ModelScheduler::MeasureLoneRequest(ImageRequest req, std::vector<int64_t>& 
   }
   for (auto& [r, s] : seconds) {
     if (s.size() < 3) continue;  // a request's last steps, narrower than asked
-    std::nth_element(s.begin(), s.begin() + static_cast<std::ptrdiff_t>(s.size() / 2), s.end());
-    samples->push_back({r, 1, s[s.size() / 2]});
+    samples->push_back({r, 1, *std::min_element(s.begin(), s.end())});
   }
 }
 
