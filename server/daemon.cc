@@ -414,6 +414,7 @@ void Daemon::ReportStats() {
       std::chrono::duration<double>(options_.log_stats_seconds));
   std::map<std::string, WorkTotals> last = metrics_.Totals();
   auto last_time = Steady::now();
+  std::map<std::string, Steady::time_point> warned;  // the last CPU-wait warning per model
   std::unique_lock<std::mutex> l(stats_mu_);
   while (!stats_cv_.wait_for(l, interval, [&] { return stats_stop_; })) {
     l.unlock();
@@ -434,6 +435,13 @@ void Daemon::ReportStats() {
       // Quiet models say nothing: a line per interval only while there is work.
       if (r.work.steps > 0 || r.work.images > 0 || r.running > 0 || r.queued > 0) {
         log_->Stats(r);
+      }
+      if (const std::optional<std::string> w = CpuWaitWarning(r)) {
+        const auto at = warned.find(m.model);
+        if (at == warned.end() || now - at->second >= std::chrono::minutes(10)) {
+          log_->Message(*w);
+          warned[m.model] = now;
+        }
       }
     }
     last = totals;

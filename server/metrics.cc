@@ -273,6 +273,12 @@ Metrics::Metrics()
                          .Name("imagegen_step_measured_seconds_total")
                          .Help("Measured time of the same steps (the batch step alone)")
                          .Register(*registry_)),
+      cpu_wait_(BuildCounter()
+                    .Name("imagegen_engine_cpu_wait_seconds_total")
+                    .Help("Seconds the engine thread waited, runnable, for a CPU during the "
+                          "model's steps (Linux schedstat): other work on the daemon's cores. "
+                          "Over imagegen_step_duration_seconds_sum, the share of step time lost")
+                    .Register(*registry_)),
       expected_tokens_(BuildCounter()
                            .Name("imagegen_controller_expected_tokens_total")
                            .Help("Image tokens the goodput controller expected its steps to "
@@ -456,6 +462,7 @@ void Metrics::OnStep(const StepSample& s) {
     step_predicted_.Add(lb).Increment(s.predicted_seconds);
     step_measured_.Add(lb).Increment(s.step_seconds);
   }
+  if (s.cpu_wait_seconds >= 0) cpu_wait_.Add(lb).Increment(s.cpu_wait_seconds);
   if (s.expected_committed > 0) {
     expected_tokens_.Add(lb).Increment(s.expected_committed);
     realised_tokens_.Add(lb).Increment(static_cast<double>(s.committed));
@@ -465,6 +472,11 @@ void Metrics::OnStep(const StepSample& s) {
   t.steps += 1;
   t.committed += s.committed;
   t.step_seconds += s.seconds;
+  if (s.cpu_wait_seconds >= 0) {
+    t.cpu_wait_steps += 1;
+    t.cpu_wait_seconds += s.cpu_wait_seconds;
+    t.cpu_wait_step_seconds += s.seconds;
+  }
 }
 
 void Metrics::OnRequestStep(const std::string& model, const std::string& method,

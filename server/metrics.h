@@ -124,6 +124,7 @@ class Metrics : public EngineListener {
   prometheus::Family<prometheus::Histogram>& step_cost_ratio_;
   prometheus::Family<prometheus::Counter>& step_predicted_;
   prometheus::Family<prometheus::Counter>& step_measured_;
+  prometheus::Family<prometheus::Counter>& cpu_wait_;
   prometheus::Family<prometheus::Counter>& expected_tokens_;
   prometheus::Family<prometheus::Counter>& realised_tokens_;
   prometheus::Family<prometheus::Counter>& window_limited_;

@@ -198,7 +198,15 @@ WorkTotals WorkTotals::operator-(const WorkTotals& e) const {
           images - e.images,
           drafts_verified - e.drafts_verified,
           drafts_accepted - e.drafts_accepted,
-          step_seconds - e.step_seconds};
+          step_seconds - e.step_seconds,
+          cpu_wait_steps - e.cpu_wait_steps,
+          cpu_wait_seconds - e.cpu_wait_seconds,
+          cpu_wait_step_seconds - e.cpu_wait_step_seconds};
+}
+
+std::optional<double> WorkTotals::CpuWaitShare() const {
+  if (cpu_wait_steps <= 0 || !(cpu_wait_step_seconds > 0)) return std::nullopt;
+  return std::clamp(cpu_wait_seconds / cpu_wait_step_seconds, 0.0, 1.0);
 }
 
 void CallRecord::AddImage(const RequestResult& r) {
@@ -274,7 +282,24 @@ std::string FormatStats(LogFormat format, const StatsRecord& r) {
           Ratio(static_cast<double>(w.drafts_accepted), static_cast<double>(w.drafts_verified)), 3);
   }
   l.Num("busy", Ratio(w.step_seconds, s), 2);
+  if (const std::optional<double> wait = w.CpuWaitShare()) l.Num("cpu_wait", *wait, 2);
   return l.Done();
+}
+
+std::optional<std::string> CpuWaitWarning(const StatsRecord& r) {
+  const std::optional<double> share = r.work.CpuWaitShare();
+  if (!share || *share < kCpuWaitWarnShare || r.work.cpu_wait_step_seconds < kCpuWaitWarnSeconds) {
+    return std::nullopt;
+  }
+  char text[512];
+  std::snprintf(text, sizeof text,
+                "%s: the engine thread waited for a CPU %.0f%% of its step time in the last "
+                "%.0f s: other work shares the daemon's cores, and each step waits at every "
+                "parallel region for the thread that is off its core. On shared cores fewer "
+                "--cpu-threads than the cores serve more (docs/deploy.md, \"Cores shared with "
+                "other busy work\"); imagegen_engine_cpu_wait_seconds_total counts it",
+                r.model.c_str(), *share * 100, r.interval_seconds);
+  return std::string(text);
 }
 
 RequestLog::RequestLog(LogFormat format, int fd, size_t max_queued)

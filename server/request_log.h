@@ -94,7 +94,13 @@ struct WorkTotals {
   int64_t steps = 0, committed = 0, request_forwards = 0, images = 0;
   int64_t drafts_verified = 0, drafts_accepted = 0;
   double step_seconds = 0;
+  // Of the steps with a reading of the engine thread's run-queue wait (StepSample::
+  // cpu_wait_seconds): how many, the wait and the steps' time.
+  int64_t cpu_wait_steps = 0;
+  double cpu_wait_seconds = 0, cpu_wait_step_seconds = 0;
   WorkTotals operator-(const WorkTotals& earlier) const;
+  // The share of those steps' time the engine thread waited for a CPU; nullopt without any.
+  std::optional<double> CpuWaitShare() const;
 };
 
 // One model over one interval, as its `stats` line says it.
@@ -111,6 +117,11 @@ std::string FormatMessage(LogFormat format, const std::string& message);
 constexpr size_t kMaxLoggedName = 256;
 std::string FormatCall(LogFormat format, const CallRecord& r);
 std::string FormatStats(LogFormat format, const StatsRecord& r);
+// What the daemon says when a model's engine thread waited for a CPU for at least
+// kCpuWaitWarnShare of its step time over an interval with at least kCpuWaitWarnSeconds of
+// steps (the daemon says it at most every 10 minutes a model); nullopt otherwise.
+constexpr double kCpuWaitWarnShare = 0.2, kCpuWaitWarnSeconds = 1.0;
+std::optional<std::string> CpuWaitWarning(const StatsRecord& r);
 
 class RequestLog {
  public:

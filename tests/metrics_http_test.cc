@@ -141,5 +141,27 @@ TEST(MetricsTest, WarmupCaptureFailuresCountAndTheirStepsDoNot) {
   EXPECT_NE(text.find("imagegen_engine_steps_total{model=\"m\"} 1"), std::string::npos) << text;
 }
 
+// The engine thread's run-queue wait: counted over the steps that have a reading, and in the
+// stats line's totals with those steps' time, so that the share leaves out steps without one.
+TEST(MetricsTest, CpuWaitCountsTheStepsWithAReading) {
+  server::Metrics m;
+  StepSample s;
+  s.model = "m";
+  s.seconds = 0.4;
+  s.cpu_wait_seconds = 0.1;
+  m.OnStep(s);
+  s.cpu_wait_seconds = 0.3;
+  m.OnStep(s);
+  s.cpu_wait_seconds = -1;  // unknown
+  m.OnStep(s);
+  const std::string text = prometheus::TextSerializer().Serialize(m.registry()->Collect());
+  EXPECT_NE(text.find("imagegen_engine_cpu_wait_seconds_total{model=\"m\"} 0.4"), std::string::npos)
+      << text;
+  const server::WorkTotals t = m.Totals().at("m");
+  EXPECT_EQ(t.cpu_wait_steps, 2);
+  EXPECT_DOUBLE_EQ(t.cpu_wait_seconds, 0.4);
+  EXPECT_NEAR(*t.CpuWaitShare(), 0.5, 1e-12);  // of 0.8 s, not of all three steps' 1.2
+}
+
 }  // namespace
 }  // namespace imagegen::testing

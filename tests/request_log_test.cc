@@ -226,6 +226,39 @@ TEST(RequestLogTest, AStatsLineGivesRatesOverItsInterval) {
   EXPECT_EQ(j["event"], "stats");
   EXPECT_DOUBLE_EQ(j["tokens_per_second"].get<double>(), 588.0);
   EXPECT_EQ(j["kv_slots"], "6/64");
+  EXPECT_FALSE(j.contains("cpu_wait"));  // no reading of the engine thread's wait
+  EXPECT_FALSE(server::CpuWaitWarning(s).has_value());
+}
+
+// The engine thread's wait for a CPU: its share of the steps' time in the stats line, and the
+// warning from kCpuWaitWarnShare with at least kCpuWaitWarnSeconds of steps in the interval.
+TEST(RequestLogTest, CpuWaitIsAShareOfStepTimeAndWarnsFromAFifth) {
+  StatsRecord s;
+  s.model = "fmnist-gpt";
+  s.interval_seconds = 10;
+  s.work.steps = 3000;
+  s.work.step_seconds = 9.0;
+  s.work.cpu_wait_steps = 3000;
+  s.work.cpu_wait_step_seconds = 9.0;
+  s.work.cpu_wait_seconds = 3.15;
+  EXPECT_NE(FormatStats(LogFormat::kText, s).find(" busy=0.90 cpu_wait=0.35\n"), std::string::npos)
+      << FormatStats(LogFormat::kText, s);
+  const std::optional<std::string> w = server::CpuWaitWarning(s);
+  ASSERT_TRUE(w.has_value());
+  EXPECT_EQ(w->rfind("fmnist-gpt: the engine thread waited for a CPU 35% of its step time in the "
+                     "last 10 s",
+                     0),
+            0u)
+      << *w;
+  EXPECT_NE(w->find("--cpu-threads"), std::string::npos) << *w;
+
+  s.work.cpu_wait_seconds = 0.19 * 9.0;  // under a fifth
+  EXPECT_FALSE(server::CpuWaitWarning(s).has_value());
+  s.work.cpu_wait_seconds = 0.21 * 9.0;
+  EXPECT_TRUE(server::CpuWaitWarning(s).has_value());
+  s.work.cpu_wait_step_seconds = 0.9;  // a few steps: too little to say
+  s.work.cpu_wait_seconds = 0.5;
+  EXPECT_FALSE(server::CpuWaitWarning(s).has_value());
 }
 
 // Reads what is in the pipe now (non-blocking).

@@ -278,6 +278,9 @@ struct StepSample {
   double predicted_seconds = 0;   // the step-cost model's prediction (0: no model)
   double expected_committed = 0;  // the controller's expectation of `committed` (goodput)
   double plan_seconds = 0;        // choosing the windows (the controller's own cost)
+  // How long the engine thread waited, runnable, for a CPU since its previous step (Linux's
+  // schedstat, engine/util/run_queue_wait.h): other work on the daemon's cores. -1: unknown.
+  double cpu_wait_seconds = -1;
   // CUDA graphs captured in this step (a bucket's first forward: an eager forward, the capture
   // and its instantiation, tens of times a replay). A one-off cost: the step-cost model's
   // refinement counts such a step as at most step_cost_max_ratio times its prediction.

@@ -10,6 +10,7 @@
 #include "engine/decoding/mar_sampler.h"
 #include "engine/decoding/philox.h"
 #include "engine/model/image_model.h"
+#include "engine/util/run_queue_wait.h"
 
 namespace imagegen {
 namespace {
@@ -572,6 +573,7 @@ void MarScheduler::Step(Outcomes& out) {
     return true;
   });
   sample.seconds = Seconds(t0, Clock::now());
+  sample.cpu_wait_seconds = RunQueueWaitSinceLastCall().value_or(-1);
   NotifyListener(listener_, sample);
 }
 

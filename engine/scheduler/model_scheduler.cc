@@ -16,6 +16,7 @@
 #include "engine/model/cuda_stream.h"
 #include "engine/model/device.h"
 #include "engine/util/read_file.h"
+#include "engine/util/run_queue_wait.h"
 
 namespace imagegen {
 namespace {
@@ -847,6 +848,7 @@ void ModelScheduler::Step(Outcomes& out) {
         });
   }
   sample.seconds = Seconds(t0, Clock::now());
+  sample.cpu_wait_seconds = RunQueueWaitSinceLastCall().value_or(-1);
   NotifyListener(listener_, sample);
 }
 
