@@ -538,6 +538,16 @@ TEST(EngineTest, AnObserverOrListenerThatThrowsEndsNeitherTheEngineNorOtherReque
   EXPECT_EQ(engine->Stats().models[0].slots_used, 0);
 }
 
+// A recorder whose every step event holds the engine thread 2 ms: a request it observes takes
+// at least 196 x 2 ms, whatever the machine's speed.
+class SlowRecorder : public Recorder {
+ public:
+  void OnStep(const StepEvent& e) override {
+    Recorder::OnStep(e);
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+};
+
 TEST(EngineTest, DeadlinesEndRunningAndWaitingRequests) {
   EngineOptions o = BundledOptions();
   o.max_slots = 2;
@@ -546,7 +556,10 @@ TEST(EngineTest, DeadlinesEndRunningAndWaitingRequests) {
   p.deadline = Clock::now() + std::chrono::milliseconds(150);
   GenerateParams q = Params("ar", 1, 6);
   q.deadline = Clock::now() + std::chrono::milliseconds(50);  // expires while queued
-  auto rp = std::make_shared<Recorder>(), rq = std::make_shared<Recorder>();
+  // p's steps are held (SlowRecorder), so that it is still running at its deadline: on a fast
+  // machine 196 AR steps of the bundled model took under 150 ms and p completed (CI, 2026-12-07).
+  auto rp = std::make_shared<SlowRecorder>();
+  auto rq = std::make_shared<Recorder>();
   ASSERT_TRUE(engine->Submit(p, rp).ok());
   ASSERT_TRUE(engine->Submit(q, rq).ok());
   ASSERT_TRUE(rp->Wait() && rq->Wait());
