@@ -13,8 +13,10 @@
 # shares with other work, where a spinning worker may hold a core the worker it waits for needs.
 #
 #   [HOG=N] bench/omp_wait_ab.sh [BUILD_DIR] [SECONDS] [ROUNDS] [CONCURRENCIES] [VARIANT...]
-#   VARIANT: NAME or NAME:ENV=VALUE[,ENV=VALUE] (default: default passive:OMP_WAIT_POLICY=passive
-#            active:OMP_WAIT_POLICY=active)
+#   VARIANT: NAME or NAME:SETTING[,SETTING], each SETTING ENV=VALUE or a daemon flag --FLAG=VALUE
+#            (default: default passive:OMP_WAIT_POLICY=passive active:OMP_WAIT_POLICY=active)
+#   HOG=1 bench/omp_wait_ab.sh build/ci 6 3 "1 8" adaptive fixed:--adaptive_cpu_threads=0 \
+#     one:--cpu_threads=1
 #   bench/omp_wait_ab.sh build/ci 8 3 "1 16"
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,12 +39,15 @@ n=${#variants[@]}
 for r in $(seq 0 $((ROUNDS - 1))); do
   for k in $(seq 0 $((n - 1))); do
     v=${variants[$(((k + r) % n))]}
-    name=${v%%:*} envs=()
-    [ "$v" != "$name" ] && IFS=, read -r -a envs <<< "${v#*:}"
+    name=${v%%:*} settings=() envs=() args=()
+    [ "$v" != "$name" ] && IFS=, read -r -a settings <<< "${v#*:}"
+    for x in "${settings[@]}"; do
+      case "$x" in --*) args+=("$x") ;; *) envs+=("$x") ;; esac
+    done
     rm -f "$OUT/$name.ports"
     env "${envs[@]}" "$BUILD/server/imagegen-server" --listen 127.0.0.1:0 --metrics-listen "" \
       --models fmnist-gpt --port-file "$OUT/$name.ports" --cache_dir "$OUT/cache-$name" \
-      > "$OUT/$name-r$r.log" 2>&1 &
+      --log_stats_seconds 4 "${args[@]}" > "$OUT/$name-r$r.log" 2>&1 &
     pid=$!
     port=$(abab_port "$name")
     for _ in $(seq "$HOG"); do

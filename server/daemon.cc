@@ -431,6 +431,8 @@ void Daemon::ReportStats() {
       r.queued = m.queued;
       r.slots_used = m.slots_used;
       r.slots_total = m.slots_total;
+      r.cpu_threads = es.cpu_threads;
+      r.cpu_threads_max = es.cpu_threads_max;
       r.work = (b == totals.end() ? a : b->second) - a;
       // Quiet models say nothing: a line per interval only while there is work.
       if (r.work.steps > 0 || r.work.images > 0 || r.running > 0 || r.queued > 0) {

@@ -164,6 +164,11 @@ ABSL_FLAG(std::vector<std::string>, warmup_concurrency,
 ABSL_FLAG(int64_t, cpu_threads, 0,
           "LibTorch intra-op threads of the engine (0: LibTorch's count, capped by the cgroup's "
           "CPU quota)");
+ABSL_FLAG(int32_t, adaptive_cpu_threads, -1,
+          "on the CPU, halve the engine's intra-op threads while its thread waits for a CPU a "
+          "fifth of its step time (other busy work on its cores) and try them again later; only "
+          "thread counts whose outputs match the engine's own bit for bit, checked at start. -1: "
+          "on for the CPU; 0 off; 1 on");
 ABSL_FLAG(double, preview_share, 0.05,
           "share of the engine's time that preview decoding may take (due previews wait their "
           "turn beyond it); 0: no limit");
@@ -365,6 +370,7 @@ int main(int argc, char** argv) {
     eo.warmup_concurrency.push_back(n);
   }
   eo.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
+  eo.adaptive_cpu_threads = absl::GetFlag(FLAGS_adaptive_cpu_threads);
   eo.fail_steps_for_seconds = absl::GetFlag(FLAGS_inject_step_failures_seconds);
   eo.preview_share = absl::GetFlag(FLAGS_preview_share);
   eo.log = [](const std::string& msg) { Log(msg); };

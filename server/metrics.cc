@@ -93,6 +93,40 @@ class EngineGauges : public prometheus::Collectable {
     c.counter.value = static_cast<double>(es.preempted);
     preempted.metric.push_back(c);
     out.push_back(preempted);
+    if (es.cpu_threads_max > 0) {
+      MetricFamily threads{"imagegen_engine_cpu_threads",
+                           "The engine thread's LibTorch intra-op threads now; below "
+                           "imagegen_engine_cpu_threads_max while --adaptive-cpu-threads has "
+                           "lowered them (other busy work on the daemon's cores)",
+                           MetricType::Gauge,
+                           {}};
+      MetricFamily most{"imagegen_engine_cpu_threads_max",
+                        "The engine thread's intra-op threads at start (--cpu-threads)",
+                        MetricType::Gauge,
+                        {}};
+      MetricFamily changes{"imagegen_engine_cpu_thread_changes_total",
+                           "Times --adaptive-cpu-threads changed the engine thread's intra-op "
+                           "threads: down (its run-queue wait reached a fifth of its step time, "
+                           "or a try above did not hold) or up (a try)",
+                           MetricType::Counter,
+                           {}};
+      ClientMetric g;
+      g.gauge.value = static_cast<double>(es.cpu_threads);
+      threads.metric.push_back(g);
+      g.gauge.value = static_cast<double>(es.cpu_threads_max);
+      most.metric.push_back(g);
+      for (const auto& [direction, n] :
+           {std::pair<const char*, int64_t>{"down", es.cpu_threads_lowered},
+            {"up", es.cpu_threads_raised}}) {
+        ClientMetric m;
+        m.label.push_back({"direction", direction});
+        m.counter.value = static_cast<double>(n);
+        changes.metric.push_back(m);
+      }
+      out.push_back(threads);
+      out.push_back(most);
+      out.push_back(changes);
+    }
     MetricFamily waiting{"imagegen_engine_stalled_seconds",
                          "Seconds the engine's work has waited on its thread without it moving "
                          "(engine: no round finished; decoder: no image decoded); 0 while the "

@@ -283,6 +283,9 @@ std::string FormatStats(LogFormat format, const StatsRecord& r) {
   }
   l.Num("busy", Ratio(w.step_seconds, s), 2);
   if (const std::optional<double> wait = w.CpuWaitShare()) l.Num("cpu_wait", *wait, 2);
+  if (r.cpu_threads_max > 0) {
+    l.Str("cpu_threads", std::to_string(r.cpu_threads) + "/" + std::to_string(r.cpu_threads_max));
+  }
   return l.Done();
 }
 
@@ -297,8 +300,10 @@ std::optional<std::string> CpuWaitWarning(const StatsRecord& r) {
                 "%.0f s: other work shares the daemon's cores, and each step waits at every "
                 "parallel region for the thread that is off its core. On shared cores fewer "
                 "--cpu-threads than the cores serve more (docs/deploy.md, \"Cores shared with "
-                "other busy work\"); imagegen_engine_cpu_wait_seconds_total counts it",
-                r.model.c_str(), *share * 100, r.interval_seconds);
+                "other busy work\"; --adaptive-cpu-threads lowers them while it lasts, now %lld "
+                "of %lld); imagegen_engine_cpu_wait_seconds_total counts it",
+                r.model.c_str(), *share * 100, r.interval_seconds,
+                static_cast<long long>(r.cpu_threads), static_cast<long long>(r.cpu_threads_max));
   return std::string(text);
 }
 

@@ -108,6 +108,8 @@ struct StatsRecord {
   std::string model;
   double interval_seconds = 0;
   int64_t running = 0, queued = 0, slots_used = 0, slots_total = 0;
+  // The engine thread's intra-op threads at the interval's end and at start (0: not the CPU).
+  int64_t cpu_threads = 0, cpu_threads_max = 0;
   WorkTotals work;  // in the interval
 };
 

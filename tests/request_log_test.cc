@@ -241,7 +241,10 @@ TEST(RequestLogTest, CpuWaitIsAShareOfStepTimeAndWarnsFromAFifth) {
   s.work.cpu_wait_steps = 3000;
   s.work.cpu_wait_step_seconds = 9.0;
   s.work.cpu_wait_seconds = 3.15;
-  EXPECT_NE(FormatStats(LogFormat::kText, s).find(" busy=0.90 cpu_wait=0.35\n"), std::string::npos)
+  s.cpu_threads = 1;  // lowered by --adaptive-cpu-threads
+  s.cpu_threads_max = 2;
+  EXPECT_NE(FormatStats(LogFormat::kText, s).find(" busy=0.90 cpu_wait=0.35 cpu_threads=1/2\n"),
+            std::string::npos)
       << FormatStats(LogFormat::kText, s);
   const std::optional<std::string> w = server::CpuWaitWarning(s);
   ASSERT_TRUE(w.has_value());
@@ -251,6 +254,7 @@ TEST(RequestLogTest, CpuWaitIsAShareOfStepTimeAndWarnsFromAFifth) {
             0u)
       << *w;
   EXPECT_NE(w->find("--cpu-threads"), std::string::npos) << *w;
+  EXPECT_NE(w->find("now 1 of 2"), std::string::npos) << *w;
 
   s.work.cpu_wait_seconds = 0.19 * 9.0;  // under a fifth
   EXPECT_FALSE(server::CpuWaitWarning(s).has_value());

@@ -7,11 +7,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <functional>
 #include <future>
 #include <map>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <thread>
@@ -297,6 +300,162 @@ TEST(EngineTest, OneIntraOpThreadAndTwoDrawTheSameImages) {
     for (size_t i = 0; i < ps.size(); ++i) {
       EXPECT_EQ(grids[0][i], grids[1][i]) << methods[i] << ", matmul precision " << precision;
     }
+  }
+}
+
+// A schedstat file the test writes in place of the engine thread's, as beside a busy loop on
+// one of two cores: while `busy` holds and the engine runs more than one intra-op thread
+// (`threads()`), its run-queue wait grows as fast as the clock; at one thread, not at all (the
+// daemon's measured 0.34-0.40 and 0.00-0.01). Fixed-width, rewritten in place, as the engine
+// keeps the file open.
+class FakeSchedstat {
+ public:
+  FakeSchedstat(const std::string& path, std::function<int64_t()> threads)
+      : path_(path), threads_(std::move(threads)) {
+    Write(0);
+    writer_ = std::thread([this] {
+      int64_t wait_ns = 0;
+      while (!stop_.load()) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        if (busy.load() && threads_() > 1) wait_ns += 1000000;
+        Write(wait_ns);
+      }
+    });
+  }
+  ~FakeSchedstat() {
+    stop_.store(true);
+    writer_.join();
+  }
+  std::atomic<bool> busy{false};
+
+ private:
+  void Write(int64_t wait_ns) {
+    char line[64];
+    std::snprintf(line, sizeof line, "1 %020lld 1\n", static_cast<long long>(wait_ns));
+    FILE* f = std::fopen(path_.c_str(), first_ ? "w" : "r+");
+    first_ = false;
+    if (f == nullptr) return;
+    std::fputs(line, f);
+    std::fclose(f);
+  }
+  std::string path_;
+  std::function<int64_t()> threads_;
+  bool first_ = true;
+  std::atomic<bool> stop_{false};
+  std::thread writer_;
+};
+
+// EngineOptions::adaptive_cpu_threads: the engine checks at start that one thread's outputs
+// are two's bit for bit, halves its threads once the engine thread waits for a CPU a fifth of
+// its step time, tries two again after first_probe_seconds and goes back down while the wait
+// goes on, and stays at two once it has stopped; the images are those of a fixed count.
+TEST(EngineTest, IntraOpThreadsFollowTheEngineThreadsWaitForACpu) {
+  if (testing::TestLoadOptions().device.is_cuda()) GTEST_SKIP() << "the CPU's threads";
+  const testing::ScopedIntraOpThreads restore(at::get_num_threads());
+  const std::string dir = testing::TempDir("imagegen-governor");
+  std::atomic<Engine*> running{nullptr};
+  FakeSchedstat schedstat(dir + "/schedstat", [&]() -> int64_t {
+    Engine* e = running.load();
+    return e == nullptr ? 2 : e->Stats().cpu_threads;
+  });
+  std::vector<std::string> notices;
+  std::mutex mu;
+  EngineOptions o = BundledOptions();
+  o.window_policy = "full";
+  o.fixed_step_cost = {0.005, 2e-5, 1e-3};  // no calibration
+  o.cpu_threads = 2;
+  o.adaptive_cpu_threads = 1;
+  o.schedstat_path = dir + "/schedstat";
+  o.cpu_thread_governor.window_seconds = 0.02;
+  o.cpu_thread_governor.window_steps = 4;
+  o.cpu_thread_governor.first_probe_seconds = 0.5;
+  o.cpu_thread_governor.max_probe_seconds = 1.0;
+  o.log = [&](const std::string& m) {
+    std::lock_guard<std::mutex> l(mu);
+    notices.push_back(m);
+  };
+  auto engine = StartOrDie(o);
+  running.store(engine.get());
+  {
+    std::lock_guard<std::mutex> l(mu);
+    bool said = false;
+    for (const std::string& n : notices) said |= n.find("cpu threads follow") != std::string::npos;
+    EXPECT_TRUE(said) << "no notice of the governor; notices: " << notices.size();
+  }
+  EXPECT_EQ(engine->Stats().cpu_threads, 2);
+  EXPECT_EQ(engine->Stats().cpu_threads_max, 2);
+  // Requests two at a time, until told to stop; each one's grid by its seed.
+  std::atomic<bool> stop{false};
+  std::mutex grids_mu;
+  std::map<uint64_t, std::vector<int32_t>> grids;
+  std::thread client([&] {
+    for (uint64_t seed = 9000; !stop.load(); seed += 2) {
+      std::vector<std::shared_ptr<Recorder>> rs;
+      for (uint64_t k = 0; k < 2; ++k) {
+        rs.push_back(std::make_shared<Recorder>());
+        if (!engine->Submit(Params("scd-mc", static_cast<int64_t>(seed % 10), seed + k), rs.back())
+                 .ok()) {
+          return;
+        }
+      }
+      for (uint64_t k = 0; k < 2; ++k) {
+        if (!rs[k]->Wait() || !rs[k]->result) return;
+        std::lock_guard<std::mutex> l(grids_mu);
+        grids[seed + k] = rs[k]->result->tokens;
+      }
+    }
+  });
+  auto stats = [&] { return engine->Stats(); };
+  // Quiet: two threads throughout a second of steps.
+  const auto quiet_end = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+  EXPECT_TRUE(testing::WaitUntil(
+      [&] { return stats().cpu_threads != 2 || std::chrono::steady_clock::now() > quiet_end; },
+      std::chrono::seconds(60)));
+  EXPECT_EQ(stats().cpu_threads, 2);
+  EXPECT_EQ(stats().cpu_threads_lowered, 0);
+  // Waiting as long as running: one thread.
+  schedstat.busy.store(true);
+  EXPECT_TRUE(
+      testing::WaitUntil([&] { return stats().cpu_threads == 1; }, std::chrono::seconds(120)));
+  // Still waiting: each try of two goes back down.
+  EXPECT_TRUE(testing::WaitUntil([&] { return stats().cpu_threads_raised >= 2; },
+                                 std::chrono::seconds(120)));
+  EXPECT_TRUE(
+      testing::WaitUntil([&] { return stats().cpu_threads == 1; }, std::chrono::seconds(120)));
+  EXPECT_GE(stats().cpu_threads_lowered, 2);
+  // The wait has stopped: a try holds, and two threads stay for two windows of tries.
+  schedstat.busy.store(false);
+  EXPECT_TRUE(
+      testing::WaitUntil([&] { return stats().cpu_threads == 2; }, std::chrono::seconds(120)));
+  const int64_t raised = stats().cpu_threads_raised;
+  const auto held_end = std::chrono::steady_clock::now() + std::chrono::milliseconds(2500);
+  EXPECT_TRUE(testing::WaitUntil(
+      [&] { return stats().cpu_threads != 2 || std::chrono::steady_clock::now() > held_end; },
+      std::chrono::seconds(60)));
+  EXPECT_EQ(stats().cpu_threads, 2);
+  EXPECT_EQ(stats().cpu_threads_raised, raised);
+  stop.store(true);
+  client.join();
+  // The images drawn at whichever count, against an engine at two threads and no governor.
+  std::map<uint64_t, std::vector<int32_t>> drawn;
+  {
+    std::lock_guard<std::mutex> l(grids_mu);
+    drawn = grids;
+  }
+  ASSERT_GE(drawn.size(), 4u);
+  running.store(nullptr);
+  engine.reset();
+  o.adaptive_cpu_threads = 0;
+  o.schedstat_path.clear();
+  auto fixed = StartOrDie(o);
+  int compared = 0;
+  for (const auto& [seed, tokens] : drawn) {
+    if (compared++ % 3 != 0) continue;  // a third of them: enough to span every phase
+    auto r = std::make_shared<Recorder>();
+    ASSERT_TRUE(
+        fixed->Submit(Params("scd-mc", static_cast<int64_t>((seed & ~1ull) % 10), seed), r).ok());
+    ASSERT_TRUE(r->Wait() && r->result.has_value());
+    EXPECT_EQ(r->result->tokens, tokens) << "seed " << seed;
   }
 }
 

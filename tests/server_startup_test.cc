@@ -381,6 +381,12 @@ TEST(ServerStartupTest, AnEngineWhoseStepsAllFailTurnsNotServingUntilOneSucceeds
   EXPECT_NE(metrics.find("imagegen_engine_failed_steps_in_a_row{model=\"fmnist-gpt\"} 2"),
             std::string::npos)
       << metrics;
+  // The CPU's intra-op threads (--adaptive-cpu-threads), at start and now.
+  EXPECT_NE(metrics.find("\nimagegen_engine_cpu_threads_max "), std::string::npos) << metrics;
+  EXPECT_NE(metrics.find("\nimagegen_engine_cpu_threads "), std::string::npos) << metrics;
+  EXPECT_NE(metrics.find("imagegen_engine_cpu_thread_changes_total{direction=\"down\"} 0"),
+            std::string::npos)
+      << metrics;
   // Calls are still taken (without probes a call's step is the only way back); the next step
   // succeeds and the engine is healthy again.
   grpc::Status third = c.Generate("ar", &r);

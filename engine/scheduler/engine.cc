@@ -1,12 +1,14 @@
 #include "engine/scheduler/engine.h"
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <cstring>
 #include <filesystem>
 #include <future>
 #include <mutex>
@@ -53,6 +55,7 @@ class WarmupGate : public EngineListener {
   explicit WarmupGate(EngineListener* target) : target_(target) {}
   void OnStep(const StepSample& s) override {
     if (!warming) {
+      if (served) served(s);
       if (target_ != nullptr) target_->OnStep(s);
       return;
     }
@@ -68,6 +71,8 @@ class WarmupGate : public EngineListener {
   }
   bool warming = false;
   int64_t steps = 0, captures = 0, capture_failures = 0;
+  // Sees each served step first (the thread governor); may be empty.
+  std::function<void(const StepSample&)> served;
 
  private:
   EngineListener* target_;
@@ -145,6 +150,102 @@ class CpuThreadsClaim {
   }
 };
 
+// What a GPT computes at the calling thread's intra-op count, on fixed inputs: its logits for
+// batches of 1 to 256 new tokens in rows of up to a window each from empty slots, then for a
+// few tokens more per row over those entries (the cached attention).
+void ProbeGpt(const Gpt& g, bool batch_invariant, std::vector<at::Tensor>& out) {
+  const GptConfig& c = g.config();
+  std::mt19937_64 rng(20261207);
+  const int64_t per_row = std::max<int64_t>(c.block_size - 3, 1);  // room for 3 more after
+  for (const int64_t total : {1, 2, 5, 16, 37, 64, 131, 256}) {
+    const int64_t rows = (total + per_row - 1) / per_row;
+    KvCache cache = g.NewCache(rows);
+    std::vector<BatchRow> batch;
+    for (int64_t r = 0, left = total; r < rows; ++r) {
+      BatchRow row;
+      row.slot = r;
+      row.prefix = 1;
+      const int64_t n = std::min(left, per_row);
+      left -= n;
+      for (int64_t i = 0; i < n; ++i) {
+        row.tokens.push_back(i == 0 ? 0 : static_cast<int64_t>(rng() % c.vocab_size));
+        row.positions.push_back(i);
+      }
+      batch.push_back(std::move(row));
+    }
+    ForwardOptions f;
+    f.batch_invariant = batch_invariant;
+    StatusOr<at::Tensor> first = g.Forward(batch, cache, at::Tensor(), f);
+    if (!first.ok()) continue;  // the same at every count
+    out.push_back(first->clone());
+    for (BatchRow& row : batch) {
+      row.cache_len = static_cast<int64_t>(row.tokens.size());
+      const int64_t more = 1 + row.slot % 3;
+      row.tokens.clear();
+      row.positions.clear();
+      for (int64_t i = 0; i < more; ++i) {
+        row.tokens.push_back(static_cast<int64_t>(rng() % c.vocab_size));
+        row.positions.push_back(row.cache_len + i);
+      }
+    }
+    StatusOr<at::Tensor> next = g.Forward(batch, cache, at::Tensor(), f);
+    if (next.ok()) out.push_back(next->clone());
+  }
+}
+
+// A model's outputs at the calling thread's intra-op count on fixed inputs (ProbeGpt; a MAR's
+// encoder and decoder at 1 and 3 images, its diffusion head's network, the draft's, and the
+// decoders' pixels), for CheckThreadCounts to compare bit for bit.
+std::vector<at::Tensor> ThreadProbe(const ImageModel* gpt, const MarModel* mar,
+                                    bool batch_invariant) {
+  std::vector<at::Tensor> out;
+  if (gpt != nullptr) {
+    ProbeGpt(*gpt->gpt, batch_invariant, out);
+    if (gpt->draft) ProbeGpt(*gpt->draft, batch_invariant, out);
+    const GptConfig& c = gpt->gpt->config();
+    std::mt19937_64 rng(7);
+    std::vector<int32_t> grid(static_cast<size_t>(c.grid() * c.grid()));
+    for (int32_t& t : grid) t = static_cast<int32_t>(rng() % c.vocab_size);
+    StatusOr<at::Tensor> pixels = TokensToPixels(*gpt->vq, grid);
+    if (pixels.ok()) out.push_back(pixels->clone());
+  }
+  if (mar != nullptr) {
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(20261207);
+    for (const Mar* m : {mar->mar.get(), mar->draft.get()}) {
+      if (m == nullptr) continue;
+      const MarConfig& c = m->config();
+      for (const int64_t b : {1, 3}) {
+        at::Tensor tokens = at::randn({b, c.seq_len(), c.token_dim()}, gen).to(m->options());
+        at::Tensor known = at::rand({b, c.seq_len()}, gen) < 0.5;
+        at::Tensor labels = at::arange(b, at::kLong).remainder(c.class_num + 1);
+        StatusOr<at::Tensor> z = m->Forward(tokens, known, labels);
+        if (!z.ok()) continue;
+        out.push_back(z->clone());
+        const int64_t n = b * c.seq_len();
+        at::Tensor x = at::randn({n, c.token_dim()}, gen).to(m->options());
+        at::Tensor t = at::arange(n, at::kLong).remainder(std::max<int64_t>(m->head().steps(), 1));
+        out.push_back(m->head().Net(x, t, z->reshape({n, -1})).clone());
+      }
+    }
+    const MarConfig& c = mar->mar->config();
+    at::Tensor tokens = at::randn({1, c.seq_len(), c.token_dim()}, gen).to(mar->mar->options());
+    StatusOr<at::Tensor> pixels = LatentsToPixels(*mar, tokens);
+    if (pixels.ok()) out.push_back(pixels->clone());
+  }
+  return out;
+}
+
+bool SameBits(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i].sizes() != b[i].sizes() || a[i].scalar_type() != b[i].scalar_type()) return false;
+    // Bit for bit: the raw bytes (equal() would take -0 for 0 and fail on NaN).
+    const at::Tensor x = a[i].contiguous().cpu(), y = b[i].contiguous().cpu();
+    if (std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()) != 0) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 uint64_t RandomSeed() {
@@ -203,6 +304,13 @@ struct Engine::Impl {
   StatusOr<std::unique_ptr<Job>> ResolveMar(GenerateParams p, const MarModel& m) const;
   Status Load();
   Status LoadMar(const std::string& name, const LoadOptions& lo);
+  // EngineOptions::adaptive_cpu_threads, after the models are loaded: the counts whose outputs
+  // match the engine's own count's bit for bit, and the governor over them (null: off).
+  void SetUpThreadGovernor(const LoadOptions& lo);
+  // Each served step, on the engine thread: the governor's count for the next one.
+  void GovernThreads(const StepSample& s);
+  std::unique_ptr<ThreadGovernor> governor;
+  const Clock::time_point governor_epoch = Clock::now();
   // EngineOptions::warmup, after the models are loaded.
   Status WarmUp();
   // One warm-up load: a closed loop of n clients of `method` on model `mi`, for 2n images.
@@ -492,7 +600,88 @@ Status Engine::Impl::Load() {
   census.assign(models.size(), {});
   inbox_census.assign(models.size(), {});
   shed.assign(models.size(), {});
+  SetUpThreadGovernor(lo);
   return opts.warmup > 0 ? WarmUp() : OkStatus();
+}
+
+void Engine::Impl::SetUpThreadGovernor(const LoadOptions& lo) {
+  const int own = at::get_num_threads();
+  stats.cpu_threads = stats.cpu_threads_max = lo.device.is_cpu() ? own : 0;
+  const bool on =
+      opts.adaptive_cpu_threads < 0 ? lo.device.is_cpu() : opts.adaptive_cpu_threads > 0;
+  if (!on) return;
+  if (!lo.device.is_cpu()) {
+    Notice(opts, "adaptive cpu threads: off on " + opts.device + " (the CPU's threads only)");
+    return;
+  }
+  ThreadGovernorOptions g = opts.cpu_thread_governor;
+  std::vector<int> wanted = g.counts.empty() ? HalvingThreadCounts(own) : g.counts;
+  if (wanted.empty() || wanted.front() != own) wanted.insert(wanted.begin(), own);
+  if (wanted.size() < 2) return;  // one thread: nothing to lower
+  // Each count's outputs against the engine's own count's, bit for bit: a count whose
+  // products split their sums differently would draw other images under load.
+  const auto t0 = Clock::now();
+  auto probe = [&] {
+    std::vector<at::Tensor> out;
+    for (const Served& m : models) {
+      std::vector<at::Tensor> o = ThreadProbe(m.gpt.get(), m.mar.get(), opts.batch_invariant);
+      out.insert(out.end(), o.begin(), o.end());
+    }
+    return out;
+  };
+  const std::vector<at::Tensor> reference = probe();
+  g.counts = {own};
+  std::string differ;
+  for (size_t i = 1; i < wanted.size(); ++i) {
+    if (wanted[i] >= g.counts.back() || wanted[i] < 1) continue;
+    at::set_num_threads(wanted[i]);
+    if (SameBits(probe(), reference)) {
+      g.counts.push_back(wanted[i]);
+    } else {
+      differ += (differ.empty() ? "" : ", ") + std::to_string(wanted[i]);
+    }
+  }
+  at::set_num_threads(own);
+  const double checked = std::chrono::duration<double>(Clock::now() - t0).count();
+  std::ostringstream msg;
+  msg.precision(2);
+  if (g.counts.size() < 2) {
+    msg << "adaptive cpu threads: off, the outputs at " << differ
+        << " threads differ from those at " << own << " (checked in " << checked << " s)";
+    Notice(opts, msg.str());
+    return;
+  }
+  if (const std::string bad = ValidateThreadGovernorOptions(g); !bad.empty()) {
+    Notice(opts, "adaptive cpu threads: off, cpu_thread_governor: " + bad);
+    return;
+  }
+  msg << "cpu threads follow the CPU they get: ";
+  for (size_t i = 0; i < g.counts.size(); ++i) msg << (i ? ", " : "") << g.counts[i];
+  msg << " (the same outputs bit for bit at each, checked in " << checked << " s";
+  if (!differ.empty()) msg << "; not " << differ << ", whose outputs differ";
+  msg << "), lowered while the engine thread waits for a CPU " << g.lower_share
+      << " of its step time";
+  Notice(opts, msg.str());
+  governor = std::make_unique<ThreadGovernor>(std::move(g));
+  gate->served = [this](const StepSample& s) { GovernThreads(s); };
+}
+
+void Engine::Impl::GovernThreads(const StepSample& s) {
+  const int before = governor->threads();
+  const double now = std::chrono::duration<double>(Clock::now() - governor_epoch).count();
+  const int after = governor->Observe(s.seconds, s.cpu_wait_seconds, now);
+  if (after == before) return;
+  at::set_num_threads(after);
+  std::ostringstream msg;
+  msg.precision(2);
+  msg << "cpu threads " << before << " -> " << after << ": ";
+  if (governor->trying()) {
+    msg << "trying " << after << " again";
+  } else {
+    msg << "the engine thread waited for a CPU " << governor->last_share()
+        << " of its step time (other work on its cores)";
+  }
+  Notice(opts, msg.str());
 }
 
 Status Engine::Impl::WarmUp() {
@@ -973,6 +1162,12 @@ void Engine::Impl::Run() {
       stats.failed += out.failed;
       stats.shed += out.shed;
       stats.preempted += out.preempted;
+      if (governor) {
+        // The engine thread's own count, as LibTorch has it (not the governor's wish).
+        stats.cpu_threads = at::get_num_threads();
+        stats.cpu_threads_lowered = governor->lowered();
+        stats.cpu_threads_raised = governor->raised();
+      }
       for (size_t i = 0; i < schedulers.size(); ++i) {
         ModelLoad& l = stats.models[i];
         l.queued = schedulers[i]->queued();

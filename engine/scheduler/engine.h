@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "engine/scheduler/request.h"
+#include "engine/scheduler/thread_governor.h"
 #include "engine/util/status.h"
 
 namespace imagegen {
@@ -225,6 +226,20 @@ struct EngineOptions {
   // parallel LibTorch ops made every step about twice as slow on 2 cores (both thread pools stop
   // spinning and sleep between the many small ops of a step).
   int64_t cpu_threads = 0;
+  // On the CPU: the engine thread's intra-op count follows the CPU it gets
+  // (engine/scheduler/thread_governor.h): halved while the engine thread waits for a CPU
+  // lower_share (a fifth) of its step time or more, other work being busy on its cores, and
+  // tried again above after a while. Only counts whose forwards and decoders give the same bits
+  // as the engine's own count (checked at start, Engine::Impl::CheckThreadCounts) are used, so
+  // a seed draws the same image at any load. -1: by device (on for the CPU with 2 threads or
+  // more, off on CUDA); 0 off; 1 on.
+  int adaptive_cpu_threads = -1;
+  // Its windows, bound and waits (counts: filled at start; a list there is kept, each count
+  // still checked).
+  ThreadGovernorOptions cpu_thread_governor;
+  // Tests: where the engine thread reads its run-queue wait (a file in schedstat's form that
+  // the test writes) in place of /proc/thread-self/schedstat. Empty: the real one.
+  std::string schedstat_path;
   // Previews (GenerateParams::preview_every) are decoded on the engine thread, which every
   // request waits for: they may take this share of the engine's time, no more. Requests whose
   // preview is due wait their turn (longest-waiting first) and then get the grid as it is then.
@@ -338,6 +353,10 @@ struct EngineStats {
   // Batched decoding (EngineOptions::decode_batch > 1): decoder calls, and the finished images
   // they made (their ratio is the mean batch).
   int64_t decode_batches = 0, batch_decoded = 0;
+  // On the CPU: the engine thread's intra-op threads now and at start, and how often the
+  // thread governor (EngineOptions::adaptive_cpu_threads) lowered and raised them. 0 on CUDA.
+  int64_t cpu_threads = 0, cpu_threads_max = 0;
+  int64_t cpu_threads_lowered = 0, cpu_threads_raised = 0;
   bool draining = false;
 };
 

@@ -848,7 +848,10 @@ void ModelScheduler::Step(Outcomes& out) {
         });
   }
   sample.seconds = Seconds(t0, Clock::now());
-  sample.cpu_wait_seconds = RunQueueWaitSinceLastCall().value_or(-1);
+  sample.cpu_wait_seconds =
+      RunQueueWaitSinceLastCall(opts_.schedstat_path.empty() ? nullptr
+                                                             : opts_.schedstat_path.c_str())
+          .value_or(-1);
   NotifyListener(listener_, sample);
 }
 

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The engine's intra-op threads over time while other work comes and goes on the daemon's cores
+# (--adaptive-cpu-threads, engine/scheduler/thread_governor.h): one daemon on the bundled
+# fmnist-gpt under a closed-loop load of METHOD at CLIENTS for SECONDS, with HOG busy loops
+# running from HOG_FROM to HOG_TO seconds into the load. Prints the daemon's stats lines as a
+# timeline (seconds into the load, images/s, the engine thread's CPU wait share, its threads)
+# and its notices of each change. Extra arguments go to the daemon (e.g.
+# --adaptive_cpu_threads=0 for the fixed count).
+#
+#   bench/cpu_threads_timeline.sh [BUILD_DIR] [SECONDS] [HOG_FROM] [HOG_TO] [FLAG...]
+#   METHOD=ar CLIENTS=8 HOG=1 bench/cpu_threads_timeline.sh build/ci 120 10 50
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUILD=${1:-build/ci}
+SECS=${2:-120}
+FROM=${3:-10}
+TO=${4:-50}
+shift $(($# < 4 ? $# : 4))
+METHOD=${METHOD:-ar}
+CLIENTS=${CLIENTS:-8}
+HOG=${HOG:-1}
+OUT=$(mktemp -d /tmp/imagegen-cpu-threads.XXXXXX)
+ROUNDS=1
+source bench/abab.sh
+hogs=()
+trap 'kill ${hogs[*]} ${ABAB_PIDS[*]} 2> /dev/null || true' EXIT
+abab_start daemon "$BUILD" --cache_dir "$OUT/cache" --log_stats_seconds 2 "$@"
+start=$(date +%s.%N)
+"$BUILD/client/imagegen" load --target "127.0.0.1:$port_daemon" --method "$METHOD" \
+  --concurrency "$CLIENTS" --duration "$SECS" > "$OUT/load.log" 2>&1 &
+load=$!
+sleep "$FROM"
+for _ in $(seq "$HOG"); do sh -c 'while :; do :; done' & hogs+=("$!"); done
+sleep "$((TO - FROM))"
+kill "${hogs[@]}" 2> /dev/null || true
+wait "${hogs[@]}" 2> /dev/null || true
+hogs=()
+wait "$load" || true
+python3 - "$OUT/daemon.log" "$FROM" "$TO" <<'PY'
+import re, sys
+log, hog_from, hog_to = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
+t = 0.0
+print(f"busy loop from {hog_from:.0f} s to {hog_to:.0f} s")
+print(f"{'t s':>6} {'img/s':>6} {'cpu_wait':>8} {'threads':>7}")
+for line in open(log):
+    if " stats " in line:
+        f = dict(re.findall(r"(\w+)=(\S+)", line))
+        t += float(f["interval_seconds"])
+        print(f"{t:6.0f} {float(f['images_per_second']):6.2f} {f.get('cpu_wait', '-'):>8} "
+              f"{f.get('cpu_threads', '-'):>7}")
+    elif "cpu threads" in line:
+        print("      ", line.split(": ", 1)[1].strip())
+PY
+tail -4 "$OUT/load.log"
+echo "logs: $OUT"

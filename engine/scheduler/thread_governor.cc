@@ -1,0 +1,83 @@
+#include "engine/scheduler/thread_governor.h"
+
+#include <algorithm>
+#include <cmath>
+#include <utility>
+
+namespace imagegen {
+
+std::vector<int> HalvingThreadCounts(int threads) {
+  std::vector<int> counts;
+  for (int t = std::max(threads, 1); t >= 1; t /= 2) {
+    counts.push_back(t);
+    if (t == 1) break;
+  }
+  return counts;
+}
+
+std::string ValidateThreadGovernorOptions(const ThreadGovernorOptions& o) {
+  if (o.counts.empty()) return "counts: must list at least the engine's own count";
+  for (size_t i = 0; i < o.counts.size(); ++i) {
+    if (o.counts[i] < 1) return "counts: each must be >= 1";
+    if (i > 0 && o.counts[i] >= o.counts[i - 1]) return "counts: must be in descending order";
+  }
+  if (!(o.lower_share > 0 && o.lower_share <= 1)) return "lower_share: must be in (0, 1]";
+  if (!(o.window_seconds > 0) || !std::isfinite(o.window_seconds)) {
+    return "window_seconds: must be > 0";
+  }
+  if (o.window_steps < 1) return "window_steps: must be >= 1";
+  if (!(o.first_probe_seconds > 0) || !std::isfinite(o.first_probe_seconds)) {
+    return "first_probe_seconds: must be > 0";
+  }
+  if (!(o.max_probe_seconds >= o.first_probe_seconds) || !std::isfinite(o.max_probe_seconds)) {
+    return "max_probe_seconds: must be >= first_probe_seconds";
+  }
+  return "";
+}
+
+ThreadGovernor::ThreadGovernor(ThreadGovernorOptions o) : o_(std::move(o)) {
+  if (o_.counts.empty()) o_.counts = {1};
+  probe_wait_ = o_.first_probe_seconds;
+}
+
+int ThreadGovernor::Observe(double step_seconds, double wait_seconds, double now) {
+  if (o_.counts.size() < 2 || wait_seconds < 0 || !(step_seconds >= 0)) return threads();
+  step_s_ += step_seconds;
+  wait_s_ += wait_seconds;
+  steps_ += 1;
+  if (step_s_ < o_.window_seconds || steps_ < o_.window_steps) return threads();
+  const double share = wait_s_ / step_s_;
+  step_s_ = wait_s_ = 0;
+  steps_ = 0;
+  last_share_ = share;
+  if (share >= o_.lower_share) {
+    if (trying_) {
+      // The count above is still contended: back down, and wait longer before the next try.
+      trying_ = false;
+      level_ += 1;
+      lowered_ += 1;
+      failed_tries_ += 1;
+      probe_wait_ = std::min(2 * probe_wait_, o_.max_probe_seconds);
+      next_probe_ = now + probe_wait_;
+    } else if (level_ + 1 < o_.counts.size()) {
+      level_ += 1;
+      lowered_ += 1;
+      probe_wait_ = o_.first_probe_seconds;
+      next_probe_ = now + probe_wait_;
+    }
+    return threads();
+  }
+  if (trying_) {
+    // The try held: stay, and try the next count up (if any) after the first wait.
+    trying_ = false;
+    probe_wait_ = o_.first_probe_seconds;
+    next_probe_ = now + probe_wait_;
+  } else if (level_ > 0 && now >= next_probe_) {
+    level_ -= 1;
+    raised_ += 1;
+    trying_ = true;
+  }
+  return threads();
+}
+
+}  // namespace imagegen

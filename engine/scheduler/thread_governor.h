@@ -1,0 +1,82 @@
+// ThreadGovernor: the engine thread's intra-op thread count, following the CPU it gets.
+//
+// On cores shared with other busy work the OpenMP workers of a step lose their CPUs, and each
+// of a step's hundreds of parallel regions waits for whichever worker is off its core: on the
+// 2-core VM one busy loop cost the daemon 4.1-5.7x its images/s, and one thread in place of two
+// served 3-5x the default under it, where on a quiet machine one thread costs 0.4-0.8x
+// (docs/results-serving.md, "Cores shared with other work"). The governor takes the signal that
+// tells the two cases apart, the engine thread's run-queue wait as a share of its step time
+// (engine/util/run_queue_wait.h: 0.00-0.01 quiet at 1-16 clients, 0.34-0.40 beside the busy
+// loop), and halves the count when the share reaches `lower_share`. A lowered count no longer
+// sees the contention it avoids (one thread beside the loop waited 0.00-0.01), so it cannot
+// tell when the other work has gone: after `first_probe_seconds` it tries the count above for
+// one window, keeps it if the share stays below `lower_share`, and otherwise goes back down and
+// waits twice as long before the next try (up to `max_probe_seconds`).
+//
+// Only counts whose forwards give the same bits as the engine's own count may be listed (the
+// engine checks that at start), so what a seed draws does not depend on the load.
+//
+// Pure logic over the numbers it is given (no clock, no LibTorch): the engine thread feeds it
+// each step and applies its count.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace imagegen {
+
+struct ThreadGovernorOptions {
+  // The counts it may run at, the engine's own (the most) first, then each lower one it may
+  // step down to, in descending order. One count: it never changes.
+  std::vector<int> counts;
+  // The run-queue wait's share of step time, over a window, that lowers the count.
+  double lower_share = 0.2;
+  // A window: at least this much step time and this many steps (a look at the share each).
+  double window_seconds = 1.0;
+  int64_t window_steps = 16;
+  // After lowering, the wall-clock wait before trying the count above; each failed try doubles
+  // it, up to max_probe_seconds; a try that holds resets it.
+  double first_probe_seconds = 30;
+  double max_probe_seconds = 600;
+};
+
+// Descending halvings of `threads` down to 1 (8 -> 8, 4, 2, 1; 6 -> 6, 3, 1; 1 -> 1).
+std::vector<int> HalvingThreadCounts(int threads);
+
+// Empty when the options hold, else what is wrong, naming the field.
+std::string ValidateThreadGovernorOptions(const ThreadGovernorOptions& o);
+
+class ThreadGovernor {
+ public:
+  explicit ThreadGovernor(ThreadGovernorOptions o);
+
+  // One step: its wall time, the engine thread's run-queue wait since its previous step
+  // (negative: unknown; such a step is not counted), and `now` (seconds on a monotonic clock).
+  // Returns the count the engine thread runs its next step at.
+  int Observe(double step_seconds, double wait_seconds, double now);
+
+  int threads() const { return o_.counts[level_]; }
+  int max_threads() const { return o_.counts.front(); }
+  // Changes so far: down (contention, or a try that did not hold) and up (tries).
+  int64_t lowered() const { return lowered_; }
+  int64_t raised() const { return raised_; }
+  // Tries of the count above that went back down.
+  int64_t failed_tries() const { return failed_tries_; }
+  // The share of the last complete window (-1: none yet).
+  double last_share() const { return last_share_; }
+  // Whether the count now is a try (its first window decides).
+  bool trying() const { return trying_; }
+
+ private:
+  ThreadGovernorOptions o_;
+  size_t level_ = 0;  // index into o_.counts
+  bool trying_ = false;
+  double probe_wait_ = 0, next_probe_ = 0;
+  double step_s_ = 0, wait_s_ = 0;
+  int64_t steps_ = 0;
+  int64_t lowered_ = 0, raised_ = 0, failed_tries_ = 0;
+  double last_share_ = -1;
+};
+
+}  // namespace imagegen

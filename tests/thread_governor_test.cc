@@ -1,0 +1,172 @@
+// ThreadGovernor (engine/scheduler/thread_governor.h): the intra-op thread count that follows the
+// engine thread's run-queue wait, fed made-up steps on a made-up clock.
+#include "engine/scheduler/thread_governor.h"
+
+#include <gtest/gtest.h>
+
+#include <vector>
+
+namespace imagegen::testing {
+namespace {
+
+// Steps of 1/16 s (exact in binary: 16 make a window of 1 s) whose run-queue wait is `share` of
+// each, on a clock that moves by the step.
+struct Feed {
+  ThreadGovernor gov;
+  double now = 100;
+  explicit Feed(ThreadGovernorOptions o) : gov(std::move(o)) {}
+  // n steps; returns the counts the governor asked for after each.
+  std::vector<int> Steps(int n, double share, double step = 0.0625) {
+    std::vector<int> out;
+    for (int i = 0; i < n; ++i) {
+      now += step;
+      out.push_back(gov.Observe(step, share * step, now));
+    }
+    return out;
+  }
+  // Steps until `seconds` of the clock have passed.
+  void For(double seconds, double share) { Steps(static_cast<int>(seconds * 16 + 0.5), share); }
+};
+
+ThreadGovernorOptions Two() {
+  ThreadGovernorOptions o;
+  o.counts = {2, 1};
+  return o;  // windows of 1 s and 16 steps
+}
+
+TEST(ThreadGovernorTest, HalvingCountsEndAtOne) {
+  EXPECT_EQ(HalvingThreadCounts(8), (std::vector<int>{8, 4, 2, 1}));
+  EXPECT_EQ(HalvingThreadCounts(6), (std::vector<int>{6, 3, 1}));
+  EXPECT_EQ(HalvingThreadCounts(2), (std::vector<int>{2, 1}));
+  EXPECT_EQ(HalvingThreadCounts(1), (std::vector<int>{1}));
+  EXPECT_EQ(HalvingThreadCounts(0), (std::vector<int>{1}));
+}
+
+TEST(ThreadGovernorTest, BadOptionsNameTheField) {
+  auto bad = [](auto edit) {
+    ThreadGovernorOptions o = Two();
+    edit(o);
+    return ValidateThreadGovernorOptions(o);
+  };
+  EXPECT_EQ(ValidateThreadGovernorOptions(Two()), "");
+  EXPECT_EQ(bad([](auto& o) { o.counts = {}; }).rfind("counts:", 0), 0u);
+  EXPECT_EQ(bad([](auto& o) { o.counts = {1, 2}; }).rfind("counts:", 0), 0u);
+  EXPECT_EQ(bad([](auto& o) { o.counts = {2, 0}; }).rfind("counts:", 0), 0u);
+  EXPECT_EQ(bad([](auto& o) { o.lower_share = 0; }).rfind("lower_share:", 0), 0u);
+  EXPECT_EQ(bad([](auto& o) { o.window_seconds = -1; }).rfind("window_seconds:", 0), 0u);
+  EXPECT_EQ(bad([](auto& o) { o.window_steps = 0; }).rfind("window_steps:", 0), 0u);
+  EXPECT_EQ(bad([](auto& o) { o.first_probe_seconds = 0; }).rfind("first_probe_seconds:", 0), 0u);
+  EXPECT_EQ(bad([](auto& o) { o.max_probe_seconds = 10; }).rfind("max_probe_seconds:", 0), 0u);
+}
+
+// Quiet (the daemon's 0.00-0.01 at 1-16 clients) and just under the bound: never lowered.
+TEST(ThreadGovernorTest, AQuietMachineKeepsEveryThread) {
+  for (const double share : {0.0, 0.01, 0.19}) {
+    Feed f(Two());
+    for (int c : f.Steps(16 * 60, share)) ASSERT_EQ(c, 2) << share;
+    EXPECT_EQ(f.gov.lowered(), 0);
+    EXPECT_NEAR(f.gov.last_share(), share, 1e-9);
+  }
+}
+
+// Beside a busy loop (0.34-0.40 measured): one window at two threads, then one.
+TEST(ThreadGovernorTest, ContentionLowersTheCountAfterOneWholeWindow) {
+  Feed f(Two());
+  const std::vector<int> first = f.Steps(15, 0.37);
+  for (int c : first) EXPECT_EQ(c, 2);  // 0.94 s of steps: the window is not complete
+  EXPECT_EQ(f.Steps(1, 0.37).back(), 1);
+  EXPECT_EQ(f.gov.lowered(), 1);
+  // More steps than a second's worth, when asked for.
+  ThreadGovernorOptions o = Two();
+  o.window_steps = 40;
+  Feed g(o);
+  for (int c : g.Steps(39, 0.37)) EXPECT_EQ(c, 2);
+  EXPECT_EQ(g.Steps(1, 0.37).back(), 1);
+}
+
+// Steps without a reading (no schedstat) are not counted, whatever their length.
+TEST(ThreadGovernorTest, UnknownWaitsChangeNothing) {
+  Feed f(Two());
+  for (int i = 0; i < 1000; ++i) ASSERT_EQ(f.gov.Observe(0.0625, -1, 100 + i * 0.0625), 2);
+  EXPECT_EQ(f.gov.last_share(), -1);
+}
+
+// At one thread the loop no longer shows (0.00-0.01): after 30 s the count above is tried for a
+// window; while the loop runs each try goes back down and the next waits twice as long, up to
+// the cap; once the loop has gone a try holds and the wait starts over.
+TEST(ThreadGovernorTest, TriesTheCountAboveBackingOffWhileContended) {
+  ThreadGovernorOptions o = Two();
+  o.max_probe_seconds = 100;
+  Feed f(o);
+  f.Steps(16, 0.37);
+  ASSERT_EQ(f.gov.threads(), 1);
+  // Each try's start, as seconds after the previous return to one thread.
+  std::vector<double> waits;
+  double since = f.now;
+  for (int i = 0; i < 12000 && waits.size() < 5; ++i) {
+    const bool was_one = f.gov.threads() == 1;
+    // At one thread, quiet; at two (a try), contended.
+    const int c = f.Steps(1, was_one ? 0.005 : 0.37).back();
+    if (was_one && c == 2) {
+      waits.push_back(f.now - since);
+      ASSERT_TRUE(f.gov.trying());
+    }
+    if (!was_one && c == 1) since = f.now;
+  }
+  ASSERT_EQ(waits.size(), 5u);
+  // 30, 60, 100 (capped), 100, 100 s: within a window of each.
+  const double want[] = {30, 60, 100, 100, 100};
+  for (size_t i = 0; i < waits.size(); ++i) {
+    EXPECT_GE(waits[i], want[i]) << i;
+    EXPECT_LE(waits[i], want[i] + 1.0) << i;
+  }
+  EXPECT_EQ(f.gov.failed_tries(), 4);  // the fifth is still deciding
+  // The loop has gone: the try holds, and two threads stay.
+  f.For(1.0, 0.005);
+  EXPECT_EQ(f.gov.threads(), 2);
+  EXPECT_FALSE(f.gov.trying());
+  f.For(600, 0.005);
+  EXPECT_EQ(f.gov.threads(), 2);
+  EXPECT_EQ(f.gov.failed_tries(), 4);
+  // Contended again: down at once, and the first wait is 30 s again (the held try reset it).
+  for (int i = 0; i < 32 && f.gov.threads() == 2; ++i) f.Steps(1, 0.37);
+  ASSERT_EQ(f.gov.threads(), 1);
+  const double down = f.now;
+  while (f.gov.threads() == 1) f.Steps(1, 0.005);
+  EXPECT_GE(f.now - down, 30);
+  EXPECT_LE(f.now - down, 31.0);
+}
+
+// More threads: down a halving at a time while the share stays high, and back up one at a time.
+TEST(ThreadGovernorTest, StepsThroughTheLadderOneCountAtATime) {
+  ThreadGovernorOptions o;
+  o.counts = HalvingThreadCounts(8);
+  Feed f(o);
+  std::vector<int> seen;
+  for (int w = 0; w < 5; ++w) seen.push_back(f.Steps(16, 0.5).back());
+  EXPECT_EQ(seen, (std::vector<int>{4, 2, 1, 1, 1}));
+  EXPECT_EQ(f.gov.lowered(), 3);
+  // Quiet at every count: each try holds, 30 s apart.
+  f.For(31, 0.0);
+  EXPECT_EQ(f.gov.threads(), 2);
+  f.For(31, 0.0);
+  EXPECT_EQ(f.gov.threads(), 4);
+  f.For(31, 0.0);
+  EXPECT_EQ(f.gov.threads(), 8);
+  f.For(300, 0.0);
+  EXPECT_EQ(f.gov.threads(), 8);
+  EXPECT_EQ(f.gov.raised(), 3);
+  EXPECT_EQ(f.gov.failed_tries(), 0);
+}
+
+// One count: nothing to choose.
+TEST(ThreadGovernorTest, OneCountNeverChanges) {
+  ThreadGovernorOptions o;
+  o.counts = {1};
+  Feed f(o);
+  for (int c : f.Steps(200, 0.9)) ASSERT_EQ(c, 1);
+  EXPECT_EQ(f.gov.lowered(), 0);
+}
+
+}  // namespace
+}  // namespace imagegen::testing
