@@ -5,6 +5,7 @@
 #include "engine/scheduler/preview_budget.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -21,6 +22,7 @@
 
 #include "engine/model/amx_gemm.h"
 #include "engine/model/image_model.h"
+#include "engine/util/cpu_idle.h"
 #include "engine/util/json.h"
 #include "engine/util/read_file.h"
 #include "engine/scheduler/decode_queue.h"
@@ -306,19 +308,27 @@ TEST(EngineTest, OneIntraOpThreadAndTwoDrawTheSameImages) {
 // A schedstat file the test writes in place of the engine thread's, as beside a busy loop on
 // one of two cores: while `busy` holds and the engine runs more than one intra-op thread
 // (`threads()`), its run-queue wait grows as fast as the clock; at one thread, not at all (the
-// daemon's measured 0.34-0.40 and 0.00-0.01). Fixed-width, rewritten in place, as the engine
-// keeps the file open.
+// daemon's measured 0.34-0.40 and 0.00-0.01). Beside it a /proc/stat whose CPUs (this process's)
+// sit idle `idle_cpus` CPUs' worth. Fixed-width, rewritten in place, as the engine keeps its
+// schedstat open.
 class FakeSchedstat {
  public:
-  FakeSchedstat(const std::string& path, std::function<int64_t()> threads)
-      : path_(path), threads_(std::move(threads)) {
-    Write(0);
+  FakeSchedstat(const std::string& dir, std::function<int64_t()> threads)
+      : dir_(dir), threads_(std::move(threads)), cpus_(AllowedCpus()) {
+    Write(0, 0);
     writer_ = std::thread([this] {
       int64_t wait_ns = 0;
+      double idle_ticks = 0;
+      const double hz = static_cast<double>(sysconf(_SC_CLK_TCK));
+      auto last = std::chrono::steady_clock::now();
       while (!stop_.load()) {
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
-        if (busy.load() && threads_() > 1) wait_ns += 1000000;
-        Write(wait_ns);
+        const auto now = std::chrono::steady_clock::now();
+        const double dt = std::chrono::duration<double>(now - last).count();
+        last = now;
+        if (busy.load() && threads_() > 1) wait_ns += static_cast<int64_t>(dt * 1e9);
+        idle_ticks += idle_cpus.load() * hz * dt / static_cast<double>(cpus_.size());
+        Write(wait_ns, static_cast<uint64_t>(idle_ticks));
       }
     });
   }
@@ -326,20 +336,35 @@ class FakeSchedstat {
     stop_.store(true);
     writer_.join();
   }
+  std::string schedstat() const { return dir_ + "/schedstat"; }
+  std::string proc_stat() const { return dir_ + "/stat"; }
   std::atomic<bool> busy{false};
+  std::atomic<double> idle_cpus{0};
 
  private:
-  void Write(int64_t wait_ns) {
+  void Write(int64_t wait_ns, uint64_t idle_ticks) {
     char line[64];
     std::snprintf(line, sizeof line, "1 %020lld 1\n", static_cast<long long>(wait_ns));
-    FILE* f = std::fopen(path_.c_str(), first_ ? "w" : "r+");
+    FILE* f = std::fopen(schedstat().c_str(), first_ ? "w" : "r+");
     first_ = false;
-    if (f == nullptr) return;
-    std::fputs(line, f);
-    std::fclose(f);
+    if (f != nullptr) {
+      std::fputs(line, f);
+      std::fclose(f);
+    }
+    std::string text = "cpu  0 0 0 0 0 0\n";
+    for (int c : cpus_) {
+      text += "cpu" + std::to_string(c) + " 5 0 5 " + std::to_string(idle_ticks) + " 0 0\n";
+    }
+    const std::string tmp = proc_stat() + ".tmp";  // the meter opens it afresh each reading
+    if (FILE* g = std::fopen(tmp.c_str(), "w")) {
+      std::fputs(text.c_str(), g);
+      std::fclose(g);
+      std::rename(tmp.c_str(), proc_stat().c_str());
+    }
   }
-  std::string path_;
+  std::string dir_;
   std::function<int64_t()> threads_;
+  std::vector<int> cpus_;
   bool first_ = true;
   std::atomic<bool> stop_{false};
   std::thread writer_;
@@ -354,7 +379,7 @@ TEST(EngineTest, IntraOpThreadsFollowTheEngineThreadsWaitForACpu) {
   const testing::ScopedIntraOpThreads restore(at::get_num_threads());
   const std::string dir = testing::TempDir("imagegen-governor");
   std::atomic<Engine*> running{nullptr};
-  FakeSchedstat schedstat(dir + "/schedstat", [&]() -> int64_t {
+  FakeSchedstat schedstat(dir, [&]() -> int64_t {
     Engine* e = running.load();
     return e == nullptr ? 2 : e->Stats().cpu_threads;
   });
@@ -365,7 +390,8 @@ TEST(EngineTest, IntraOpThreadsFollowTheEngineThreadsWaitForACpu) {
   o.fixed_step_cost = {0.005, 2e-5, 1e-3};  // no calibration
   o.cpu_threads = 2;
   o.adaptive_cpu_threads = 1;
-  o.schedstat_path = dir + "/schedstat";
+  o.schedstat_path = schedstat.schedstat();
+  o.cpu_thread_governor.idle_try_share = 0;  // timed tries only (the next test: idle CPUs)
   o.cpu_thread_governor.window_seconds = 0.02;
   o.cpu_thread_governor.window_steps = 4;
   o.cpu_thread_governor.first_probe_seconds = 0.5;
@@ -457,6 +483,72 @@ TEST(EngineTest, IntraOpThreadsFollowTheEngineThreadsWaitForACpu) {
     ASSERT_TRUE(r->Wait() && r->result.has_value());
     EXPECT_EQ(r->result->tokens, tokens) << "seed " << seed;
   }
+}
+
+// The engine reads its CPUs' idle time while the count is lowered: once the busy loop has gone
+// and its CPU sits idle, two threads are tried at once, long before the timed try (1000 s here).
+TEST(EngineTest, AnIdleCpuEndsTheLoweredCountBeforeItsTimedTry) {
+  if (testing::TestLoadOptions().device.is_cuda()) GTEST_SKIP() << "the CPU's threads";
+  const testing::ScopedIntraOpThreads restore(at::get_num_threads());
+  const std::string dir = testing::TempDir("imagegen-governor-idle");
+  std::atomic<Engine*> running{nullptr};
+  FakeSchedstat fake(dir, [&]() -> int64_t {
+    Engine* e = running.load();
+    return e == nullptr ? 2 : e->Stats().cpu_threads;
+  });
+  std::vector<std::string> notices;
+  std::mutex mu;
+  EngineOptions o = BundledOptions();
+  o.window_policy = "full";
+  o.fixed_step_cost = {0.005, 2e-5, 1e-3};  // no calibration
+  o.cpu_threads = 2;
+  o.adaptive_cpu_threads = 1;
+  o.schedstat_path = fake.schedstat();
+  o.proc_stat_path = fake.proc_stat();
+  o.cpu_thread_governor.window_seconds = 0.02;
+  o.cpu_thread_governor.window_steps = 4;
+  o.cpu_thread_governor.first_probe_seconds = 1000;
+  o.cpu_thread_governor.max_probe_seconds = 1000;
+  o.log = [&](const std::string& m) {
+    std::lock_guard<std::mutex> l(mu);
+    notices.push_back(m);
+  };
+  auto engine = StartOrDie(o);
+  running.store(engine.get());
+  std::atomic<bool> stop{false};
+  std::thread client([&] {
+    for (uint64_t seed = 9500; !stop.load(); ++seed) {
+      auto r = std::make_shared<Recorder>();
+      if (!engine->Submit(Params("ar", static_cast<int64_t>(seed % 10), seed), r).ok()) return;
+      if (!r->Wait()) return;
+    }
+  });
+  auto stats = [&] { return engine->Stats(); };
+  fake.busy.store(true);  // the loop holds the other CPU: none idle
+  EXPECT_TRUE(
+      testing::WaitUntil([&] { return stats().cpu_threads == 1; }, std::chrono::seconds(120)));
+  const auto lowered_end = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+  EXPECT_TRUE(testing::WaitUntil(
+      [&] { return stats().cpu_threads != 1 || std::chrono::steady_clock::now() > lowered_end; },
+      std::chrono::seconds(60)));
+  EXPECT_EQ(stats().cpu_threads, 1);  // no idle CPU, and the timed try is far off
+  fake.busy.store(false);
+  fake.idle_cpus.store(0.95);
+  EXPECT_TRUE(
+      testing::WaitUntil([&] { return stats().cpu_threads == 2; }, std::chrono::seconds(120)));
+  stop.store(true);
+  client.join();
+  EXPECT_EQ(stats().cpu_threads_raised, 1);
+  EXPECT_EQ(stats().cpu_threads_lowered, 1);
+  std::lock_guard<std::mutex> l(mu);
+  bool said = false;
+  std::string all;
+  for (const std::string& n : notices) {
+    said |= n.find("of its CPUs sat idle") != std::string::npos;
+    all += n + "\n";
+  }
+  EXPECT_TRUE(said) << all;
+  running.store(nullptr);
 }
 
 // EngineOptions::cpu_threads is LibTorch's count for the whole process (threads take it at
@@ -1720,6 +1812,13 @@ TEST(EngineTest, BadEngineOptionsAreRejected) {
       {"step_cost_spot_check", [](EngineOptions& e) { e.step_cost_spot_check = 1.2; }},
       {"commit_warmup_steps", [](EngineOptions& e) { e.commit_warmup_steps = -1; }},
       {"warmup", [](EngineOptions& e) { e.warmup = 2; }},
+      {"adaptive_cpu_threads", [](EngineOptions& e) { e.adaptive_cpu_threads = 2; }},
+      {"cpu_thread_governor: lower_share",
+       [](EngineOptions& e) { e.cpu_thread_governor.lower_share = 0; }},
+      {"cpu_thread_governor: counts",
+       [](EngineOptions& e) {
+         e.cpu_thread_governor.counts = {1, 2};
+       }},
       {"small_rows_gemm_rows", [](EngineOptions& e) { e.small_rows_gemm_rows = -2; }},
       {"warmup_methods",
        [](EngineOptions& e) {

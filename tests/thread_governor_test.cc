@@ -57,6 +57,9 @@ TEST(ThreadGovernorTest, BadOptionsNameTheField) {
   EXPECT_EQ(bad([](auto& o) { o.window_steps = 0; }).rfind("window_steps:", 0), 0u);
   EXPECT_EQ(bad([](auto& o) { o.first_probe_seconds = 0; }).rfind("first_probe_seconds:", 0), 0u);
   EXPECT_EQ(bad([](auto& o) { o.max_probe_seconds = 10; }).rfind("max_probe_seconds:", 0), 0u);
+  EXPECT_EQ(bad([](auto& o) { o.idle_try_share = -1; }).rfind("idle_try_share:", 0), 0u);
+  EXPECT_EQ(bad([](auto& o) { o.idle_try_gap_seconds = -1; }).rfind("idle_try_gap_seconds:", 0),
+            0u);
 }
 
 // Quiet (the daemon's 0.00-0.01 at 1-16 clients) and just under the bound: never lowered.
@@ -157,6 +160,69 @@ TEST(ThreadGovernorTest, StepsThroughTheLadderOneCountAtATime) {
   EXPECT_EQ(f.gov.threads(), 8);
   EXPECT_EQ(f.gov.raised(), 3);
   EXPECT_EQ(f.gov.failed_tries(), 0);
+}
+
+// Steps of 1/16 s with an idle reading on each (as the engine gives one while lowered).
+void IdleSteps(Feed& f, int n, double share, double idle) {
+  for (int i = 0; i < n; ++i) {
+    f.now += 0.0625;
+    f.gov.Observe(0.0625, share * 0.0625, f.now, idle);
+  }
+}
+
+// At one thread beside the busy loop no CPU sits idle (the loop has the other): no try before
+// its 30 s. Once the loop has gone, its CPU is idle and the try starts at that window's end.
+TEST(ThreadGovernorTest, AnIdleCpuStartsTheTryBeforeItsTime) {
+  Feed f(Two());
+  f.Steps(16, 0.37);
+  ASSERT_EQ(f.gov.threads(), 1);
+  const double down = f.now;
+  IdleSteps(f, 16 * 10, 0.005, 0.05);
+  EXPECT_EQ(f.gov.threads(), 1);
+  IdleSteps(f, 16, 0.005, 0.95);
+  EXPECT_EQ(f.gov.threads(), 2);
+  EXPECT_TRUE(f.gov.trying());
+  EXPECT_LT(f.now - down, 12);
+  EXPECT_EQ(f.gov.idle_tries(), 1);
+  f.Steps(16, 0.005);  // it holds
+  EXPECT_EQ(f.gov.threads(), 2);
+  EXPECT_FALSE(f.gov.trying());
+  // Short of the share a CPU the try adds: no try.
+  Feed g(Two());
+  g.Steps(16, 0.37);
+  IdleSteps(g, 16 * 20, 0.005, 0.70);
+  EXPECT_EQ(g.gov.threads(), 1);
+  // Off.
+  ThreadGovernorOptions o = Two();
+  o.idle_try_share = 0;
+  Feed h(o);
+  h.Steps(16, 0.37);
+  IdleSteps(h, 16 * 20, 0.005, 2.0);
+  EXPECT_EQ(h.gov.threads(), 1);
+  EXPECT_EQ(h.gov.idle_tries(), 0);
+}
+
+// Idle CPUs beside still-contended steps (work that comes and goes): a try that goes back down
+// holds the next idle-started one off for idle_try_gap_seconds, and the timed tries back off.
+TEST(ThreadGovernorTest, IdleStartedTriesThatFailWaitTheirGap) {
+  Feed f(Two());
+  f.Steps(16, 0.37);
+  double last_down = f.now;
+  std::vector<double> gaps;
+  for (int i = 0; i < 16 * 40; ++i) {
+    const bool one = f.gov.threads() == 1;
+    f.now += 0.0625;
+    const int c = f.gov.Observe(0.0625, (one ? 0.005 : 0.37) * 0.0625, f.now, one ? 1.5 : -1);
+    if (one && c == 2) gaps.push_back(f.now - last_down);
+    if (!one && c == 1) last_down = f.now;
+  }
+  ASSERT_GE(gaps.size(), 5u);
+  EXPECT_LT(gaps[0], 1.01);  // the first: at the next window's end
+  for (size_t i = 1; i < gaps.size(); ++i) {
+    EXPECT_GE(gaps[i], 5.0) << i;
+    EXPECT_LE(gaps[i], 6.0) << i;
+  }
+  EXPECT_EQ(f.gov.failed_tries(), static_cast<int64_t>(gaps.size()) - (f.gov.trying() ? 1 : 0));
 }
 
 // One count: nothing to choose.

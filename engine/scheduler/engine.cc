@@ -28,6 +28,7 @@
 #include "engine/model/transfer.h"
 #include "engine/scheduler/mar_scheduler.h"
 #include "engine/scheduler/model_scheduler.h"
+#include "engine/util/cpu_idle.h"
 #include "engine/util/cpu_quota.h"
 
 namespace imagegen {
@@ -311,6 +312,12 @@ struct Engine::Impl {
   void GovernThreads(const StepSample& s);
   std::unique_ptr<ThreadGovernor> governor;
   const Clock::time_point governor_epoch = Clock::now();
+  // While the count is lowered: the idle CPUs beside the engine, read at most every
+  // kIdleReadSeconds (a try starts early once they would hold its threads).
+  std::unique_ptr<CpuIdleMeter> idle_meter;
+  double idle_read_at = 0;
+  int64_t idle_tries_said = 0;
+  static constexpr double kIdleReadSeconds = 0.25;
   // EngineOptions::warmup, after the models are loaded.
   Status WarmUp();
   // One warm-up load: a closed loop of n clients of `method` on model `mi`, for 2n images.
@@ -426,6 +433,16 @@ StatusOr<std::unique_ptr<Engine>> Engine::Start(const EngineOptions& options,
     StatusOr<std::unique_ptr<CpuThreadsClaim>> claim = CpuThreadsClaim::Take(o.cpu_threads);
     if (!claim.ok()) return claim.status();
     impl->threads_claim = std::move(*claim);
+  }
+  if (o.adaptive_cpu_threads < -1 || o.adaptive_cpu_threads > 1) {
+    return InvalidArgument("adaptive_cpu_threads: must be -1 (by device), 0 or 1");
+  }
+  {
+    ThreadGovernorOptions g = o.cpu_thread_governor;
+    if (g.counts.empty()) g.counts = {1};  // filled at start
+    if (const std::string bad = ValidateThreadGovernorOptions(g); !bad.empty()) {
+      return InvalidArgument("cpu_thread_governor: " + bad);
+    }
   }
   if (!(o.preview_share >= 0 && o.preview_share <= 1)) {
     return InvalidArgument("preview_share: must be in [0, 1]");
@@ -663,20 +680,34 @@ void Engine::Impl::SetUpThreadGovernor(const LoadOptions& lo) {
       << " of its step time";
   Notice(opts, msg.str());
   governor = std::make_unique<ThreadGovernor>(std::move(g));
+  idle_meter = opts.proc_stat_path.empty() ? std::make_unique<CpuIdleMeter>()
+                                           : std::make_unique<CpuIdleMeter>(opts.proc_stat_path);
   gate->served = [this](const StepSample& s) { GovernThreads(s); };
 }
 
 void Engine::Impl::GovernThreads(const StepSample& s) {
   const int before = governor->threads();
   const double now = std::chrono::duration<double>(Clock::now() - governor_epoch).count();
-  const int after = governor->Observe(s.seconds, s.cpu_wait_seconds, now);
+  double idle = -1;
+  if (before < governor->max_threads() && now - idle_read_at >= kIdleReadSeconds) {
+    idle = idle_meter->IdleCpusSinceLastCall(now).value_or(-1);
+    idle_read_at = now;
+  }
+  const int after = governor->Observe(s.seconds, s.cpu_wait_seconds, now, idle);
   if (after == before) return;
   at::set_num_threads(after);
+  // The next reading starts here: idle time at the count before is not this count's.
+  idle_meter->IdleCpusSinceLastCall(now);
+  idle_read_at = now;
   std::ostringstream msg;
   msg.precision(2);
   msg << "cpu threads " << before << " -> " << after << ": ";
   if (governor->trying()) {
     msg << "trying " << after << " again";
+    if (governor->idle_tries() > idle_tries_said) {
+      msg << " (" << governor->window_idle() << " of its CPUs sat idle)";
+    }
+    idle_tries_said = governor->idle_tries();
   } else {
     msg << "the engine thread waited for a CPU " << governor->last_share()
         << " of its step time (other work on its cores)";

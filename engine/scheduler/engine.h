@@ -238,8 +238,9 @@ struct EngineOptions {
   // still checked).
   ThreadGovernorOptions cpu_thread_governor;
   // Tests: where the engine thread reads its run-queue wait (a file in schedstat's form that
-  // the test writes) in place of /proc/thread-self/schedstat. Empty: the real one.
-  std::string schedstat_path;
+  // the test writes) in place of /proc/thread-self/schedstat, and the CPUs' idle time in place
+  // of /proc/stat (engine/util/cpu_idle.h). Empty: the real ones.
+  std::string schedstat_path, proc_stat_path;
   // Previews (GenerateParams::preview_every) are decoded on the engine thread, which every
   // request waits for: they may take this share of the engine's time, no more. Requests whose
   // preview is due wait their turn (longest-waiting first) and then get the grid as it is then.

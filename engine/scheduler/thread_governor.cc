@@ -32,6 +32,12 @@ std::string ValidateThreadGovernorOptions(const ThreadGovernorOptions& o) {
   if (!(o.max_probe_seconds >= o.first_probe_seconds) || !std::isfinite(o.max_probe_seconds)) {
     return "max_probe_seconds: must be >= first_probe_seconds";
   }
+  if (!(o.idle_try_share >= 0) || !std::isfinite(o.idle_try_share)) {
+    return "idle_try_share: must be >= 0";
+  }
+  if (!(o.idle_try_gap_seconds >= 0) || !std::isfinite(o.idle_try_gap_seconds)) {
+    return "idle_try_gap_seconds: must be >= 0";
+  }
   return "";
 }
 
@@ -40,7 +46,9 @@ ThreadGovernor::ThreadGovernor(ThreadGovernorOptions o) : o_(std::move(o)) {
   probe_wait_ = o_.first_probe_seconds;
 }
 
-int ThreadGovernor::Observe(double step_seconds, double wait_seconds, double now) {
+int ThreadGovernor::Observe(double step_seconds, double wait_seconds, double now,
+                            double idle_cpus) {
+  if (idle_cpus >= 0) idle_ = idle_cpus;
   if (o_.counts.size() < 2 || wait_seconds < 0 || !(step_seconds >= 0)) return threads();
   step_s_ += step_seconds;
   wait_s_ += wait_seconds;
@@ -50,6 +58,8 @@ int ThreadGovernor::Observe(double step_seconds, double wait_seconds, double now
   step_s_ = wait_s_ = 0;
   steps_ = 0;
   last_share_ = share;
+  const double idle = window_idle_ = idle_;
+  idle_ = -1;  // a reading counts for the window it came in
   if (share >= o_.lower_share) {
     if (trying_) {
       // The count above is still contended: back down, and wait longer before the next try.
@@ -57,6 +67,7 @@ int ThreadGovernor::Observe(double step_seconds, double wait_seconds, double now
       level_ += 1;
       lowered_ += 1;
       failed_tries_ += 1;
+      last_failed_ = now;
       probe_wait_ = std::min(2 * probe_wait_, o_.max_probe_seconds);
       next_probe_ = now + probe_wait_;
     } else if (level_ + 1 < o_.counts.size()) {
@@ -72,10 +83,16 @@ int ThreadGovernor::Observe(double step_seconds, double wait_seconds, double now
     trying_ = false;
     probe_wait_ = o_.first_probe_seconds;
     next_probe_ = now + probe_wait_;
-  } else if (level_ > 0 && now >= next_probe_) {
-    level_ -= 1;
-    raised_ += 1;
-    trying_ = true;
+  } else if (level_ > 0) {
+    const double added = o_.counts[level_ - 1] - o_.counts[level_];
+    const bool idle_try = o_.idle_try_share > 0 && idle >= o_.idle_try_share * added &&
+                          now - last_failed_ >= o_.idle_try_gap_seconds;
+    if (now >= next_probe_ || idle_try) {
+      idle_tries_ += now >= next_probe_ ? 0 : 1;
+      level_ -= 1;
+      raised_ += 1;
+      trying_ = true;
+    }
   }
   return threads();
 }

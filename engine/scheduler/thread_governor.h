@@ -11,7 +11,10 @@
 // sees the contention it avoids (one thread beside the loop waited 0.00-0.01), so it cannot
 // tell when the other work has gone: after `first_probe_seconds` it tries the count above for
 // one window, keeps it if the share stays below `lower_share`, and otherwise goes back down and
-// waits twice as long before the next try (up to `max_probe_seconds`).
+// waits twice as long before the next try (up to `max_probe_seconds`). Sooner where the engine
+// says how many of its CPUs sat idle (engine/util/cpu_idle.h): once they would hold the threads
+// a try adds (`idle_try_share` of a CPU each), the other work has left them, and the try starts
+// at the window's end.
 //
 // Only counts whose forwards give the same bits as the engine's own count may be listed (the
 // engine checks that at start), so what a seed draws does not depend on the load.
@@ -39,6 +42,10 @@ struct ThreadGovernorOptions {
   // it, up to max_probe_seconds; a try that holds resets it.
   double first_probe_seconds = 30;
   double max_probe_seconds = 600;
+  // Idle CPUs per thread the try would add that start it before its time (0: never); and, after
+  // a try that went back down, the least wait before such a try.
+  double idle_try_share = 0.75;
+  double idle_try_gap_seconds = 5;
 };
 
 // Descending halvings of `threads` down to 1 (8 -> 8, 4, 2, 1; 6 -> 6, 3, 1; 1 -> 1).
@@ -53,18 +60,23 @@ class ThreadGovernor {
 
   // One step: its wall time, the engine thread's run-queue wait since its previous step
   // (negative: unknown; such a step is not counted), and `now` (seconds on a monotonic clock).
-  // Returns the count the engine thread runs its next step at.
-  int Observe(double step_seconds, double wait_seconds, double now);
+  // `idle_cpus`: the idle CPUs on average over the time since the engine's previous reading
+  // (negative: none this step); the latest is kept until the window ends. Returns the count the
+  // engine thread runs its next step at.
+  int Observe(double step_seconds, double wait_seconds, double now, double idle_cpus = -1);
 
   int threads() const { return o_.counts[level_]; }
   int max_threads() const { return o_.counts.front(); }
   // Changes so far: down (contention, or a try that did not hold) and up (tries).
   int64_t lowered() const { return lowered_; }
   int64_t raised() const { return raised_; }
-  // Tries of the count above that went back down.
+  // Tries of the count above that went back down, and tries started by idle CPUs.
   int64_t failed_tries() const { return failed_tries_; }
+  int64_t idle_tries() const { return idle_tries_; }
   // The share of the last complete window (-1: none yet).
   double last_share() const { return last_share_; }
+  // The idle reading the last complete window had (-1: none).
+  double window_idle() const { return window_idle_; }
   // Whether the count now is a try (its first window decides).
   bool trying() const { return trying_; }
 
@@ -75,8 +87,11 @@ class ThreadGovernor {
   double probe_wait_ = 0, next_probe_ = 0;
   double step_s_ = 0, wait_s_ = 0;
   int64_t steps_ = 0;
-  int64_t lowered_ = 0, raised_ = 0, failed_tries_ = 0;
+  int64_t lowered_ = 0, raised_ = 0, failed_tries_ = 0, idle_tries_ = 0;
   double last_share_ = -1;
+  double idle_ = -1;  // the latest idle reading in this window
+  double window_idle_ = -1;
+  double last_failed_ = -1e300;  // when the last try went back down
 };
 
 }  // namespace imagegen
