@@ -370,6 +370,55 @@ class FakeSchedstat {
   std::thread writer_;
 };
 
+// An engine at two intra-op threads with the thread governor on, reading a FakeSchedstat (the
+// engine's own count, as its stats say, decides whether the fake's wait grows); its notices
+// kept. Short windows: 4 steps and 20 ms.
+struct Governed {
+  explicit Governed(const std::string& name)
+      : dir(testing::TempDir(name)), fake(dir, [this]() -> int64_t {
+          std::lock_guard<std::mutex> l(engine_mu);
+          return engine == nullptr ? 2 : engine->Stats().cpu_threads;
+        }) {}
+  // The engine the fake asks, until the returned guard goes (declared after the engine, it goes
+  // first, also when an assertion returns early): then the fake's thread no longer touches it.
+  std::shared_ptr<void> Watch(Engine* e) {
+    Set(e);
+    return std::shared_ptr<void>(nullptr, [this](void*) { Set(nullptr); });
+  }
+  void Set(Engine* e) {
+    std::lock_guard<std::mutex> l(engine_mu);
+    engine = e;
+  }
+  EngineOptions Options() {
+    EngineOptions o = BundledOptions();
+    o.window_policy = "full";
+    o.fixed_step_cost = {0.005, 2e-5, 1e-3};  // no calibration
+    o.cpu_threads = 2;
+    o.adaptive_cpu_threads = 1;
+    o.schedstat_path = fake.schedstat();
+    o.cpu_thread_governor.window_seconds = 0.02;
+    o.cpu_thread_governor.window_steps = 4;
+    o.log = [this](const std::string& m) {
+      std::lock_guard<std::mutex> l(mu);
+      notices.push_back(m);
+    };
+    return o;
+  }
+  // Every notice so far, one a line.
+  std::string Notices() {
+    std::lock_guard<std::mutex> l(mu);
+    std::string all;
+    for (const std::string& n : notices) all += n + "\n";
+    return all;
+  }
+  const std::string dir;
+  std::mutex engine_mu;
+  Engine* engine = nullptr;
+  FakeSchedstat fake;
+  std::mutex mu;
+  std::vector<std::string> notices;
+};
+
 // EngineOptions::adaptive_cpu_threads: the engine checks at start that one thread's outputs
 // are two's bit for bit, halves its threads once the engine thread waits for a CPU a fifth of
 // its step time, tries two again after first_probe_seconds and goes back down while the wait
@@ -377,37 +426,14 @@ class FakeSchedstat {
 TEST(EngineTest, IntraOpThreadsFollowTheEngineThreadsWaitForACpu) {
   if (testing::TestLoadOptions().device.is_cuda()) GTEST_SKIP() << "the CPU's threads";
   const testing::ScopedIntraOpThreads restore(at::get_num_threads());
-  const std::string dir = testing::TempDir("imagegen-governor");
-  std::atomic<Engine*> running{nullptr};
-  FakeSchedstat schedstat(dir, [&]() -> int64_t {
-    Engine* e = running.load();
-    return e == nullptr ? 2 : e->Stats().cpu_threads;
-  });
-  std::vector<std::string> notices;
-  std::mutex mu;
-  EngineOptions o = BundledOptions();
-  o.window_policy = "full";
-  o.fixed_step_cost = {0.005, 2e-5, 1e-3};  // no calibration
-  o.cpu_threads = 2;
-  o.adaptive_cpu_threads = 1;
-  o.schedstat_path = schedstat.schedstat();
+  Governed g("imagegen-governor");
+  EngineOptions o = g.Options();
   o.cpu_thread_governor.idle_try_share = 0;  // timed tries only (the next test: idle CPUs)
-  o.cpu_thread_governor.window_seconds = 0.02;
-  o.cpu_thread_governor.window_steps = 4;
   o.cpu_thread_governor.first_probe_seconds = 0.5;
   o.cpu_thread_governor.max_probe_seconds = 1.0;
-  o.log = [&](const std::string& m) {
-    std::lock_guard<std::mutex> l(mu);
-    notices.push_back(m);
-  };
   auto engine = StartOrDie(o);
-  running.store(engine.get());
-  {
-    std::lock_guard<std::mutex> l(mu);
-    bool said = false;
-    for (const std::string& n : notices) said |= n.find("cpu threads follow") != std::string::npos;
-    EXPECT_TRUE(said) << "no notice of the governor; notices: " << notices.size();
-  }
+  std::shared_ptr<void> watched = g.Watch(engine.get());
+  EXPECT_NE(g.Notices().find("cpu threads follow"), std::string::npos) << g.Notices();
   EXPECT_EQ(engine->Stats().cpu_threads, 2);
   EXPECT_EQ(engine->Stats().cpu_threads_max, 2);
   // Requests two at a time, until told to stop; each one's grid by its seed.
@@ -440,7 +466,7 @@ TEST(EngineTest, IntraOpThreadsFollowTheEngineThreadsWaitForACpu) {
   EXPECT_EQ(stats().cpu_threads, 2);
   EXPECT_EQ(stats().cpu_threads_lowered, 0);
   // Waiting as long as running: one thread.
-  schedstat.busy.store(true);
+  g.fake.busy.store(true);
   EXPECT_TRUE(
       testing::WaitUntil([&] { return stats().cpu_threads == 1; }, std::chrono::seconds(120)));
   // Still waiting: each try of two goes back down.
@@ -450,7 +476,7 @@ TEST(EngineTest, IntraOpThreadsFollowTheEngineThreadsWaitForACpu) {
       testing::WaitUntil([&] { return stats().cpu_threads == 1; }, std::chrono::seconds(120)));
   EXPECT_GE(stats().cpu_threads_lowered, 2);
   // The wait has stopped: a try holds, and two threads stay for two windows of tries.
-  schedstat.busy.store(false);
+  g.fake.busy.store(false);
   EXPECT_TRUE(
       testing::WaitUntil([&] { return stats().cpu_threads == 2; }, std::chrono::seconds(120)));
   const int64_t raised = stats().cpu_threads_raised;
@@ -469,7 +495,7 @@ TEST(EngineTest, IntraOpThreadsFollowTheEngineThreadsWaitForACpu) {
     drawn = grids;
   }
   ASSERT_GE(drawn.size(), 4u);
-  running.store(nullptr);
+  watched.reset();
   engine.reset();
   o.adaptive_cpu_threads = 0;
   o.schedstat_path.clear();
@@ -490,31 +516,13 @@ TEST(EngineTest, IntraOpThreadsFollowTheEngineThreadsWaitForACpu) {
 TEST(EngineTest, AnIdleCpuEndsTheLoweredCountBeforeItsTimedTry) {
   if (testing::TestLoadOptions().device.is_cuda()) GTEST_SKIP() << "the CPU's threads";
   const testing::ScopedIntraOpThreads restore(at::get_num_threads());
-  const std::string dir = testing::TempDir("imagegen-governor-idle");
-  std::atomic<Engine*> running{nullptr};
-  FakeSchedstat fake(dir, [&]() -> int64_t {
-    Engine* e = running.load();
-    return e == nullptr ? 2 : e->Stats().cpu_threads;
-  });
-  std::vector<std::string> notices;
-  std::mutex mu;
-  EngineOptions o = BundledOptions();
-  o.window_policy = "full";
-  o.fixed_step_cost = {0.005, 2e-5, 1e-3};  // no calibration
-  o.cpu_threads = 2;
-  o.adaptive_cpu_threads = 1;
-  o.schedstat_path = fake.schedstat();
-  o.proc_stat_path = fake.proc_stat();
-  o.cpu_thread_governor.window_seconds = 0.02;
-  o.cpu_thread_governor.window_steps = 4;
+  Governed g("imagegen-governor-idle");
+  EngineOptions o = g.Options();
+  o.proc_stat_path = g.fake.proc_stat();
   o.cpu_thread_governor.first_probe_seconds = 1000;
   o.cpu_thread_governor.max_probe_seconds = 1000;
-  o.log = [&](const std::string& m) {
-    std::lock_guard<std::mutex> l(mu);
-    notices.push_back(m);
-  };
   auto engine = StartOrDie(o);
-  running.store(engine.get());
+  std::shared_ptr<void> watched = g.Watch(engine.get());
   std::atomic<bool> stop{false};
   std::thread client([&] {
     for (uint64_t seed = 9500; !stop.load(); ++seed) {
@@ -524,7 +532,7 @@ TEST(EngineTest, AnIdleCpuEndsTheLoweredCountBeforeItsTimedTry) {
     }
   });
   auto stats = [&] { return engine->Stats(); };
-  fake.busy.store(true);  // the loop holds the other CPU: none idle
+  g.fake.busy.store(true);  // the loop holds the other CPU: none idle
   EXPECT_TRUE(
       testing::WaitUntil([&] { return stats().cpu_threads == 1; }, std::chrono::seconds(120)));
   const auto lowered_end = std::chrono::steady_clock::now() + std::chrono::seconds(1);
@@ -532,23 +540,15 @@ TEST(EngineTest, AnIdleCpuEndsTheLoweredCountBeforeItsTimedTry) {
       [&] { return stats().cpu_threads != 1 || std::chrono::steady_clock::now() > lowered_end; },
       std::chrono::seconds(60)));
   EXPECT_EQ(stats().cpu_threads, 1);  // no idle CPU, and the timed try is far off
-  fake.busy.store(false);
-  fake.idle_cpus.store(0.95);
+  g.fake.busy.store(false);
+  g.fake.idle_cpus.store(0.95);
   EXPECT_TRUE(
       testing::WaitUntil([&] { return stats().cpu_threads == 2; }, std::chrono::seconds(120)));
   stop.store(true);
   client.join();
   EXPECT_EQ(stats().cpu_threads_raised, 1);
   EXPECT_EQ(stats().cpu_threads_lowered, 1);
-  std::lock_guard<std::mutex> l(mu);
-  bool said = false;
-  std::string all;
-  for (const std::string& n : notices) {
-    said |= n.find("of its CPUs sat idle") != std::string::npos;
-    all += n + "\n";
-  }
-  EXPECT_TRUE(said) << all;
-  running.store(nullptr);
+  EXPECT_NE(g.Notices().find("of its CPUs sat idle"), std::string::npos) << g.Notices();
 }
 
 // EngineOptions::cpu_threads is LibTorch's count for the whole process (threads take it at
