@@ -174,9 +174,13 @@ export TSAN_OPTIONS="log_path=$logs/tsan:halt_on_error=0:second_deadlock_stack=1
 # EngineTest.LiveEnginesInOneProcessShareOneCpuThreadCount starts an engine with two intra-op
 # threads, whose LibTorch ops then run in libgomp's teams, whose barriers TSan does not see (27
 # reports inside TensorIterator, all from that engine's model loading); the option check it tests
-# is one mutex.
+# is one mutex. EngineTest.IntraOpThreadsFollow* and EngineTest.AnIdleCpuEnds* (the thread
+# governor) run an engine at two intra-op threads for the same reason: the governor itself is
+# the engine thread's own state (ThreadGovernorTest has its logic), and their fake's thread reads
+# the engine only through Engine::Stats, as every metrics scrape does.
 filter='EngineTest.*:AdmissionTest.*:-EngineTest.CudaGraphs*:EngineTest.OneIntraOpThread*'
-filter+=':EngineTest.LiveEnginesInOneProcess*'
+filter+=':EngineTest.LiveEnginesInOneProcess*:EngineTest.IntraOpThreadsFollow*'
+filter+=':EngineTest.AnIdleCpuEnds*'
 # The short form leaves out the cases whose subject is arithmetic on the engine thread, not
 # threads (about half the time of the rest): the warm-up's images, the step-cost calibration and
 # its cache, batch invariance, the goodput planner's choices, class names and option checks.
