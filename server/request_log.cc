@@ -294,16 +294,21 @@ std::optional<std::string> CpuWaitWarning(const StatsRecord& r) {
   if (!share || *share < kCpuWaitWarnShare || r.work.cpu_wait_step_seconds < kCpuWaitWarnSeconds) {
     return std::nullopt;
   }
-  char text[512];
+  // On the CPU, the count now against the start's (--adaptive-cpu-threads lowers it while the
+  // wait lasts).
+  char threads[96] = "";
+  if (r.cpu_threads_max > 0) {
+    std::snprintf(threads, sizeof threads, "; --adaptive-cpu-threads lowers them, now %lld of %lld",
+                  static_cast<long long>(r.cpu_threads), static_cast<long long>(r.cpu_threads_max));
+  }
+  char text[640];
   std::snprintf(text, sizeof text,
                 "%s: the engine thread waited for a CPU %.0f%% of its step time in the last "
                 "%.0f s: other work shares the daemon's cores, and each step waits at every "
                 "parallel region for the thread that is off its core. On shared cores fewer "
                 "--cpu-threads than the cores serve more (docs/deploy.md, \"Cores shared with "
-                "other busy work\"; --adaptive-cpu-threads lowers them while it lasts, now %lld "
-                "of %lld); imagegen_engine_cpu_wait_seconds_total counts it",
-                r.model.c_str(), *share * 100, r.interval_seconds,
-                static_cast<long long>(r.cpu_threads), static_cast<long long>(r.cpu_threads_max));
+                "other busy work\"%s); imagegen_engine_cpu_wait_seconds_total counts it",
+                r.model.c_str(), *share * 100, r.interval_seconds, threads);
   return std::string(text);
 }
 

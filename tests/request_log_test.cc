@@ -255,6 +255,9 @@ TEST(RequestLogTest, CpuWaitIsAShareOfStepTimeAndWarnsFromAFifth) {
       << *w;
   EXPECT_NE(w->find("--cpu-threads"), std::string::npos) << *w;
   EXPECT_NE(w->find("now 1 of 2"), std::string::npos) << *w;
+  StatsRecord cuda = s;  // no CPU threads to speak of
+  cuda.cpu_threads = cuda.cpu_threads_max = 0;
+  EXPECT_EQ(server::CpuWaitWarning(cuda)->find("adaptive"), std::string::npos);
 
   s.work.cpu_wait_seconds = 0.19 * 9.0;  // under a fifth
   EXPECT_FALSE(server::CpuWaitWarning(s).has_value());

@@ -196,7 +196,7 @@ void ProbeGpt(const Gpt& g, bool batch_invariant, std::vector<at::Tensor>& out) 
 
 // A model's outputs at the calling thread's intra-op count on fixed inputs (ProbeGpt; a MAR's
 // encoder and decoder at 1 and 3 images, its diffusion head's network, the draft's, and the
-// decoders' pixels), for CheckThreadCounts to compare bit for bit.
+// decoders' pixels), for SetUpThreadGovernor to compare bit for bit.
 std::vector<at::Tensor> ThreadProbe(const ImageModel* gpt, const MarModel* mar,
                                     bool batch_invariant) {
   std::vector<at::Tensor> out;

@@ -230,7 +230,7 @@ struct EngineOptions {
   // (engine/scheduler/thread_governor.h): halved while the engine thread waits for a CPU
   // lower_share (a fifth) of its step time or more, other work being busy on its cores, and
   // tried again above after a while. Only counts whose forwards and decoders give the same bits
-  // as the engine's own count (checked at start, Engine::Impl::CheckThreadCounts) are used, so
+  // as the engine's own count (checked at start, Engine::Impl::SetUpThreadGovernor) are used, so
   // a seed draws the same image at any load. -1: by device (on for the CPU with 2 threads or
   // more, off on CUDA); 0 off; 1 on.
   int adaptive_cpu_threads = -1;

@@ -6,8 +6,10 @@
 // two cores leaves about none idle while the engine runs one thread, and once the loop ends the
 // core it held is idle.
 //
-// Standard library and POSIX only. Written here rather than taken from a library: the file is a
-// few lines of numbers, and procps' libproc2 (Debian) reads the whole system's, not a CPU set's.
+// Standard library and POSIX only. Written here rather than taken from a library: it reads two
+// numbers from each of a few lines, and the engine links nothing but LibTorch (so that it builds
+// on a GPU host that has only LibTorch and CUDA); procps' libproc2 would be its first other
+// library. A CPU of the mask without a line (taken offline) makes every reading nullopt.
 #pragma once
 
 #include <cstdint>
