@@ -668,10 +668,7 @@ void Engine::Impl::SetUpThreadGovernor(const LoadOptions& lo) {
     Notice(opts, msg.str());
     return;
   }
-  if (const std::string bad = ValidateThreadGovernorOptions(g); !bad.empty()) {
-    Notice(opts, "adaptive cpu threads: off, cpu_thread_governor: " + bad);
-    return;
-  }
+  // Start validated the other fields; the counts here are descending and >= 1 by construction.
   msg << "cpu threads follow the CPU they get: ";
   for (size_t i = 0; i < g.counts.size(); ++i) msg << (i ? ", " : "") << g.counts[i];
   msg << " (the same outputs bit for bit at each, checked in " << checked << " s";
