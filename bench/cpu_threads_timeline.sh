@@ -5,10 +5,13 @@
 # running from HOG_FROM to HOG_TO seconds into the load. Prints the daemon's stats lines as a
 # timeline (seconds into the load, images/s, the engine thread's CPU wait share, its threads)
 # and its notices of each change. Extra arguments go to the daemon (e.g.
-# --adaptive_cpu_threads=0 for the fixed count).
+# --adaptive_cpu_threads=0 for the fixed count). HOG_ON and HOG_OFF (seconds) make each loop
+# intermittent: busy HOG_ON, asleep HOG_OFF, over and over (other work that comes and goes
+# faster than the governor's windows); unset, the loops never rest.
 #
 #   bench/cpu_threads_timeline.sh [BUILD_DIR] [SECONDS] [HOG_FROM] [HOG_TO] [FLAG...]
 #   METHOD=ar CLIENTS=8 HOG=1 bench/cpu_threads_timeline.sh build/ci 120 10 50
+#   HOG_ON=0.3 HOG_OFF=0.3 bench/cpu_threads_timeline.sh build/ci 90 10 80
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${1:-build/ci}
@@ -19,6 +22,8 @@ shift $(($# < 4 ? $# : 4))
 METHOD=${METHOD:-ar}
 CLIENTS=${CLIENTS:-8}
 HOG=${HOG:-1}
+HOG_ON=${HOG_ON:-}
+HOG_OFF=${HOG_OFF:-0}
 OUT=$(mktemp -d /tmp/imagegen-cpu-threads.XXXXXX)
 ROUNDS=1
 source bench/abab.sh
@@ -30,17 +35,22 @@ start=$(date +%s.%N)
   --concurrency "$CLIENTS" --duration "$SECS" > "$OUT/load.log" 2>&1 &
 load=$!
 sleep "$FROM"
-for _ in $(seq "$HOG"); do sh -c 'while :; do :; done' & hogs+=("$!"); done
+for _ in $(seq "$HOG"); do
+  bench/hog.sh "$HOG_ON" "$HOG_OFF" &
+  hogs+=("$!")
+done
 sleep "$((TO - FROM))"
 kill "${hogs[@]}" 2> /dev/null || true
 wait "${hogs[@]}" 2> /dev/null || true
 hogs=()
 wait "$load" || true
-python3 - "$OUT/daemon.log" "$FROM" "$TO" <<'PY'
+duty=""
+[ -n "$HOG_ON" ] && duty=" (busy ${HOG_ON} s, asleep ${HOG_OFF} s, over and over)"
+python3 - "$OUT/daemon.log" "$FROM" "$TO" "$duty" <<'PY'
 import re, sys
 log, hog_from, hog_to = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
 t = 0.0
-print(f"busy loop from {hog_from:.0f} s to {hog_to:.0f} s")
+print(f"busy loop from {hog_from:.0f} s to {hog_to:.0f} s{sys.argv[4]}")
 print(f"{'t s':>6} {'img/s':>6} {'cpu_wait':>8} {'threads':>7}")
 for line in open(log):
     if " stats " in line:

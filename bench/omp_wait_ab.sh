@@ -11,8 +11,10 @@
 # variant per round. HOG=N: N other processes spin on the CPU while the load runs (started once
 # the daemon is healthy, so that its calibration is not theirs to disturb): a host the daemon
 # shares with other work, where a spinning worker may hold a core the worker it waits for needs.
+# HOG_ON and HOG_OFF (seconds): each of them busy HOG_ON, asleep HOG_OFF, over and over
+# (bench/hog.sh).
 #
-#   [HOG=N] bench/omp_wait_ab.sh [BUILD_DIR] [SECONDS] [ROUNDS] [CONCURRENCIES] [VARIANT...]
+#   [HOG=N [HOG_ON=S HOG_OFF=S]] bench/omp_wait_ab.sh [BUILD_DIR] [SECONDS] [ROUNDS] [CONCURRENCIES] [VARIANT...]
 #   VARIANT: NAME or NAME:SETTING[,SETTING], each SETTING ENV=VALUE or a daemon flag --FLAG=VALUE
 #            (default: default passive:OMP_WAIT_POLICY=passive active:OMP_WAIT_POLICY=active)
 #   HOG=1 bench/omp_wait_ab.sh build/ci 6 3 "1 8" adaptive fixed:--adaptive_cpu_threads=0 \
@@ -51,7 +53,7 @@ for r in $(seq 0 $((ROUNDS - 1))); do
     pid=$!
     port=$(abab_port "$name")
     for _ in $(seq "$HOG"); do
-      sh -c 'while :; do :; done' &
+      bench/hog.sh "${HOG_ON:-}" "${HOG_OFF:-0}" &
       hogs+=("$!")
     done
     for c in $CONC; do

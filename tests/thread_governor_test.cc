@@ -202,6 +202,26 @@ TEST(ThreadGovernorTest, AnIdleCpuStartsTheTryBeforeItsTime) {
   EXPECT_EQ(h.gov.idle_tries(), 0);
 }
 
+// Other work that sleeps half of each 1/8 s (bench/hog.sh 0.0625 0.0625): every other reading
+// finds its CPU idle, the last of each window among them. A window's idle CPUs are its readings'
+// mean (0.5), short of what a try's thread needs: the tries wait for their time, where a
+// governor that took the last reading would try at every window's end the gap allows.
+TEST(ThreadGovernorTest, WorkThatComesAndGoesWithinAWindowStartsNoTry) {
+  Feed f(Two());
+  f.Steps(16, 0.37);
+  ASSERT_EQ(f.gov.threads(), 1);
+  const double down = f.now;
+  for (int i = 0; i < 16 * 29; ++i) {
+    f.now += 0.0625;
+    f.gov.Observe(0.0625, 0.005 * 0.0625, f.now, i % 2 == 0 ? 0.0 : 1.0);
+    ASSERT_EQ(f.gov.threads(), 1) << f.now - down;
+  }
+  EXPECT_DOUBLE_EQ(f.gov.window_idle(), 0.5);
+  IdleSteps(f, 16 * 2, 0.005, 0.5);  // the timed try, 30 s after going down
+  EXPECT_EQ(f.gov.threads(), 2);
+  EXPECT_EQ(f.gov.idle_tries(), 0);
+}
+
 // Idle CPUs beside still-contended steps (work that comes and goes): a try that goes back down
 // holds the next idle-started one off for idle_try_gap_seconds, and the timed tries back off.
 TEST(ThreadGovernorTest, IdleStartedTriesThatFailWaitTheirGap) {

@@ -702,7 +702,7 @@ void Engine::Impl::GovernThreads(const StepSample& s) {
   if (governor->trying()) {
     msg << "trying " << after << " again";
     if (governor->idle_tries() > idle_tries_said) {
-      msg << " (" << governor->window_idle() << " of its CPUs sat idle)";
+      msg << " (" << governor->window_idle() << " of its CPUs sat idle over its last window)";
     }
     idle_tries_said = governor->idle_tries();
   } else {

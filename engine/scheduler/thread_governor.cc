@@ -48,7 +48,10 @@ ThreadGovernor::ThreadGovernor(ThreadGovernorOptions o) : o_(std::move(o)) {
 
 int ThreadGovernor::Observe(double step_seconds, double wait_seconds, double now,
                             double idle_cpus) {
-  if (idle_cpus >= 0) idle_ = idle_cpus;
+  if (idle_cpus >= 0) {
+    idle_sum_ += idle_cpus;
+    idle_readings_ += 1;
+  }
   if (o_.counts.size() < 2 || wait_seconds < 0 || !(step_seconds >= 0)) return threads();
   step_s_ += step_seconds;
   wait_s_ += wait_seconds;
@@ -58,8 +61,9 @@ int ThreadGovernor::Observe(double step_seconds, double wait_seconds, double now
   step_s_ = wait_s_ = 0;
   steps_ = 0;
   last_share_ = share;
-  const double idle = window_idle_ = idle_;
-  idle_ = -1;  // a reading counts for the window it came in
+  const double idle = window_idle_ = idle_readings_ > 0 ? idle_sum_ / idle_readings_ : -1;
+  idle_sum_ = 0;  // a reading counts for the window it came in
+  idle_readings_ = 0;
   if (share >= o_.lower_share) {
     if (trying_) {
       // The count above is still contended: back down, and wait longer before the next try.

@@ -61,8 +61,10 @@ class ThreadGovernor {
   // One step: its wall time, the engine thread's run-queue wait since its previous step
   // (negative: unknown; such a step is not counted), and `now` (seconds on a monotonic clock).
   // `idle_cpus`: the idle CPUs on average over the time since the engine's previous reading
-  // (negative: none this step); the latest is kept until the window ends. Returns the count the
-  // engine thread runs its next step at.
+  // (negative: none this step). A window's idle CPUs are the mean of its readings (the engine
+  // takes them at even intervals), so work that comes and goes within a window counts for the
+  // share of the window it held its CPU, not for whether the last reading caught it asleep.
+  // Returns the count the engine thread runs its next step at.
   int Observe(double step_seconds, double wait_seconds, double now, double idle_cpus = -1);
 
   int threads() const { return o_.counts[level_]; }
@@ -75,7 +77,7 @@ class ThreadGovernor {
   int64_t idle_tries() const { return idle_tries_; }
   // The share of the last complete window (-1: none yet).
   double last_share() const { return last_share_; }
-  // The idle reading the last complete window had (-1: none).
+  // The mean idle reading of the last complete window (-1: none).
   double window_idle() const { return window_idle_; }
   // Whether the count now is a try (its first window decides).
   bool trying() const { return trying_; }
@@ -89,7 +91,8 @@ class ThreadGovernor {
   int64_t steps_ = 0;
   int64_t lowered_ = 0, raised_ = 0, failed_tries_ = 0, idle_tries_ = 0;
   double last_share_ = -1;
-  double idle_ = -1;  // the latest idle reading in this window
+  double idle_sum_ = 0;  // this window's idle readings
+  int64_t idle_readings_ = 0;
   double window_idle_ = -1;
   double last_failed_ = -1e300;  // when the last try went back down
 };
