@@ -1655,6 +1655,45 @@ TEST(EngineTest, StepCostCalibrationIsCachedAndAForeignOrSmallerOneReplaced) {
   testing::RemoveTree(dir);
 }
 
+// On the CPU each intra-op thread count keeps a calibration file of its own: an engine started
+// at two threads, then one (a daemon restarted under another CPU quota), then each again reads
+// its count's file, where one file for both counts was measured again at every change.
+TEST(EngineTest, EachCpuThreadCountKeepsItsOwnStepCostCalibration) {
+  if (testing::TestLoadOptions().device.is_cuda()) GTEST_SKIP() << "the CPU's threads";
+  namespace fs = std::filesystem;
+  const testing::ScopedIntraOpThreads restore(at::get_num_threads());
+  const std::string dir = testing::TempDir("step_cost_threads");
+  EngineOptions o = BundledOptions();
+  o.cache_dir = dir + "/cache";
+  o.step_cost_spot_check = 0;  // kept or not must not depend on this machine's load
+  o.adaptive_cpu_threads = 0;
+  std::vector<std::string> sources;
+  o.log = [&](const std::string& m) {
+    if (m.rfind("step cost of fmnist-gpt: ", 0) == 0) sources.push_back(m);
+  };
+  for (const int threads : {2, 1, 2, 1}) {
+    o.cpu_threads = threads;
+    StartOrDie(o).reset();
+  }
+  ASSERT_EQ(sources.size(), 4u);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_NE(sources[i].find(": calibrated on "), std::string::npos) << sources[i];
+  }
+  EXPECT_EQ(sources[2].rfind("step cost of fmnist-gpt: read from ", 0), 0u) << sources[2];
+  EXPECT_NE(sources[2].find("-2threads"), std::string::npos) << sources[2];
+  EXPECT_EQ(sources[3].rfind("step cost of fmnist-gpt: read from ", 0), 0u) << sources[3];
+  EXPECT_NE(sources[3].find("-1threads"), std::string::npos) << sources[3];
+  std::vector<std::string> files;
+  for (const auto& e : fs::directory_iterator(o.cache_dir)) {
+    files.push_back(e.path().filename().string());
+  }
+  std::sort(files.begin(), files.end());
+  ASSERT_EQ(files.size(), 2u);
+  EXPECT_EQ(files[0].rfind("step-cost-fmnist-gpt-cpu-Float-1threads", 0), 0u) << files[0];
+  EXPECT_EQ(files[1].rfind("step-cost-fmnist-gpt-cpu-Float-2threads", 0), 0u) << files[1];
+  testing::RemoveTree(dir);
+}
+
 TEST(EngineTest, TokenBudgetShrinksWindowsAndBoundsAdmission) {
   EngineOptions o = BundledOptions();
   o.window_policy = "budget";

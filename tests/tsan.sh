@@ -178,9 +178,11 @@ export TSAN_OPTIONS="log_path=$logs/tsan:halt_on_error=0:second_deadlock_stack=1
 # governor) run an engine at two intra-op threads for the same reason: the governor itself is
 # the engine thread's own state (ThreadGovernorTest has its logic), and their fake's thread reads
 # the engine only through Engine::Stats, as every metrics scrape does.
+# EngineTest.EachCpuThreadCountKeeps* (a calibration file per count) starts engines at two
+# intra-op threads too; its subject is file names.
 filter='EngineTest.*:AdmissionTest.*:-EngineTest.CudaGraphs*:EngineTest.OneIntraOpThread*'
 filter+=':EngineTest.LiveEnginesInOneProcess*:EngineTest.IntraOpThreadsFollow*'
-filter+=':EngineTest.AnIdleCpuEnds*'
+filter+=':EngineTest.AnIdleCpuEnds*:EngineTest.EachCpuThreadCountKeeps*'
 # The short form leaves out the cases whose subject is arithmetic on the engine thread, not
 # threads (about half the time of the rest): the warm-up's images, the step-cost calibration and
 # its cache, batch invariance, the goodput planner's choices, class names and option checks.

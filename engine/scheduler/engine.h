@@ -133,8 +133,8 @@ struct EngineOptions {
   // exploring step's above all) teach the table that wide windows commit nothing.
   // false (default): only steps that hold or narrow the window are learned from.
   bool commit_learn_growth = false;
-  // Where the step-cost calibration is kept (one JSON file per model, device and dtype, reused
-  // at the next start); empty: not kept (calibrated at every start).
+  // Where the step-cost calibration is kept (one JSON file per model, device, dtype and CPU thread
+  // count, reused at the next start); empty: not kept (calibrated at every start).
   std::string cache_dir;
   // Tests and failure drills: while the counter is positive, each step of every model fails as
   // a forward that throws would (its requests end INTERNAL), and the counter goes down by one.

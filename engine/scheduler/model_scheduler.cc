@@ -182,10 +182,15 @@ Status ModelScheduler::LoadOrMeasureCost(const LoadOptions& load) {
   const int64_t can_measure = sizes.empty() ? 0 : sizes.back();
   std::string path;
   if (!opts_.cache_dir.empty()) {
-    // CUDA graphs cost differently from the eager forward, and bf16 products from fp32 ones:
-    // files of their own, so that the modes do not replace each other's calibration.
+    // CUDA graphs cost differently from the eager forward, bf16 products from fp32 ones, and
+    // on the CPU each intra-op thread count from the others: files of their own, so that the
+    // modes do not replace each other's calibration (a daemon restarted with another CPU quota,
+    // hence another count, and back would otherwise measure again at every start).
     path = opts_.cache_dir + "/step-cost-" + FileSafe(model_.name) + "-" + FileSafe(device) + "-" +
-           FileSafe(dtype) + (opts_.cuda_graphs > 0 ? "-graphs" : "") +
+           FileSafe(dtype) +
+           (load.device.is_cpu() ? "-" + std::to_string(at::get_num_threads()) + "threads"
+                                 : std::string()) +
+           (opts_.cuda_graphs > 0 ? "-graphs" : "") +
            (model_.gpt->bf16_matmul_linears() > 0 ? "-bf16mm" : "") + ".json";
     StatusOr<std::string> text = ReadFile(path);
     if (text.ok()) {

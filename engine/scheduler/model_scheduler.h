@@ -32,8 +32,8 @@ class ModelScheduler : public FamilyScheduler {
                  DecodeQueue& decoder, EngineListener* listener);
 
   // With the goodput window policy: the step-cost model, read from the cache
-  // (EngineOptions::cache_dir) when it holds one for this model, device and dtype, else
-  // measured now with a few real steps (and cached). Call once, before the first Tick.
+  // (EngineOptions::cache_dir) when it holds one for this model, device, dtype and CPU thread
+  // count, else measured now with a few real steps (and cached). Call once, before the first Tick.
   Status Calibrate(const LoadOptions& load);
   const StepCostModel& step_cost() const { return cost_; }
 
