@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <vector>
 
 namespace imagegen::testing {
@@ -60,6 +61,13 @@ TEST(ThreadGovernorTest, BadOptionsNameTheField) {
   EXPECT_EQ(bad([](auto& o) { o.idle_try_share = -1; }).rfind("idle_try_share:", 0), 0u);
   EXPECT_EQ(bad([](auto& o) { o.idle_try_gap_seconds = -1; }).rfind("idle_try_gap_seconds:", 0),
             0u);
+  EXPECT_EQ(bad([](auto& o) { o.verify_margin = 1; }).rfind("verify_margin:", 0), 0u);
+  EXPECT_EQ(ValidateThreadGovernorOptions([] {
+              ThreadGovernorOptions o = Two();
+              o.verify_margin = -1;  // off
+              return o;
+            }()),
+            "");
 }
 
 // Quiet (the daemon's 0.00-0.01 at 1-16 clients) and just under the bound: never lowered.
@@ -223,26 +231,122 @@ TEST(ThreadGovernorTest, WorkThatComesAndGoesWithinAWindowStartsNoTry) {
 }
 
 // Idle CPUs beside still-contended steps (work that comes and goes): a try that goes back down
-// holds the next idle-started one off for idle_try_gap_seconds, and the timed tries back off.
+// holds the next idle-started one off for idle_try_gap_seconds, doubled for each such try in a
+// row that failed (up to max_probe_seconds), and the timed tries back off as before.
 TEST(ThreadGovernorTest, IdleStartedTriesThatFailWaitTheirGap) {
-  Feed f(Two());
+  ThreadGovernorOptions o = Two();
+  o.max_probe_seconds = 40;
+  Feed f(o);
   f.Steps(16, 0.37);
   double last_down = f.now;
   std::vector<double> gaps;
-  for (int i = 0; i < 16 * 40; ++i) {
+  for (int i = 0; i < 16 * 200; ++i) {
     const bool one = f.gov.threads() == 1;
     f.now += 0.0625;
     const int c = f.gov.Observe(0.0625, (one ? 0.005 : 0.37) * 0.0625, f.now, one ? 1.5 : -1);
     if (one && c == 2) gaps.push_back(f.now - last_down);
     if (!one && c == 1) last_down = f.now;
   }
-  ASSERT_GE(gaps.size(), 5u);
+  ASSERT_GE(gaps.size(), 6u);
   EXPECT_LT(gaps[0], 1.01);  // the first: at the next window's end
+  const double want[] = {0, 5, 10, 20, 40, 40};
   for (size_t i = 1; i < gaps.size(); ++i) {
-    EXPECT_GE(gaps[i], 5.0) << i;
-    EXPECT_LE(gaps[i], 6.0) << i;
+    const double w = want[std::min<size_t>(i, 5)];
+    EXPECT_GE(gaps[i], w) << i;
+    EXPECT_LE(gaps[i], w + 1.0) << i;
   }
   EXPECT_EQ(f.gov.failed_tries(), static_cast<int64_t>(gaps.size()) - (f.gov.trying() ? 1 : 0));
+  // A try that lasts first_probe_seconds starts the gaps over.
+  while (f.gov.threads() == 1) IdleSteps(f, 1, 0.005, 1.5);
+  f.For(31, 0.005);
+  ASSERT_EQ(f.gov.threads(), 2);
+  EXPECT_EQ(f.gov.idle_try_gap(), 5);
+}
+
+// A share that hovers about lower_share at the higher count (0.13-0.25 per window under the
+// daemon's own streaming load on 2 cores, where one thread and two served the same): a try
+// holds its window, and a later window goes back down. Such a try did not last, so it failed:
+// the waits double, and the count changes a few times in ten minutes, not every few seconds.
+TEST(ThreadGovernorTest, TriesThatDoNotLastBackOff) {
+  Feed f(Two());
+  int64_t window = 0;
+  for (int i = 0; i < 16 * 600; ++i) {
+    const bool one = f.gov.threads() == 1;
+    f.now += 0.0625;
+    if (i % 16 == 0) window += 1;
+    // At two threads windows of 0.15 and 0.25 in turn; at one, quiet, 0.8 of a CPU idle.
+    const double share = one ? 0.02 : (window % 2 == 0 ? 0.15 : 0.25);
+    f.gov.Observe(0.0625, share * 0.0625, f.now, one ? 0.8 : -1);
+  }
+  // Down first (not a try), then each try back down: 5, 10, 20, 40, 80, 160 s idle gaps and
+  // the timed ones (60, 120, ...) interleaved: at most a dozen changes of count.
+  EXPECT_LE(f.gov.raised(), 12) << f.gov.lowered();
+  EXPECT_GE(f.gov.raised(), 4);
+  EXPECT_GE(f.gov.failed_tries(), f.gov.raised() - 1);
+  EXPECT_GE(f.gov.idle_try_gap(), 80);
+}
+
+// Steps of 1/16 s whose calibrated time is `work` of the step at two threads: the share of
+// run-queue wait and the slowness (step time over calibrated time) depend on the count.
+struct Costed {
+  double share_two, slow_two, share_one, slow_one;
+};
+int64_t RunCosted(Feed& f, int windows, const Costed& c, std::vector<int>* counts = nullptr) {
+  int64_t changes = 0;
+  for (int i = 0; i < 16 * windows; ++i) {
+    const bool one = f.gov.threads() == 1;
+    f.now += 0.0625;
+    const double slow = one ? c.slow_one : c.slow_two;
+    const int after = f.gov.Observe(0.0625, (one ? c.share_one : c.share_two) * 0.0625, f.now,
+                                    one ? 0.1 : -1, 0.0625 / slow);
+    changes += after != (one ? 1 : 2) ? 1 : 0;
+    if (counts != nullptr && i % 16 == 15) counts->push_back(after);
+  }
+  return changes;
+}
+
+// Beside a busy loop one thread is faster for the same work (slowness 1.5 against 4 at two):
+// the lowering pays, and the count stays down (the timed tries aside).
+TEST(ThreadGovernorTest, ALoweringThatPaysStays) {
+  Feed f(Two());
+  std::vector<int> counts;
+  RunCosted(f, 20, {0.37, 4.0, 0.005, 1.5}, &counts);
+  EXPECT_EQ(counts, std::vector<int>(20, 1));
+  EXPECT_EQ(f.gov.reverted(), 0);
+  EXPECT_DOUBLE_EQ(f.gov.slowness_before(), 4.0);
+  EXPECT_DOUBLE_EQ(f.gov.last_slowness(), 1.5);
+}
+
+// The daemon's own load on its cores (streaming previews, the load client beside it): the
+// share crosses lower_share at two threads, but one thread is slower for the same work (1.4
+// against 1.2). Each lowering goes back up after its first window, and the next waits 30, 60,
+// 120, ... s: five lowerings in ten minutes, where without the check the count stays down
+// (its tries failing while the share stays up).
+TEST(ThreadGovernorTest, ALoweringThatDoesNotPayGoesBackUpAndWaits) {
+  const Costed own_load{0.25, 1.2, 0.02, 1.4};
+  Feed f(Two());
+  std::vector<int> counts;
+  RunCosted(f, 600, own_load, &counts);
+  EXPECT_EQ(counts[0], 1);
+  EXPECT_EQ(counts[1], 2);  // back up after one window
+  EXPECT_EQ(f.gov.reverted(), f.gov.lowered());
+  EXPECT_GE(f.gov.lowered(), 4);
+  EXPECT_LE(f.gov.lowered(), 5);  // at 0, 31, 92, 213, 454 s (windows of 1 s)
+  EXPECT_GE(std::count(counts.begin(), counts.end(), 2), 590);
+  EXPECT_DOUBLE_EQ(f.gov.last_slowness(), 1.2);
+  // Checked off: down it goes, and stays down but for its timed tries.
+  ThreadGovernorOptions o = Two();
+  o.verify_margin = -1;
+  Feed g(o);
+  std::vector<int> unchecked;
+  RunCosted(g, 600, own_load, &unchecked);
+  EXPECT_EQ(g.gov.reverted(), 0);
+  EXPECT_GE(std::count(unchecked.begin(), unchecked.end(), 1), 590);
+  // Within the margin (1.16 against 1.2: 3% less slow, the margin 5%): not enough, back up.
+  Feed h(Two());
+  RunCosted(h, 3, {0.25, 1.2, 0.02, 1.16});
+  EXPECT_EQ(h.gov.reverted(), 1);
+  EXPECT_EQ(h.gov.threads(), 2);
 }
 
 // One count: nothing to choose.

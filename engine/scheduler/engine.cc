@@ -316,7 +316,7 @@ struct Engine::Impl {
   // kIdleReadSeconds (a try starts early once they would hold its threads).
   std::unique_ptr<CpuIdleMeter> idle_meter;
   double idle_read_at = 0;
-  int64_t idle_tries_said = 0;
+  int64_t idle_tries_said = 0, reverted_said = 0;
   static constexpr double kIdleReadSeconds = 0.25;
   // EngineOptions::warmup, after the models are loaded.
   Status WarmUp();
@@ -690,7 +690,8 @@ void Engine::Impl::GovernThreads(const StepSample& s) {
     idle = idle_meter->IdleCpusSinceLastCall(now).value_or(-1);
     idle_read_at = now;
   }
-  const int after = governor->Observe(s.seconds, s.cpu_wait_seconds, now, idle);
+  const int after =
+      governor->Observe(s.seconds, s.cpu_wait_seconds, now, idle, s.calibrated_seconds);
   if (after == before) return;
   at::set_num_threads(after);
   // The next reading starts here: idle time at the count before is not this count's.
@@ -699,7 +700,13 @@ void Engine::Impl::GovernThreads(const StepSample& s) {
   std::ostringstream msg;
   msg.precision(2);
   msg << "cpu threads " << before << " -> " << after << ": ";
-  if (governor->trying()) {
+  if (governor->reverted() > reverted_said) {
+    reverted_said = governor->reverted();
+    msg << before << (before == 1 ? " thread" : " threads") << " did not pay: its steps took "
+        << governor->last_slowness() << "x their calibrated time, against "
+        << governor->slowness_before() << "x at " << after << "; no lowering for "
+        << std::llround(governor->no_lowering_until() - now) << " s";
+  } else if (governor->trying()) {
     msg << "trying " << after << " again";
     if (governor->idle_tries() > idle_tries_said) {
       msg << " (" << governor->window_idle() << " of its CPUs sat idle over its last window)";

@@ -291,7 +291,10 @@ struct StepSample {
   // What the step-cost model predicts: planning, the SpecBatch step, events and observers
   // (not previews, nor decoding finished images).
   double step_seconds = 0;
-  double predicted_seconds = 0;   // the step-cost model's prediction (0: no model)
+  double predicted_seconds = 0;  // the step-cost model's prediction (0: no model)
+  // The calibration's time for the step's shape, without the online refinement: what the step
+  // took on the machine the calibration timed, at the start's thread count (0: no calibration).
+  double calibrated_seconds = 0;
   double expected_committed = 0;  // the controller's expectation of `committed` (goodput)
   double plan_seconds = 0;        // choosing the windows (the controller's own cost)
   // How long the engine thread waited, runnable, for a CPU since its previous step (Linux's

@@ -78,6 +78,7 @@ Status ModelScheduler::Calibrate(const LoadOptions& load) {
   if (opts_.window_policy != "goodput") return OkStatus();
   RETURN_IF_ERROR(LoadOrMeasureCost(load));
   lone_cost_ = cost_.OneRequest();  // before any online refinement
+  if (opts_.fixed_step_cost.empty()) calibrated_cost_ = cost_;
   if (opts_.lone_request_max_window == kLoneWindowFromCalibration) {
     // Said at start, per drafting preset at its own window: what a request alone runs at.
     const ImageRequest probe = CalibrationRequest();
@@ -758,6 +759,9 @@ void ModelScheduler::Step(Outcomes& out) {
   if (cost_.calibrated()) {
     sample.predicted_seconds =
         plan.seconds > 0 ? plan.seconds : cost_.Predict(sample.tokens, sample.requests);
+  }
+  if (calibrated_cost_.calibrated()) {
+    sample.calibrated_seconds = calibrated_cost_.Predict(sample.tokens, sample.requests);
   }
   sample.expected_committed = plan.expected;
   std::vector<StepEvent> events(active_.size());  // for the requests that decoded this step

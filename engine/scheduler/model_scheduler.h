@@ -114,7 +114,8 @@ class ModelScheduler : public FamilyScheduler {
   Status LoadOrMeasureCost(const LoadOptions& load);
 
   StepCostModel cost_;
-  StepCostModel lone_cost_;  // fitted to the calibration's one-request steps (LoneCeiling)
+  StepCostModel lone_cost_;        // fitted to the calibration's one-request steps (LoneCeiling)
+  StepCostModel calibrated_cost_;  // cost_ before any online refinement
   std::map<std::tuple<std::string, int64_t, int64_t>, int64_t> lone_ceilings_;
   std::mt19937_64 noise_rng_{1};  // EngineOptions::simulated_step_noise
   CommitModel commits_;
