@@ -23,11 +23,12 @@
 // A lowering must also pay: where the engine gives each step's time as calibrated at start on a
 // quiet machine (`work`), a window's slowness is its step time over that, and the first window
 // at the lower count must be at least `verify_margin` less slow than the window that lowered it.
-// Beside a busy loop one thread of two ran at 0.25-0.4 of two threads' slowness; under the
-// daemon's own streaming load (previews of every step at 16 clients, the load client on the same
-// 2 cores) the share crossed 0.2 while one thread served 6.5-6.7 images/s against two threads'
-// 7.7-8.1. Where it does not pay the count goes back up at once and no lowering comes for
-// `first_probe_seconds`, doubling (up to `max_probe_seconds`) while lowerings keep not paying.
+// Beside a busy loop one thread serves 2.2-4.5x two threads' images/s, and the lowerings pay
+// and stay; under the daemon's own streaming load (previews of every step at 16 clients, the load
+// client on the same 2 cores) the share crossed 0.2 while one thread served 6.5-6.7 images/s
+// against two threads' 7.7-8.1. Where it does not pay the count goes back up at once and no
+// lowering comes for `first_probe_seconds`, doubling (up to `max_probe_seconds`) while lowerings
+// keep not paying.
 //
 // Only counts whose forwards give the same bits as the engine's own count may be listed (the
 // engine checks that at start), so what a seed draws does not depend on the load.
