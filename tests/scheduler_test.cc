@@ -486,6 +486,14 @@ TEST(EngineTest, IntraOpThreadsFollowTheEngineThreadsWaitForACpu) {
       std::chrono::seconds(60)));
   EXPECT_EQ(stats().cpu_threads, 2);
   EXPECT_EQ(stats().cpu_threads_raised, raised);
+  // Enough images to compare: a slow build (ASan: 2 in the 10 s of the phases above) draws the
+  // rest at two threads.
+  EXPECT_TRUE(testing::WaitUntil(
+      [&] {
+        std::lock_guard<std::mutex> l(grids_mu);
+        return grids.size() >= 4;
+      },
+      std::chrono::seconds(300)));
   stop.store(true);
   client.join();
   // The images drawn at whichever count, against an engine at two threads and no governor.
