@@ -110,10 +110,10 @@ ABSL_FLAG(bool, cuda_graphs, true,
           "eager forward's within rounding; --cuda_graphs=false for images that are bit for bit "
           "independent of the requests beside them");
 ABSL_FLAG(bool, row_attention, true,
-          "with --batch_invariant on the CPU in fp32: every row attends through one kernel call "
-          "a layer instead of one SDPA call per request (1.4-1.5x faster forwards at 16 "
-          "one-token requests on 2 cores); false for the SDPA calls (A/B comparisons; images "
-          "then round differently)");
+          "on the CPU in fp32: every row attends through one kernel call a layer instead of one "
+          "SDPA call per request (1.4-1.5x faster forwards at 16 one-token requests on 2 cores) "
+          "or, with --batch_invariant=false, one padded SDPA call; false for the SDPA calls (A/B "
+          "comparisons; images then round differently)");
 ABSL_FLAG(bool, small_rows_gemm, true,
           "with --batch_invariant on the CPU in fp32: linear layers of fewer than 16 rows run a "
           "kernel that rounds them as the BLAS rounds 16 or more (checked per weight at load) "

@@ -188,6 +188,59 @@ TEST(RowAttentionTest, TheBatchInvariantForwardMatchesSdpaAndStaysInvariant) {
   EXPECT_LT((*a - *b).abs().max().item<float>(), 1e-4f);
 }
 
+// The batched forward (ForwardOptions::batch_invariant off) sends every row through RowAttention
+// too, in place of one SDPA call over the batch padded to its longest row: the same logits within
+// rounding on a ragged batch with a row of its own mask (a tree's), a row in a non-adjacent slot
+// and rows of 1 to 21 tokens.
+TEST(RowAttentionTest, TheBatchedForwardTakesEveryRowAndMatchesPaddedSdpa) {
+  testing::TinyGptSpec spec;
+  spec.grid = 5;
+  const std::string dir =
+      testing::WriteTinyGpt(testing::TempDir("rowattn_batched") + "/m", spec, 9);
+  LoadOptions on, off;
+  off.row_attention = false;
+  auto with = Gpt::Load(dir, on);
+  auto without = Gpt::Load(dir, off);
+  ASSERT_TRUE(with.ok() && without.ok());
+  ASSERT_TRUE((*with)->row_attention());
+  auto row = [&](int64_t slot, int64_t cls, int64_t n) {
+    BatchRow r;
+    r.slot = slot;
+    for (int64_t i = 0; i <= n; ++i) {
+      r.tokens.push_back(i == 0 ? cls : (slot * 7 + i * 5) % spec.vocab);
+      r.positions.push_back(i);
+    }
+    return r;
+  };
+  std::vector<BatchRow> prefill = {row(0, 1, 0), row(1, 1, 0), row(2, 2, 3), row(6, 0, 20),
+                                   row(4, 2, 6)};
+  // Then a step on top of the cache: a tree row whose fourth new token does not see its second,
+  // and plain rows of 1 and 4 tokens.
+  std::vector<BatchRow> step = {row(2, 2, 3), row(6, 0, 0), row(4, 2, 3)};
+  for (BatchRow& r : step) {
+    const int64_t len = static_cast<int64_t>(r.tokens.size());
+    r.cache_len = r.slot == 2 ? 4 : r.slot == 6 ? 21 : 7;
+    for (int64_t i = 0; i < len; ++i) {
+      r.tokens[i] = (r.slot + 3 * i) % spec.vocab;
+      r.positions[i] = r.cache_len + i;
+    }
+  }
+  step[0].mask.assign(16, 0);
+  for (int64_t i = 0; i < 4; ++i) {
+    for (int64_t j = 0; j <= i; ++j) step[0].mask[i * 4 + j] = !(i == 3 && j == 1);
+  }
+  const ForwardOptions batched;  // batch_invariant off
+  KvCache c1 = (*with)->NewCache(8), c2 = (*without)->NewCache(8);
+  for (const auto* batch : {&prefill, &step}) {
+    auto a = (*with)->Forward(*batch, c1, {}, batched);
+    auto b = (*without)->Forward(*batch, c2, {}, batched);
+    ASSERT_TRUE(a.ok() && b.ok()) << a.status().ToString() << b.status().ToString();
+    ASSERT_EQ(a->sizes(), b->sizes());
+    EXPECT_LT((*a - *b).abs().max().item<float>(), 1e-4f)
+        << (batch == &prefill ? "prefill" : "step with a tree row");
+  }
+}
+
 }  // namespace
 
 // The bundled model's batch-invariant forward, every CPU kernel of the engine in it (RowAttention,

@@ -701,27 +701,27 @@ at::Tensor Gpt::ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache,
   // tokens kept an SDPA call each until 2026-12-06; with the kernel on both threads RowAttention
   // is faster at every length measured: row_attention.h.)
   std::vector<RowAttentionSpan> spans;
-  if (invariant && row_attention_) {
-    for (const Call& c : calls) {
-      for (int64_t r = c.r0; r < c.r0 + c.rows; ++r) {
-        const BatchRow& row = batch[static_cast<size_t>(r)];
-        spans.push_back({row.slot, row.cache_len, c.n, c.t0 + (r - c.r0) * c.n,
-                         row.mask.empty() ? nullptr : row.mask.data()});
-      }
+  if (row_attention_) {
+    int64_t t = 0;
+    for (const BatchRow& row : batch) {
+      const auto n = static_cast<int64_t>(row.tokens.size());
+      spans.push_back(
+          {row.slot, row.cache_len, n, t, row.mask.empty() ? nullptr : row.mask.data()});
+      t += n;
     }
     calls.clear();
   }
   // allow[r, i, j]: query i of row r may attend cache entry j (AllowMask); not built when no
   // SDPA call is left to use it.
   at::Tensor allow;
-  if (!invariant || !calls.empty()) {
+  if (spans.empty() && (!invariant || !calls.empty())) {
     allow = AllowMask(meta, pairs, custom_pairs > 0, R, nmax, kv_max, dev);
     if (!invariant) allow = allow.unsqueeze(1);  // [R, 1, nmax, kv_max]
   }
   Attend attend = [&](size_t l, const at::Tensor& q) -> at::Tensor {
     const at::Tensor& ck = cache.k[l];
     const at::Tensor& cv = cache.v[l];
-    if (invariant && !spans.empty()) {  // every row through RowAttention
+    if (!spans.empty()) {  // every row through RowAttention
       at::Tensor out = at::empty({T, D}, q.options());
       RowAttention(q, ck, cv, spans, out);
       return out;

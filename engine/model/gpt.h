@@ -120,7 +120,8 @@ struct ForwardOptions {
   // on fewer than kInvariantMinRows rows (BLAS libraries switch to other kernels for tiny
   // matrices, and those round differently), and attention runs once per row group, so that no
   // row's queries or keys are padded to another row's length. Off: one attention call for the
-  // whole batch, padded to its longest row (fastest for large uniform batches: evaluation).
+  // whole batch, padded to its longest row (evaluation), except where RowAttention takes every
+  // row (LoadOptions::row_attention: the CPU in fp32), which is faster for either mode.
   bool batch_invariant = false;
   // Graph-ready: the forward's every tensor shape depends only on the batch's bucket
   // (StaticShape: token, row, width and mask-pair counts rounded up to powers of two), its

@@ -1,7 +1,7 @@
 #pragma once
 
-// Attention for the batch-invariant forward on the CPU: every row's new queries over its own
-// cache slot, all rows in one call (LoadOptions::row_attention).
+// Attention for the forward on the CPU in fp32 (batch-invariant or not): every row's new
+// queries over its own cache slot, all rows in one call (LoadOptions::row_attention).
 //
 // One task computes one (row, head, query) output from that query, the keys and values of its
 // row's slot and its row's mask, in a fixed order (keys ascending), whatever the other rows

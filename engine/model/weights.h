@@ -40,11 +40,12 @@ struct LoadOptions {
   // Unset: on where the environment has IMAGEGEN_ROPE_SCATTER=1, off otherwise (the kernel has
   // not yet run on a GPU: bench/gpu/graphs_lease.sh measures it).
   std::optional<bool> rope_scatter;
-  // GPT models on the CPU in fp32: the batch-invariant forward's attention runs every row in
-  // one call of a kernel whose outputs are each computed from their own row alone
+  // GPT models on the CPU in fp32: the forward's attention runs every row in one call of a
+  // kernel whose outputs are each computed from their own row alone
   // (engine/model/row_attention.h), instead of one SDPA call per row group on copies of its
-  // keys and values. Its logits equal SDPA's within rounding, not bit for bit. Unset: on. The
-  // golden grids (tests/golden) were recorded with it off.
+  // keys and values (batch-invariant forwards) or one SDPA call over the batch padded to its
+  // longest row (the others, since 2026-12-07). Its logits equal SDPA's within rounding, not
+  // bit for bit. Unset: on. The golden grids (tests/golden) were recorded with it off.
   std::optional<bool> row_attention;
   // GPT models on the CPU in fp32: the batch-invariant forward's linear layers on fewer than
   // kInvariantMinRows rows run SmallRowsLinear's kernel (engine/model/small_gemm.h), which
