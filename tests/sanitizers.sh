@@ -105,6 +105,9 @@ ENGINE_FILTER='-*Spec*:EngineTest.CudaGraphs*:*EngineExactTest.*:*EngineStormTes
 #                          parser runs in StepCostTest.*
 #   EngineTest.Goodput*    the planner's choices over whole images (65 s): GoodputTest.* runs
 #                          the planner itself
+#   EngineTest.EachCpuThreadCountKeepsItsOwnStepCostCalibration  four engines, two of them
+#                          calibrating (60 s under ASan): a calibration written to its cache file
+#                          and read back runs here in EngineTest.ALoneRequestsCalibratedCeiling...
 # and it builds and runs the engine side only: the engine's library and tests and the two fuzz
 # targets of its parsers (safetensors, model configs), not the daemon, the CLI, the server and
 # e2e tests or the request parsers' fuzz targets. CI builds every tree cold: the daemon's side
@@ -113,6 +116,7 @@ ENGINE_FILTER='-*Spec*:EngineTest.CudaGraphs*:*EngineExactTest.*:*EngineStormTes
 # 2026-12-04. The long form runs them.
 SHORT_ENGINE=':LaunchesTest.*:*LaunchesTest.*:LaunchesPowerTest.*:EngineTest.BatchInvarian*'
 SHORT_ENGINE+=':EngineTest.WarmUp*:EngineTest.StepCost*:EngineTest.Goodput*'
+SHORT_ENGINE+=':EngineTest.EachCpuThreadCountKeepsItsOwnStepCostCalibration'
 ctest_args=()
 if [ $short = 1 ]; then
   ENGINE_FILTER+=$SHORT_ENGINE
