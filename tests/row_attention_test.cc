@@ -1,11 +1,14 @@
-// RowAttention (the batch-invariant forward's attention on the CPU): softmax attention within
-// rounding, every row's output the same bits alone, among other rows and on one thread, and the
-// forward that uses it equal to the one SDPA call per row group within rounding and invariant.
+// RowAttention (the CPU forward's attention in fp32): softmax attention within rounding, every
+// row's output the same bits alone, among other rows and on one thread, and the forwards that use
+// it (batch-invariant or padded) equal to their SDPA calls within rounding, the first invariant.
 #include "engine/model/row_attention.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
+
+#include <memory>
+#include <stdexcept>
 
 #include "engine/model/amx_gemm.h"
 #include "engine/model/gpt.h"
@@ -126,19 +129,33 @@ TEST(RowAttentionTest, ARowsOutputIsTheSameBitsAloneAmongOtherRowsAndOnOneThread
   }
 }
 
+// A tiny random model of 25 image tokens (room for a row of 20) loaded twice, with RowAttention
+// and without it.
+struct WithAndWithout {
+  testing::TinyGptSpec spec;
+  std::unique_ptr<Gpt> with, without;
+  WithAndWithout(const std::string& name, uint64_t seed) {
+    spec.grid = 5;
+    const std::string dir = testing::WriteTinyGpt(testing::TempDir(name) + "/m", spec, seed);
+    LoadOptions off;
+    off.row_attention = false;
+    auto a = Gpt::Load(dir, LoadOptions{});
+    auto b = Gpt::Load(dir, off);
+    if (!a.ok() || !b.ok()) throw std::runtime_error("the tiny model did not load");
+    with = std::move(a).value();
+    without = std::move(b).value();
+  }
+};
+
 // The forward: with RowAttention its logits equal those with one SDPA call per row group within
 // rounding, and a row's logits are the same bits alone and in a ragged batch of rows of 1 to 21
 // tokens (RowAttention takes every row; until 2026-12-06 the longest, above 16 new tokens, went
 // to SDPA).
 TEST(RowAttentionTest, TheBatchInvariantForwardMatchesSdpaAndStaysInvariant) {
-  testing::TinyGptSpec spec;
-  spec.grid = 5;  // 25 image tokens: room for a row of 20
-  const std::string dir = testing::WriteTinyGpt(testing::TempDir("rowattn") + "/m", spec, 4);
-  LoadOptions on, off;
-  off.row_attention = false;
-  auto with = Gpt::Load(dir, on);
-  auto without = Gpt::Load(dir, off);
-  ASSERT_TRUE(with.ok() && without.ok());
+  const WithAndWithout models("rowattn", 4);
+  const testing::TinyGptSpec& spec = models.spec;
+  const std::unique_ptr<Gpt>* with = &models.with;
+  const std::unique_ptr<Gpt>* without = &models.without;
   ASSERT_TRUE((*with)->row_attention());
   ASSERT_FALSE((*without)->row_attention());
   const int64_t long_row = 20;
@@ -193,15 +210,10 @@ TEST(RowAttentionTest, TheBatchInvariantForwardMatchesSdpaAndStaysInvariant) {
 // rounding on a ragged batch with a row of its own mask (a tree's), a row in a non-adjacent slot
 // and rows of 1 to 21 tokens.
 TEST(RowAttentionTest, TheBatchedForwardTakesEveryRowAndMatchesPaddedSdpa) {
-  testing::TinyGptSpec spec;
-  spec.grid = 5;
-  const std::string dir =
-      testing::WriteTinyGpt(testing::TempDir("rowattn_batched") + "/m", spec, 9);
-  LoadOptions on, off;
-  off.row_attention = false;
-  auto with = Gpt::Load(dir, on);
-  auto without = Gpt::Load(dir, off);
-  ASSERT_TRUE(with.ok() && without.ok());
+  const WithAndWithout models("rowattn_batched", 9);
+  const testing::TinyGptSpec& spec = models.spec;
+  const std::unique_ptr<Gpt>* with = &models.with;
+  const std::unique_ptr<Gpt>* without = &models.without;
   ASSERT_TRUE((*with)->row_attention());
   auto row = [&](int64_t slot, int64_t cls, int64_t n) {
     BatchRow r;
