@@ -154,10 +154,9 @@ struct WithAndWithout {
 TEST(RowAttentionTest, TheBatchInvariantForwardMatchesSdpaAndStaysInvariant) {
   const WithAndWithout models("rowattn", 4);
   const testing::TinyGptSpec& spec = models.spec;
-  const std::unique_ptr<Gpt>* with = &models.with;
-  const std::unique_ptr<Gpt>* without = &models.without;
-  ASSERT_TRUE((*with)->row_attention());
-  ASSERT_FALSE((*without)->row_attention());
+  const Gpt &with = *models.with, &without = *models.without;
+  ASSERT_TRUE(with.row_attention());
+  ASSERT_FALSE(without.row_attention());
   const int64_t long_row = 20;
   auto row = [&](int64_t slot, int64_t cls, int64_t n, int64_t group) {
     BatchRow r;
@@ -173,9 +172,9 @@ TEST(RowAttentionTest, TheBatchInvariantForwardMatchesSdpaAndStaysInvariant) {
                                        row(3, 0, long_row, 2), row(4, 2, 6, 3)};
   ForwardOptions inv;
   inv.batch_invariant = true;
-  for (const auto* m : {&*with, &*without}) {
-    KvCache c1 = (*m)->NewCache(8), c2 = (*m)->NewCache(8);
-    auto all = (*m)->Forward(batch, c1, {}, inv);
+  for (const Gpt* m : {&with, &without}) {
+    KvCache c1 = m->NewCache(8), c2 = m->NewCache(8);
+    auto all = m->Forward(batch, c1, {}, inv);
     ASSERT_TRUE(all.ok()) << all.status().ToString();
     // Each request (a row group) alone, in other slots.
     int64_t t = 0;
@@ -189,18 +188,18 @@ TEST(RowAttentionTest, TheBatchInvariantForwardMatchesSdpaAndStaysInvariant) {
         r.slot = 7 - r.slot;
         n += static_cast<int64_t>(r.tokens.size());
       }
-      auto alone = (*m)->Forward(request, c2, {}, inv);
+      auto alone = m->Forward(request, c2, {}, inv);
       ASSERT_TRUE(alone.ok()) << alone.status().ToString();
       EXPECT_TRUE(at::equal(all->narrow(0, t, n), *alone))
-          << "request of row " << r0 << ((*m)->row_attention() ? " with" : " without")
+          << "request of row " << r0 << (m->row_attention() ? " with" : " without")
           << " RowAttention";
       t += n;
       r0 = r1;
     }
   }
-  KvCache c1 = (*with)->NewCache(8), c2 = (*without)->NewCache(8);
-  auto a = (*with)->Forward(batch, c1, {}, inv);
-  auto b = (*without)->Forward(batch, c2, {}, inv);
+  KvCache c1 = with.NewCache(8), c2 = without.NewCache(8);
+  auto a = with.Forward(batch, c1, {}, inv);
+  auto b = without.Forward(batch, c2, {}, inv);
   ASSERT_TRUE(a.ok() && b.ok());
   EXPECT_LT((*a - *b).abs().max().item<float>(), 1e-4f);
 }
@@ -212,9 +211,8 @@ TEST(RowAttentionTest, TheBatchInvariantForwardMatchesSdpaAndStaysInvariant) {
 TEST(RowAttentionTest, TheBatchedForwardTakesEveryRowAndMatchesPaddedSdpa) {
   const WithAndWithout models("rowattn_batched", 9);
   const testing::TinyGptSpec& spec = models.spec;
-  const std::unique_ptr<Gpt>* with = &models.with;
-  const std::unique_ptr<Gpt>* without = &models.without;
-  ASSERT_TRUE((*with)->row_attention());
+  const Gpt &with = *models.with, &without = *models.without;
+  ASSERT_TRUE(with.row_attention());
   auto row = [&](int64_t slot, int64_t cls, int64_t n) {
     BatchRow r;
     r.slot = slot;
@@ -242,10 +240,10 @@ TEST(RowAttentionTest, TheBatchedForwardTakesEveryRowAndMatchesPaddedSdpa) {
     for (int64_t j = 0; j <= i; ++j) step[0].mask[i * 4 + j] = !(i == 3 && j == 1);
   }
   const ForwardOptions batched;  // batch_invariant off
-  KvCache c1 = (*with)->NewCache(8), c2 = (*without)->NewCache(8);
+  KvCache c1 = with.NewCache(8), c2 = without.NewCache(8);
   for (const auto* batch : {&prefill, &step}) {
-    auto a = (*with)->Forward(*batch, c1, {}, batched);
-    auto b = (*without)->Forward(*batch, c2, {}, batched);
+    auto a = with.Forward(*batch, c1, {}, batched);
+    auto b = without.Forward(*batch, c2, {}, batched);
     ASSERT_TRUE(a.ok() && b.ok()) << a.status().ToString() << b.status().ToString();
     ASSERT_EQ(a->sizes(), b->sizes());
     EXPECT_LT((*a - *b).abs().max().item<float>(), 1e-4f)

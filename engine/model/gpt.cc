@@ -601,13 +601,14 @@ at::Tensor Gpt::ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache,
     kv_max = std::max(kv_max, batch[r].cache_len + n);
     consecutive &= batch[r].slot == batch[0].slot + r;
   }
-  // Attention calls: the whole batch padded to nmax x kv_max, or (batch-invariant) one call per
-  // row group with exactly its own lengths.
+  // SDPA calls where RowAttention does not take every row (LoadOptions::row_attention): the
+  // whole batch padded to nmax x kv_max, or (batch-invariant) one call per row group with
+  // exactly its own lengths.
   struct Call {
     int64_t r0 = 0, rows = 0, t0 = 0, n = 0, kv = 0;
   };
   std::vector<Call> calls;
-  if (invariant) {
+  if (invariant && !row_attention_) {
     int64_t t = 0;
     for (int64_t r = 0; r < R; ++r) {
       const BatchRow& row = batch[r];
@@ -709,7 +710,6 @@ at::Tensor Gpt::ForwardImpl(const std::vector<BatchRow>& batch, KvCache& cache,
           {row.slot, row.cache_len, n, t, row.mask.empty() ? nullptr : row.mask.data()});
       t += n;
     }
-    calls.clear();
   }
   // allow[r, i, j]: query i of row r may attend cache entry j (AllowMask); not built when no
   // SDPA call is left to use it.
