@@ -513,12 +513,25 @@ struct ChainHostBlock {
   double sums[kChainVerifyChunks];
   double ckeys[kChainVerifyChunks * kChainMaxKids];  // each chunk's best Gumbel keys and ids
   int64_t cids[kChainVerifyChunks * kChainMaxKids];
+  int live = kChainVerifyChunks;  // sums[c] for c >= live are 0
   IMAGEGEN_HD int ChunkBegin() const { return 0; }
   IMAGEGEN_HD int ChunkStep() const { return 1; }
   IMAGEGEN_HD void Barrier() const {}
+  // ChainTotal of the chunks' sums. A vocabulary under kChainVerifyChunks ids leaves the chunks
+  // past its last id empty: their sums are 0 (set once a node), and adding them to the total
+  // changes no bit (masses are never negative, so the total is never -0), so only the chunks
+  // with ids are summed (the toy models' 3 ids: 3 chunks of 256).
   IMAGEGEN_HD double Sum(const ChainNode& nd, const ChainMassSpec& m) {
-    for (int c = 0; c < kChainVerifyChunks; ++c) sums[c] = ChainChunkSum(nd, m, c);
-    return ChainTotal(sums);
+    const int64_t len = (nd.vocab + kChainVerifyChunks - 1) / kChainVerifyChunks;
+    const int used = len > 0 ? static_cast<int>((nd.vocab + len - 1) / len) : 0;
+    for (int c = used; c < live; ++c) sums[c] = 0.0;
+    live = used;
+    double total = 0.0;
+    for (int c = 0; c < used; ++c) {
+      sums[c] = ChainChunkSum(nd, m, c);
+      total += sums[c];
+    }
+    return total;
   }
   IMAGEGEN_HD bool Leader() const { return true; }
   IMAGEGEN_HD int64_t Share(int64_t v) const { return v; }

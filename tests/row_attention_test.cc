@@ -65,8 +65,9 @@ std::vector<uint8_t> RandomMask(int64_t n, uint64_t seed) {
 
 TEST(RowAttentionTest, EqualsSoftmaxAttentionWithinRounding) {
   const std::vector<uint8_t> mask6 = RandomMask(6, 3), mask8 = RandomMask(8, 5);
-  // hd 32, 64 and 128 take the compiled-in sizes, 8 and 24 the run-time one.
-  for (int64_t hd : {8, 24, 32, 64, 128}) {
+  // hd 32, 64 and 128 take the compiled-in sizes, 8 and 24 the run-time one, 4 (the toy
+  // models') and 12 the path of one float at a time.
+  for (int64_t hd : {4, 8, 12, 24, 32, 64, 128}) {
     SCOPED_TRACE("hd " + std::to_string(hd));
     // Causal rows of 1, 5 and 8 tokens at cache lengths that put the visible keys on both sides
     // of a group of eight, a masked row of 6 and one of 8 over the whole capacity.
@@ -98,7 +99,7 @@ TEST(RowAttentionTest, EqualsSoftmaxAttentionWithinRounding) {
 
 TEST(RowAttentionTest, ARowsOutputIsTheSameBitsAloneAmongOtherRowsAndOnOneThread) {
   const std::vector<uint8_t> mask = RandomMask(7, 9);
-  for (int64_t hd : {24, 64}) {
+  for (int64_t hd : {4, 24, 64}) {
     SCOPED_TRACE("hd " + std::to_string(hd));
     Caches s = Make(hd, 40, 21);
     // The row under test, alone: slot 2, 19 committed entries, 7 new tokens with a mask.
@@ -134,8 +135,9 @@ TEST(RowAttentionTest, ARowsOutputIsTheSameBitsAloneAmongOtherRowsAndOnOneThread
 struct WithAndWithout {
   testing::TinyGptSpec spec;
   std::unique_ptr<Gpt> with, without;
-  WithAndWithout(const std::string& name, uint64_t seed) {
+  WithAndWithout(const std::string& name, uint64_t seed, int64_t dim = 32) {
     spec.grid = 5;
+    spec.dim = dim;  // four heads: a head size of dim / 4
     const std::string dir = testing::WriteTinyGpt(testing::TempDir(name) + "/m", spec, seed);
     LoadOptions off;
     off.row_attention = false;
@@ -207,11 +209,15 @@ TEST(RowAttentionTest, TheBatchInvariantForwardMatchesSdpaAndStaysInvariant) {
 // The batched forward (ForwardOptions::batch_invariant off) sends every row through RowAttention
 // too, in place of one SDPA call over the batch padded to its longest row: the same logits within
 // rounding on a ragged batch with a row of its own mask (a tree's), a row in a non-adjacent slot
-// and rows of 1 to 21 tokens.
-TEST(RowAttentionTest, TheBatchedForwardTakesEveryRowAndMatchesPaddedSdpa) {
-  const WithAndWithout models("rowattn_batched", 9);
+// and rows of 1 to 21 tokens. Heads of 8 (the vector path) and of 4 (the exact-distribution
+// tests' toy models: the path of one float at a time).
+class RowAttentionHeads : public ::testing::TestWithParam<int64_t> {};
+
+TEST_P(RowAttentionHeads, TheBatchedForwardTakesEveryRowAndMatchesPaddedSdpa) {
+  const WithAndWithout models("rowattn_batched", 9, 4 * GetParam());
   const testing::TinyGptSpec& spec = models.spec;
   const Gpt &with = *models.with, &without = *models.without;
+  ASSERT_EQ(with.config().head_dim(), GetParam());
   ASSERT_TRUE(with.row_attention());
   auto row = [&](int64_t slot, int64_t cls, int64_t n) {
     BatchRow r;
@@ -250,6 +256,11 @@ TEST(RowAttentionTest, TheBatchedForwardTakesEveryRowAndMatchesPaddedSdpa) {
         << (batch == &prefill ? "prefill" : "step with a tree row");
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(HeadSize, RowAttentionHeads, ::testing::Values(8, 4),
+                         [](const ::testing::TestParamInfo<int64_t>& i) {
+                           return "hd" + std::to_string(i.param);
+                         });
 
 }  // namespace
 

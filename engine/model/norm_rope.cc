@@ -5,9 +5,16 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 // Built with -ffp-contract=off (engine/CMakeLists.txt): a product and the sum it feeds are two
 // roundings in ATen's separate ops, and must stay two here.
+
+// SumOfSquares's helpers pass L-float vectors by value; they are inlined, internal and never
+// cross an ABI boundary, so GCC's note that such a call's ABI differs with AVX is moot.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
 
 namespace imagegen {
 
@@ -46,6 +53,13 @@ int64_t CeilLog2(int64_t x) {
   return b;
 }
 
+// L floats as one value (GCC and Clang vector extensions): every lane runs the same
+// instructions, so a lane's sum is the one the scalar loop over that lane gives.
+template <int L>
+struct Lanes {
+  typedef float type __attribute__((vector_size(sizeof(float) * L)));
+};
+
 // The sum of x[i]^2 over a row of d, each square rounded, added as ATen's vectorised inner sum
 // adds a contiguous row of L-lane vectors: the d / L vectors viewed as groups of four, the four
 // partial vectors accumulated through a cascade of four levels of 2^p groups each (p = 4 for
@@ -54,49 +68,60 @@ int64_t CeilLog2(int64_t x) {
 // order.
 template <int L>
 float SumOfSquares(const float* x, int64_t d) {
+  using V = typename Lanes<L>::type;
   constexpr int kLevels = 4, kIlp = 4;
   const int64_t vectors = d / L, groups = vectors / kIlp;
   const int64_t power = std::max<int64_t>(4, CeilLog2(groups) / kLevels);
   const int64_t step = int64_t{1} << power, mask = step - 1;
-  float acc[kLevels][kIlp][L] = {};
-  auto add_vector = [&](float* a, int64_t v) {
-    const float* p = x + v * L;
-    for (int l = 0; l < L; ++l) {
-      const float sq = p[l] * p[l];
-      a[l] += sq;
-    }
+  auto square = [&](int64_t v) {  // vector v's squares, each rounded
+    V a;
+    std::memcpy(&a, x + v * L, sizeof(a));
+    return a * a;
   };
-  auto add_into = [](float* a, float* b) {  // a += b; b = 0
-    for (int l = 0; l < L; ++l) {
-      a[l] += b[l];
-      b[l] = 0;
+  auto finish = [&](V first) {  // the elements past the last whole vector, then the lanes
+    float total = 0;
+    for (int64_t i = vectors * L; i < d; ++i) {
+      const float sq = x[i] * x[i];
+      total += sq;
     }
+    for (int l = 0; l < L; ++l) total += first[l];
+    return total;
   };
+  if (groups < step) {
+    // Fewer groups than one level's count (rows under 64 L floats, the bundled model's and the
+    // toy models'): the cascade never runs and its levels above the first stay zero, whose
+    // additions change nothing (the partials are sums of squares, never -0).
+    V acc[kIlp] = {};
+    for (int64_t g = 0; g < groups; ++g) {
+      for (int k = 0; k < kIlp; ++k) acc[k] += square(g * kIlp + k);
+    }
+    for (int64_t v = groups * kIlp; v < vectors; ++v) acc[0] += square(v);
+    for (int k = 1; k < kIlp; ++k) acc[0] += acc[k];
+    return finish(acc[0]);
+  }
+  V acc[kLevels][kIlp] = {};
   int64_t g = 0;
   while (g + step <= groups) {
     for (int64_t j = 0; j < step; ++j, ++g) {
-      for (int k = 0; k < kIlp; ++k) add_vector(acc[0][k], g * kIlp + k);
+      for (int k = 0; k < kIlp; ++k) acc[0][k] += square(g * kIlp + k);
     }
     for (int j = 1; j < kLevels; ++j) {
-      for (int k = 0; k < kIlp; ++k) add_into(acc[j][k], acc[j - 1][k]);
+      for (int k = 0; k < kIlp; ++k) {
+        acc[j][k] += acc[j - 1][k];
+        acc[j - 1][k] = V{};
+      }
       if ((g & (mask << (j * power))) != 0) break;
     }
   }
   for (; g < groups; ++g) {
-    for (int k = 0; k < kIlp; ++k) add_vector(acc[0][k], g * kIlp + k);
+    for (int k = 0; k < kIlp; ++k) acc[0][k] += square(g * kIlp + k);
   }
   for (int j = 1; j < kLevels; ++j) {
-    for (int k = 0; k < kIlp; ++k) add_into(acc[0][k], acc[j][k]);
+    for (int k = 0; k < kIlp; ++k) acc[0][k] += acc[j][k];
   }
-  for (int64_t v = groups * kIlp; v < vectors; ++v) add_vector(acc[0][0], v);
-  for (int k = 1; k < kIlp; ++k) add_into(acc[0][0], acc[0][k]);
-  float total = 0;
-  for (int64_t i = vectors * L; i < d; ++i) {
-    const float sq = x[i] * x[i];
-    total += sq;
-  }
-  for (int l = 0; l < L; ++l) total += acc[0][0][l];
-  return total;
+  for (int64_t v = groups * kIlp; v < vectors; ++v) acc[0][0] += square(v);
+  for (int k = 1; k < kIlp; ++k) acc[0][0] += acc[0][k];
+  return finish(acc[0][0]);
 }
 
 template <int L>

@@ -189,6 +189,56 @@ IMAGEGEN_INLINE void RowHeadImpl(const Geometry& g, const RowAttentionSpan& s, i
   }
 }
 
+// Any head size (those that are not a multiple of 8, such as the exact-distribution tests'
+// toy models' 4): every query of one row and head, one float at a time. A score is the dot
+// product over the dimensions in order; the softmax's sum and each output dimension's weighted
+// sum run over the keys in order. As above, what a query computes depends on its own row
+// alone. HD: the head size known at compile time (0: read at run time).
+template <int HD>
+IMAGEGEN_INLINE void RowHeadScalar(const Geometry& g, const RowAttentionSpan& s, int64_t h,
+                                   std::vector<float>& scratch) {
+  const int64_t hd = HD > 0 ? HD : g.hd, stride = g.H * hd, keys = s.cache_len + s.n;
+  const float* kbase = g.k + s.slot * g.capacity * stride + h * hd;
+  const float* vbase = g.v + s.slot * g.capacity * stride + h * hd;
+  scratch.resize(static_cast<size_t>(keys + hd));
+  float* scores = scratch.data();
+  float* acc = scores + keys;
+  constexpr float kNone = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < s.n; ++i) {
+    const float* qp = g.q + (s.t0 + i) * g.q_t + h * g.q_h;
+    const int64_t visible = s.mask != nullptr ? keys : s.cache_len + i + 1;
+    for (int64_t j = 0; j < visible; ++j) {
+      const float* kp = kbase + j * stride;
+      float dot = 0;
+      for (int64_t d = 0; d < hd; ++d) dot += qp[d] * kp[d];
+      scores[j] = dot * g.scale;
+    }
+    if (s.mask != nullptr) {
+      const uint8_t* mrow = s.mask + i * s.n;
+      for (int64_t j = 0; j < s.n; ++j) {
+        if (mrow[j] == 0) scores[s.cache_len + j] = kNone;
+      }
+    }
+    float m = kNone;
+    for (int64_t j = 0; j < visible; ++j) m = std::max(m, scores[j]);
+    float sum = 0;
+    for (int64_t j = 0; j < visible; ++j) {
+      scores[j] = scores[j] == kNone ? 0.0f : std::exp(scores[j] - m);
+      sum += scores[j];
+    }
+    std::fill(acc, acc + hd, 0.0f);
+    for (int64_t j = 0; j < visible; ++j) {
+      const float p = scores[j];
+      const float* vp = vbase + j * stride;
+      for (int64_t d = 0; d < hd; ++d) acc[d] += p * vp[d];
+    }
+    // Every query sees its own key (the forward checks the mask's diagonal): the sum is >= 1.
+    const float inv = 1.0f / sum;
+    float* op = g.out + (s.t0 + i) * stride + h * hd;
+    for (int64_t d = 0; d < hd; ++d) op[d] = acc[d] * inv;
+  }
+}
+
 IMAGEGEN_ROW_ATTENTION_CLONES
 void RowHead(const Geometry& g, const RowAttentionSpan& s, int64_t h, std::vector<float>& scratch) {
   switch (g.hd) {
@@ -198,7 +248,10 @@ void RowHead(const Geometry& g, const RowAttentionSpan& s, int64_t h, std::vecto
       return RowHeadImpl<8>(g, s, h, scratch);
     case 128:
       return RowHeadImpl<16>(g, s, h, scratch);
+    case 4:  // the exact-distribution tests' toy models
+      return RowHeadScalar<4>(g, s, h, scratch);
     default:
+      if (g.hd % 8 != 0) return RowHeadScalar<0>(g, s, h, scratch);
       return RowHeadImpl<0>(g, s, h, scratch);
   }
 }
@@ -215,8 +268,8 @@ void RowAttention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
               "RowAttention: caches must be contiguous float [slots, capacity, H, hd]");
   const int64_t H = q.size(1), hd = q.size(2);
   TORCH_CHECK(k_cache.size(2) == H && k_cache.size(3) == hd, "RowAttention: heads differ");
-  TORCH_CHECK(hd % 8 == 0 && hd <= kRowAttentionMaxHeadDim,
-              "RowAttention: head size must be a multiple of 8, at most kRowAttentionMaxHeadDim");
+  TORCH_CHECK(hd > 0 && hd <= kRowAttentionMaxHeadDim,
+              "RowAttention: head size must be at most kRowAttentionMaxHeadDim");
   TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kFloat &&
                   out.size(0) == q.size(0) && out.size(1) == H * hd,
               "RowAttention: out must be contiguous float [T, H * hd]");

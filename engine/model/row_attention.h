@@ -27,7 +27,8 @@ namespace imagegen {
 // requests of 16-128, 0.55-0.87x at 16 of 16-32 (medians; 7 or 8 of 8 rounds below 1 in every
 // cell).
 
-// Head sizes RowAttention takes: multiples of 8 up to this.
+// Head sizes RowAttention takes: up to this. Multiples of 8 run in eight-float vectors, any
+// other size (the exact-distribution tests' toy models have 4) one float at a time.
 inline constexpr int64_t kRowAttentionMaxHeadDim = 256;
 
 struct RowAttentionSpan {
