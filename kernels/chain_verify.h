@@ -519,8 +519,8 @@ struct ChainHostBlock {
   IMAGEGEN_HD void Barrier() const {}
   // ChainTotal of the chunks' sums. A vocabulary under kChainVerifyChunks ids leaves the chunks
   // past its last id empty: their sums are 0 (set once a node), and adding them to the total
-  // changes no bit (masses are never negative, so the total is never -0), so only the chunks
-  // with ids are summed (the toy models' 3 ids: 3 chunks of 256).
+  // changes no bit (x + 0 is x for every x but -0, and a total that starts at +0 is never -0),
+  // so only the chunks with ids are summed (the toy models' 3 ids: 3 chunks of 256).
   IMAGEGEN_HD double Sum(const ChainNode& nd, const ChainMassSpec& m) {
     const int64_t len = (nd.vocab + kChainVerifyChunks - 1) / kChainVerifyChunks;
     const int used = len > 0 ? static_cast<int>((nd.vocab + len - 1) / len) : 0;
