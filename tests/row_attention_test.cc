@@ -66,7 +66,7 @@ std::vector<uint8_t> RandomMask(int64_t n, uint64_t seed) {
 TEST(RowAttentionTest, EqualsSoftmaxAttentionWithinRounding) {
   const std::vector<uint8_t> mask6 = RandomMask(6, 3), mask8 = RandomMask(8, 5);
   // hd 32, 64 and 128 take the compiled-in sizes, 8 and 24 the run-time one, 4 (the toy
-  // models') and 12 the path of one float at a time.
+  // models') and 12 the path for other sizes (keys in vectors).
   for (int64_t hd : {4, 8, 12, 24, 32, 64, 128}) {
     SCOPED_TRACE("hd " + std::to_string(hd));
     // Causal rows of 1, 5 and 8 tokens at cache lengths that put the visible keys on both sides
@@ -210,7 +210,7 @@ TEST(RowAttentionTest, TheBatchInvariantForwardMatchesSdpaAndStaysInvariant) {
 // too, in place of one SDPA call over the batch padded to its longest row: the same logits within
 // rounding on a ragged batch with a row of its own mask (a tree's), a row in a non-adjacent slot
 // and rows of 1 to 21 tokens. Heads of 8 (the vector path) and of 4 (the exact-distribution
-// tests' toy models: the path of one float at a time).
+// tests' toy models: the path for sizes that are not a multiple of 8).
 class RowAttentionHeads : public ::testing::TestWithParam<int64_t> {};
 
 TEST_P(RowAttentionHeads, TheBatchedForwardTakesEveryRowAndMatchesPaddedSdpa) {
@@ -255,6 +255,16 @@ TEST_P(RowAttentionHeads, TheBatchedForwardTakesEveryRowAndMatchesPaddedSdpa) {
     EXPECT_LT((*a - *b).abs().max().item<float>(), 1e-4f)
         << (batch == &prefill ? "prefill" : "step with a tree row");
   }
+}
+
+// The forward takes RowAttention for heads of multiples of 8 and under 8, where it was measured
+// faster than SDPA, and keeps SDPA for other sizes (row_attention.h).
+TEST(RowAttentionTest, HeadsOfOtherSizesKeepSdpa) {
+  for (int64_t hd : {1, 4, 8, 32, 64, 256}) EXPECT_TRUE(RowAttentionTakes(hd)) << hd;
+  for (int64_t hd : {0, 12, 20, 100, 264}) EXPECT_FALSE(RowAttentionTakes(hd)) << hd;
+  const WithAndWithout twelve("rowattn_hd12", 3, 48);
+  EXPECT_EQ(twelve.with->config().head_dim(), 12);
+  EXPECT_FALSE(twelve.with->row_attention());
 }
 
 INSTANTIATE_TEST_SUITE_P(HeadSize, RowAttentionHeads, ::testing::Values(8, 4),

@@ -396,7 +396,7 @@ void Gpt::FuseMlpWeights() {
   fused_static_ = opts_.fused_static_forward.value_or(opts_.device.is_cuda());
   const at::ScalarType dt = embed_.scalar_type();
   row_attention_ = opts_.row_attention.value_or(true) && opts_.device.is_cpu() &&
-                   embed_.scalar_type() == at::kFloat && cfg_.head_dim() <= kRowAttentionMaxHeadDim;
+                   embed_.scalar_type() == at::kFloat && RowAttentionTakes(cfg_.head_dim());
   const char* env = std::getenv("IMAGEGEN_ROPE_SCATTER");
   rope_scatter_ = opts_.rope_scatter.value_or(env != nullptr && std::string(env) == "1") &&
                   fused_static_ && !cfg_.prompted() && (dt == at::kFloat || dt == at::kBFloat16) &&

@@ -190,52 +190,83 @@ IMAGEGEN_INLINE void RowHeadImpl(const Geometry& g, const RowAttentionSpan& s, i
 }
 
 // Any head size (those that are not a multiple of 8, such as the exact-distribution tests'
-// toy models' 4): every query of one row and head, one float at a time. A score is the dot
-// product over the dimensions in order; the softmax's sum and each output dimension's weighted
-// sum run over the keys in order. As above, what a query computes depends on its own row
-// alone. HD: the head size known at compile time (0: read at run time).
+// toy models' 4): every query of one row and head. The row's keys are first copied transposed
+// (dimension-major, keys padded to a multiple of 8), so that a query's scores for eight keys
+// are eight lanes, each its key's dot product over the dimensions in order; the softmax as in
+// RowHeadImpl; each output dimension's weighted sum over the keys in order, four dimensions a
+// vector. What a query computes depends on its own row alone. HD: the head size known at
+// compile time (0: read at run time).
+typedef float V4 __attribute__((vector_size(16)));
+typedef float V4u __attribute__((vector_size(16), aligned(4)));
 template <int HD>
-IMAGEGEN_INLINE void RowHeadScalar(const Geometry& g, const RowAttentionSpan& s, int64_t h,
-                                   std::vector<float>& scratch) {
+IMAGEGEN_INLINE void RowHeadAny(const Geometry& g, const RowAttentionSpan& s, int64_t h,
+                                std::vector<float>& scratch) {
   const int64_t hd = HD > 0 ? HD : g.hd, stride = g.H * hd, keys = s.cache_len + s.n;
+  const int64_t padded = (keys + 7) / 8 * 8, quads = hd / 4;
   const float* kbase = g.k + s.slot * g.capacity * stride + h * hd;
   const float* vbase = g.v + s.slot * g.capacity * stride + h * hd;
-  scratch.resize(static_cast<size_t>(keys + hd));
-  float* scores = scratch.data();
-  float* acc = scores + keys;
+  scratch.resize(static_cast<size_t>(padded * (hd + 1) + hd));
+  float* kt = scratch.data();        // [hd][padded]
+  float* scores = kt + padded * hd;  // [padded]
+  float* tail = scores + padded;     // the output dimensions past the last whole quad
+  for (int64_t j = 0; j < keys; ++j) {
+    const float* kp = kbase + j * stride;
+    for (int64_t d = 0; d < hd; ++d) kt[d * padded + j] = kp[d];
+  }
+  for (int64_t d = 0; d < hd; ++d) {
+    for (int64_t j = keys; j < padded; ++j) kt[d * padded + j] = 0.0f;
+  }
   constexpr float kNone = -std::numeric_limits<float>::infinity();
+  constexpr int kMaxQuads = 64;  // hd <= 256
+  V4 acc[kMaxQuads];
+  const V8 scale = Broadcast(g.scale);
   for (int64_t i = 0; i < s.n; ++i) {
     const float* qp = g.q + (s.t0 + i) * g.q_t + h * g.q_h;
     const int64_t visible = s.mask != nullptr ? keys : s.cache_len + i + 1;
-    for (int64_t j = 0; j < visible; ++j) {
-      const float* kp = kbase + j * stride;
-      float dot = 0;
-      for (int64_t d = 0; d < hd; ++d) dot += qp[d] * kp[d];
-      scores[j] = dot * g.scale;
+    const int64_t vb = (visible + 7) / 8;
+    for (int64_t b = 0; b < vb; ++b) {
+      V8 a = Broadcast(qp[0]) * Load(kt + 8 * b);
+      for (int64_t d = 1; d < hd; ++d) a += Broadcast(qp[d]) * Load(kt + d * padded + 8 * b);
+      Store(scores + 8 * b, a * scale);
     }
+    for (int64_t j = visible; j < vb * 8; ++j) scores[j] = kNone;
     if (s.mask != nullptr) {
       const uint8_t* mrow = s.mask + i * s.n;
       for (int64_t j = 0; j < s.n; ++j) {
         if (mrow[j] == 0) scores[s.cache_len + j] = kNone;
       }
     }
-    float m = kNone;
-    for (int64_t j = 0; j < visible; ++j) m = std::max(m, scores[j]);
-    float sum = 0;
-    for (int64_t j = 0; j < visible; ++j) {
-      scores[j] = scores[j] == kNone ? 0.0f : std::exp(scores[j] - m);
-      sum += scores[j];
+    V8 mv = Splat(kNone);
+    for (int64_t b = 0; b < vb; ++b) {
+      const V8 x = Load(scores + 8 * b);
+      mv = x > mv ? x : mv;
     }
-    std::fill(acc, acc + hd, 0.0f);
+    const float m = std::max(std::max(std::max(mv[0], mv[1]), std::max(mv[2], mv[3])),
+                             std::max(std::max(mv[4], mv[5]), std::max(mv[6], mv[7])));
+    const V8 mb = Broadcast(m);
+    V8 sum = Splat(0.0f);
+    for (int64_t b = 0; b < vb; ++b) {
+      const V8 p = ExpNonPositive(Load(scores + 8 * b) - mb);
+      Store(scores + 8 * b, p);
+      sum += p;
+    }
+    for (int64_t c = 0; c < quads; ++c) acc[c] = V4{0, 0, 0, 0};
+    for (int64_t d = 4 * quads; d < hd; ++d) tail[d - 4 * quads] = 0.0f;
     for (int64_t j = 0; j < visible; ++j) {
       const float p = scores[j];
+      const V4 pv = {p, p, p, p};
       const float* vp = vbase + j * stride;
-      for (int64_t d = 0; d < hd; ++d) acc[d] += p * vp[d];
+      for (int64_t c = 0; c < quads; ++c) {
+        acc[c] += pv * *reinterpret_cast<const V4u*>(vp + 4 * c);
+      }
+      for (int64_t d = 4 * quads; d < hd; ++d) tail[d - 4 * quads] += p * vp[d];
     }
     // Every query sees its own key (the forward checks the mask's diagonal): the sum is >= 1.
-    const float inv = 1.0f / sum;
+    const float inv = 1.0f / Sum8(sum);
+    const V4 iv = {inv, inv, inv, inv};
     float* op = g.out + (s.t0 + i) * stride + h * hd;
-    for (int64_t d = 0; d < hd; ++d) op[d] = acc[d] * inv;
+    for (int64_t c = 0; c < quads; ++c) *reinterpret_cast<V4u*>(op + 4 * c) = acc[c] * iv;
+    for (int64_t d = 4 * quads; d < hd; ++d) op[d] = tail[d - 4 * quads] * inv;
   }
 }
 
@@ -249,9 +280,9 @@ void RowHead(const Geometry& g, const RowAttentionSpan& s, int64_t h, std::vecto
     case 128:
       return RowHeadImpl<16>(g, s, h, scratch);
     case 4:  // the exact-distribution tests' toy models
-      return RowHeadScalar<4>(g, s, h, scratch);
+      return RowHeadAny<4>(g, s, h, scratch);
     default:
-      if (g.hd % 8 != 0) return RowHeadScalar<0>(g, s, h, scratch);
+      if (g.hd % 8 != 0) return RowHeadAny<0>(g, s, h, scratch);
       return RowHeadImpl<0>(g, s, h, scratch);
   }
 }

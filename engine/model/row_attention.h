@@ -27,9 +27,22 @@ namespace imagegen {
 // requests of 16-128, 0.55-0.87x at 16 of 16-32 (medians; 7 or 8 of 8 rounds below 1 in every
 // cell).
 
-// Head sizes RowAttention takes: up to this. Multiples of 8 run in eight-float vectors, any
-// other size (the exact-distribution tests' toy models have 4) one float at a time.
+// Head sizes RowAttention computes: up to this. Multiples of 8 run with the dimensions in
+// eight-float vectors; any other size with the keys in eight-float vectors (a row's keys copied
+// dimension-major first) and the output in four-float ones.
 inline constexpr int64_t kRowAttentionMaxHeadDim = 256;
+
+// The head sizes a model's forward sends through RowAttention (LoadOptions::row_attention):
+// multiples of 8, and sizes under 8 (the exact-distribution tests' toy models have 4). Measured
+// against the SDPA calls (imagegen-step-cost --shapes hd4,hd12, 1 and 16 requests, 2 threads,
+// each forward twice in ABBA order, 2026-12-07: docs/data/toy_row_attention_2026-12-07/):
+// heads of 4 took 0.29-0.57x their forward's time at one-token rows, 0.56-0.65x at rows of 4
+// and 0.85-1.0x at one request of 16-64 tokens; heads of 12 took 0.52-0.74x at one-token rows
+// and 0.83-0.88x at rows of 4 but 1.09-1.34x at one request of 16-64 tokens, so such sizes
+// keep SDPA.
+inline bool RowAttentionTakes(int64_t head_dim) {
+  return head_dim > 0 && head_dim <= kRowAttentionMaxHeadDim && (head_dim % 8 == 0 || head_dim < 8);
+}
 
 struct RowAttentionSpan {
   int64_t slot = 0;       // the row's cache slot
