@@ -103,6 +103,37 @@ IMAGEGEN_INLINE V8 Sum8Each(const V8 (&a)[8]) {
          __builtin_shufflevector(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
+// Query i's softmax numerators in place over its scores' first `visible` (then -inf past them,
+// up to the next multiple of 8, and where its row's mask hides a new key): exp(score - max),
+// the maximum found in eight lanes (exact in any order). Returns their sum in eight lanes (each
+// lane over its keys in order).
+IMAGEGEN_INLINE V8 Softmax(const RowAttentionSpan& s, int64_t i, int64_t visible, float* scores) {
+  constexpr float kNone = -std::numeric_limits<float>::infinity();
+  const int64_t vb = (visible + 7) / 8;
+  for (int64_t j = visible; j < vb * 8; ++j) scores[j] = kNone;
+  if (s.mask != nullptr) {
+    const uint8_t* mrow = s.mask + i * s.n;
+    for (int64_t j = 0; j < s.n; ++j) {
+      if (mrow[j] == 0) scores[s.cache_len + j] = kNone;
+    }
+  }
+  V8 mv = Splat(kNone);
+  for (int64_t b = 0; b < vb; ++b) {
+    const V8 x = Load(scores + 8 * b);
+    mv = x > mv ? x : mv;
+  }
+  const float m = std::max(std::max(std::max(mv[0], mv[1]), std::max(mv[2], mv[3])),
+                           std::max(std::max(mv[4], mv[5]), std::max(mv[6], mv[7])));
+  const V8 mb = Broadcast(m);
+  V8 sum = Splat(0.0f);
+  for (int64_t b = 0; b < vb; ++b) {
+    const V8 p = ExpNonPositive(Load(scores + 8 * b) - mb);
+    Store(scores + 8 * b, p);
+    sum += p;
+  }
+  return sum;
+}
+
 // Every query of one row and head, with DV = hd / 8 known at compile time so that the query and
 // the output stay in registers (0: any hd, read at run time). A query's score for a key is its
 // dot product in eight lanes (the dimensions mod 8, in order) added in a fixed tree; its
@@ -118,7 +149,6 @@ IMAGEGEN_INLINE void RowHeadImpl(const Geometry& g, const RowAttentionSpan& s, i
   const float* vbase = g.v + s.slot * g.capacity * stride + h * g.hd;
   scratch.resize(static_cast<size_t>(blocks * 8));
   float* scores = scratch.data();
-  constexpr float kNone = -std::numeric_limits<float>::infinity();
   constexpr int kMax = DV > 0 ? DV : 32;  // hd <= 256
   V8 qv[kMax], even[kMax], odd[kMax];
   const V8 scale = Broadcast(g.scale);  // once: GCC rebuilt it lane by lane every key block
@@ -126,7 +156,6 @@ IMAGEGEN_INLINE void RowHeadImpl(const Geometry& g, const RowAttentionSpan& s, i
     const float* qp = g.q + (s.t0 + i) * g.q_t + h * g.q_h;
     // Visible keys end at the query's own entry for causal rows.
     const int64_t visible = s.mask != nullptr ? keys : s.cache_len + i + 1;
-    const int64_t vb = (visible + 7) / 8;
     for (int64_t c = 0; c < dv; ++c) qv[c] = Load(qp + 8 * c);
     int64_t j = 0;
     for (; j + 8 <= visible; j += 8) {  // eight keys, their lanes summed as Sum8 sums them
@@ -144,29 +173,7 @@ IMAGEGEN_INLINE void RowHeadImpl(const Geometry& g, const RowAttentionSpan& s, i
       for (int64_t c = 1; c < dv; ++c) a += qv[c] * Load(kp + 8 * c);
       scores[j] = Sum8(a) * g.scale;
     }
-    for (int64_t j = visible; j < vb * 8; ++j) scores[j] = kNone;
-    if (s.mask != nullptr) {
-      const uint8_t* mrow = s.mask + i * s.n;
-      for (int64_t j = 0; j < s.n; ++j) {
-        if (mrow[j] == 0) scores[s.cache_len + j] = kNone;
-      }
-    }
-    // The maximum in eight lanes (exact in any order), over the padded blocks (-inf past the
-    // visible keys).
-    V8 mv = Splat(kNone);
-    for (int64_t b = 0; b < vb; ++b) {
-      const V8 x = Load(scores + 8 * b);
-      mv = x > mv ? x : mv;
-    }
-    const float m = std::max(std::max(std::max(mv[0], mv[1]), std::max(mv[2], mv[3])),
-                             std::max(std::max(mv[4], mv[5]), std::max(mv[6], mv[7])));
-    const V8 mb = Broadcast(m);
-    V8 sum = Splat(0.0f);
-    for (int64_t b = 0; b < vb; ++b) {
-      const V8 p = ExpNonPositive(Load(scores + 8 * b) - mb);
-      Store(scores + 8 * b, p);
-      sum += p;
-    }
+    const V8 sum = Softmax(s, i, visible, scores);
     for (int64_t c = 0; c < dv; ++c) even[c] = odd[c] = Splat(0.0f);
     for (j = 0; j + 2 <= visible; j += 2) {
       const V8 p0 = Broadcast(scores[j]), p1 = Broadcast(scores[j + 1]);
@@ -216,7 +223,6 @@ IMAGEGEN_INLINE void RowHeadAny(const Geometry& g, const RowAttentionSpan& s, in
   for (int64_t d = 0; d < hd; ++d) {
     for (int64_t j = keys; j < padded; ++j) kt[d * padded + j] = 0.0f;
   }
-  constexpr float kNone = -std::numeric_limits<float>::infinity();
   constexpr int kMaxQuads = 64;  // hd <= 256
   V4 acc[kMaxQuads];
   const V8 scale = Broadcast(g.scale);
@@ -229,27 +235,7 @@ IMAGEGEN_INLINE void RowHeadAny(const Geometry& g, const RowAttentionSpan& s, in
       for (int64_t d = 1; d < hd; ++d) a += Broadcast(qp[d]) * Load(kt + d * padded + 8 * b);
       Store(scores + 8 * b, a * scale);
     }
-    for (int64_t j = visible; j < vb * 8; ++j) scores[j] = kNone;
-    if (s.mask != nullptr) {
-      const uint8_t* mrow = s.mask + i * s.n;
-      for (int64_t j = 0; j < s.n; ++j) {
-        if (mrow[j] == 0) scores[s.cache_len + j] = kNone;
-      }
-    }
-    V8 mv = Splat(kNone);
-    for (int64_t b = 0; b < vb; ++b) {
-      const V8 x = Load(scores + 8 * b);
-      mv = x > mv ? x : mv;
-    }
-    const float m = std::max(std::max(std::max(mv[0], mv[1]), std::max(mv[2], mv[3])),
-                             std::max(std::max(mv[4], mv[5]), std::max(mv[6], mv[7])));
-    const V8 mb = Broadcast(m);
-    V8 sum = Splat(0.0f);
-    for (int64_t b = 0; b < vb; ++b) {
-      const V8 p = ExpNonPositive(Load(scores + 8 * b) - mb);
-      Store(scores + 8 * b, p);
-      sum += p;
-    }
+    const V8 sum = Softmax(s, i, visible, scores);
     for (int64_t c = 0; c < quads; ++c) acc[c] = V4{0, 0, 0, 0};
     for (int64_t d = 4 * quads; d < hd; ++d) tail[d - 4 * quads] = 0.0f;
     for (int64_t j = 0; j < visible; ++j) {
