@@ -211,6 +211,12 @@ IMAGEGEN_HD int64_t ChainChunkBegin(int64_t vocab, int chunk) {
   return b < vocab ? b : vocab;
 }
 
+// How many chunks hold ids: those from this one on are empty.
+IMAGEGEN_HD int ChainChunksWithIds(int64_t vocab) {
+  const int64_t len = (vocab + kChainVerifyChunks - 1) / kChainVerifyChunks;
+  return len > 0 ? static_cast<int>((vocab + len - 1) / len) : 0;
+}
+
 // Chunk `c`'s sum, left to right.
 IMAGEGEN_HD double ChainChunkSum(const ChainNode& nd, const ChainMassSpec& m, int c) {
   const int64_t e = ChainChunkBegin(nd.vocab, c + 1);
@@ -522,8 +528,7 @@ struct ChainHostBlock {
   // changes no bit (x + 0 is x for every x but -0, and a total that starts at +0 is never -0),
   // so only the chunks with ids are summed (the toy models' 3 ids: 3 chunks of 256).
   IMAGEGEN_HD double Sum(const ChainNode& nd, const ChainMassSpec& m) {
-    const int64_t len = (nd.vocab + kChainVerifyChunks - 1) / kChainVerifyChunks;
-    const int used = len > 0 ? static_cast<int>((nd.vocab + len - 1) / len) : 0;
+    const int used = ChainChunksWithIds(nd.vocab);
     for (int c = used; c < live; ++c) sums[c] = 0.0;
     live = used;
     double total = 0.0;
