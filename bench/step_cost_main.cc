@@ -41,8 +41,10 @@ bool Shape(const std::string& name, int64_t grid, GptConfig* c) {
                               {"gpt-l", 1024, 24, 16},
                               {"gpt-xl", 1280, 36, 20},
                               {"tiny", 64, 2, 2},
-                              // the bundled model's width and depth, heads of 12 (not a multiple
-                              // of 8: RowAttention's path of one float at a time)
+                              // the bundled model's width and depth with heads of 12, and a
+                              // small model with heads of 4: RowAttention's path for sizes that
+                              // are not multiples of 8. The forward takes it for heads under 8
+                              // only (RowAttentionTakes), so on hd12 eager is eager-sdpa.
                               {"hd12", 192, 6, 16},
                               {"hd4", 64, 2, 16}};
   for (const S& s : kShapes) {
@@ -79,7 +81,7 @@ int main(int argc, char** argv) {
            {"kernel-profile", "0"},
            {"kernel-top", "12"},
            {"csv", ""}},
-          "usage: imagegen-step-cost [--shapes bundled,gpt-b,gpt-l,gpt-xl,tiny,hd12] [--dtypes "
+          "usage: imagegen-step-cost [--shapes bundled,gpt-b,gpt-l,gpt-xl,tiny,hd12,hd4] [--dtypes "
           "bf16,fp32] [--device cuda] [--requests 1,2,..] [--tokens 1,2,..] [--forwards "
           "eager,eager-sdpa,eager-pad,eager-tile,eager-ops,static,graphs,static-ref,graphs-ref,"
           "static-rope,graphs-rope] "
