@@ -66,8 +66,9 @@ std::vector<uint8_t> RandomMask(int64_t n, uint64_t seed) {
 TEST(RowAttentionTest, EqualsSoftmaxAttentionWithinRounding) {
   const std::vector<uint8_t> mask6 = RandomMask(6, 3), mask8 = RandomMask(8, 5);
   // hd 32, 64 and 128 take the compiled-in sizes, 8 and 24 the run-time one, 4 (the toy
-  // models') and 12 the path for other sizes (keys in vectors).
-  for (int64_t hd : {4, 8, 12, 24, 32, 64, 128}) {
+  // models') and 12 the path for other sizes (keys in vectors), as do 1, 3, 5 and 7, which the
+  // forward gives it too (RowAttentionTakes): outputs in no four-float vector, or with a tail.
+  for (int64_t hd : {1, 3, 4, 5, 7, 8, 12, 24, 32, 64, 128}) {
     SCOPED_TRACE("hd " + std::to_string(hd));
     // Causal rows of 1, 5 and 8 tokens at cache lengths that put the visible keys on both sides
     // of a group of eight, a masked row of 6 and one of 8 over the whole capacity.
