@@ -7,7 +7,8 @@
 // --hbm-gbps it also gives the weight-read limit of a step (weights / bandwidth) and the ratio
 // of the 1-request, 1-token step to it. With --kernel-profile N it also runs N more forwards of
 // each cell under LibTorch's profiler and prints where their device time went, kernel by kernel
-// (bench/kernel_profile.h; on the CPU, ATen op by op).
+// (bench/kernel_profile.h; on the CPU, ATen op by op). The "bundled" shape is --model in
+// --models-dir (fmnist-gpt; a twin from tools/grow_model.py, say).
 //
 //   imagegen-step-cost --device cuda --shapes bundled,gpt-b,gpt-l,gpt-xl --dtypes bf16,fp32
 //       --hbm-gbps 3350 --csv step_cost.csv   (one line)
@@ -25,6 +26,7 @@
 #include "engine/model/device.h"
 #include "engine/model/gpt.h"
 #include "engine/model/models_dir.h"
+#include "engine/model/small_gemm.h"
 #include "engine/model/transfer.h"
 
 using namespace imagegen;
@@ -67,6 +69,7 @@ int main(int argc, char** argv) {
   OpProfile::InstallIfRequested();
   Flags f(argc, argv,
           {{"models-dir", DefaultModelsDir()},
+           {"model", "fmnist-gpt"},
            {"shapes", "bundled"},
            {"grid", "16"},
            {"dtypes", "fp32"},
@@ -81,10 +84,10 @@ int main(int argc, char** argv) {
            {"kernel-profile", "0"},
            {"kernel-top", "12"},
            {"csv", ""}},
-          "usage: imagegen-step-cost [--shapes bundled,gpt-b,gpt-l,gpt-xl,tiny,hd12,hd4] [--dtypes "
-          "bf16,fp32] [--device cuda] [--requests 1,2,..] [--tokens 1,2,..] [--forwards "
-          "eager,eager-sdpa,eager-pad,eager-tile,eager-ops,static,graphs,static-ref,graphs-ref,"
-          "static-rope,graphs-rope] "
+          "usage: imagegen-step-cost [--shapes bundled,gpt-b,gpt-l,gpt-xl,tiny,hd12,hd4] [--model "
+          "M (the bundled shape's)] [--dtypes bf16,fp32] [--device cuda] [--requests 1,2,..] "
+          "[--tokens 1,2,..] [--forwards eager,eager-sdpa,eager-pad,eager-tile,eager-wide,"
+          "eager-ops,eager-bf16mm,static,graphs,static-ref,graphs-ref,static-rope,graphs-rope] "
           "[--kernel-profile N] "
           "[--csv FILE]");
   std::ofstream csv;
@@ -113,18 +116,21 @@ int main(int argc, char** argv) {
   // SmallRowsLinear's kernel (LoadOptions::small_rows_gemm off, a fifth; the same logits);
   // eager-tile: the kernel on fewer than 16 rows only, the BLAS on more (LoadOptions::
   // small_rows_gemm_rows -1, an eighth; eager's kernel takes the rows it was timed faster on
-  // at load; the same logits);
+  // at load; the same logits); eager-wide: the kernel on every row count up to the most
+  // Prepare times (LoadOptions::small_rows_gemm_rows kSmallRowsMeasuredMax, a ninth; the same
+  // logits);
   // eager-ops: the eager forward with RMSNorm and the rotary embedding as ATen ops instead of
   // one kernel each (LoadOptions::fused_norm_rope off, a sixth; the same logits); eager-bf16mm:
   // the eager forward with every linear layer in bf16 on the AMX tiles (LoadOptions::
   // bf16_matmul, the engine's matmul precision "medium"; a seventh; other logits).
   bool any_ref = false, any_rope = false, any_sdpa = false, any_pad = false, any_ops = false;
-  bool any_bf16mm = false, any_tile = false;
+  bool any_bf16mm = false, any_tile = false, any_wide = false;
   for (const std::string& fw :
-       f.Choices("forwards",
-                 {"eager", "eager-sdpa", "eager-pad", "eager-tile", "eager-ops", "eager-bf16mm",
-                  "static", "graphs", "static-ref", "graphs-ref", "static-rope", "graphs-rope"})) {
+       f.Choices("forwards", {"eager", "eager-sdpa", "eager-pad", "eager-tile", "eager-wide",
+                              "eager-ops", "eager-bf16mm", "static", "graphs", "static-ref",
+                              "graphs-ref", "static-rope", "graphs-rope"})) {
     any_tile |= fw == "eager-tile";
+    any_wide |= fw == "eager-wide";
     any_ref |= fw == "static-ref" || fw == "graphs-ref";
     any_rope |= fw == "static-rope" || fw == "graphs-rope";
     any_sdpa |= fw == "eager-sdpa";
@@ -145,7 +151,8 @@ int main(int argc, char** argv) {
         o.small_rows_gemm = true;
         o.fused_norm_rope = true;
         adjust(o);
-        if (shape == "bundled") return OrDie(Gpt::Load(f.Str("models-dir") + "/fmnist-gpt", o));
+        if (shape == "bundled")
+          return OrDie(Gpt::Load(f.Str("models-dir") + "/" + f.Str("model"), o));
         GptConfig c;
         if (!Shape(shape, f.Int("grid"), &c)) f.Fail("unknown shape " + shape);
         return Gpt::Random(c, o, 7);  // the same weights for both layers
@@ -161,6 +168,9 @@ int main(int argc, char** argv) {
           any_pad ? load([](LoadOptions& o) { o.small_rows_gemm = false; }) : nullptr;
       std::unique_ptr<Gpt> tile_gpt =
           any_tile ? load([](LoadOptions& o) { o.small_rows_gemm_rows = -1; }) : nullptr;
+      std::unique_ptr<Gpt> wide_gpt =
+          any_wide ? load([](LoadOptions& o) { o.small_rows_gemm_rows = kSmallRowsMeasuredMax; })
+                   : nullptr;
       std::unique_ptr<Gpt> ops_gpt =
           any_ops ? load([](LoadOptions& o) { o.fused_norm_rope = false; }) : nullptr;
       std::unique_ptr<Gpt> bf16mm_gpt =
@@ -178,10 +188,13 @@ int main(int argc, char** argv) {
       }
       const Gpt* gpt = fused_gpt.get();
       const GptConfig& cfg = gpt->config();
+      // The bundled shape under another --model is named by the model.
+      const std::string label =
+          shape == "bundled" && f.Str("model") != "fmnist-gpt" ? f.Str("model") : shape;
       const double weight_ms = gbps > 0 ? gpt->weight_bytes() / (gbps * 1e9) * 1e3 : 0;
       std::printf(
           "\n%s %s on %s: dim %lld, %lld layers, %lld image tokens, weights %.1f MB%s\n",
-          shape.c_str(), dtype.c_str(), f.Str("device").c_str(), static_cast<long long>(cfg.dim),
+          label.c_str(), dtype.c_str(), f.Str("device").c_str(), static_cast<long long>(cfg.dim),
           static_cast<long long>(cfg.n_layer), static_cast<long long>(cfg.block_size),
           gpt->weight_bytes() / 1e6,
           gbps > 0 ? (", weight-read limit " + std::to_string(weight_ms) + " ms").c_str() : "");
@@ -206,6 +219,7 @@ int main(int argc, char** argv) {
               : fw == "eager-sdpa"   ? sdpa_gpt.get()
               : fw == "eager-pad"    ? pad_gpt.get()
               : fw == "eager-tile"   ? tile_gpt.get()
+              : fw == "eager-wide"   ? wide_gpt.get()
               : fw == "eager-ops"    ? ops_gpt.get()
               : fw == "eager-bf16mm" ? bf16mm_gpt.get()
                                      : fused_gpt.get();
@@ -275,7 +289,7 @@ int main(int argc, char** argv) {
                                  "    ");
             }
             if (csv) {
-              csv << shape << "," << dtype << "," << f.Str("device") << "," << gpt->weight_bytes()
+              csv << label << "," << dtype << "," << f.Str("device") << "," << gpt->weight_bytes()
                   << "," << r << "," << rows << "," << t << "," << n << "," << prefix << "," << med
                   << "," << t / (med / 1e3) << "," << ratio << "," << weight_ms << "," << fw << ","
                   << launches;
