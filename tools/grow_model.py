@@ -25,9 +25,13 @@ for the rare draw whose uniform lands within rounding of a boundary. It is a ben
 a model to serve: its config says what it is ("twin_of").
 
   /opt/imagegen/venv/bin/python tools/grow_model.py models/fmnist-gpt /tmp/twins/fmnist-gpt-b \
-      --ffn-multiplier 55                      # 390 MB, GPT-B's weight bytes
+      --ffn-multiplier 4 --extra-layers 67     # 388 MB, GPT-B's weight bytes
   /opt/imagegen/venv/bin/python tools/grow_model.py models/fmnist-gpt /tmp/twins/fmnist-gpt-l \
       --ffn-multiplier 55 --extra-layers 14    # 1.3 GB, GPT-L's
+
+(A GPT-B-sized twin from --ffn-multiplier 55 alone, 6 blocks of 28,160 hidden units, is
+possible too, but its feed-forward's weight panels outgrow a core's L2 in the few-row kernel
+and its steps grow with their tokens far faster than GPT-B's.)
 
 The output directory must sit in a models directory that also holds the source's tokenizer (and
 draft model, for sd), which the config names; bench/model_size_twins.sh links them.
