@@ -5,7 +5,8 @@ The speed of speculative decoding depends on two things: how many tokens a windo
 model's distribution) and how a step's time grows with the tokens in it (the model's size and
 the device). The bundled model is small (11 MB of fp32 weights, held in the CPU's caches), so on
 a CPU a step of 16 tokens costs several times a step of one; a GPT-B-sized model's step reads
-390 MB of weights and costs about the same for 1 to 8 tokens. No trained model of that size fits
+390 MB of weights whatever its tokens, and one of 8 tokens costs 1.4-1.5x one of 1 (on the dev
+VM: docs/results-serving.md, "The model's size"). No trained model of that size fits
 this repository, and random weights draw no images, so the twin keeps the source's weights and
 adds only zeros, which change no logit by more than rounding:
 
