@@ -446,6 +446,7 @@ int main(int argc, char** argv) {
            {"row-attention", "1"},
            {"small-rows-gemm", "1"},
            {"small-rows-gemm-rows", "0"},
+           {"cpu-linear", "blas"},
            {"fused-norm-rope", "1"},
            {"matmul-precision", "highest"},
            {"cuda-graphs", "-1"},
@@ -476,6 +477,7 @@ int main(int argc, char** argv) {
   base.row_attention = f.Int("row-attention") != 0;               // EngineOptions::row_attention
   base.small_rows_gemm = f.Int("small-rows-gemm") != 0;           // EngineOptions::small_rows_gemm
   base.small_rows_gemm_rows = f.Int("small-rows-gemm-rows");      // ...small_rows_gemm_rows
+  base.cpu_linear = f.Str("cpu-linear");                          // blas, or engine
   base.fused_norm_rope = f.Int("fused-norm-rope") != 0;           // EngineOptions::fused_norm_rope
   base.matmul_precision = f.Str("matmul-precision");              // highest, or medium (bf16)
   base.cuda_graphs = static_cast<int>(f.Int("cuda-graphs"));      // EngineOptions: -1 by device

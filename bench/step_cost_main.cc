@@ -67,29 +67,30 @@ bool Shape(const std::string& name, int64_t grid, GptConfig* c) {
 
 int main(int argc, char** argv) {
   OpProfile::InstallIfRequested();
-  Flags f(argc, argv,
-          {{"models-dir", DefaultModelsDir()},
-           {"model", "fmnist-gpt"},
-           {"shapes", "bundled"},
-           {"grid", "16"},
-           {"dtypes", "fp32"},
-           {"device", "cpu"},
-           {"requests", "1,2,4,8,16,32,64"},
-           {"tokens", "1,2,4,8,16,32,64,128,256,512,1024,2048,4096"},
-           {"prefix", "-1"},
-           {"reps", "10"},
-           {"batch-invariant", "1"},
-           {"forwards", "eager"},
-           {"hbm-gbps", "0"},
-           {"kernel-profile", "0"},
-           {"kernel-top", "12"},
-           {"csv", ""}},
-          "usage: imagegen-step-cost [--shapes bundled,gpt-b,gpt-l,gpt-xl,tiny,hd12,hd4] [--model "
-          "M (the bundled shape's)] [--dtypes bf16,fp32] [--device cuda] [--requests 1,2,..] "
-          "[--tokens 1,2,..] [--forwards eager,eager-sdpa,eager-pad,eager-tile,eager-wide,"
-          "eager-ops,eager-bf16mm,static,graphs,static-ref,graphs-ref,static-rope,graphs-rope] "
-          "[--kernel-profile N] "
-          "[--csv FILE]");
+  Flags f(
+      argc, argv,
+      {{"models-dir", DefaultModelsDir()},
+       {"model", "fmnist-gpt"},
+       {"shapes", "bundled"},
+       {"grid", "16"},
+       {"dtypes", "fp32"},
+       {"device", "cpu"},
+       {"requests", "1,2,4,8,16,32,64"},
+       {"tokens", "1,2,4,8,16,32,64,128,256,512,1024,2048,4096"},
+       {"prefix", "-1"},
+       {"reps", "10"},
+       {"batch-invariant", "1"},
+       {"forwards", "eager"},
+       {"hbm-gbps", "0"},
+       {"kernel-profile", "0"},
+       {"kernel-top", "12"},
+       {"csv", ""}},
+      "usage: imagegen-step-cost [--shapes bundled,gpt-b,gpt-l,gpt-xl,tiny,hd12,hd4] [--model "
+      "M (the bundled shape's)] [--dtypes bf16,fp32] [--device cuda] [--requests 1,2,..] "
+      "[--tokens 1,2,..] [--forwards eager,eager-sdpa,eager-pad,eager-tile,eager-wide,eager-engine,"
+      "eager-ops,eager-bf16mm,static,graphs,static-ref,graphs-ref,static-rope,graphs-rope] "
+      "[--kernel-profile N] "
+      "[--csv FILE]");
   std::ofstream csv;
   if (!f.Str("csv").empty()) {
     csv.open(f.Str("csv"));
@@ -119,18 +120,21 @@ int main(int argc, char** argv) {
   // at load; the same logits); eager-wide: the kernel on every row count up to the most
   // Prepare times (LoadOptions::small_rows_gemm_rows kSmallRowsMeasuredMax, a ninth; the same
   // logits);
+  // eager-engine: the kernel on every row count, never the BLAS (LoadOptions::engine_linear, a
+  // tenth; other logits);
   // eager-ops: the eager forward with RMSNorm and the rotary embedding as ATen ops instead of
   // one kernel each (LoadOptions::fused_norm_rope off, a sixth; the same logits); eager-bf16mm:
   // the eager forward with every linear layer in bf16 on the AMX tiles (LoadOptions::
   // bf16_matmul, the engine's matmul precision "medium"; a seventh; other logits).
   bool any_ref = false, any_rope = false, any_sdpa = false, any_pad = false, any_ops = false;
-  bool any_bf16mm = false, any_tile = false, any_wide = false;
+  bool any_bf16mm = false, any_tile = false, any_wide = false, any_engine = false;
   for (const std::string& fw :
        f.Choices("forwards", {"eager", "eager-sdpa", "eager-pad", "eager-tile", "eager-wide",
-                              "eager-ops", "eager-bf16mm", "static", "graphs", "static-ref",
-                              "graphs-ref", "static-rope", "graphs-rope"})) {
+                              "eager-engine", "eager-ops", "eager-bf16mm", "static", "graphs",
+                              "static-ref", "graphs-ref", "static-rope", "graphs-rope"})) {
     any_tile |= fw == "eager-tile";
     any_wide |= fw == "eager-wide";
+    any_engine |= fw == "eager-engine";
     any_ref |= fw == "static-ref" || fw == "graphs-ref";
     any_rope |= fw == "static-rope" || fw == "graphs-rope";
     any_sdpa |= fw == "eager-sdpa";
@@ -171,6 +175,12 @@ int main(int argc, char** argv) {
       std::unique_ptr<Gpt> wide_gpt =
           any_wide ? load([](LoadOptions& o) { o.small_rows_gemm_rows = kSmallRowsMeasuredMax; })
                    : nullptr;
+      std::unique_ptr<Gpt> engine_gpt =
+          any_engine ? load([](LoadOptions& o) { o.engine_linear = true; }) : nullptr;
+      if (engine_gpt != nullptr && !engine_gpt->engine_linear()) {
+        f.Fail("--forwards eager-engine: the kernel does not run for " + shape + " in " + dtype +
+               " here (fp32 on an x86-64 CPU with AVX2 and FMA only)");
+      }
       std::unique_ptr<Gpt> ops_gpt =
           any_ops ? load([](LoadOptions& o) { o.fused_norm_rope = false; }) : nullptr;
       std::unique_ptr<Gpt> bf16mm_gpt =
@@ -220,6 +230,7 @@ int main(int argc, char** argv) {
               : fw == "eager-pad"    ? pad_gpt.get()
               : fw == "eager-tile"   ? tile_gpt.get()
               : fw == "eager-wide"   ? wide_gpt.get()
+              : fw == "eager-engine" ? engine_gpt.get()
               : fw == "eager-ops"    ? ops_gpt.get()
               : fw == "eager-bf16mm" ? bf16mm_gpt.get()
                                      : fused_gpt.get();

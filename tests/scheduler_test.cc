@@ -1867,6 +1867,7 @@ TEST(EngineTest, BadEngineOptionsAreRejected) {
          e.cpu_thread_governor.counts = {1, 2};
        }},
       {"small_rows_gemm_rows", [](EngineOptions& e) { e.small_rows_gemm_rows = -2; }},
+      {"cpu_linear", [](EngineOptions& e) { e.cpu_linear = "mkl"; }},
       {"warmup_methods",
        [](EngineOptions& e) {
          e.warmup_methods = {"ar", "fastest"};

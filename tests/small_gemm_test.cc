@@ -2,13 +2,16 @@
 // CPU): where Prepare accepts a weight, every row's product is the BLAS's own bits for that row
 // in a matrix of 16 or more rows, with the AVX-512 tiles and the AVX2 ones; a wrong k-blocking
 // rounds differently (so the check at load can tell); and the forward's logits are the same bits
-// with the kernel and with the padded products, alone and among enough rows for the BLAS.
+// with the kernel and with the padded products, alone and among enough rows for the BLAS. The
+// kernel on every row count (EveryRow, LoadOptions::engine_linear): a row's bits the same at any
+// row count, the forward batch-invariant by construction.
 #include "engine/model/small_gemm.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <string>
 #include <vector>
@@ -214,6 +217,118 @@ TEST(SmallRowsLinearTest, TheForwardsLogitsAreThePaddedForwardsBitForBit) {
         << "among the others (the BLAS)";
     t += n;
   }
+}
+
+// The kernel's runs of k-blocks (Panels, for more than one row tile and K over 1,024) carry
+// their sums in the output: a row's bits are the same at every row count, with the AVX-512
+// tiles and the AVX2 ones, for the blockings of EveryRow and of the BLAS-matching kernel. A
+// run that dropped the earlier runs' sums, or added them in another order, fails here.
+TEST(SmallRowsLinearTest, ARowsBitsAreTheSameAtEveryRowCount) {
+  if (!SmallRowsLinear::Supported()) GTEST_SKIP() << "no AVX2 and FMA here";
+  at::manual_seed(13);
+  for (const int64_t K : {192, 1000, 2816, 5000}) {
+    const at::Tensor w = at::randn({72, K}) * 0.05;  // 4.5 panels: a pair, a pair, a single
+    const at::Tensor x = at::randn({41, K});
+    for (const bool avx512 : {true, false}) {
+      SmallRowsLinear every = SmallRowsLinear::EveryRow(w);
+      ASSERT_TRUE(every.ok());
+      EXPECT_TRUE(every.every_row());
+      SmallRowsLinear few = SmallRowsLinear::WithBlocks(w, {K / 2, K - K / 2}, avx512);
+      SmallRowsLinear again = SmallRowsLinear::WithBlocks(w, every.blocks(), avx512);
+      for (const SmallRowsLinear* s : {&few, &again}) {
+        const at::Tensor all = (*s)(x);
+        EXPECT_LT((all - at::linear(x, w)).abs().max().item<float>(), 1e-3f * std::sqrt(K));
+        for (const int64_t m : {1, 5, 6, 7, 13, 40}) {
+          for (const int64_t from : {int64_t{0}, 41 - m}) {
+            EXPECT_TRUE(at::equal((*s)(x.narrow(0, from, m)), all.narrow(0, from, m)))
+                << "K " << K << ", blocks " << Blocks(s->blocks()) << ", rows " << from << ".."
+                << from + m - 1 << " of 41, avx512 " << avx512;
+          }
+        }
+      }
+      // The AVX2 tiles compute the AVX-512 tiles' bits.
+      EXPECT_TRUE(at::equal(every(x), again(x))) << "K " << K << ", avx512 " << avx512;
+    }
+  }
+}
+
+// EveryRow rounds other than the BLAS where their blocks differ (no check against it): its
+// products equal the BLAS's within fp32 rounding, and on a K that MKL sums in one block on the
+// dev VM's Xeon (384) not bit for bit. Its blocks are kEveryRowBlock, the last the rest.
+TEST(SmallRowsLinearTest, EveryRowsBlocksAreFixedAndItsProductsTheBlasWithinRounding) {
+  if (!SmallRowsLinear::Supported()) GTEST_SKIP() << "no AVX2 and FMA here";
+  at::manual_seed(17);
+  const at::Tensor w = at::randn({100, 384}) * 0.05;
+  const SmallRowsLinear s = SmallRowsLinear::EveryRow(w);
+  EXPECT_EQ(Blocks(s.blocks()), "256+128");
+  EXPECT_EQ(s.max_rows(), std::numeric_limits<int64_t>::max());
+  const at::Tensor x = at::randn({300, 384});
+  const at::Tensor got = s(x), want = at::linear(x, w);
+  EXPECT_LT((got - want).abs().max().item<float>(), 1e-4f);
+  if (KnownToReproduce()) {
+    EXPECT_FALSE(at::equal(got, want)) << "MKL's blocks here are not 256+128";
+  }
+}
+
+// The forward with the engine's kernel on every linear product (LoadOptions::engine_linear):
+// each request's logits are the same bits alone and among the others, batch-invariant or not
+// (the kernel is the forward's only product either way), and within rounding of the BLAS's
+// forward. With it off the non-invariant forward's logits depend on the batch (the BLAS on
+// other row counts), which is what shows the check has power.
+TEST(SmallRowsLinearTest, TheEngineLinearForwardIsBatchInvariantAtAnyRowCount) {
+  if (!SmallRowsLinear::Supported()) GTEST_SKIP() << "no AVX2 and FMA here";
+  LoadOptions engine, blas;
+  engine.engine_linear = true;
+  auto own = Gpt::Load(std::string(testing::TestModelsDir()) + "/fmnist-gpt", engine);
+  auto ref = Gpt::Load(std::string(testing::TestModelsDir()) + "/fmnist-gpt", blas);
+  ASSERT_TRUE(own.ok() && ref.ok());
+  EXPECT_TRUE((*own)->engine_linear());
+  EXPECT_FALSE((*ref)->engine_linear());
+  EXPECT_EQ((*own)->small_rows_linears(), (*own)->small_rows_tried());
+  const GptConfig& cfg = (*own)->config();
+  const std::vector<int64_t> lengths = {0, 3, 40, 1, 60};  // 2 to 122 rows of new tokens
+  std::vector<BatchRow> all;
+  std::vector<std::vector<BatchRow>> each;
+  for (size_t r = 0; r < lengths.size(); ++r) {
+    each.push_back(testing::CfgRequestRows(cfg, static_cast<int64_t>(r), lengths[r]));
+    all.insert(all.end(), each.back().begin(), each.back().end());
+  }
+  int differs_with_blas = 0;
+  for (const bool invariant : {true, false}) {
+    ForwardOptions fo;
+    fo.batch_invariant = invariant;
+    for (Gpt* g : {own->get(), ref->get()}) {
+      KvCache c = g->NewCache(2 * lengths.size());
+      auto together = g->Forward(all, c, {}, fo);
+      ASSERT_TRUE(together.ok());
+      int64_t t = 0;
+      for (size_t r = 0; r < lengths.size(); ++r) {
+        KvCache c1 = g->NewCache(2 * lengths.size());
+        auto alone = g->Forward(each[r], c1, {}, fo);
+        ASSERT_TRUE(alone.ok());
+        const int64_t n = alone->size(0);
+        const bool same = at::equal(together->narrow(0, t, n), *alone);
+        if (g == own->get()) {
+          EXPECT_TRUE(same) << "request " << r << " (" << lengths[r] + 1
+                            << " tokens a row), invariant " << invariant;
+        } else if (!invariant && !same) {
+          ++differs_with_blas;
+        }
+        t += n;
+      }
+      if (g == own->get()) {
+        KvCache c2 = (*ref)->NewCache(2 * lengths.size());
+        auto blas_logits = (*ref)->Forward(all, c2, {}, fo);
+        ASSERT_TRUE(blas_logits.ok());
+        // The bundled model's K (192 and 512) are blocked as MKL blocks them on the dev VM, so
+        // there the invariant forward's bits may be the BLAS's; within rounding anywhere.
+        EXPECT_LT((*together - *blas_logits).abs().max().item<float>(), 1e-3f);
+        std::printf("engine's kernel against the BLAS, invariant %d: %s\n", invariant,
+                    at::equal(*together, *blas_logits) ? "the same bits" : "other bits");
+      }
+    }
+  }
+  EXPECT_GT(differs_with_blas, 0) << "the BLAS's non-invariant forward was batch-invariant too";
 }
 
 }  // namespace

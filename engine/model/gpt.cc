@@ -37,13 +37,15 @@ at::Tensor ApplyRopeComplex(const at::Tensor& x, const at::Tensor& table) {
 }
 
 // x w^T: amx's bf16 products where it is prepared (batch-invariant at any row count); else
-// batch-invariant: small's kernel up to its max_rows (it rounds as the BLAS does on 16 or more
-// rows), and never the BLAS on fewer than kInvariantMinRows rows (the rows padded to that many).
+// small's kernel where it takes every row count (LoadOptions::engine_linear: batch-invariant by
+// construction); else batch-invariant: small's kernel up to its max_rows (it rounds as the BLAS
+// does on 16 or more rows), and never the BLAS on fewer than kInvariantMinRows rows (the rows
+// padded to that many).
 at::Tensor Linear(const at::Tensor& x, const at::Tensor& w, bool invariant,
                   const SmallRowsLinear& small, const AmxBf16Linear& amx) {
   if (amx.ok()) return amx(x);
   const int64_t m = x.size(0);
-  if (invariant && small.ok() && m <= small.max_rows()) return small(x);
+  if (small.every_row() || (invariant && small.ok() && m <= small.max_rows())) return small(x);
   if (!invariant || m >= kInvariantMinRows) return at::linear(x, w);
   at::Tensor xp = at::zeros({kInvariantMinRows, x.size(1)}, x.options());
   xp.narrow(0, 0, m).copy_(x);
@@ -427,6 +429,8 @@ void Gpt::FuseMlpWeights() {
   if (head_w1_.defined()) linears.push_back({&small_head_w1_, &amx_head_w1_, &head_w1_});
   int64_t linear_bytes = 0;
   for (const Kernels& k : linears) linear_bytes += static_cast<int64_t>(k.w->nbytes());
+  linear_bytes_ = linear_bytes;
+  engine_linear_ = false;
   // The eager forward's products (the fused layer of a static forward keeps its GEMMs).
   if (opts_.bf16_matmul && cpu_fp32) {
     for (const Kernels& k : linears) {
@@ -436,12 +440,17 @@ void Gpt::FuseMlpWeights() {
     }
   }
   const bool all_amx = amx_total_ > 0 && amx_ok_ == amx_total_;  // no few-row products left
+  // The engine's kernel on every row count of the eager forward (the static forward's fused
+  // layer keeps its GEMMs): any model size (the user chose the second copy).
+  const bool every_row = opts_.engine_linear;
   if (opts_.small_rows_gemm.value_or(true) && cpu_fp32 && !all_amx &&
-      linear_bytes <= kSmallGemmMaxWeightBytes && SmallRowsLinear::Supported()) {
+      (every_row || linear_bytes <= kSmallGemmMaxWeightBytes) && SmallRowsLinear::Supported()) {
     for (const Kernels& k : linears) {
-      *k.small = SmallRowsLinear::Prepare(*k.w, opts_.small_rows_gemm_rows);
+      *k.small = every_row ? SmallRowsLinear::EveryRow(*k.w)
+                           : SmallRowsLinear::Prepare(*k.w, opts_.small_rows_gemm_rows);
       ++small_rows_total_;
       if (!k.small->ok()) continue;
+      engine_linear_ = k.small->every_row();
       const int64_t rows = k.small->max_rows();
       small_rows_min_ = small_rows_ok_ == 0 ? rows : std::min(small_rows_min_, rows);
       small_rows_max_ = std::max(small_rows_max_, rows);

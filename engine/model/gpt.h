@@ -204,6 +204,12 @@ class Gpt {
   // The fewest and the most rows those kernels take (SmallRowsLinear::max_rows; 0 with none).
   int64_t small_rows_min() const { return small_rows_min_; }
   int64_t small_rows_max() const { return small_rows_max_; }
+  // The kernel takes every row count of every linear layer, never the BLAS
+  // (LoadOptions::engine_linear, where it applies).
+  bool engine_linear() const { return engine_linear_; }
+  // The linear weights' bytes (the products' weights: those SmallRowsLinear and AmxBf16Linear
+  // pack).
+  int64_t linear_weight_bytes() const { return linear_bytes_; }
   // Linear layers whose products run in bf16 on the AMX tiles (LoadOptions::bf16_matmul), of
   // those it was asked for (0 of 0: not asked).
   int64_t bf16_matmul_linears() const { return amx_ok_; }
@@ -289,6 +295,8 @@ class Gpt {
   bool rope_scatter_ = false;
   bool row_attention_ = false;
   int64_t small_rows_ok_ = 0, small_rows_total_ = 0, small_rows_min_ = 0, small_rows_max_ = 0;
+  bool engine_linear_ = false;
+  int64_t linear_bytes_ = 0;
   RowNorm row_norm_;        // not ok: the ops (LoadOptions::fused_norm_rope)
   bool rope_rows_ = false;  // the rotary embedding through RopeRows
   // [vocab + condition_ids, dim]: image-token rows then condition rows (class labels, or text

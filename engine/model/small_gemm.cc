@@ -26,19 +26,26 @@ namespace {
 
 constexpr int64_t kPanel = 16;                     // output columns a panel: two AVX registers
 constexpr int64_t kProbeRows = kInvariantMinRows;  // the rows the padded forward gives the BLAS
-constexpr int64_t kTileRows = 6;  // rows a tile: 12 accumulators, 2 weights, 1 broadcast
+constexpr int64_t kTileRows = 6;   // rows a tile: 12 accumulators, 2 weights, 1 broadcast
+constexpr int64_t kGroupK = 1024;  // k a run of blocks spans (Panels), where it has a choice
 
 #ifdef IMAGEGEN_SMALL_GEMM_X86
-// Rows i0 .. i0 + R - 1 of panel p: for each k-block, sums from zero by fused multiply-adds in
-// ascending k, then added to the previous blocks' sum (the order the BLAS uses; Prepare checks
-// it). `out` is 16 floats a row (the panel's columns).
+// Rows i0 .. i0 + R - 1 of panel p over k-blocks b0 .. b1 - 1 (starting at k0): for each
+// k-block, sums from zero by fused multiply-adds in ascending k, then added to the previous
+// blocks' sum (the order the BLAS uses; Prepare checks it). The previous blocks' sum is `init`
+// (same layout as `out`) where the blocks before b0 were summed by an earlier call, else the
+// first block's sum itself. `out` is 16 floats a row (the panel's columns).
 template <int R>
 __attribute__((target("avx2,fma"))) void Tile(const float* x, int64_t K, const float* wp,
-                                              const std::vector<int64_t>& blocks, float* out) {
+                                              const std::vector<int64_t>& blocks, size_t b0,
+                                              size_t b1, int64_t k0, const float* init,
+                                              float* out) {
   __m256 sum[R][2];
-  for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_ps();
-  int64_t k0 = 0;
-  for (size_t b = 0; b < blocks.size(); ++b) {
+  for (int r = 0; r < R; ++r) {
+    sum[r][0] = init ? _mm256_loadu_ps(init + r * kPanel) : _mm256_setzero_ps();
+    sum[r][1] = init ? _mm256_loadu_ps(init + r * kPanel + 8) : _mm256_setzero_ps();
+  }
+  for (size_t b = b0; b < b1; ++b) {
     __m256 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     const int64_t k1 = k0 + blocks[b];
@@ -51,9 +58,10 @@ __attribute__((target("avx2,fma"))) void Tile(const float* x, int64_t K, const f
         acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);
       }
     }
+    const bool first = b == 0;
     for (int r = 0; r < R; ++r) {
-      sum[r][0] = b == 0 ? acc[r][0] : _mm256_add_ps(sum[r][0], acc[r][0]);
-      sum[r][1] = b == 0 ? acc[r][1] : _mm256_add_ps(sum[r][1], acc[r][1]);
+      sum[r][0] = first ? acc[r][0] : _mm256_add_ps(sum[r][0], acc[r][0]);
+      sum[r][1] = first ? acc[r][1] : _mm256_add_ps(sum[r][1], acc[r][1]);
     }
     k0 = k1;
   }
@@ -63,17 +71,20 @@ __attribute__((target("avx2,fma"))) void Tile(const float* x, int64_t K, const f
   }
 }
 
-// The same with AVX-512: P panels (one register each) at once, rows i0 .. i0 + R - 1; `out` is
-// 16 * P floats a row. Lane for lane the same operations as Tile: the same bits.
+// The same with AVX-512: P panels (one register each) at once, rows i0 .. i0 + R - 1; `init`
+// and `out` are 16 * P floats a row. Lane for lane the same operations as Tile: the same bits.
 template <int R, int P>
 __attribute__((target("avx512f"))) void Tile512(const float* x, int64_t K, const float* wp,
-                                                const std::vector<int64_t>& blocks, float* out) {
+                                                const std::vector<int64_t>& blocks, size_t b0,
+                                                size_t b1, int64_t k0, const float* init,
+                                                float* out) {
   __m512 sum[R][P];
   for (int r = 0; r < R; ++r) {
-    for (int p = 0; p < P; ++p) sum[r][p] = _mm512_setzero_ps();
+    for (int p = 0; p < P; ++p) {
+      sum[r][p] = init ? _mm512_loadu_ps(init + (r * P + p) * kPanel) : _mm512_setzero_ps();
+    }
   }
-  int64_t k0 = 0;
-  for (size_t b = 0; b < blocks.size(); ++b) {
+  for (size_t b = b0; b < b1; ++b) {
     __m512 acc[R][P];
     for (int r = 0; r < R; ++r) {
       for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
@@ -87,9 +98,10 @@ __attribute__((target("avx512f"))) void Tile512(const float* x, int64_t K, const
         for (int p = 0; p < P; ++p) acc[r][p] = _mm512_fmadd_ps(xb, w[p], acc[r][p]);
       }
     }
+    const bool first = b == 0;
     for (int r = 0; r < R; ++r) {
       for (int p = 0; p < P; ++p) {
-        sum[r][p] = b == 0 ? acc[r][p] : _mm512_add_ps(sum[r][p], acc[r][p]);
+        sum[r][p] = first ? acc[r][p] : _mm512_add_ps(sum[r][p], acc[r][p]);
       }
     }
     k0 = k1;
@@ -124,30 +136,60 @@ void WithRows(int64_t rows, F&& f) {
   }
 }
 
-// Panels p0 .. p0 + P - 1 (P = 1 or 2) of every row into y [m, N].
+// Panels p0 .. p0 + P - 1 (P = 1 or 2) of every row into y [m, N]. `groups`: the k-blocks in
+// consecutive runs (block indices, ascending, ending at blocks.size()), each run summed over
+// every row tile before the next, so that a run's weights stay in the core's cache while the
+// row tiles reuse them; the runs' sums carried in y. The same operations in the same order as
+// one run: the same bits.
 template <int P>
 void Panels(const float* x, int64_t m, int64_t K, const float* wp,
-            const std::vector<int64_t>& blocks, float* y, int64_t N, int64_t col0, bool avx512) {
+            const std::vector<int64_t>& blocks, const std::vector<size_t>& groups, float* y,
+            int64_t N, int64_t col0, bool avx512) {
   float tile[kTileRows * kPanel * P];
+  float init[kTileRows * kPanel * P];
   const int64_t cols = std::min(kPanel * P, N - col0);
-  for (int64_t i0 = 0; i0 < m; i0 += kTileRows) {
-    const int64_t rows = std::min(kTileRows, m - i0);
-    const float* xi = x + i0 * K;
-    if (avx512) {
-      WithRows(rows, [&](auto r) { Tile512<decltype(r)::value, P>(xi, K, wp, blocks, tile); });
-    } else {
-      for (int p = 0; p < P; ++p) {
-        float one[kTileRows * kPanel];
-        const float* wpp = wp + p * K * kPanel;
-        WithRows(rows, [&](auto r) { Tile<decltype(r)::value>(xi, K, wpp, blocks, one); });
+  size_t b0 = 0;
+  int64_t k0 = 0;
+  for (size_t b1 : groups) {
+    for (int64_t i0 = 0; i0 < m; i0 += kTileRows) {
+      const int64_t rows = std::min(kTileRows, m - i0);
+      const float* xi = x + i0 * K;
+      const float* in = nullptr;
+      if (b0 > 0) {  // the earlier runs' sums of these rows (zero in the padding columns)
+        std::memset(init, 0, sizeof(init));
         for (int64_t r = 0; r < rows; ++r) {
-          std::memcpy(tile + (r * P + p) * kPanel, one + r * kPanel, kPanel * sizeof(float));
+          std::memcpy(init + r * P * kPanel, y + (i0 + r) * N + col0, cols * sizeof(float));
+        }
+        in = init;
+      }
+      if (avx512) {
+        WithRows(rows, [&](auto r) {
+          Tile512<decltype(r)::value, P>(xi, K, wp, blocks, b0, b1, k0, in, tile);
+        });
+      } else {
+        for (int p = 0; p < P; ++p) {
+          float one[kTileRows * kPanel];
+          float one_in[kTileRows * kPanel];
+          const float* wpp = wp + p * K * kPanel;
+          if (in) {
+            for (int64_t r = 0; r < rows; ++r) {
+              std::memcpy(one_in + r * kPanel, in + (r * P + p) * kPanel, kPanel * sizeof(float));
+            }
+          }
+          WithRows(rows, [&](auto r) {
+            Tile<decltype(r)::value>(xi, K, wpp, blocks, b0, b1, k0, in ? one_in : nullptr, one);
+          });
+          for (int64_t r = 0; r < rows; ++r) {
+            std::memcpy(tile + (r * P + p) * kPanel, one + r * kPanel, kPanel * sizeof(float));
+          }
         }
       }
+      for (int64_t r = 0; r < rows; ++r) {
+        std::memcpy(y + (i0 + r) * N + col0, tile + r * P * kPanel, cols * sizeof(float));
+      }
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      std::memcpy(y + (i0 + r) * N + col0, tile + r * P * kPanel, cols * sizeof(float));
-    }
+    for (size_t b = b0; b < b1; ++b) k0 += blocks[b];
+    b0 = b1;
   }
 }
 #endif
@@ -281,6 +323,20 @@ SmallRowsLinear SmallRowsLinear::WithBlocks(const at::Tensor& w, std::vector<int
   return s;
 }
 
+SmallRowsLinear SmallRowsLinear::EveryRow(const at::Tensor& w) {
+  if (!Supported() || w.dim() != 2 || !w.device().is_cpu() || w.scalar_type() != at::kFloat) {
+    return {};
+  }
+  std::vector<int64_t> blocks;
+  for (int64_t k = 0; k < w.size(1); k += kEveryRowBlock) {
+    blocks.push_back(std::min(kEveryRowBlock, w.size(1) - k));
+  }
+  SmallRowsLinear s = WithBlocks(w, std::move(blocks));
+  s.max_rows_ = std::numeric_limits<int64_t>::max();
+  s.every_row_ = true;
+  return s;
+}
+
 SmallRowsLinear SmallRowsLinear::Prepare(const at::Tensor& w, int64_t max_rows) {
   if (!Supported() || w.dim() != 2 || !w.device().is_cpu() || w.scalar_type() != at::kFloat) {
     return {};
@@ -327,14 +383,27 @@ at::Tensor SmallRowsLinear::operator()(const at::Tensor& x_in) const {
   // read them faster. (The 3-4% once measured for 2 to 14 rows predates the engine's OpenMP
   // build, when the split ran on one thread; with it, a lone fp32 AR step, two rows, takes 0.76x
   // its time without: docs/results-serving.md, "The engine's kernels on every intra-op thread".)
+  // One run of k-blocks for one row tile; for more rows, runs of about kGroupK of k, so that
+  // the weights a run reads (32 columns: 128 KB) stay in the core's cache across the row tiles
+  // (a weight of large K, as the GPT-L-sized twin's 28,160, is a few MB a pair of panels).
+  std::vector<size_t> groups;
+  int64_t span = 0;
+  for (size_t b = 0; b < blocks_.size(); ++b) {
+    if (m > kTileRows && span > 0 && span + blocks_[b] > kGroupK) {
+      groups.push_back(b);
+      span = 0;
+    }
+    span += blocks_[b];
+  }
+  groups.push_back(blocks_.size());
   const int64_t grain = 1;
   at::parallel_for(0, pairs, grain, [&](int64_t begin, int64_t end) {
     for (int64_t q = begin; q < end; ++q) {
       const int64_t p = 2 * q;
       if (p + 1 < panels) {
-        Panels<2>(xp, m, K, wp + p * K * kPanel, blocks_, yp, N, p * kPanel, avx512_);
+        Panels<2>(xp, m, K, wp + p * K * kPanel, blocks_, groups, yp, N, p * kPanel, avx512_);
       } else {
-        Panels<1>(xp, m, K, wp + p * K * kPanel, blocks_, yp, N, p * kPanel, avx512_);
+        Panels<1>(xp, m, K, wp + p * K * kPanel, blocks_, groups, yp, N, p * kPanel, avx512_);
       }
     }
   });

@@ -13,6 +13,11 @@
 // none reproduces it (another BLAS, a CPU without AVX2 and FMA, another architecture) it is not
 // ok and the forward pads as before. Either way a row's logits are the same bits.
 //
+// EveryRow (LoadOptions::engine_linear, --cpu_linear=engine) gives up following the BLAS: fixed
+// blocks, the kernel on every row count, so the forward never calls the BLAS and is
+// batch-invariant by construction, for any width and any model size, at the price of its own
+// rounding (other bits than the BLAS's where the BLAS blocks k otherwise).
+//
 // Where the kernel is also faster than the BLAS on 16 rows or more, it takes those too: the
 // BLAS's speed on a few dozen rows differs between CPUs more than the kernel's (MKL on the dev
 // VM's AVX-512 Xeon was as fast at 14 rows; on its AMD EPYC, AVX2 only, the kernel took
@@ -28,7 +33,8 @@
 namespace imagegen {
 
 // Models whose linear weights take more bytes than this keep the padded products (the kernel
-// keeps a second, packed copy of every weight).
+// keeps a second, packed copy of every weight), unless the user asked for the kernel on every
+// row count (EveryRow, LoadOptions::engine_linear).
 inline constexpr int64_t kSmallGemmMaxWeightBytes = int64_t{512} << 20;
 
 // Prepare times the kernel against the BLAS on up to this many rows.
@@ -62,10 +68,18 @@ class SmallRowsLinear {
   // AVX2 tiles even where the CPU has AVX-512 (the same bits, which tests check).
   static SmallRowsLinear WithBlocks(const at::Tensor& w, std::vector<int64_t> blocks,
                                     bool avx512 = true);
+  // The kernel for every row count, never the BLAS (LoadOptions::engine_linear): k-blocks of
+  // kEveryRowBlock (the last the rest), not checked against the BLAS, so other bits than its
+  // (fp32 rounding), the same for a row at any row count; max_rows() unbounded. Not ok where
+  // !Supported().
+  static SmallRowsLinear EveryRow(const at::Tensor& w);
+  static constexpr int64_t kEveryRowBlock = 256;
   // The kernel runs on this CPU: an x86-64 build, AVX2 and FMA.
   static bool Supported();
 
   bool ok() const { return !blocks_.empty(); }
+  // Made by EveryRow: the forward gives it every row count, batch-invariant or not.
+  bool every_row() const { return every_row_; }
   // The most rows the forward gives the kernel (more go to the BLAS, padded to 16 if fewer).
   // Where the kernel is not faster than the BLAS on 16 rows (or Prepare was not asked to
   // measure): every count below kInvariantMinRows with AVX-512 tiles; 11 with AVX2 ones, which
@@ -87,6 +101,7 @@ class SmallRowsLinear {
   std::vector<int64_t> blocks_;  // k-blocks, in order; empty: not ok
   bool avx512_ = false;          // AVX-512 tiles (the CPU has them, and not turned off)
   int64_t max_rows_ = 0;         // 0: tile_rows()
+  bool every_row_ = false;       // EveryRow
 };
 
 }  // namespace imagegen

@@ -60,6 +60,15 @@ struct LoadOptions {
   // kSmallRowsMeasuredMax); more, that many; -1, fewer than 16 only (SmallRowsLinear::
   // tile_rows; as before the timing). For A/B comparisons: any count gives the same bits.
   int64_t small_rows_gemm_rows = 0;
+  // GPT models on the CPU in fp32, the eager forward: every linear layer's product runs
+  // SmallRowsLinear's kernel (SmallRowsLinear::EveryRow), at every row count and any model size,
+  // never the BLAS. Batch-invariant by construction: no padding of a few rows to 16, no check
+  // against the BLAS's rounding, which the kernel cannot reproduce for some widths (GPT-L's K of
+  // 1,024 and 2,816 against MKL on the dev VM) and does not even try to above
+  // kSmallGemmMaxWeightBytes. Other logits than the BLAS's (fp32 rounding: other images for a
+  // seed than the default), a second, packed copy of the linear weights; needs small_rows_gemm
+  // (not off) and a CPU the kernel runs on (SmallRowsLinear::Supported). Off by default.
+  bool engine_linear = false;
   // GPT models on the CPU in fp32: the reference layer's RMSNorm (six ATen ops) and rotary
   // embedding (about ten) each run as one kernel that computes the same bits (engine/model/
   // norm_rope.h; checked at load, and the ops kept where the check fails). Unset: on.

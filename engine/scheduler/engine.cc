@@ -25,6 +25,7 @@
 #include "engine/model/device.h"
 #include "engine/model/image_model.h"
 #include "engine/model/mar_model.h"
+#include "engine/model/small_gemm.h"
 #include "engine/model/transfer.h"
 #include "engine/scheduler/mar_scheduler.h"
 #include "engine/scheduler/model_scheduler.h"
@@ -453,6 +454,10 @@ StatusOr<std::unique_ptr<Engine>> Engine::Start(const EngineOptions& options,
   if (o.decode_batch != -1 && (o.decode_batch < 1 || o.decode_batch > 256)) {
     return InvalidArgument("decode_batch: must be -1 (by forward) or in [1, 256]");
   }
+  if (o.cpu_linear != "blas" && o.cpu_linear != "engine") {
+    return InvalidArgument("cpu_linear: must be blas or engine, got '" +
+                           o.cpu_linear.substr(0, 64) + "'");
+  }
   if (o.small_rows_gemm_rows < -1) {
     return InvalidArgument(
         "small_rows_gemm_rows: must be -1 (fewer than 16 rows only), 0 (timed at load) or a "
@@ -506,6 +511,19 @@ Status Engine::Impl::Load() {
   lo.small_rows_gemm = opts.small_rows_gemm;
   lo.small_rows_gemm_rows = opts.small_rows_gemm_rows;
   lo.fused_norm_rope = opts.fused_norm_rope;
+  if (opts.cpu_linear == "engine") {
+    if (!lo.device.is_cpu() || lo.dtype != at::kFloat) {
+      Notice(opts, "cpu_linear engine applies to the CPU in fp32; the products stay as " +
+                       opts.dtype + " on " + opts.device + " computes them");
+    } else if (!opts.small_rows_gemm || !SmallRowsLinear::Supported()) {
+      Notice(opts, std::string("cpu_linear engine: ") +
+                       (opts.small_rows_gemm ? "the kernel needs an x86-64 CPU with AVX2 and FMA"
+                                             : "small_rows_gemm is off") +
+                       "; the products stay the BLAS's");
+    } else {
+      lo.engine_linear = true;
+    }
+  }
   if (opts.matmul_precision == "medium") {
     if (!lo.device.is_cpu() || lo.dtype != at::kFloat) {
       Notice(opts, "matmul precision medium applies to the CPU in fp32; products stay as " +

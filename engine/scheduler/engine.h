@@ -195,6 +195,11 @@ struct EngineOptions {
   // The most rows the kernel takes (LoadOptions::small_rows_gemm_rows): 0, measured at load;
   // -1, fewer than 16 only.
   int64_t small_rows_gemm_rows = 0;
+  // The CPU's fp32 linear products (LoadOptions::engine_linear): "blas", the BLAS, with the
+  // few-row kernel above where it reproduces the BLAS's bits; "engine", the engine's kernel on
+  // every row count and any model size, never the BLAS (batch-invariant by construction, no
+  // padding; other images for a seed than "blas" gives, by fp32 rounding).
+  std::string cpu_linear = "blas";
   // On the CPU in fp32: the forward's RMSNorm and rotary embedding as one kernel each instead of
   // about six and ten ATen ops (LoadOptions::fused_norm_rope; the same logits bit for bit, where
   // the load-time check passes). False: the ops, for A/B comparisons.

@@ -15,6 +15,7 @@
 
 #include "engine/model/cuda_stream.h"
 #include "engine/model/device.h"
+#include "engine/model/small_gemm.h"
 #include "engine/util/read_file.h"
 #include "engine/util/run_queue_wait.h"
 
@@ -146,7 +147,9 @@ Status ModelScheduler::LoadOrMeasureCost(const LoadOptions& load) {
           : !opts_.batch_invariant      ? ""
           : model_.gpt->row_attention() ? ", batch-invariant, row attention on every row"
                                         : ", batch-invariant")
-      << (model_.gpt->small_rows_tried() > 0 && opts_.cuda_graphs <= 0 && opts_.batch_invariant
+      << (model_.gpt->engine_linear() && opts_.cuda_graphs <= 0
+              ? ", the engine's kernel on every linear product"
+          : model_.gpt->small_rows_tried() > 0 && opts_.cuda_graphs <= 0 && opts_.batch_invariant
               ? ", few-row kernel on " + std::to_string(model_.gpt->small_rows_linears()) + " of " +
                     std::to_string(model_.gpt->small_rows_tried()) + " linear layers" +
                     SmallRowsKeyPart(model_.gpt->options().small_rows_gemm_rows)
@@ -157,6 +160,21 @@ Status ModelScheduler::LoadOrMeasureCost(const LoadOptions& load) {
               : std::string())
       << (model_.gpt->norm_kernel() ? ", norm kernel" : "")
       << (model_.gpt->rope_kernel() ? ", rope kernel" : "");
+  if (load.device.is_cpu() && load.dtype == at::kFloat && opts_.batch_invariant &&
+      opts_.cuda_graphs <= 0 && model_.gpt->small_rows_tried() == 0 &&
+      model_.gpt->bf16_matmul_linears() == 0 &&
+      model_.gpt->options().small_rows_gemm.value_or(true) &&
+      model_.gpt->linear_weight_bytes() > kSmallGemmMaxWeightBytes &&
+      SmallRowsLinear::Supported()) {
+    // The few-row kernel keeps a second copy of the weights, so it is not tried on large
+    // models unless asked for: their one-request steps pay for 16 rows.
+    Notice(opts_, model_.name + ": " + std::to_string(model_.gpt->linear_weight_bytes() >> 20) +
+                      " MB of linear weights, over the few-row kernel's " +
+                      std::to_string(kSmallGemmMaxWeightBytes >> 20) +
+                      " MB: products of fewer than 16 rows are padded to 16 (--cpu_linear=engine "
+                      "runs the engine's kernel on every row count, with a second copy of the "
+                      "weights)");
+  }
   if (model_.gpt->small_rows_linears() < model_.gpt->small_rows_tried()) {
     // Said only where the few-row kernel does not reproduce this machine's BLAS for every layer
     // (the key above, kept in the step-cost cache, says it either way).
