@@ -12,12 +12,16 @@
 
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <limits>
 #include <string>
 #include <vector>
 
 #include "engine/model/gpt.h"
+#include "engine/scheduler/engine.h"
+#include "engine/util/read_file.h"
 #include "tests/build_paths.h"
+#include "tests/temp_dir.h"
 #include "tests/test_util.h"
 
 namespace imagegen {
@@ -329,6 +333,32 @@ TEST(SmallRowsLinearTest, TheEngineLinearForwardIsBatchInvariantAtAnyRowCount) {
     }
   }
   EXPECT_GT(differs_with_blas, 0) << "the BLAS's non-invariant forward was batch-invariant too";
+}
+
+// The engine's option: "engine" reaches the model (the step cost's cache key says so, in a file
+// of its own beside the BLAS products' calibration); an unknown value is refused naming it.
+TEST(SmallRowsLinearTest, TheEnginesCpuLinearOption) {
+  namespace fs = std::filesystem;
+  EngineOptions o;
+  o.models_dir = testing::TestModelsDir();
+  o.cpu_linear = "mkl";
+  auto bad = Engine::Start(o);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("cpu_linear"), std::string::npos) << bad.status().message();
+  if (!SmallRowsLinear::Supported()) GTEST_SKIP() << "no AVX2 and FMA here";
+  o.cpu_linear = "engine";
+  o.cache_dir = testing::TempDir("engine_linear_step_cost") + "/cache";
+  auto engine = Engine::Start(o);
+  ASSERT_TRUE(engine.ok()) << engine.status().message();
+  engine->reset();
+  std::vector<fs::path> files;
+  for (const auto& e : fs::directory_iterator(o.cache_dir)) files.push_back(e.path());
+  ASSERT_EQ(files.size(), 1u);
+  EXPECT_NE(files[0].string().find("threads-enginelinear.json"), std::string::npos) << files[0];
+  auto text = ReadFile(files[0].string());
+  ASSERT_TRUE(text.ok());
+  EXPECT_NE(text->find("the engine's kernel on every linear product"), std::string::npos) << *text;
+  EXPECT_EQ(text->find("few-row kernel"), std::string::npos) << *text;
 }
 
 }  // namespace

@@ -201,7 +201,8 @@ Status ModelScheduler::LoadOrMeasureCost(const LoadOptions& load) {
   const int64_t can_measure = sizes.empty() ? 0 : sizes.back();
   std::string path;
   if (!opts_.cache_dir.empty()) {
-    // CUDA graphs cost differently from the eager forward, bf16 products from fp32 ones, and
+    // CUDA graphs cost differently from the eager forward, bf16 products from fp32 ones, the
+    // engine's kernel on every row (--cpu_linear=engine) from the BLAS's products, and
     // on the CPU each intra-op thread count from the others: files of their own, so that the
     // modes do not replace each other's calibration (a daemon restarted with another CPU quota,
     // hence another count, and back would otherwise measure again at every start).
@@ -210,7 +211,8 @@ Status ModelScheduler::LoadOrMeasureCost(const LoadOptions& load) {
            (load.device.is_cpu() ? "-" + std::to_string(at::get_num_threads()) + "threads"
                                  : std::string()) +
            (opts_.cuda_graphs > 0 ? "-graphs" : "") +
-           (model_.gpt->bf16_matmul_linears() > 0 ? "-bf16mm" : "") + ".json";
+           (model_.gpt->bf16_matmul_linears() > 0 ? "-bf16mm" : "") +
+           (model_.gpt->engine_linear() ? "-enginelinear" : "") + ".json";
     StatusOr<std::string> text = ReadFile(path);
     if (text.ok()) {
       Status st = cost_.Deserialize(*text, key.str(), path);
