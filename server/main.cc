@@ -99,7 +99,8 @@ ABSL_FLAG(int64_t, prefill_tokens_per_step, 64,
           "prefilled per engine step, over all prefilling requests (CFG rows count), beside the "
           "decoding requests' windows");
 ABSL_FLAG(std::string, cache_dir, "",
-          "where the step-cost calibration is kept between starts (default: "
+          "where the step-cost calibration (and on the CPU the few-row kernel's timed rows) "
+          "is kept between starts (default: "
           "$XDG_CACHE_HOME/imagegen, else $HOME/.cache/imagegen; 'none': not kept)");
 ABSL_FLAG(bool, batch_invariant, true,
           "a request's image does not depend on the requests beside it (costs some throughput)");

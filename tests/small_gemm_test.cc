@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/model/gpt.h"
@@ -359,6 +360,99 @@ TEST(SmallRowsLinearTest, TheEnginesCpuLinearOption) {
   ASSERT_TRUE(text.ok());
   EXPECT_NE(text->find("the engine's kernel on every linear product"), std::string::npos) << *text;
   EXPECT_EQ(text->find("few-row kernel"), std::string::npos) << *text;
+}
+
+// Rows remembered for a shape (SmallRowsLinear::RememberRows, what the engine reads from its
+// cache directory) are what a later Prepare takes, without timing; MeasuredRows lists them.
+TEST(SmallRowsLinearTest, RememberedRowsAreTakenWithoutTiming) {
+  if (!SmallRowsLinear::Supported()) GTEST_SKIP() << "no AVX2 and FMA here";
+  const std::vector<SmallRowsChoice> saved = SmallRowsLinear::MeasuredRows();
+  at::manual_seed(19);
+  const at::Tensor w = at::randn({100, 192}) * 0.05;  // one block: where the BLAS has one too
+  const SmallRowsLinear first = SmallRowsLinear::Prepare(w);
+  if (!first.ok()) GTEST_SKIP() << "the kernel does not reproduce this BLAS";
+  SmallRowsChoice c{100, 192, first.blocks(), false, at::get_num_threads(), 48};
+  bool found = false;
+  for (const SmallRowsChoice& m : SmallRowsLinear::MeasuredRows()) {
+    if (m.n == 100 && m.k == 192 && m.threads == c.threads) {
+      c.avx512 = m.avx512;
+      found = m.rows == first.max_rows();
+    }
+  }
+  EXPECT_TRUE(found) << "the timing's choice is listed";
+  for (const int64_t rows : {48, 80}) {
+    c.rows = rows;
+    SmallRowsLinear::RememberRows({c});
+    EXPECT_EQ(SmallRowsLinear::Prepare(w).max_rows(), rows);
+  }
+  SmallRowsLinear::RememberRows(saved);
+}
+
+// The kept file: written and read back the same; a broken one is refused naming the field.
+TEST(SmallRowsLinearTest, TheKeptChoicesRoundTripAndBrokenOnesNameTheField) {
+  const std::vector<SmallRowsChoice> choices = {{576, 192, {192}, true, 2, 32},
+                                                {192, 512, {256, 256}, false, 1, 16}};
+  auto back = ParseSmallRowsChoices(SerializeSmallRowsChoices(choices), "rows.json");
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(*back, choices);
+  for (const auto& [text, want] : std::vector<std::pair<std::string, std::string>>{
+           {R"({"format": "other", "choices": []})", "'format'"},
+           {R"({"format": "imagegen-few-row-kernel-rows"})", "'choices'"},
+           {R"({"format": "imagegen-few-row-kernel-rows", "choices": [{"n": 5, "k": 192,
+              "blocks": [100, 100], "avx512": true, "threads": 2, "rows": 16}]})",
+            "choices[0]"},
+           {R"({"format": "imagegen-few-row-kernel-rows", "choices": [{"n": 5, "k": 192,
+              "blocks": [192], "threads": 2}]})",
+            "'rows'"},
+           {"{", "rows.json"}}) {
+    auto bad = ParseSmallRowsChoices(text, "rows.json");
+    ASSERT_FALSE(bad.ok()) << text;
+    EXPECT_NE(bad.status().message().find(want), std::string::npos)
+        << bad.status().message() << " (wanted " << want << ")";
+  }
+}
+
+// The engine keeps the kernel's rows in its cache directory and takes them on the next start:
+// a file whose rows say 48 (a count the timing never chooses) is what the second start uses.
+TEST(SmallRowsLinearTest, TheEngineKeepsTheKernelsRowsBesideItsCalibration) {
+  if (!SmallRowsLinear::Supported()) GTEST_SKIP() << "no AVX2 and FMA here";
+  namespace fs = std::filesystem;
+  const std::vector<SmallRowsChoice> saved = SmallRowsLinear::MeasuredRows();
+  EngineOptions o;
+  o.models_dir = testing::TestModelsDir();
+  o.cache_dir = testing::TempDir("small_rows_kept") + "/cache";
+  auto engine = Engine::Start(o);
+  ASSERT_TRUE(engine.ok()) << engine.status().message();
+  engine->reset();
+  std::string path;
+  for (const auto& e : fs::directory_iterator(o.cache_dir)) {
+    if (e.path().filename().string().rfind("few-row-kernel-", 0) == 0) path = e.path().string();
+  }
+  ASSERT_FALSE(path.empty()) << "no few-row-kernel-*.json in " << o.cache_dir;
+  auto text = ReadFile(path);
+  ASSERT_TRUE(text.ok());
+  auto kept = ParseSmallRowsChoices(*text, path);
+  ASSERT_TRUE(kept.ok()) << kept.status().ToString();
+  EXPECT_GE(kept->size(), 1u);
+  for (SmallRowsChoice& c : *kept) c.rows = 48;
+  ASSERT_TRUE(WriteFileAtomically(path, SerializeSmallRowsChoices(*kept)).ok());
+  auto again = Engine::Start(o);
+  ASSERT_TRUE(again.ok()) << again.status().message();
+  again->reset();
+  int taken = 0;
+  for (const SmallRowsChoice& m : SmallRowsLinear::MeasuredRows()) {
+    for (const SmallRowsChoice& c : *kept) {
+      if (m.n == c.n && m.k == c.k && m.blocks == c.blocks && m.threads == c.threads) {
+        EXPECT_EQ(m.rows, 48) << "n " << m.n << ", k " << m.k;
+        ++taken;
+      }
+    }
+  }
+  EXPECT_EQ(taken, static_cast<int>(kept->size()));
+  auto after = ReadFile(path);
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(*after, SerializeSmallRowsChoices(*kept)) << "the kept file was rewritten";
+  SmallRowsLinear::RememberRows(saved);
 }
 
 }  // namespace

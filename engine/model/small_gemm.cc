@@ -14,7 +14,10 @@
 #include <tuple>
 #include <type_traits>
 
+#include <nlohmann/json.hpp>
+
 #include "engine/model/gpt.h"  // kInvariantMinRows
+#include "engine/util/json.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define IMAGEGEN_SMALL_GEMM_X86 1
@@ -255,6 +258,18 @@ SmallRowsTiming TimeRows(const SmallRowsLinear& s, const at::Tensor& w, int64_t 
   return t;
 }
 
+// The rows chosen per weight shape, k-blocking, tile width and thread count in this process
+// (SmallRowsLinear::MeasuredRows, RememberRows).
+using ChoiceKey = std::tuple<int64_t, int64_t, std::vector<int64_t>, bool, int>;
+std::mutex& ChoicesMutex() {
+  static std::mutex mu;
+  return mu;
+}
+std::map<ChoiceKey, int64_t>& Choices() {
+  static std::map<ChoiceKey, int64_t> choices;
+  return choices;
+}
+
 }  // namespace
 
 int64_t SmallRowsLinear::ChooseMaxRows(const std::vector<SmallRowsTiming>& timings, int64_t below) {
@@ -269,23 +284,87 @@ int64_t SmallRowsLinear::ChooseMaxRows(const std::vector<SmallRowsTiming>& timin
   return rows;
 }
 
+std::vector<SmallRowsChoice> SmallRowsLinear::MeasuredRows() {
+  std::lock_guard<std::mutex> lock(ChoicesMutex());
+  std::vector<SmallRowsChoice> out;
+  for (const auto& [key, rows] : Choices()) {
+    const auto& [n, k, blocks, avx512, threads] = key;
+    out.push_back({n, k, blocks, avx512, threads, rows});
+  }
+  return out;
+}
+
+void SmallRowsLinear::RememberRows(const std::vector<SmallRowsChoice>& choices) {
+  std::lock_guard<std::mutex> lock(ChoicesMutex());
+  for (const SmallRowsChoice& c : choices) {
+    Choices()[std::make_tuple(c.n, c.k, c.blocks, c.avx512, c.threads)] = c.rows;
+  }
+}
+
+std::string SerializeSmallRowsChoices(const std::vector<SmallRowsChoice>& choices) {
+  Json list = Json::array();
+  for (const SmallRowsChoice& c : choices) {
+    list.push_back({{"n", c.n},
+                    {"k", c.k},
+                    {"blocks", c.blocks},
+                    {"avx512", c.avx512},
+                    {"threads", c.threads},
+                    {"rows", c.rows}});
+  }
+  return Json{{"format", "imagegen-few-row-kernel-rows"}, {"choices", list}}.dump(1) + "\n";
+}
+
+StatusOr<std::vector<SmallRowsChoice>> ParseSmallRowsChoices(const std::string& text,
+                                                             const std::string& where) {
+  StatusOr<Json> parsed = ParseJson(text);
+  if (!parsed.ok()) return DataLoss(where + ": " + std::string(parsed.status().message()));
+  const Json& doc = *parsed;
+  JsonFields top(doc, where);
+  ASSIGN_OR_RETURN(std::string format, top.String("format"));
+  if (format != "imagegen-few-row-kernel-rows") {
+    return DataLoss(where + ": 'format' is '" + format.substr(0, 64) +
+                    "', not imagegen-few-row-kernel-rows");
+  }
+  const Json* list = top.Find("choices");
+  if (list == nullptr || !list->is_array()) return DataLoss(where + ": 'choices' must be a list");
+  std::vector<SmallRowsChoice> out;
+  for (size_t i = 0; i < list->size(); ++i) {
+    JsonFields f((*list)[i], where + ": choices[" + std::to_string(i) + "]");
+    SmallRowsChoice c;
+    ASSIGN_OR_RETURN(c.n, f.Int("n"));
+    ASSIGN_OR_RETURN(c.k, f.Int("k"));
+    ASSIGN_OR_RETURN(c.blocks, f.IntList("blocks"));
+    ASSIGN_OR_RETURN(c.avx512, f.Bool("avx512", false));
+    ASSIGN_OR_RETURN(int64_t threads, f.Int("threads"));
+    ASSIGN_OR_RETURN(c.rows, f.Int("rows"));
+    int64_t total = 0;
+    for (int64_t b : c.blocks) total += b > 0 ? b : c.k + 1;  // a block <= 0 fails below
+    if (c.n < 1 || c.k < 1 || total != c.k || threads < 1 || threads > 4096 || c.rows < 1) {
+      return DataLoss(where + ": choices[" + std::to_string(i) +
+                      "]: n, k and rows must be >= 1, the blocks positive and summing to k, "
+                      "threads in [1, 4096]");
+    }
+    c.threads = static_cast<int>(threads);
+    out.push_back(std::move(c));
+  }
+  return out;
+}
+
 // Timed once per weight shape, k-blocking, tile width and intra-op thread count in a process (a
-// model's layers share a few shapes; the bundled model's 31 weights have four): about 70 ms for
-// the bundled model on the dev VM. Under the lock, so that two models loading at once do not
-// time each other.
+// model's layers share a few shapes; the bundled model's 31 weights have four), unless
+// remembered: about 70 ms for the bundled model on the dev VM. Under the lock, so that two
+// models loading at once do not time each other.
 int64_t SmallRowsLinear::MeasureMaxRows(const at::Tensor& w) const {
-  static std::mutex mu;
-  static std::map<std::tuple<int64_t, int64_t, std::vector<int64_t>, bool, int>, int64_t> measured;
   const auto key = std::make_tuple(n_, k_, blocks_, avx512_, at::get_num_threads());
-  std::lock_guard<std::mutex> lock(mu);
-  if (auto it = measured.find(key); it != measured.end()) return it->second;
+  std::lock_guard<std::mutex> lock(ChoicesMutex());
+  if (auto it = Choices().find(key); it != Choices().end()) return it->second;
   std::vector<SmallRowsTiming> timings;
   for (int64_t rows = kInvariantMinRows; rows <= kSmallRowsMeasuredMax; rows *= 2) {
     timings.push_back(TimeRows(*this, w, rows));
     if (ChooseMaxRows(timings, 0) != rows) break;  // the kernel stops here
   }
   const int64_t rows = ChooseMaxRows(timings, tile_rows());
-  measured.emplace(key, rows);
+  Choices().emplace(key, rows);
   return rows;
 }
 

@@ -28,7 +28,10 @@
 #include <ATen/Tensor.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
+
+#include "engine/util/status.h"
 
 namespace imagegen {
 
@@ -47,6 +50,23 @@ struct SmallRowsTiming {
   double kernel_seconds = 0, blas_seconds = 0;
   bool same_bits = false;
 };
+
+// One choice of Prepare's timing: the rows the kernel takes for a weight shape, k-blocking,
+// tile width and intra-op thread count (SmallRowsLinear::MeasuredRows, RememberRows).
+struct SmallRowsChoice {
+  int64_t n = 0, k = 0;
+  std::vector<int64_t> blocks;
+  bool avx512 = false;
+  int threads = 0;
+  int64_t rows = 0;
+  bool operator==(const SmallRowsChoice&) const = default;
+};
+
+// The choices as the engine keeps them in its cache directory (JSON), and back; errors name
+// `where` and the field.
+std::string SerializeSmallRowsChoices(const std::vector<SmallRowsChoice>& choices);
+StatusOr<std::vector<SmallRowsChoice>> ParseSmallRowsChoices(const std::string& text,
+                                                             const std::string& where);
 
 class SmallRowsLinear {
  public:
@@ -74,6 +94,14 @@ class SmallRowsLinear {
   // !Supported().
   static SmallRowsLinear EveryRow(const at::Tensor& w);
   static constexpr int64_t kEveryRowBlock = 256;
+  // The process's choices so far (measured or remembered), and choices to take instead of
+  // timing: a later Prepare of a remembered shape takes its rows without measuring (a choice
+  // already made in this process is replaced). The timing's choice can fall anywhere from 32
+  // to 256 rows between two starts of a noisy machine where the kernel and the BLAS are close;
+  // the engine keeps the choices beside its step-cost calibration, so that every start of one
+  // machine gives the kernel the same rows (EngineOptions::cache_dir).
+  static std::vector<SmallRowsChoice> MeasuredRows();
+  static void RememberRows(const std::vector<SmallRowsChoice>& choices);
   // The kernel runs on this CPU: an x86-64 build, AVX2 and FMA.
   static bool Supported();
 

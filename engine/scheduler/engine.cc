@@ -31,6 +31,7 @@
 #include "engine/scheduler/model_scheduler.h"
 #include "engine/util/cpu_idle.h"
 #include "engine/util/cpu_quota.h"
+#include "engine/util/read_file.h"
 
 namespace imagegen {
 namespace {
@@ -558,6 +559,26 @@ Status Engine::Impl::Load() {
     opts.decode_batch = opts.cuda_graphs > 0 || !opts.batch_invariant ? 16 : 1;
   }
   decoder = std::make_unique<DecodeQueue>(decode_thread, lo.device, o.cpu_threads, o.decode_batch);
+  // The few-row kernel's rows as an earlier start on this processor timed them, kept beside the
+  // step-cost calibration: every start then gives the kernel the same rows, and the cached
+  // calibration stays the one measured with them (the timing can choose anywhere from 32 to 256
+  // rows between starts of a noisy machine where the kernel and the BLAS are close).
+  std::string rows_path;
+  std::vector<SmallRowsChoice> remembered;
+  if (!o.cache_dir.empty() && lo.device.is_cpu() && lo.dtype == at::kFloat && o.small_rows_gemm &&
+      o.small_rows_gemm_rows == 0 && !lo.engine_linear && !lo.bf16_matmul &&
+      SmallRowsLinear::Supported()) {
+    rows_path = o.cache_dir + "/few-row-kernel-" + FileSafe(DeviceModelName(lo.device)) + ".json";
+    if (StatusOr<std::string> text = ReadFile(rows_path); text.ok()) {
+      StatusOr<std::vector<SmallRowsChoice>> read = ParseSmallRowsChoices(*text, rows_path);
+      if (read.ok()) {
+        remembered = std::move(*read);
+        SmallRowsLinear::RememberRows(remembered);
+      } else {
+        Notice(o, "the few-row kernel's rows are timed again: " + read.status().ToString());
+      }
+    }
+  }
   for (const std::string& name : o.models) {
     for (const auto& m : models) {
       if (m.name == name) return InvalidArgument("models: '" + name + "' is listed twice");
@@ -630,6 +651,16 @@ Status Engine::Impl::Load() {
     infos.push_back(info);
     stats.models.push_back({name, 0, 0, 0, slots, 0, ""});
     models.push_back({name, std::move(model), nullptr});
+  }
+  if (!rows_path.empty()) {
+    if (const std::vector<SmallRowsChoice> now = SmallRowsLinear::MeasuredRows();
+        now != remembered) {
+      std::error_code ec;
+      std::filesystem::create_directories(o.cache_dir, ec);
+      if (Status st = WriteFileAtomically(rows_path, SerializeSmallRowsChoices(now)); !st.ok()) {
+        Notice(o, "the few-row kernel's rows are not kept: " + st.ToString());
+      }
+    }
   }
   inbox_per_model.assign(models.size(), 0);
   census.assign(models.size(), {});

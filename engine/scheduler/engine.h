@@ -134,7 +134,9 @@ struct EngineOptions {
   // false (default): only steps that hold or narrow the window are learned from.
   bool commit_learn_growth = false;
   // Where the step-cost calibration is kept (one JSON file per model, device, dtype and CPU thread
-  // count, reused at the next start); empty: not kept (calibrated at every start).
+  // count, reused at the next start), and on the CPU the few-row kernel's rows as its timing
+  // chose them at load (one file per processor model, so that every start takes the same rows);
+  // empty: not kept (calibrated and timed at every start).
   std::string cache_dir;
   // Tests and failure drills: while the counter is positive, each step of every model fails as
   // a forward that throws would (its requests end INTERNAL), and the counter goes down by one.

@@ -45,7 +45,6 @@ void AddDeltas(const std::vector<int64_t>& now, std::vector<int64_t>& seen,
   }
 }
 
-// A file-name-safe form of a model or device name.
 // The few-row kernel's row range in the step-cost key (LoadOptions::small_rows_gemm_rows). Timed
 // at load, the range is said as such and not as the rows chosen: those can differ by a step of
 // the timing between two starts of a noisy machine (64 or 128 rows where the two are close),
@@ -55,12 +54,6 @@ std::string SmallRowsKeyPart(int64_t rows) {
   if (rows < 0) return "";
   if (rows == 0) return ", on the rows timed faster than the BLAS at load";
   return ", on up to " + std::to_string(rows) + " rows";
-}
-
-std::string FileSafe(const std::string& s) {
-  std::string out;
-  for (char ch : s) out += std::isalnum(static_cast<unsigned char>(ch)) || ch == '-' ? ch : '_';
-  return out;
 }
 
 }  // namespace

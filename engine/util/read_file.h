@@ -6,6 +6,7 @@
 // model configs, TLS material and token files through it.
 #pragma once
 
+#include <cctype>
 #include <cerrno>
 #include <cstddef>
 #include <cstdio>
@@ -59,6 +60,13 @@ inline StatusOr<std::string> ReadFile(const std::string& path,
   }
   if (in.bad()) return DataLoss(path + ": cannot read: " + std::strerror(errno));
   return data;
+}
+
+// A file-name-safe form of a model or device name: letters, digits and '-' kept, others '_'.
+inline std::string FileSafe(const std::string& s) {
+  std::string out;
+  for (char ch : s) out += std::isalnum(static_cast<unsigned char>(ch)) || ch == '-' ? ch : '_';
+  return out;
 }
 
 // Writes `data` to `path + ".tmp<pid>"` and renames it over `path`: a concurrent reader sees
