@@ -184,21 +184,13 @@ TEST(AmxBf16LinearTest, TheEnginesMatmulPrecisionOption) {
   SKIP_WITHOUT_AMX();
   o.matmul_precision = "medium";
   o.cache_dir = testing::TempDir("amx_step_cost") + "/cache";
-  auto engine = Engine::Start(o);
-  ASSERT_TRUE(engine.ok()) << engine.status().message();
-  engine->reset();
-  std::vector<fs::path> files;
-  for (const auto& e : fs::directory_iterator(o.cache_dir)) files.push_back(e.path());
-  ASSERT_EQ(files.size(), 1u);
-  EXPECT_NE(files[0].string().find("step-cost-fmnist-gpt-cpu-Float-"), std::string::npos)
-      << files[0];
-  EXPECT_NE(files[0].string().find("threads-bf16mm.json"), std::string::npos)
-      << files[0];  // beside the fp32 products' file, not in its place
-  auto text = ReadFile(files[0].string());
-  ASSERT_TRUE(text.ok());
-  EXPECT_NE(text->find("bf16 products (AMX) on 31 of 31 linear layers"), std::string::npos)
-      << *text;
-  EXPECT_EQ(text->find("few-row kernel"), std::string::npos) << *text;
+  const auto [file, text] = testing::StepCostFileAfterAStart(o);
+  ASSERT_FALSE(file.empty());
+  EXPECT_NE(file.find("step-cost-fmnist-gpt-cpu-Float-"), std::string::npos) << file;
+  EXPECT_NE(file.find("threads-bf16mm.json"), std::string::npos)
+      << file;  // beside the fp32 products' file, not in its place
+  EXPECT_NE(text.find("bf16 products (AMX) on 31 of 31 linear layers"), std::string::npos) << text;
+  EXPECT_EQ(text.find("few-row kernel"), std::string::npos) << text;
 }
 
 }  // namespace

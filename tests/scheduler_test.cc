@@ -1274,11 +1274,8 @@ TEST(EngineTest, ALoneRequestsCalibratedCeilingIsTheSameAfterARestart) {
   // What the engine said at both starts is the ceiling the cached file's one-request steps give.
   ASSERT_EQ(said.size(), 2u);
   EXPECT_EQ(said[0], said[1]);
-  std::vector<std::string> files;  // the step-cost files (the few-row kernel's rows beside them)
-  for (const auto& e : std::filesystem::directory_iterator(o.cache_dir)) {
-    if (e.path().filename().string().rfind("step-cost-", 0) == 0)
-      files.push_back(e.path().string());
-  }
+  // The step-cost files (the few-row kernel's rows beside them).
+  const std::vector<std::string> files = testing::FilesStartingWith(o.cache_dir, "step-cost-");
   ASSERT_EQ(files.size(), 1u);
   auto text = ReadFile(files[0]);
   ASSERT_TRUE(text.ok());
@@ -1561,12 +1558,10 @@ TEST(EngineTest, StepCostCalibrationIsCachedAndAForeignOrSmallerOneReplaced) {
   };
   StartOrDie(o).reset();
   EXPECT_TRUE(notices.empty()) << notices[0];
-  std::vector<fs::path> files;  // the step-cost files (the few-row kernel's rows beside them)
-  for (const auto& e : fs::directory_iterator(o.cache_dir)) {
-    if (e.path().filename().string().rfind("step-cost-", 0) == 0) files.push_back(e.path());
-  }
+  // The step-cost files (the few-row kernel's rows beside them).
+  const std::vector<std::string> files = testing::FilesStartingWith(o.cache_dir, "step-cost-");
   ASSERT_EQ(files.size(), 1u);
-  const std::string file = files[0].string();
+  const std::string file = files[0];
   EXPECT_NE(file.find("step-cost-fmnist-gpt-cpu"), std::string::npos) << file;
   ASSERT_EQ(sources.size(), 1u);
   EXPECT_NE(sources[0].find(": calibrated on "), std::string::npos) << sources[0];
@@ -1694,12 +1689,9 @@ TEST(EngineTest, EachCpuThreadCountKeepsItsOwnStepCostCalibration) {
   EXPECT_NE(sources[2].find("-2threads"), std::string::npos) << sources[2];
   EXPECT_EQ(sources[3].rfind("step cost of fmnist-gpt: read from ", 0), 0u) << sources[3];
   EXPECT_NE(sources[3].find("-1threads"), std::string::npos) << sources[3];
-  std::vector<std::string> files;  // the step-cost files (the few-row kernel's rows beside them)
-  for (const auto& e : fs::directory_iterator(o.cache_dir)) {
-    const std::string name = e.path().filename().string();
-    if (name.rfind("step-cost-", 0) == 0) files.push_back(name);
-  }
-  std::sort(files.begin(), files.end());
+  // The step-cost files' names (the few-row kernel's rows beside them).
+  std::vector<std::string> files = testing::FilesStartingWith(o.cache_dir, "step-cost-");
+  for (std::string& f : files) f = fs::path(f).filename().string();
   ASSERT_EQ(files.size(), 2u);
   EXPECT_EQ(files[0].rfind("step-cost-fmnist-gpt-cpu-Float-1threads", 0), 0u) << files[0];
   EXPECT_EQ(files[1].rfind("step-cost-fmnist-gpt-cpu-Float-2threads", 0), 0u) << files[1];

@@ -349,17 +349,13 @@ TEST(SmallRowsLinearTest, TheEnginesCpuLinearOption) {
   if (!SmallRowsLinear::Supported()) GTEST_SKIP() << "no AVX2 and FMA here";
   o.cpu_linear = "engine";
   o.cache_dir = testing::TempDir("engine_linear_step_cost") + "/cache";
-  auto engine = Engine::Start(o);
-  ASSERT_TRUE(engine.ok()) << engine.status().message();
-  engine->reset();
-  std::vector<fs::path> files;
-  for (const auto& e : fs::directory_iterator(o.cache_dir)) files.push_back(e.path());
-  ASSERT_EQ(files.size(), 1u);
-  EXPECT_NE(files[0].string().find("threads-enginelinear.json"), std::string::npos) << files[0];
-  auto text = ReadFile(files[0].string());
-  ASSERT_TRUE(text.ok());
-  EXPECT_NE(text->find("the engine's kernel on every linear product"), std::string::npos) << *text;
-  EXPECT_EQ(text->find("few-row kernel"), std::string::npos) << *text;
+  const auto [file, text] = testing::StepCostFileAfterAStart(o);
+  ASSERT_FALSE(file.empty());
+  EXPECT_NE(file.find("threads-enginelinear.json"), std::string::npos) << file;
+  EXPECT_NE(text.find("the engine's kernel on every linear product"), std::string::npos) << text;
+  EXPECT_EQ(text.find("few-row kernel"), std::string::npos) << text;
+  EXPECT_TRUE(testing::FilesStartingWith(o.cache_dir, "few-row-kernel-").empty())
+      << "no rows kept for a kernel that is not timed";
 }
 
 // Rows remembered for a shape (SmallRowsLinear::RememberRows, what the engine reads from its
@@ -424,11 +420,10 @@ TEST(SmallRowsLinearTest, TheEngineKeepsTheKernelsRowsBesideItsCalibration) {
   auto engine = Engine::Start(o);
   ASSERT_TRUE(engine.ok()) << engine.status().message();
   engine->reset();
-  std::string path;
-  for (const auto& e : fs::directory_iterator(o.cache_dir)) {
-    if (e.path().filename().string().rfind("few-row-kernel-", 0) == 0) path = e.path().string();
-  }
-  ASSERT_FALSE(path.empty()) << "no few-row-kernel-*.json in " << o.cache_dir;
+  const std::vector<std::string> kept_files =
+      testing::FilesStartingWith(o.cache_dir, "few-row-kernel-");
+  ASSERT_EQ(kept_files.size(), 1u) << o.cache_dir;
+  const std::string path = kept_files[0];
   auto text = ReadFile(path);
   ASSERT_TRUE(text.ok());
   auto kept = ParseSmallRowsChoices(*text, path);

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <mutex>
@@ -67,6 +68,17 @@ inline std::string TempDir(const std::string& name) {
 // control), so that one calibration serves them all. Not removed: it is only a cache.
 inline std::string SharedStepCostCache() {
   return (std::filesystem::temp_directory_path() / "imagegen-test-step-cost").string();
+}
+
+// The files directly in `dir` whose names start with `prefix`: full paths, sorted.
+inline std::vector<std::string> FilesStartingWith(const std::string& dir,
+                                                  const std::string& prefix) {
+  std::vector<std::string> out;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    if (e.path().filename().string().rfind(prefix, 0) == 0) out.push_back(e.path().string());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
 }
 
 }  // namespace imagegen::testing

@@ -12,11 +12,14 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <iterator>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/model/gpt.h"
 #include "engine/model/safetensors.h"
+#include "engine/scheduler/engine.h"
 #include "tests/temp_dir.h"
 #include "tests/build_paths.h"
 
@@ -191,6 +194,26 @@ inline void WriteTinyVq(const std::string& dir, int64_t vocab, int64_t grid) {
 
 inline bool Contains(const std::string& haystack, const std::string& needle) {
   return haystack.find(needle) != std::string::npos;
+}
+
+// Starts an engine with `o` (cache_dir set), stops it, and returns the path and text of the one
+// step-cost file it kept there; a test failure (and empty strings) where there is not exactly
+// one. Other files beside it (the few-row kernel's rows) are not counted.
+inline std::pair<std::string, std::string> StepCostFileAfterAStart(const EngineOptions& o) {
+  auto engine = Engine::Start(o);
+  if (!engine.ok()) {
+    ADD_FAILURE() << engine.status().message();
+    return {};
+  }
+  engine->reset();
+  const std::vector<std::string> files = FilesStartingWith(o.cache_dir, "step-cost-");
+  if (files.size() != 1) {
+    ADD_FAILURE() << files.size() << " step-cost files in " << o.cache_dir;
+    return {};
+  }
+  std::ifstream in(files[0]);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return {files[0], text};
 }
 
 }  // namespace imagegen::testing

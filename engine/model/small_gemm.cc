@@ -457,11 +457,6 @@ at::Tensor SmallRowsLinear::operator()(const at::Tensor& x_in) const {
   const float* wp = packed_.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t panels = packed_.size(0), pairs = (panels + 1) / 2;
-  // Each panel's columns from its own weights and the rows alone: the same bits on any split.
-  // Split across the threads at any size: the weights are read once a forward, and two cores
-  // read them faster. (The 3-4% once measured for 2 to 14 rows predates the engine's OpenMP
-  // build, when the split ran on one thread; with it, a lone fp32 AR step, two rows, takes 0.76x
-  // its time without: docs/results-serving.md, "The engine's kernels on every intra-op thread".)
   // One run of k-blocks for one row tile; for more rows, runs of about kGroupK of k, so that
   // the weights a run reads (32 columns: 128 KB) stay in the core's cache across the row tiles
   // (a weight of large K, as the GPT-L-sized twin's 28,160, is a few MB a pair of panels).
@@ -475,6 +470,11 @@ at::Tensor SmallRowsLinear::operator()(const at::Tensor& x_in) const {
     span += blocks_[b];
   }
   groups.push_back(blocks_.size());
+  // Each panel's columns from its own weights and the rows alone: the same bits on any split.
+  // Split across the threads at any size: the weights are read once a forward, and two cores
+  // read them faster. (The 3-4% once measured for 2 to 14 rows predates the engine's OpenMP
+  // build, when the split ran on one thread; with it, a lone fp32 AR step, two rows, takes 0.76x
+  // its time without: docs/results-serving.md, "The engine's kernels on every intra-op thread".)
   const int64_t grain = 1;
   at::parallel_for(0, pairs, grain, [&](int64_t begin, int64_t end) {
     for (int64_t q = begin; q < end; ++q) {
