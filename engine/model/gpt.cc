@@ -430,7 +430,6 @@ void Gpt::FuseMlpWeights() {
   int64_t linear_bytes = 0;
   for (const Kernels& k : linears) linear_bytes += static_cast<int64_t>(k.w->nbytes());
   linear_bytes_ = linear_bytes;
-  engine_linear_ = false;
   // The eager forward's products (the fused layer of a static forward keeps its GEMMs).
   if (opts_.bf16_matmul && cpu_fp32) {
     for (const Kernels& k : linears) {
@@ -443,20 +442,22 @@ void Gpt::FuseMlpWeights() {
   // The engine's kernel on every row count of the eager forward (the static forward's fused
   // layer keeps its GEMMs): any model size (the user chose the second copy).
   const bool every_row = opts_.engine_linear;
-  if (opts_.small_rows_gemm.value_or(true) && cpu_fp32 && !all_amx &&
-      (every_row || linear_bytes <= kSmallGemmMaxWeightBytes) && SmallRowsLinear::Supported()) {
+  const bool kernel_wanted =
+      opts_.small_rows_gemm.value_or(true) && cpu_fp32 && !all_amx && SmallRowsLinear::Supported();
+  small_rows_over_size_ = kernel_wanted && !every_row && linear_bytes > kSmallGemmMaxWeightBytes;
+  if (kernel_wanted && !small_rows_over_size_) {
     for (const Kernels& k : linears) {
       *k.small = every_row ? SmallRowsLinear::EveryRow(*k.w)
                            : SmallRowsLinear::Prepare(*k.w, opts_.small_rows_gemm_rows);
       ++small_rows_total_;
       if (!k.small->ok()) continue;
-      engine_linear_ = k.small->every_row();
       const int64_t rows = k.small->max_rows();
       small_rows_min_ = small_rows_ok_ == 0 ? rows : std::min(small_rows_min_, rows);
       small_rows_max_ = std::max(small_rows_max_, rows);
       ++small_rows_ok_;
     }
   }
+  engine_linear_ = every_row && small_rows_ok_ > 0;  // EveryRow is ok for all or none
   if (!fused_static_) return;
   const int64_t h = cfg_.ffn_hidden();
   for (Layer& L : layers_) {

@@ -210,6 +210,9 @@ class Gpt {
   // The linear weights' bytes (the products' weights: those SmallRowsLinear and AmxBf16Linear
   // pack).
   int64_t linear_weight_bytes() const { return linear_bytes_; }
+  // The few-row kernel would run here but was not tried: the linear weights are over
+  // kSmallGemmMaxWeightBytes (and engine_linear was not asked for), so few-row products pad.
+  bool small_rows_over_size() const { return small_rows_over_size_; }
   // Linear layers whose products run in bf16 on the AMX tiles (LoadOptions::bf16_matmul), of
   // those it was asked for (0 of 0: not asked).
   int64_t bf16_matmul_linears() const { return amx_ok_; }
@@ -296,6 +299,7 @@ class Gpt {
   bool row_attention_ = false;
   int64_t small_rows_ok_ = 0, small_rows_total_ = 0, small_rows_min_ = 0, small_rows_max_ = 0;
   bool engine_linear_ = false;
+  bool small_rows_over_size_ = false;
   int64_t linear_bytes_ = 0;
   RowNorm row_norm_;        // not ok: the ops (LoadOptions::fused_norm_rope)
   bool rope_rows_ = false;  // the rotary embedding through RopeRows

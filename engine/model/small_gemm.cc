@@ -11,6 +11,7 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <numeric>
 #include <tuple>
 #include <type_traits>
 
@@ -337,9 +338,10 @@ StatusOr<std::vector<SmallRowsChoice>> ParseSmallRowsChoices(const std::string& 
     ASSIGN_OR_RETURN(c.avx512, f.Bool("avx512", false));
     ASSIGN_OR_RETURN(int64_t threads, f.Int("threads"));
     ASSIGN_OR_RETURN(c.rows, f.Int("rows"));
-    int64_t total = 0;
-    for (int64_t b : c.blocks) total += b > 0 ? b : c.k + 1;  // a block <= 0 fails below
-    if (c.n < 1 || c.k < 1 || total != c.k || threads < 1 || threads > 4096 || c.rows < 1) {
+    const bool blocks_ok =
+        std::all_of(c.blocks.begin(), c.blocks.end(), [](int64_t b) { return b > 0; }) &&
+        std::accumulate(c.blocks.begin(), c.blocks.end(), int64_t{0}) == c.k;
+    if (c.n < 1 || c.k < 1 || !blocks_ok || threads < 1 || threads > 4096 || c.rows < 1) {
       return DataLoss(where + ": choices[" + std::to_string(i) +
                       "]: n, k and rows must be >= 1, the blocks positive and summing to k, "
                       "threads in [1, 4096]");

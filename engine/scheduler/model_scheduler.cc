@@ -153,12 +153,7 @@ Status ModelScheduler::LoadOrMeasureCost(const LoadOptions& load) {
               : std::string())
       << (model_.gpt->norm_kernel() ? ", norm kernel" : "")
       << (model_.gpt->rope_kernel() ? ", rope kernel" : "");
-  if (load.device.is_cpu() && load.dtype == at::kFloat && opts_.batch_invariant &&
-      opts_.cuda_graphs <= 0 && model_.gpt->small_rows_tried() == 0 &&
-      model_.gpt->bf16_matmul_linears() == 0 &&
-      model_.gpt->options().small_rows_gemm.value_or(true) &&
-      model_.gpt->linear_weight_bytes() > kSmallGemmMaxWeightBytes &&
-      SmallRowsLinear::Supported()) {
+  if (opts_.batch_invariant && opts_.cuda_graphs <= 0 && model_.gpt->small_rows_over_size()) {
     // The few-row kernel keeps a second copy of the weights, so it is not tried on large
     // models unless asked for: their one-request steps pay for 16 rows.
     Notice(opts_, model_.name + ": " + std::to_string(model_.gpt->linear_weight_bytes() >> 20) +
